@@ -1,0 +1,100 @@
+"""``kvcompose``: check, explain, plugins, schema, vllm-args.
+
+Exit status: 0 on success, 2 for a bad composition or bad usage (the error is printed as
+``FILE:LINE:COL: key: message (hint)``, never as a traceback), 1 for a broken plugin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvcompose.compose import Plan, load
+from kvcompose.errors import CompositionError
+from kvcompose.plugins import PluginError, get_plugins
+
+
+def _plan(path: str) -> Plan:
+    return load(path)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    plan = _plan(args.file)
+    print(f"{args.file}: ok, {len(plan.children)} connectors")
+    for line in plan.explain():
+        print("  " + line)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    plan = _plan(args.file)
+    print("\n".join(plan.explain()))
+    print("\nvLLM child configs, in order:")
+    for c in plan.children:
+        print(f"  {c.name}: {json.dumps(c.vllm_config(), sort_keys=True)}")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    rows = get_plugins().provided()
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=2))
+        return 0
+    width = max((len(f"{r.kind} {r.name}") for r in rows), default=0)
+    for r in sorted(rows, key=lambda r: (r.kind != "type", r.kind, r.name)):
+        print(f"{(r.kind + ' ' + r.name).ljust(width)}  {r.provider:<28}  {r.summary}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from kvcompose.schema import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def cmd_vllm_args(args: argparse.Namespace) -> int:
+    from kvcompose.vllm.args import render
+
+    print(render(_plan(args.file), args.style))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcompose", description="Compose vLLM KV-cache connectors from YAML.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("check", help="validate a composition and say what it will do")
+    s.add_argument("file")
+    s.set_defaults(func=cmd_check)
+    s = sub.add_parser("explain", help="the plan in plain words and each child's vLLM config")
+    s.add_argument("file")
+    s.set_defaults(func=cmd_explain)
+    s = sub.add_parser("plugins", help="every connector type and rule, with the distribution providing it")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_plugins)
+    s = sub.add_parser("schema", help="JSON Schema of the composition file (for editor completion)")
+    s.set_defaults(func=cmd_schema)
+    s = sub.add_parser("vllm-args", help="the --kv-transfer-config value that makes vLLM load the composition")
+    s.add_argument("file")
+    s.add_argument("--style", choices=["json", "shell"], default="json",
+                   help="json: the value alone (default); shell: the whole flag, quoted")
+    s.set_defaults(func=cmd_vllm_args)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CompositionError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except PluginError as exc:
+        print(f"kvcompose: plugin error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

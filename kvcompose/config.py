@@ -1,0 +1,270 @@
+"""The composition file: msgspec Structs, safe YAML in, located errors and JSON Schema out.
+
+Only safe YAML is read (no Python tags). Files over :data:`MAX_BYTES` and documents whose
+aliases expand past :data:`MAX_NODES` nodes are refused before any work scales with them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+from kvcompose.errors import CompositionError, Locator, Path as DocPath, Problem, did_you_mean
+from kvcompose.units import ByteSize
+
+MAX_BYTES = 1 << 20
+MAX_NODES = 20_000
+
+Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+#: A rule by name (``first-wins``) or with parameters (``{use: longest-hit, ...}``).
+RuleChoice = str | dict[str, Any]
+
+
+class Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base for every struct of the file: an unknown key is a typo until proven otherwise."""
+
+
+class ChildSpec(Spec):
+    name: Name
+    type: str
+    role: Literal["producer", "consumer", "both"] = "both"
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class RulesSpec(Spec):
+    load: RuleChoice = "first-wins"
+    store: RuleChoice = "all"
+    metadata: RuleChoice = "merge"
+    params: RuleChoice = "owners"
+    completion: RuleChoice = "owner"
+    faults: RuleChoice = "fail"
+
+
+class Composition(Spec):
+    version: Literal[1]
+    connectors: Annotated[list[ChildSpec], msgspec.Meta(min_length=1, max_length=32)]
+    rules: RulesSpec = msgspec.field(default_factory=RulesSpec)
+
+
+def dec_hook(type_: type, obj: Any) -> Any:
+    if type_ is ByteSize:
+        return ByteSize.parse(obj)
+    raise NotImplementedError(f"no decoder for {type_!r}")
+
+
+def enc_hook(obj: Any) -> Any:
+    if isinstance(obj, ByteSize):
+        return int(obj)
+    raise NotImplementedError(f"cannot encode {obj!r}")
+
+
+def schema_hook(type_: type) -> dict[str, Any]:
+    if type_ is ByteSize:
+        return {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGT]i?B?|[kKmMgGtT]|B)?\s*$"},
+            ],
+            "description": "a size: bytes, or a number with a unit (32GiB, 512MiB, 8GB)",
+        }
+    raise NotImplementedError
+
+
+# ------------------------------------------------------------------ YAML with locations
+
+
+def _walk(node: yaml.Node, path: DocPath, marks: dict[DocPath, tuple[int, int]], budget: list[int],
+          memo: dict[int, int]) -> None:
+    """Record each path's line and column; count expanded nodes to stop alias bombs."""
+    marks.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
+    size = memo.get(id(node))
+    if size is not None:  # an alias re-visits a node: charge its size without walking it again
+        budget[0] -= size
+        if budget[0] < 0:
+            raise _TooBig()
+        return
+    before = budget[0]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _TooBig()
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            k = key.value if isinstance(key, yaml.ScalarNode) else str(key)
+            marks.setdefault(path + (k,), (key.start_mark.line + 1, key.start_mark.column + 1))
+            _walk(value, path + (k,), marks, budget, memo)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _walk(item, path + (i,), marks, budget, memo)
+    memo[id(node)] = before - budget[0]
+
+
+class _TooBig(Exception):
+    pass
+
+
+def parse_yaml(text: str, filename: str = "<composition>") -> tuple[Any, Locator]:
+    """Safe-load one YAML document; return its data and a locator for its paths."""
+    if len(text.encode("utf-8", "replace")) > MAX_BYTES:
+        raise CompositionError([Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines")], filename)
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise CompositionError([Problem("the file is empty", hint="start with `version: 1` and a `connectors:` list")], filename)
+        marks: dict[DocPath, tuple[int, int]] = {}
+        try:
+            _walk(node, (), marks, [MAX_NODES], {})
+        except _TooBig:
+            raise CompositionError([Problem(
+                f"the document expands to more than {MAX_NODES} nodes (an alias bomb?)",
+                hint="write the composition out without nested aliases")], filename) from None
+        data = loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        msg = " ".join(str(x) for x in (exc.context, exc.problem) if x)
+        if "python/" in msg or "could not determine a constructor" in msg:
+            msg += "; only plain YAML is accepted (no tags that build Python objects)"
+        p = Problem(msg, line=mark.line + 1 if mark else None, column=mark.column + 1 if mark else None)
+        raise CompositionError([p], filename) from None
+    except yaml.YAMLError as exc:
+        raise CompositionError([Problem(f"not valid YAML: {exc}")], filename) from None
+    finally:
+        loader.dispose()
+    return data, Locator(marks)
+
+
+_PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_AT = re.compile(r"^(?P<msg>.*?) - at `\$(?P<path>[^`]*)`$", re.S)
+
+
+def msgspec_problem(exc: msgspec.ValidationError, prefix: DocPath = (), fields: Any = None) -> Problem:
+    """Turn msgspec's ``message - at `$.a[0].b``` into a Problem with a path and a hint."""
+    text = str(exc)
+    m = _AT.match(text)
+    msg, path = (m.group("msg"), m.group("path")) if m else (text, "")
+    parts: list[str | int] = [int(i) if i else k for k, i in _PATH_PART.findall(path)]
+    full = prefix + tuple(parts)
+    hint = None
+    unknown = re.match(r"Object contains unknown field `(.+)`", msg)
+    missing = re.match(r"Object missing required field `(.+)`", msg)
+    if unknown:
+        full = full + (unknown.group(1),)
+        msg = f"unknown key {unknown.group(1)!r}"
+        allowed = _fields_at(fields, parts)
+        if allowed:
+            hint = did_you_mean(unknown.group(1), allowed)
+    elif missing:
+        msg = f"missing required key {missing.group(1)!r}"
+    elif msg.startswith("Invalid enum value"):
+        allowed = _literal_at(fields, parts)
+        if allowed:
+            hint = did_you_mean(msg.split("value", 1)[1].strip(" '\""), allowed)
+    return Problem(msg, full, hint)
+
+
+def _struct_at(struct: Any, parts: list[str | int]) -> Any:
+    """The Struct type found by following ``parts`` into ``struct``'s annotations, if any."""
+    import typing
+
+    t = struct
+    for part in parts:
+        t = _unwrap(t)
+        if isinstance(part, int):
+            args = typing.get_args(t)
+            t = args[0] if args else None
+        elif isinstance(t, type) and issubclass(t, msgspec.Struct):
+            t = typing.get_type_hints(t, include_extras=True).get(part)
+        else:
+            return None
+    return _unwrap(t)
+
+
+def _unwrap(t: Any) -> Any:
+    import typing
+
+    while typing.get_origin(t) is Annotated:
+        t = typing.get_args(t)[0]
+    args = [a for a in typing.get_args(t) if a is not type(None)] if typing.get_origin(t) in (typing.Union, __import__("types").UnionType) else None
+    if args and len(args) == 1:
+        return _unwrap(args[0])
+    return t
+
+
+def _fields_at(struct: Any, parts: list[str | int]) -> list[str]:
+    t = _struct_at(struct, parts)
+    if isinstance(t, type) and issubclass(t, msgspec.Struct):
+        return list(t.__struct_fields__)
+    return []
+
+
+def _literal_at(struct: Any, parts: list[str | int]) -> list[str]:
+    import typing
+
+    t = _struct_at(struct, parts)
+    if typing.get_origin(t) is Literal:
+        return [str(a) for a in typing.get_args(t)]
+    return []
+
+
+class Source(msgspec.Struct, frozen=True):
+    """A parsed composition with where it came from (so later errors can carry line numbers)."""
+
+    composition: Composition
+    filename: str
+    locator: Locator
+
+    def error(self, problems: list[Problem]) -> CompositionError:
+        return CompositionError(problems, self.filename).located(self.filename, self.locator)
+
+
+def load_text(text: str, filename: str = "<composition>") -> Source:
+    """Parse and structurally validate a composition (types and options are checked later)."""
+    data, locator = parse_yaml(text, filename)
+    if not isinstance(data, dict):
+        raise CompositionError([Problem("a composition is a mapping with `version:` and `connectors:`",
+                                        line=1, column=1)], filename)
+    try:
+        comp = msgspec.convert(data, type=Composition, dec_hook=dec_hook)
+    except msgspec.ValidationError as exc:
+        problem = msgspec_problem(exc, (), Composition)
+        if problem.path == ("version",) or (problem.message.startswith("missing") and "version" in problem.message):
+            problem = Problem(problem.message, problem.path, "this file format is version 1: add `version: 1`")
+        raise CompositionError([problem], filename).located(filename, locator) from None
+    names = [c.name for c in comp.connectors]
+    dup = [Problem(f"connector name {n!r} is used twice", ("connectors", i, "name"), "names must be unique")
+           for i, n in enumerate(names) if n in names[:i]]
+    if dup:
+        raise CompositionError(dup, filename).located(filename, locator)
+    return Source(comp, filename, locator)
+
+
+def load_file(path: str | Path) -> Source:
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise CompositionError([Problem(f"cannot read the file: {exc.strerror}")], str(p)) from None
+    if len(raw) > MAX_BYTES:
+        raise CompositionError([Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines")], str(p))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CompositionError([Problem(f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})")], str(p)) from None
+    return load_text(text, str(p))
+
+
+def to_builtins(comp: Composition) -> dict[str, Any]:
+    """The composition as plain data (what travels inside vLLM's ``kv_connector_extra_config``)."""
+    return msgspec.to_builtins(comp, enc_hook=enc_hook)
+
+
+def from_builtins(data: Any, filename: str = "<kv_connector_extra_config>") -> Source:
+    try:
+        comp = msgspec.convert(data, type=Composition, dec_hook=dec_hook)
+    except msgspec.ValidationError as exc:
+        raise CompositionError([msgspec_problem(exc, (), Composition)], filename) from None
+    return Source(comp, filename, Locator({}))

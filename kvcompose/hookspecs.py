@@ -1,0 +1,86 @@
+"""Hook specifications: the whole contract between kvcompose and its plugins.
+
+A plugin is a module (or object) with functions named like the hooks below, each marked with
+``@kvcompose.hookimpl``. Third-party plugins are found through the ``kvcompose`` entry-point
+group; kvcompose's own rules and checks are plugins registered the same way.
+
+Every hook here runs when a composition is *built* (``kvcompose check``, ``vllm-args``, or
+engine start-up), never per request: what a hook returns is resolved once into a call plan, and
+the engine's per-step calls go straight to the resolved objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+from kvcompose import NAME
+
+if TYPE_CHECKING:
+    from kvcompose.catalog import ConnectorType, Rule
+    from kvcompose.compose import Plan
+    from kvcompose.errors import Problem
+
+hookspec = pluggy.HookspecMarker(NAME)
+
+
+# -------------------------------------------------------------------------------------------
+# Registration hooks: what a plugin contributes. Called once per plugin manager.
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def kvcompose_connector_types() -> Iterable[ConnectorType]:
+    """Contribute connector types: the values a composition may give as ``type:``.
+
+    :return: :class:`kvcompose.catalog.ConnectorType` instances. Two plugins offering the same
+        name is an error that names both plugins.
+
+    Example::
+
+        @hookimpl
+        def kvcompose_connector_types():
+            return [MooncakeType()]
+    """
+
+
+@hookspec
+def kvcompose_rules() -> Iterable[Rule]:
+    """Contribute rules: named policies for one kind of engine call (``load``, ``store``,
+    ``metadata``, ``params``, ``completion``, ``faults``).
+
+    :return: :class:`kvcompose.catalog.Rule` objects. A composition selects one rule per kind
+        by name under ``rules:``; the rule's ``build`` runs once per composition.
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# Composition hooks: called once each time a composition is resolved into a plan.
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def kvcompose_check(plan: Plan) -> Iterable[Problem] | None:
+    """Inspect a resolved plan and report what is wrong with it across children.
+
+    Called after every child's type and options and every rule were resolved. Per-child checks
+    belong in :meth:`ConnectorType.check`; this hook is for rules that span children (one
+    host-buffer owner, ``kv_transfer_params`` keys owned twice, ...).
+
+    :param plan: the call plan, read-only.
+    :return: :class:`kvcompose.errors.Problem` objects, each with the document path it is
+        about, so the user sees ``FILE:LINE:COL``. Return nothing when all is well.
+    """
+
+
+@hookspec
+def kvcompose_plan_ready(plan: Plan) -> None:
+    """Observe a plan that passed every check, before any child connector is built.
+
+    Use it for logging, metrics registration or recording (the test kit's ``record`` type
+    does). It must not change the plan.
+
+    :param plan: the call plan, read-only.
+    """

@@ -1,0 +1,188 @@
+"""The plugin manager: built-in plugins and third-party entry points, registered the same way.
+
+Environment:
+
+``KVCOMPOSE_PLUGINS``
+    Comma-separated entry-point names. A plain name selects (when any plain name is given, only
+    the selected third-party plugins load); ``-name`` blocks that plugin. Built-ins always load.
+``KVCOMPOSE_TRACE``
+    Set to ``1`` to log every hook call (pluggy tracing) and every child call the composed
+    connector forwards, at INFO level on the ``kvcompose.trace`` logger.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import pluggy
+
+from kvcompose import NAME, hookspecs
+from kvcompose.catalog import RULE_KINDS, ConnectorType, Rule
+from kvcompose.errors import Problem
+
+if TYPE_CHECKING:
+    from kvcompose.compose import Plan
+
+ENV_SELECT = "KVCOMPOSE_PLUGINS"
+ENV_TRACE = "KVCOMPOSE_TRACE"
+
+#: kvcompose's own behaviour, written as plugins (datasette's DEFAULT_PLUGINS pattern).
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "kvcompose.rules.load",
+    "kvcompose.rules.store",
+    "kvcompose.rules.metadata",
+    "kvcompose.rules.params",
+    "kvcompose.rules.completion",
+    "kvcompose.rules.faults",
+    "kvcompose.rules.checks",
+)
+
+trace_log = logging.getLogger("kvcompose.trace")
+
+
+def tracing_enabled() -> bool:
+    return os.environ.get(ENV_TRACE, "").strip().lower() not in ("", "0", "false", "no")
+
+
+class PluginError(RuntimeError):
+    """A plugin is broken or two plugins claim the same name."""
+
+
+@dataclass(frozen=True)
+class Provided:
+    """Something a plugin contributed, with who contributed it (for ``kvcompose plugins``)."""
+
+    kind: str  # "type" or a rule kind
+    name: str
+    summary: str
+    provider: str  # distribution name and version, or "kvcompose (built-in)"
+
+
+class Plugins:
+    """Typed facade over pluggy (tox's pattern): one method per hook, results validated."""
+
+    def __init__(
+        self, *, entry_points: bool = True, extra: Iterable[object] = (), env: dict[str, str] | None = None
+    ) -> None:
+        env = dict(os.environ) if env is None else env
+        self.pm = pluggy.PluginManager(NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self._providers: dict[int, str] = {}
+        for modname in BUILTIN_PLUGINS:
+            module = importlib.import_module(modname)
+            self.pm.register(module, name=modname)
+            self._providers[id(module)] = "kvcompose (built-in)"
+        if entry_points:
+            self._load_entry_points(env.get(ENV_SELECT, ""))
+        for plugin in extra:
+            self.pm.register(plugin)
+            self._providers[id(plugin)] = getattr(plugin, "__name__", type(plugin).__name__)
+        self.pm.check_pending()
+        if tracing_enabled():
+            self.pm.trace.root.setwriter(lambda msg: trace_log.info("%s", msg.rstrip()))
+            self.pm.enable_tracing()
+
+    def _load_entry_points(self, spec: str) -> None:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+        for name in names:
+            if name.startswith("-"):
+                self.pm.set_blocked(name[1:])
+        selected = [n for n in names if not n.startswith("-")]
+        try:
+            if selected:
+                for name in selected:
+                    if not self.pm.load_setuptools_entrypoints(NAME, name=name):
+                        raise PluginError(
+                            f"{ENV_SELECT} selects plugin {name!r}, but no installed distribution "
+                            f"provides an entry point of that name in the {NAME!r} group"
+                        )
+            else:
+                self.pm.load_setuptools_entrypoints(NAME)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {exc.plugin!r} does not fit kvcompose's hooks: {exc}") from exc
+        for plugin, dist in self.pm.list_plugin_distinfo():
+            self._providers[id(plugin)] = f"{dist.metadata['name']} {dist.version}"
+
+    def register(self, plugin: object, name: str | None = None) -> None:
+        """Register a plugin object at run time (tests do; so can embedding code)."""
+        self.pm.register(plugin, name=name)
+        self._providers[id(plugin)] = name or getattr(plugin, "__name__", type(plugin).__name__)
+        self.__dict__.pop("connector_types", None)
+        self.__dict__.pop("rules", None)
+        self.__dict__.pop("_provided", None)
+
+    def _collect(self, hook_name: str) -> list[tuple[object, object]]:
+        """(item, plugin) pairs from every implementation of a registration hook."""
+        out: list[tuple[object, object]] = []
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            for item in impl.function() or ():
+                out.append((item, impl.plugin))
+        return out
+
+    @cached_property
+    def _provided(self) -> tuple[dict[str, ConnectorType], dict[tuple[str, str], Rule], list[Provided]]:
+        types: dict[str, ConnectorType] = {}
+        rules: dict[tuple[str, str], Rule] = {}
+        rows: list[Provided] = []
+        owner: dict[tuple[str, str], str] = {}
+        for item, plugin in self._collect("kvcompose_connector_types"):
+            provider = self._providers.get(id(plugin), str(plugin))
+            if not isinstance(item, ConnectorType):
+                raise PluginError(f"{provider} returned {item!r} from kvcompose_connector_types; expected a ConnectorType")
+            key = ("type", item.name)
+            if key in owner:
+                raise PluginError(f"connector type {item.name!r} is provided twice: by {owner[key]} and by {provider}")
+            owner[key] = provider
+            types[item.name] = item
+            rows.append(Provided("type", item.name, item.summary, provider))
+        for item, plugin in self._collect("kvcompose_rules"):
+            provider = self._providers.get(id(plugin), str(plugin))
+            if not isinstance(item, Rule):
+                raise PluginError(f"{provider} returned {item!r} from kvcompose_rules; expected a Rule")
+            if item.kind not in RULE_KINDS:
+                raise PluginError(f"{provider} offers rule {item.name!r} of unknown kind {item.kind!r}")
+            key = (item.kind, item.name)
+            if key in owner:
+                raise PluginError(f"{item.kind} rule {item.name!r} is provided twice: by {owner[key]} and by {provider}")
+            owner[key] = provider
+            rules[key] = item
+            rows.append(Provided(item.kind, item.name, item.summary, provider))
+        return types, rules, rows
+
+    @property
+    def connector_types(self) -> dict[str, ConnectorType]:
+        return self._provided[0]
+
+    @property
+    def rules(self) -> dict[tuple[str, str], Rule]:
+        return self._provided[1]
+
+    def provided(self) -> list[Provided]:
+        """Every connector type and rule, with the distribution that provides it."""
+        return list(self._provided[2])
+
+    def check(self, plan: "Plan") -> list[Problem]:
+        problems: list[Problem] = []
+        for result in self.pm.hook.kvcompose_check(plan=plan):
+            problems.extend(result or ())
+        return problems
+
+    def plan_ready(self, plan: "Plan") -> None:
+        self.pm.hook.kvcompose_plan_ready(plan=plan)
+
+
+_default: Plugins | None = None
+
+
+def get_plugins() -> Plugins:
+    """The process-wide plugin manager (entry points loaded once, on first use)."""
+    global _default
+    if _default is None:
+        _default = Plugins()
+    return _default

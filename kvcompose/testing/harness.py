@@ -1,0 +1,276 @@
+"""A real vLLM ``Scheduler`` on CPU, built from a KV-transfer config, with no network and no weights.
+
+The scheduler role of a connector needs neither NIXL nor model weights, so these builders give a
+test the exact code path an engine runs: ``schedule()`` -> connector -> ``update_from_output()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+TINY_MODEL = Path(__file__).parent / "data" / "tiny-llama"
+EOS_TOKEN_ID = 2
+
+_ids = itertools.count()
+_hash_ready = False
+
+
+def make_vllm_config(
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None,
+    *,
+    block_size: int = 16,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 1024,
+    max_model_len: int = 2048,
+    disable_hybrid_kv_cache_manager: bool | None = None,
+    model: str | Path = TINY_MODEL,
+) -> VllmConfig:
+    """A ``VllmConfig`` for the CPU platform around a local model config (no download)."""
+    ktc = (
+        KVTransferConfig(**kv_transfer_config)
+        if isinstance(kv_transfer_config, dict)
+        else kv_transfer_config
+    )
+    model_config = ModelConfig(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+    )
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config.num_gpu_blocks = 0
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def make_kv_cache_config(
+    num_blocks: int = 100,
+    *,
+    block_size: int = 16,
+    num_kv_heads: int = 1,
+    head_size: int = 16,
+    dtype: torch.dtype = torch.float16,
+    sliding_window: int | None = None,
+) -> KVCacheConfig:
+    """A KV cache of real shape: a full-attention group, plus a sliding-window group if asked.
+
+    Each group gets two layers and its own backing tensor, as vLLM's hybrid allocator lays them
+    out (the CPU-offload scheduler derives its pool from ``kv_cache_tensors``).
+    """
+    groups: list[KVCacheGroupSpec] = []
+    full = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
+    )
+    groups.append(KVCacheGroupSpec(["layer0", "layer2"], full))
+    if sliding_window is not None:
+        swa = SlidingWindowSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=dtype,
+            sliding_window=sliding_window,
+        )
+        groups.append(KVCacheGroupSpec(["layer1", "layer3"], swa))
+    page = full.page_size_bytes
+    tensors = [
+        KVCacheTensor(
+            size=page * num_blocks * 2,
+            layers=list(g.layer_names),
+            layer_stride=page * num_blocks,
+            block_stride=page,
+        )
+        for g in groups
+    ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def make_scheduler(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None
+) -> Scheduler:
+    """vLLM's own ``Scheduler`` (scheduler role connector only: no worker, no NIXL agent)."""
+    if kv_cache_config is None:
+        kv_cache_config = make_kv_cache_config(block_size=vllm_config.cache_config.block_size)
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        log_stats=True,
+    )
+
+
+def make_request(
+    num_tokens: int = 64,
+    *,
+    block_size: int = 16,
+    request_id: str | None = None,
+    prompt: Sequence[int] | None = None,
+    max_tokens: int = 16,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> Request:
+    """A token-id request with prefix hashing, as the engine front end builds it."""
+    global _hash_ready
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    request_id = request_id or f"req-{next(_ids)}"
+    tokens = list(prompt) if prompt is not None else [3 + (i * 7) % 500 for i in range(num_tokens)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=False)
+    # The front end reads EOS from the tokenizer; there is none here (skip_tokenizer_init).
+    params._eos_token_id = EOS_TOKEN_ID
+    if kv_transfer_params is not None:
+        params.extra_args = {"kv_transfer_params": kv_transfer_params}
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=tokens,
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+def prefill_request(num_tokens: int = 64, **kw: Any) -> Request:
+    """A request sent to the prefill instance by a P/D proxy (``do_remote_decode``, 1 token)."""
+    return make_request(
+        num_tokens,
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+        **kw,
+    )
+
+
+def decode_request(
+    num_tokens: int = 64,
+    *,
+    block_size: int = 16,
+    remote_block_ids: list[int] | None = None,
+    remote_engine_id: str = "prefill-engine",
+    remote_host: str = "127.0.0.1",
+    remote_port: int = 5600,
+    **kw: Any,
+) -> Request:
+    """A request sent to the decode instance with the params a prefill instance returned."""
+    if remote_block_ids is None:
+        remote_block_ids = list(range(-(-num_tokens // block_size)))
+    rid = kw.pop("request_id", None) or f"req-{next(_ids)}"
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": remote_engine_id,
+        "remote_request_id": f"prefill-{rid}",
+        "remote_block_ids": remote_block_ids,
+        "remote_host": remote_host,
+        "remote_port": remote_port,
+        "tp_size": 1,
+    }
+    return make_request(
+        num_tokens, block_size=block_size, request_id=rid, kv_transfer_params=params, **kw
+    )
+
+
+def model_runner_output(
+    requests: Iterable[Request],
+    *,
+    token_id: int = 100,
+    eos: bool = False,
+    finished_sending: set[str] | None = None,
+    finished_recving: set[str] | None = None,
+    failed_recving: set[str] | None = None,
+    invalid_block_ids: set[int] | None = None,
+    worker_meta: Any = None,
+    kv_cache_events: Any = None,
+    stats: Any = None,
+) -> ModelRunnerOutput:
+    """What a worker returns for one step: one sampled token per running request, plus KV results."""
+    reqs = list(requests)
+    sampled = [[EOS_TOKEN_ID if eos else token_id] for _ in reqs]
+    kv_out = None
+    if any(
+        x is not None
+        for x in (finished_sending, finished_recving, failed_recving, invalid_block_ids,
+                  worker_meta, kv_cache_events, stats)
+    ):
+        kv_out = KVConnectorOutput(
+            finished_sending=finished_sending,
+            finished_recving=finished_recving,
+            failed_recving=failed_recving or set(),
+            invalid_block_ids=invalid_block_ids or set(),
+            kv_connector_worker_meta=worker_meta,
+            kv_cache_events=kv_cache_events,
+            kv_connector_stats=stats,
+        )
+    return ModelRunnerOutput(
+        req_ids=[r.request_id for r in reqs],
+        req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv_out,
+    )
+
+
+def step(
+    scheduler: Scheduler, *, eos: bool = False, **kv: Any
+) -> tuple[Any, Any]:
+    """One engine step: ``schedule()``, then the worker's output for what was scheduled."""
+    out = scheduler.schedule()
+    running = [scheduler.requests[r] for r in out.num_scheduled_tokens]
+    eco = scheduler.update_from_output(out, model_runner_output(running, eos=eos, **kv))
+    return out, eco
+
+
+def assert_scheduler_empty(scheduler: Scheduler) -> None:
+    """No request, no held block, no connector state left: what a finished test must leave."""
+    assert not scheduler.requests, f"requests left: {list(scheduler.requests)}"
+    assert not scheduler.waiting and not scheduler.running
+    assert not scheduler.finished_recving_kv_req_ids
+    pool = scheduler.kv_cache_manager.block_pool
+    # Every block but the null block is free again (cached blocks count as free).
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, (
+        f"leaked blocks: {pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}"
+    )
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        assert not manager.req_to_blocks, f"blocks still owned: {list(manager.req_to_blocks)}"

@@ -1,0 +1,1 @@
+"""The thin adapter vLLM loads: the composed connector, its metadata types, registration, args."""

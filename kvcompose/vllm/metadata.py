@@ -1,0 +1,141 @@
+"""What the composed connector sends between vLLM's processes: every payload is keyed by child name."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+@dataclass
+class ComposedMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    children: dict[str, KVConnectorMetadata]
+    #: Loads the scheduler assigned since the last step: request id -> child index.
+    load_owners: dict[str, int] = field(default_factory=dict)
+    #: Delayed frees announced since the last step: request id -> children that must report.
+    saves_owed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class ComposedWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step; aggregated across workers child by child."""
+
+    children: dict[str, KVConnectorWorkerMetadata | None]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, ComposedWorkerMetadata):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into composed worker metadata")
+        merged: dict[str, KVConnectorWorkerMetadata | None] = dict(self.children)
+        for name, meta in other.children.items():
+            mine = merged.get(name)
+            merged[name] = meta if mine is None else (mine if meta is None else mine.aggregate(meta))
+        return ComposedWorkerMetadata(merged)
+
+
+@dataclass
+class ComposedHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """One worker's handshake payloads, one per child that has one."""
+
+    children: dict[str, KVConnectorHandshakeMetadata]
+
+
+def _qualname(obj: type) -> str:
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def _resolve(qualname: str) -> type:
+    module, _, name = qualname.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass
+class ComposedStats(KVConnectorStats):
+    """Stats per child, keyed by the child's name (two children of one class stay apart).
+
+    Each entry remembers its stats class, so the front end can rebuild it from a plain dict
+    even for connectors that are not in vLLM's registry.
+    """
+
+    #: child name -> "module:Class" of the child connector (for Prometheus dispatch)
+    connector_classes: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            name: {"class": _qualname(type(s)), "connector": self.connector_classes.get(name, ""), "data": s.to_dict()}
+            for name, s in self.data.items()
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ComposedStats":
+        out: dict[str, KVConnectorStats] = {}
+        classes: dict[str, str] = {}
+        for name, entry in data.items():
+            if isinstance(entry, KVConnectorStats):
+                out[name] = entry
+            else:
+                out[name] = _resolve(entry["class"])(data=entry["data"])
+                classes[name] = entry.get("connector", "")
+        return cls(data=out, connector_classes=classes)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if isinstance(other, ComposedStats):
+            self.connector_classes.update(other.connector_classes)
+        for name, stats in other.data.items():
+            mine = self.data.get(name)
+            self.data[name] = stats if mine is None else mine.aggregate(stats)
+        return self
+
+    def reset(self) -> None:
+        for stats in self.data.values():
+            stats.reset()
+
+    def reduce(self) -> dict[str, Any]:
+        return {f"{name}.{k}": v for name, s in self.data.items() for k, v in s.reduce().items()}
+
+    def is_empty(self) -> bool:
+        return all(s.is_empty() for s in self.data.values())
+
+
+class ComposedKVEvents(KVConnectorKVEvents):
+    """Worker-side KV events of every child, kept per child (MultiConnector drops them)."""
+
+    def __init__(self, children: dict[str, KVConnectorKVEvents]) -> None:
+        self.children = children
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        raise TypeError("add events to a child's container, not to the composed one")
+
+    def aggregate(self) -> "ComposedKVEvents":
+        return ComposedKVEvents({n: e.aggregate() for n, e in self.children.items()})
+
+    def increment_workers(self, count: int = 1) -> None:
+        for e in self.children.values():
+            e.increment_workers(count)
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return [ev for e in self.children.values() for ev in e.get_all_events()]
+
+    def get_number_of_workers(self) -> int:
+        return max((e.get_number_of_workers() for e in self.children.values()), default=0)
+
+    def clear_events(self) -> None:
+        for e in self.children.values():
+            e.clear_events()
+
+    def merge(self, other: KVConnectorKVEvents) -> "ComposedKVEvents":
+        if not isinstance(other, ComposedKVEvents):
+            raise TypeError(f"cannot merge {type(other).__name__} into composed KV events")
+        for name, events in other.children.items():
+            mine = self.children.get(name)
+            self.children[name] = events if mine is None else mine.merge(events)
+        return self

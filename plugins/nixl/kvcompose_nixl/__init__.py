@@ -1,0 +1,25 @@
+"""kvcompose connector type ``nixl``: vLLM's NixlConnector as a child of a composition.
+
+Two modules, kept apart on purpose:
+
+- :mod:`kvcompose_nixl.plugin` describes the type to kvcompose (options, vLLM config,
+  checks). It never imports vLLM, so ``kvcompose check`` runs where vLLM is not installed.
+- :mod:`kvcompose_nixl.connector` holds the connector classes vLLM loads
+  (``kv_connector_module_path = "kvcompose_nixl.connector"``): vLLM's own NIXL connectors plus
+  the side-channel options and a fix for an upstream scheduler assert.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+#: The module vLLM imports the connector classes from.
+CONNECTOR_MODULE = "kvcompose_nixl.connector"
+
+#: ``kv_connector_extra_config`` keys read by :mod:`kvcompose_nixl.connector` (vLLM itself only
+#: reads the side channel from ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``). Prefixed so they can
+#: never collide with a key a later vLLM adds.
+SIDE_CHANNEL_HOST_KEY = "kvcompose_side_channel_host"
+SIDE_CHANNEL_PORT_KEY = "kvcompose_side_channel_port"
+
+__all__ = ["CONNECTOR_MODULE", "SIDE_CHANNEL_HOST_KEY", "SIDE_CHANNEL_PORT_KEY", "__version__"]

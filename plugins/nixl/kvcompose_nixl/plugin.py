@@ -1,0 +1,328 @@
+"""The kvcompose plugin for connector type ``nixl`` (vLLM's P/D transfer over NIXL).
+
+Registered through the ``kvcompose`` entry-point group (``nixl = "kvcompose_nixl.plugin"``).
+Nothing here imports vLLM or NIXL: describing and checking a composition must work on a machine
+that has neither. The facts about vLLM below are from vLLM 0.32's ``kv_connector/v1/nixl/``:
+
+- ``kv_connector_extra_config`` keys and defaults: ``backends`` ["UCX"] and ``num_threads`` 4
+  (``base_worker.py``), ``kv_lease_duration`` 30, ``kv_recompute_threshold`` 64,
+  ``bidirectional_kv_xfer`` False, ``decoder_kv_blocks_ttl`` 480 (``base_scheduler.py``),
+  ``engine_ttl`` 3600 and ``enforce_handshake_compat`` True (``base_worker.py``),
+  ``push_registration_timeout`` = ``decoder_kv_blocks_ttl`` (``push_scheduler.py``).
+- The side channel comes only from ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT`` (default
+  localhost:5600, port + data-parallel index); :mod:`kvcompose_nixl.connector` adds the
+  ``side_channel_*`` options on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+import msgspec
+
+from kvcompose import hookimpl
+from kvcompose.catalog import ConnectorType, Options
+from kvcompose.errors import Problem
+from kvcompose_nixl import CONNECTOR_MODULE, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
+from kvcompose_nixl.backends import NETWORK_BACKENDS, backend_names
+
+if TYPE_CHECKING:
+    from kvcompose.compose import Child, Plan
+
+#: A NIXL backend plugin name. Built from the names NIXL's source builds plus the plugins on
+#: this machine, so an unknown name fails validation with the list of good ones.
+BackendName = Literal[backend_names()]  # type: ignore[valid-type]
+
+#: vLLM's defaults for what the options leave unset (quoted in descriptions and checks).
+DEFAULT_BACKENDS: tuple[str, ...] = ("UCX",)
+DEFAULT_LEASE_SECONDS = 30
+DEFAULT_SIDE_CHANNEL_HOST = "localhost"
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+
+#: The vLLM class per mode. The names must stay vLLM's: vLLM looks for the literal
+#: "NixlConnector" with ``KVTransferConfig.has_connector`` (config/vllm.py, platforms/cpu.py).
+CONNECTOR_CLASS: dict[str, str] = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+
+#: Option name -> ``kv_connector_extra_config`` key it is rendered as.
+EXTRA_CONFIG_KEYS: dict[str, str] = {
+    "backends": "backends",
+    "lease_seconds": "kv_lease_duration",
+    "recompute_threshold": "kv_recompute_threshold",
+    "num_threads": "num_threads",
+    "enforce_handshake_compat": "enforce_handshake_compat",
+    "bidirectional": "bidirectional_kv_xfer",
+    "decoder_blocks_ttl": "decoder_kv_blocks_ttl",
+    "engine_ttl": "engine_ttl",
+    "push_registration_timeout": "push_registration_timeout",
+    "side_channel_host": SIDE_CHANNEL_HOST_KEY,
+    "side_channel_port": SIDE_CHANNEL_PORT_KEY,
+}
+
+#: Option name -> top-level ``KVTransferConfig`` field it is rendered as.
+TOP_LEVEL_KEYS: dict[str, str] = {"buffer_device": "kv_buffer_device", "engine_id": "engine_id"}
+
+#: ``kv_transfer_params`` keys NixlConnector reads or returns, in pull and push mode.
+PARAM_KEYS: frozenset[str] = frozenset(
+    {
+        # What a prefill instance returns from request_finished (pull_scheduler.py,
+        # push_scheduler.py) and a decode instance reads back.
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "dcp_size",
+        "pp_size",
+        "remote_num_tokens",
+        "remote_blocks_expiry_time",  # pull only (lease deadline for bidirectional readback)
+        "transfer_mode",  # "pull" | "push": lets a router tell the two apart
+        # Read by the worker when a router supplies it (metadata.py, ReqMeta.remote_block_size).
+        "remote_block_size",
+        # Markers NixlConnector writes into the request's own params so that a request is
+        # transferred once and a prefill prompt is truncated once (pull_scheduler.py,
+        # base_scheduler.py).
+        "_remote_blocks_processed",
+        "_p_side_truncated",
+    }
+)
+
+_Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class NixlOptions(Options):
+    """``options:`` of a ``nixl`` child. Unset options keep vLLM's defaults."""
+
+    backends: Annotated[
+        list[BackendName],  # type: ignore[valid-type]
+        msgspec.Meta(min_length=1, description="NIXL backend plugins, in preference order"),
+    ] = msgspec.field(default_factory=lambda: list(DEFAULT_BACKENDS))
+    buffer_device: Annotated[
+        Literal["cuda", "cpu", "xpu", "tpu"] | None,
+        msgspec.Meta(description="KV transfer buffer (kv_buffer_device); unset: the platform's device"),
+    ] = None
+    mode: Annotated[
+        Literal["pull", "push"],
+        msgspec.Meta(description="pull: decode READs (NixlConnector); push: prefill WRITEs (NixlPushConnector)"),
+    ] = "pull"
+    side_channel_host: Annotated[
+        str | None,
+        msgspec.Meta(min_length=1, description="handshake listener host; unset: $VLLM_NIXL_SIDE_CHANNEL_HOST"),
+    ] = None
+    side_channel_port: Annotated[
+        Annotated[int, msgspec.Meta(ge=1, le=65535)] | None,
+        msgspec.Meta(description="handshake listener base port (+ data-parallel index); unset: $VLLM_NIXL_SIDE_CHANNEL_PORT"),
+    ] = None
+    lease_seconds: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(description="how long a prefill instance holds unread blocks (kv_lease_duration, 30)"),
+    ] = None
+    recompute_threshold: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        msgspec.Meta(description="fewer remote tokens than this are recomputed (kv_recompute_threshold, 64)"),
+    ] = None
+    num_threads: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(description="NIXL UCX worker threads (num_threads, 4; UCX-only backends)"),
+    ] = None
+    enforce_handshake_compat: Annotated[
+        bool | None,
+        msgspec.Meta(description="refuse peers with a different model/config hash (True)"),
+    ] = None
+    bidirectional: Annotated[
+        bool | None,
+        msgspec.Meta(description="let the prefill instance read KV back from decode (bidirectional_kv_xfer, False)"),
+    ] = None
+    decoder_blocks_ttl: Annotated[
+        _Seconds | None,
+        msgspec.Meta(description="seconds decode keeps blocks for a bidirectional readback (decoder_kv_blocks_ttl, 480)"),
+    ] = None
+    engine_ttl: Annotated[
+        Annotated[float, msgspec.Meta(ge=0)] | None,
+        msgspec.Meta(description="seconds before an idle remote engine is forgotten; 0 never (engine_ttl, 3600)"),
+    ] = None
+    push_registration_timeout: Annotated[
+        _Seconds | None,
+        msgspec.Meta(description="push mode: seconds decode waits for the prefill WRITE (default decoder_blocks_ttl)"),
+    ] = None
+    engine_id: Annotated[
+        str | None,
+        msgspec.Meta(min_length=1, description="this child's NIXL engine id; unset: the engine's"),
+    ] = None
+
+
+def _transport(o: NixlOptions) -> str:
+    return "over NIXL (" + ", ".join(o.backends) + ")"
+
+
+def _into(o: NixlOptions) -> str:
+    """Where received KV lands, in words (vLLM: base_worker.py use_host_buffer / memory type)."""
+    if o.buffer_device is None:
+        return "straight into its KV cache (GPUDirect into VRAM on GPUs, DRAM on the CPU platform)"
+    if o.buffer_device in ("cuda", "xpu"):
+        return "GPUDirect into VRAM"
+    if o.buffer_device == "cpu":
+        return ("into a host buffer, then host-to-device copies on a cuda/xpu/tpu platform "
+                "(on the CPU platform the KV cache is that host memory)")
+    return "into a tpu buffer (only with a platform plugin that supports one)"
+
+
+def _out_of(o: NixlOptions) -> str:
+    """Where served KV is read from, in words."""
+    if o.buffer_device == "cpu":
+        return (", staged by device-to-host copies into a host buffer on a cuda/xpu/tpu platform "
+                "(none on the CPU platform)")
+    if o.buffer_device in ("cuda", "xpu"):
+        return ", read GPUDirect from VRAM"
+    return ""
+
+
+def _side_channel(o: NixlOptions) -> str:
+    host = o.side_channel_host or f"$VLLM_NIXL_SIDE_CHANNEL_HOST ({DEFAULT_SIDE_CHANNEL_HOST})"
+    port = o.side_channel_port or f"$VLLM_NIXL_SIDE_CHANNEL_PORT ({DEFAULT_SIDE_CHANNEL_PORT})"
+    return f"handshake side channel on {host}:{port} + data-parallel index"
+
+
+class NixlType(ConnectorType):
+    """vLLM's NixlConnector (pull) or NixlPushConnector (push) as a composition child."""
+
+    name: ClassVar[str] = "nixl"
+    summary: ClassVar[str] = "P/D disaggregation: KV moves between engines over NIXL (vLLM's NixlConnector)"
+    options: ClassVar[type[Options]] = NixlOptions
+    # The NIXL worker publishes agent metadata that the scheduler serves on its side channel.
+    owns_handshake: ClassVar[bool] = True
+    # vLLM hands the host<->device copy op to the NIXL worker (set_host_xfer_buffer_ops).
+    owns_host_buffer_ops: ClassVar[bool] = True
+    param_keys: ClassVar[frozenset[str]] = PARAM_KEYS
+
+    def vllm_config(self, child: Child) -> dict[str, Any]:
+        """The child's ``KVTransferConfig`` kwargs; extra config holds only what the user set."""
+        o = _options(child)
+        cfg: dict[str, Any] = {
+            "kv_connector": CONNECTOR_CLASS[o.mode],
+            "kv_connector_module_path": CONNECTOR_MODULE,
+        }
+        for opt, key in TOP_LEVEL_KEYS.items():
+            value = getattr(o, opt)
+            if value is not None:
+                cfg[key] = value
+        extra: dict[str, Any] = {}
+        for opt, key in EXTRA_CONFIG_KEYS.items():
+            value = getattr(o, opt)
+            if value is None:
+                continue
+            if opt == "backends":
+                if tuple(value) == DEFAULT_BACKENDS:
+                    continue  # vLLM's own default: keep the rendered arguments minimal
+                value = list(value)
+            extra[key] = value
+        cfg["kv_connector_extra_config"] = extra
+        return cfg
+
+    def describe(self, child: Child) -> str:
+        """What the child does for its role, in one or two plain sentences."""
+        o = _options(child)
+        lease = o.lease_seconds or DEFAULT_LEASE_SECONDS
+        if o.mode == "pull":
+            consume = (f"pulls prompt KV from the prefill instance {_transport(o)}, {_into(o)}; "
+                       "a request that arrives with no remote blocks is computed locally")
+            produce = (f"serves its prompt KV to decode instances {_transport(o)}{_out_of(o)}; "
+                       "returns the P/D kv_transfer_params; holds blocks until read or the "
+                       f"{lease} s lease expires")
+        else:
+            consume = ("registers its blocks with the prefill instance, which writes the prompt KV "
+                       f"into them {_transport(o)}, {_into(o)}")
+            produce = (f"writes its prompt KV into the decode instances' registered blocks {_transport(o)}"
+                       f"{_out_of(o)}; returns the P/D kv_transfer_params; holds blocks until written "
+                       f"or the {lease} s lease expires")
+        if child.role == "consumer":
+            text = consume
+        elif child.role == "producer":
+            text = produce
+        else:
+            text = f"{produce}; and {consume} (vLLM deprecates kv_both for NIXL)"
+        if o.bidirectional:
+            text += "; the prefill instance may read KV back from decode (bidirectional)"
+        return f"{text}. {_side_channel(o)[0].upper()}{_side_channel(o)[1:]}."
+
+    def check(self, child: Child, plan: Plan) -> Iterator[Problem]:
+        """What vLLM would refuse, or silently ignore, in this child's options."""
+        o = _options(child)
+        at = ("connectors", child.index, "options")
+        if o.mode == "push" and o.bidirectional:
+            yield Problem(
+                "push mode does not support bidirectional KV transfer "
+                "(vLLM's NixlPushConnectorScheduler raises NotImplementedError)",
+                at + ("bidirectional",), "drop `bidirectional` or use `mode: pull`")
+        if o.mode == "pull" and o.push_registration_timeout is not None:
+            yield Problem("push_registration_timeout only applies to `mode: push`",
+                          at + ("push_registration_timeout",), "remove it, or set `mode: push`")
+        seen: set[str] = set()
+        for i, b in enumerate(o.backends):
+            if b in seen:
+                yield Problem(f"backend {b!r} is listed twice", at + ("backends", i))
+            seen.add(b)
+        if not seen & NETWORK_BACKENDS:
+            yield Problem(
+                "no backend here moves data between engines: " + ", ".join(o.backends)
+                + " are storage plugins",
+                at + ("backends",), "add a network backend, e.g. UCX: backends: [UCX, ...]")
+        if o.num_threads is not None and any(b != "UCX" for b in o.backends):
+            # base_worker.py builds nixl_agent_config(num_threads=...) only for UCX-only agents.
+            yield Problem("num_threads only takes effect when backends is [UCX]; vLLM ignores it here",
+                          at + ("num_threads",), "remove num_threads, or use backends: [UCX]")
+        yield from self._port_clash(child, plan, at)
+
+    def _port_clash(self, child: Child, plan: Plan, at: tuple[str | int, ...]) -> Iterator[Problem]:
+        """Two NIXL children of one engine cannot listen on the same side channel.
+
+        An unset host or port is the same environment variable for every child of the engine,
+        so two children that both leave the port unset collide too.
+        """
+        o = _options(child)
+        mine = (o.side_channel_host, o.side_channel_port)
+        for other in plan.children:
+            if other.index >= child.index or not isinstance(other.options, NixlOptions):
+                continue  # report a clash once, on the later child
+            theirs = (other.options.side_channel_host, other.options.side_channel_port)
+            if _same_listener(mine, theirs):
+                port = o.side_channel_port or f"$VLLM_NIXL_SIDE_CHANNEL_PORT ({DEFAULT_SIDE_CHANNEL_PORT})"
+                yield Problem(
+                    f"side channel port {port} is already used by {other.name}",
+                    at + ("side_channel_port",), "give each nixl child its own side_channel_port")
+                return
+
+    def kv_layout(self, child: Child) -> str | None:
+        """None: NIXL's layout depends on the model, which a composition does not know.
+
+        vLLM's ``NixlConnector.get_required_kvcache_layout`` returns ``"LBHNC"`` for every model
+        except MLA ones, where it returns None ("the layout should not matter"). Claiming
+        ``LBHNC`` here would report a false conflict for an MLA model composed with a connector
+        that needs another layout (HiSparse needs ``BLHNC``); the composed connector must ask
+        the vLLM class with the real ``VllmConfig`` at engine start instead.
+        """
+        return None
+
+
+def _same_listener(a: tuple[str | None, int | None], b: tuple[str | None, int | None]) -> bool:
+    """Whether two (host, port) side-channel settings bind the same socket in one engine."""
+    (host_a, port_a), (host_b, port_b) = a, b
+    if port_a != port_b:  # both None: both the same environment variable
+        return False
+    # Different explicit hosts can share a port (different interfaces); an unset host is the
+    # environment's, which may be either, so treat it as the same.
+    return host_a is None or host_b is None or host_a == host_b
+
+
+def _options(child: Child) -> NixlOptions:
+    assert isinstance(child.options, NixlOptions), f"{child.name}: not a nixl child"
+    return child.options
+
+
+@hookimpl
+def kvcompose_connector_types() -> list[ConnectorType]:
+    """Contribute the ``nixl`` connector type."""
+    return [NixlType()]
