@@ -105,7 +105,7 @@ def _rule_choice(kind: str, value: Any) -> tuple[str, dict[str, Any]]:
     rest = dict(value)
     name = rest.pop("use", None)
     if not isinstance(name, str):
-        raise CompositionError([Problem("a rule with parameters needs `use: <rule name>`", ("rules", kind),
+        raise CompositionError([Problem("a rule with parameters needs `use: <rule name>`", (),
                                         f"for example `{kind}: {{use: <name>, ...}}`")])
     return name, rest
 

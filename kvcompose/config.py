@@ -18,6 +18,8 @@ from kvcompose.units import ByteSize
 
 MAX_BYTES = 1 << 20
 MAX_NODES = 20_000
+#: Path suffix under which a mapping key's own position is recorded.
+KEY = "\0key"
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 #: A rule by name (``first-wins``) or with parameters (``{use: longest-hit, ...}``).
@@ -85,16 +87,18 @@ def _walk(node: yaml.Node, path: DocPath, marks: dict[DocPath, tuple[int, int]],
     if size is not None:  # an alias re-visits a node: charge its size without walking it again
         budget[0] -= size
         if budget[0] < 0:
-            raise _TooBig()
+            raise _TooBig(node.start_mark)
         return
     before = budget[0]
     budget[0] -= 1
     if budget[0] < 0:
-        raise _TooBig()
+        raise _TooBig(node.start_mark)
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             k = key.value if isinstance(key, yaml.ScalarNode) else str(key)
-            marks.setdefault(path + (k,), (key.start_mark.line + 1, key.start_mark.column + 1))
+            # Keys are recorded under a ("key",) suffix: "unknown key" points at the key itself,
+            # every other problem at the value.
+            marks.setdefault(path + (k, KEY), (key.start_mark.line + 1, key.start_mark.column + 1))
             _walk(value, path + (k,), marks, budget, memo)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
@@ -103,13 +107,15 @@ def _walk(node: yaml.Node, path: DocPath, marks: dict[DocPath, tuple[int, int]],
 
 
 class _TooBig(Exception):
-    pass
+    def __init__(self, mark: yaml.Mark) -> None:
+        self.mark = mark
 
 
 def parse_yaml(text: str, filename: str = "<composition>") -> tuple[Any, Locator]:
     """Safe-load one YAML document; return its data and a locator for its paths."""
     if len(text.encode("utf-8", "replace")) > MAX_BYTES:
-        raise CompositionError([Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines")], filename)
+        raise CompositionError([Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines",
+                                        line=1, column=1)], filename)
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -118,10 +124,11 @@ def parse_yaml(text: str, filename: str = "<composition>") -> tuple[Any, Locator
         marks: dict[DocPath, tuple[int, int]] = {}
         try:
             _walk(node, (), marks, [MAX_NODES], {})
-        except _TooBig:
+        except _TooBig as big:
             raise CompositionError([Problem(
                 f"the document expands to more than {MAX_NODES} nodes (an alias bomb?)",
-                hint="write the composition out without nested aliases")], filename) from None
+                hint="write the composition out without nested aliases",
+                line=big.mark.line + 1, column=big.mark.column + 1)], filename) from None
         data = loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -152,7 +159,7 @@ def msgspec_problem(exc: msgspec.ValidationError, prefix: DocPath = (), fields: 
     unknown = re.match(r"Object contains unknown field `(.+)`", msg)
     missing = re.match(r"Object missing required field `(.+)`", msg)
     if unknown:
-        full = full + (unknown.group(1),)
+        full = full + (unknown.group(1), KEY)
         msg = f"unknown key {unknown.group(1)!r}"
         allowed = _fields_at(fields, parts)
         if allowed:

@@ -13,6 +13,8 @@ def render_path(path: Path) -> str:
     """``("connectors", 1, "type")`` -> ``connectors[1].type`` (the key a user would search for)."""
     out = ""
     for part in path:
+        if part == "\0key":
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         else:

@@ -299,7 +299,7 @@ class PortableDiskBackend(DiskBackend):
         for chunk in self._chunks(device_blocks, disk_slots):
             for slot, (blk, _) in enumerate(chunk):
                 for region, buf in zip(self._regions, store_bufs):
-                    buf[slot].copy_(region[blk].view(torch.int8).reshape(-1))
+                    buf[slot].copy_(region[blk])
             for slot, (_, disk_slot) in enumerate(chunk):
                 self._writev_slot(slot, disk_slot * self._total_block_bytes)
 
@@ -311,7 +311,7 @@ class PortableDiskBackend(DiskBackend):
                 self._readv_slot(slot, disk_slot * self._total_block_bytes)
             for slot, (_, blk) in enumerate(chunk):
                 for region, buf in zip(self._regions, load_bufs):
-                    region[blk].view(torch.int8).reshape(-1).copy_(buf[slot])
+                    region[blk].copy_(buf[slot])
 
 
 # --------------------------------------------------------------------------- the worker

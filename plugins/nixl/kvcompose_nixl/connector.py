@@ -1,0 +1,178 @@
+"""The connector classes vLLM loads for a ``nixl`` child.
+
+vLLM imports ``kv_connector_module_path`` and takes ``getattr(module, kv_connector)``
+(``KVConnectorFactory.get_connector_class``), so the classes here carry vLLM's names:
+``NixlConnector`` (pull) and ``NixlPushConnector`` (push). vLLM checks the literal name
+"NixlConnector" with ``KVTransferConfig.has_connector`` in several places, so a different name
+would silently turn those checks off.
+
+Both subclass vLLM's connectors and change two things only:
+
+1. **Side channel from the config.** vLLM reads the handshake listener's host and port only from
+   ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (``base_scheduler.py``), one
+   value per process. The ``kvcompose_side_channel_host`` / ``_port`` extra-config keys override
+   them per connector, with vLLM's data-parallel offset (port + ``data_parallel_index``).
+2. **A remote prefill with no remote blocks is computed locally** (pull mode). In vLLM 0.32, a
+   decode request with ``do_remote_prefill`` and empty ``remote_block_ids`` is reported as a full
+   async hit by ``get_num_new_matched_tokens``, and then ``update_state_after_alloc`` hits
+   ``assert num_external_tokens == 0`` (``nixl/pull_scheduler.py:186``), which kills the engine
+   core. It happens whenever the prefill instance holds nothing for the request, e.g. a prompt
+   shorter than one block that a router forwards without blocks. Here such a request is treated
+   as "nothing to pull": no external tokens, no read, no heartbeat, no notification, and the
+   scheduler computes the prompt like any local request. A request whose ``remote_block_ids``
+   has blocks (a lone partial block included) is untouched: vLLM pulls every prompt token except
+   the last, partial block included.
+
+Everything else (GPUDirect, host buffers, memory registration, leases) is vLLM's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlPullConnector as _VllmNixlPullConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlPushConnector as _VllmNixlPushConnector,
+)
+
+from kvcompose_nixl import SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+        NixlBaseConnectorScheduler,
+    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvcompose.nixl")
+
+
+def apply_side_channel(scheduler: NixlBaseConnectorScheduler, vllm_config: VllmConfig) -> None:
+    """Point the scheduler's handshake listener at the configured host and port.
+
+    Must run before the listener thread starts, which vLLM does later, in
+    ``set_xfer_handshake_metadata``; the push scheduler also reads these attributes when it
+    stages a registration for the prefill instance, and ``request_finished`` returns them to
+    the router as ``remote_host`` / ``remote_port``.
+    """
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    host = ktc.get_from_extra_config(SIDE_CHANNEL_HOST_KEY, None)
+    port = ktc.get_from_extra_config(SIDE_CHANNEL_PORT_KEY, None)
+    if host is not None:
+        scheduler.side_channel_host = str(host)
+    if port is not None:
+        # Same meaning as VLLM_NIXL_SIDE_CHANNEL_PORT: a base port, one listener per DP rank.
+        scheduler.side_channel_port = int(port) + vllm_config.parallel_config.data_parallel_index
+
+
+def has_remote_blocks(remote_block_ids: Any) -> bool:
+    """Whether a prefill instance's ``remote_block_ids`` names at least one block.
+
+    The prefill instance returns one list per KV-cache group (``([3, 4],)``, JSON: ``[[3, 4]]``);
+    routers and vLLM's own tests also send a flat list (``[3, 4]``). ``None``, ``[]`` and a list
+    of empty groups (``[[]]``, what a prefill instance returns when it holds no block:
+    ``pull_scheduler.py`` only delays the free when a group is non-empty) all mean none.
+    """
+    if not remote_block_ids:
+        return False
+    return any(
+        len(group) > 0 if isinstance(group, Sequence) and not isinstance(group, str) else True
+        for group in remote_block_ids
+    )
+
+
+def _nothing_to_pull(request: Request) -> bool:
+    """A decode-side request that asks for a remote prefill the prefill instance cannot serve."""
+    params = request.kv_transfer_params
+    return bool(
+        params
+        and params.get("do_remote_prefill")
+        and not has_remote_blocks(params.get("remote_block_ids"))
+    )
+
+
+class _SideChannelMixin:
+    """Applies the side-channel options once vLLM has built the scheduler half."""
+
+    connector_scheduler: NixlBaseConnectorScheduler | None
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+        if self.connector_scheduler is not None:
+            apply_side_channel(self.connector_scheduler, vllm_config)
+
+
+class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
+    """vLLM's pull-mode NixlConnector, plus side-channel options and local compute when a
+    remote prefill comes with no remote blocks (see the module docstring)."""
+
+    def on_new_request(self, request: Request) -> None:
+        """vLLM starts lease heartbeats to the prefill instance for every remote prefill; there
+        is no lease to renew when the prefill instance holds no block."""
+        super().on_new_request(request)
+        if _nothing_to_pull(request):
+            assert self.connector_scheduler is not None
+            self.connector_scheduler._stop_heartbeat(request.request_id)
+            log.debug("%s: remote prefill without remote blocks; computing it locally",
+                      request.request_id)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """No external tokens when there is nothing to pull.
+
+        vLLM would answer ``(prompt tokens, True)``. With ``0`` the scheduler allocates and
+        schedules the prompt normally, and vLLM's ``update_state_after_alloc`` takes its
+        "no remote blocks" branch, where ``num_external_tokens == 0`` holds: it queues no read
+        and marks the params processed (``do_remote_prefill=False``) as after any transfer.
+        """
+        if _nothing_to_pull(request):
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """See :meth:`request_finished_all_groups`."""
+        self._forget_unserved_prefill(request)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A request aborted before it was scheduled still has ``do_remote_prefill`` set, and
+        vLLM then queues an empty read so the worker notifies the prefill instance to free its
+        blocks, which means a handshake with it. With no remote blocks there is nothing to
+        free: clear the flag first so vLLM finishes the request like a local one."""
+        self._forget_unserved_prefill(request)
+        return super().request_finished_all_groups(request, block_ids)
+
+    @staticmethod
+    def _forget_unserved_prefill(request: Request) -> None:
+        if _nothing_to_pull(request):
+            assert request.kv_transfer_params is not None
+            request.kv_transfer_params["do_remote_prefill"] = False
+
+
+class NixlPushConnector(_SideChannelMixin, _VllmNixlPushConnector):
+    """vLLM's push-mode NixlPushConnector, plus side-channel options.
+
+    Push mode needs no empty-blocks fix: the decode instance never reads ``remote_block_ids``
+    (the prefill instance learns the decode blocks from the registration and WRITEs them).
+    """
+
+
+#: vLLM registers the pull connector under both names; accept ``NixlPullConnector`` too.
+NixlPullConnector = NixlConnector
+
+__all__ = ["NixlConnector", "NixlPullConnector", "NixlPushConnector", "apply_side_channel",
+           "has_remote_blocks"]
