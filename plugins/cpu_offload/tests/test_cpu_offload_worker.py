@@ -1,0 +1,284 @@
+"""The portable worker moves real engine-layout KV blocks on CPU and reports like vLLM's worker."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.simple_kv_offload.metadata import (
+    SimpleCPUOffloadMetadata,
+    SimpleCPUOffloadWorkerMetadata,
+)
+from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+
+from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
+from kvcompose_cpu_offload.portable_worker import (
+    CompletedEvent,
+    PortableDiskBackend,
+    PortableSimpleCPUOffloadWorker,
+    ThreadEvent,
+    contiguous_runs,
+    copy_blocks,
+)
+
+from cpu_offload_kv import EngineKV, fill_random, make_engine_kv
+
+CONNECTOR = {
+    "kv_connector": "SimpleCPUOffloadConnector",
+    "kv_connector_module_path": "kvcompose_cpu_offload.connector",
+    "kv_role": "kv_both",
+}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int8)
+
+
+def _snapshot(kv: EngineKV) -> dict[str, torch.Tensor]:
+    return {name: view.clone() for name, view in kv.kv_caches.items()}
+
+
+def _store(worker: SimpleCPUOffloadWorker, event: int, gpu: list[int], cpu: list[int]) -> None:
+    worker.bind_connector_metadata(
+        SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=gpu, store_cpu_blocks=cpu)
+    )
+    worker.start_load_kv()
+    worker.wait_for_save()
+
+
+def _load(
+    worker: SimpleCPUOffloadWorker, event: int, cpu: list[int], gpu: list[int], reqs: list[str]
+) -> None:
+    worker.bind_connector_metadata(
+        SimpleCPUOffloadMetadata(
+            load_event=event,
+            load_gpu_blocks=gpu,
+            load_cpu_blocks=cpu,
+            load_event_to_reqs={event: reqs},
+        )
+    )
+    worker.start_load_kv()
+    worker.wait_for_save()
+
+
+def _assert_moved(kv: EngineKV, before: dict[str, torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """Every layer's ``dst`` blocks now hold the ``src`` bytes; every other block is untouched."""
+    for name, view in kv.kv_caches.items():
+        for s, d in zip(src, dst):
+            assert torch.equal(_bytes(view[d]), _bytes(before[name][s])), (name, s, d)
+        for b in range(view.shape[0]):
+            if b not in dst:
+                assert torch.equal(_bytes(view[b]), _bytes(before[name][b])), (name, b)
+
+
+# --------------------------------------------------------------------------- copy primitives
+
+
+def test_contiguous_runs() -> None:
+    assert contiguous_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    assert contiguous_runs([], []) == []
+    with pytest.raises(ValueError):
+        contiguous_runs([1], [])
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids"),
+    [([2, 3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7]), ([9, 1, 7, 3], [0, 5, 2, 6])],
+    ids=["runs", "scattered"],
+)
+def test_copy_blocks(src_ids: list[int], dst_ids: list[int]) -> None:
+    src = torch.randint(-128, 128, (10, 96), dtype=torch.int8)
+    dst = torch.zeros(8, 96, dtype=torch.int8)
+    copy_blocks(src, dst, src_ids, dst_ids)
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(dst[d], src[s])
+    untouched = [b for b in range(8) if b not in dst_ids]
+    assert not dst[untouched].any()
+
+
+# --------------------------------------------------------------------------- host-memory tier
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+@pytest.mark.parametrize(("num_layers", "block_size"), [(1, 16), (2, 32), (4, 16)])
+def test_store_then_load_into_other_blocks(layout: str, num_layers: int, block_size: int) -> None:
+    kv = make_engine_kv(num_layers=num_layers, block_size=block_size, num_blocks=24, layout=layout)
+    fill_random(kv, seed=num_layers * 100 + block_size)
+    before = _snapshot(kv)
+    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
+    worker.register_kv_caches(kv.kv_caches)
+    assert worker.num_cpu_blocks >= 8
+
+    src, host = [3, 4, 5, 11, 17], [0, 1, 2, 6, 7]
+    _store(worker, 0, src, host)
+    # Stores are reported as vLLM's worker reports them: no finished ids, one count per event.
+    assert worker.get_finished(set()) == (None, None)
+    meta = worker.build_connector_worker_meta()
+    assert isinstance(meta, SimpleCPUOffloadWorkerMetadata)
+    assert meta.completed_store_events == {0: 1}
+    assert worker.build_connector_worker_meta() is None
+    worker.clear_connector_metadata()
+
+    dst = [20, 21, 22, 8, 1]
+    _load(worker, 0, host, dst, ["req-a", "req-b"])
+    # Loads are reported by request id in finished_recving.
+    assert worker.get_finished(set()) == (None, {"req-a", "req-b"})
+    assert worker.build_connector_worker_meta() is None
+    worker.clear_connector_metadata()
+    _assert_moved(kv, before, src, dst)
+
+
+def test_overlaid_groups_are_copied_once() -> None:
+    """A full-attention and a sliding-window group share bytes; vLLM's derivation dedups them."""
+    kv = make_engine_kv(num_layers=2, block_size=16, num_blocks=16, sliding_window=32)
+    fill_random(kv, seed=7)
+    before = _snapshot(kv)
+    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
+    worker.register_kv_caches(kv.kv_caches)
+    assert worker.gpu_kv_caches is not None and len(worker.gpu_kv_caches) == 2
+    _store(worker, 0, [1, 2, 3], [4, 5, 6])
+    worker.get_finished(set())
+    _load(worker, 0, [4, 5, 6], [10, 11, 12], ["r"])
+    assert worker.get_finished(set()) == (None, {"r"})
+    _assert_moved(kv, before, [1, 2, 3], [10, 11, 12])
+
+
+def test_events_complete_in_order_across_steps() -> None:
+    """Several store and load events over steps; high-water marks advance as in vLLM."""
+    kv = make_engine_kv(num_blocks=16)
+    fill_random(kv, seed=3)
+    before = _snapshot(kv)
+    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
+    worker.register_kv_caches(kv.kv_caches)
+    for event in range(3):
+        _store(worker, event, [event + 1], [event])
+        assert worker.get_finished(set()) == (None, None)
+        assert worker.build_connector_worker_meta().completed_store_events == {event: 1}
+    _load(worker, 0, [0, 1, 2], [13, 14, 15], ["x"])
+    assert worker.get_finished(set()) == (None, {"x"})
+    _assert_moved(kv, before, [1, 2, 3], [13, 14, 15])
+    # A preemption flush with nothing in flight is a no-op, as in vLLM.
+    worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+
+
+def test_vllm_worker_fails_here_and_the_connector_swaps_it() -> None:
+    """Why this package exists: vLLM's own worker cannot register caches on the CPU platform."""
+    kv = make_engine_kv(num_blocks=8, kv_transfer_config=CONNECTOR)
+    with pytest.raises(AttributeError, match="priority_range|Stream"):
+        SimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20).register_kv_caches(
+            kv.kv_caches
+        )
+    connector = SimpleCPUOffloadConnector(
+        kv.vllm_config, KVConnectorRole.WORKER, kv.kv_cache_config
+    )
+    assert isinstance(connector.worker_handler, PortableSimpleCPUOffloadWorker)
+    connector.register_kv_caches(kv.kv_caches)
+    # vLLM's torch.cuda.Stream is restored after registration.
+    assert not hasattr(torch.cuda.Stream, "device") or torch.cuda.Stream.__name__ != "_HostStream"
+    connector.shutdown()
+
+
+def test_num_cpu_blocks_sizes_both_sides_alike() -> None:
+    """num_cpu_blocks (ignored by vLLM 0.32) gives the scheduler N blocks and the worker >= N."""
+    extra = {"num_cpu_blocks": 37}
+    kv = make_engine_kv(
+        num_blocks=10, kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra}
+    )
+    sched = SimpleCPUOffloadConnector(kv.vllm_config, KVConnectorRole.SCHEDULER, kv.kv_cache_config)
+    worker = SimpleCPUOffloadConnector(kv.vllm_config, KVConnectorRole.WORKER, kv.kv_cache_config)
+    worker.register_kv_caches(kv.kv_caches)
+    assert sched.scheduler_manager is not None and sched.scheduler_manager.num_cpu_blocks == 37
+    assert isinstance(worker.worker_handler, PortableSimpleCPUOffloadWorker)
+    assert worker.worker_handler.num_cpu_blocks == 37
+    # The caller's config is not modified.
+    assert kv.vllm_config.kv_transfer_config.kv_connector_extra_config == extra
+
+
+# --------------------------------------------------------------------------- disk tier
+
+
+def _disk_worker(kv: EngineKV, path: str, **kw: object) -> PortableSimpleCPUOffloadWorker:
+    worker = PortableSimpleCPUOffloadWorker(
+        kv.vllm_config,
+        kv.kv_cache_config,
+        0,
+        kv_offload_backend="disk",
+        disk_path=path,
+        disk_capacity_bytes=1 << 22,
+        **kw,  # type: ignore[arg-type]
+    )
+    worker.register_kv_caches(kv.kv_caches)
+    return worker
+
+
+def _flush(worker: SimpleCPUOffloadWorker) -> None:
+    # vLLM's preemption path: synchronise every event in flight.
+    worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+
+
+@pytest.mark.parametrize(
+    ("use_page_cache", "buffer_slots", "head_size", "block_size"),
+    [(False, 2, 32, 32), (True, 3, 16, 16), (True, 1, 32, 16)],
+    ids=["o_direct", "page_cache", "one_slot"],
+)
+def test_disk_round_trip(
+    tmp_path: os.PathLike[str], use_page_cache: bool, buffer_slots: int, head_size: int, block_size: int
+) -> None:
+    kv = make_engine_kv(num_layers=2, block_size=block_size, head_size=head_size, num_blocks=16)
+    fill_random(kv, seed=11)
+    before = _snapshot(kv)
+    path = os.path.join(tmp_path, "sub", "kv.bin")
+    worker = _disk_worker(kv, path, use_page_cache=use_page_cache, disk_buffer_slots=buffer_slots)
+    rank_file = path + ".rank_0"
+    assert stat.S_IMODE(os.stat(rank_file).st_mode) == 0o600
+
+    src, slots = [1, 2, 3, 9, 12], [7, 8, 9, 0, 3]
+    _store(worker, 0, src, slots)
+    _flush(worker)
+    assert worker.get_finished(set()) == (None, None)
+    assert worker.build_connector_worker_meta().completed_store_events == {0: 1}
+    worker.clear_connector_metadata()
+
+    dst = [13, 14, 15, 4, 5]
+    _load(worker, 0, slots, dst, ["d"])
+    _flush(worker)
+    assert worker.get_finished(set()) == (None, {"d"})
+    _assert_moved(kv, before, src, dst)
+
+    worker.shutdown()
+    assert not os.path.exists(rank_file)
+
+
+def test_disk_o_direct_rejects_unaligned_blocks(tmp_path: os.PathLike[str]) -> None:
+    kv = make_engine_kv(num_layers=2, block_size=16, head_size=16, num_blocks=8)
+    with pytest.raises(ValueError, match="use_page_cache"):
+        _disk_worker(kv, os.path.join(tmp_path, "kv.bin"))
+
+
+def test_disk_io_error_surfaces_on_the_engine_thread(tmp_path: os.PathLike[str]) -> None:
+    kv = make_engine_kv(num_layers=1, block_size=16, head_size=16, num_blocks=8)
+    worker = _disk_worker(kv, os.path.join(tmp_path, "kv.bin"), use_page_cache=True)
+    backend = worker._backend
+    assert isinstance(backend, PortableDiskBackend)
+    os.close(backend._fd)  # the next pwritev fails with EBADF
+    _store(worker, 0, [1], [0])
+    with pytest.raises(RuntimeError, match="disk store failed"):
+        _flush(worker)
+    backend._fd = -1  # already closed above
+    backend.shutdown()
+
+
+def test_events() -> None:
+    assert CompletedEvent().query() is True
+    ev = ThreadEvent("load")
+    assert ev.query() is False
+    ev.set_done()
+    assert ev.query() is True
+    ev.synchronize()
+    bad = ThreadEvent("store")
+    bad.set_done(OSError("disk full"))
+    with pytest.raises(RuntimeError, match="store failed: disk full"):
+        bad.query()

@@ -1,0 +1,221 @@
+"""The composed connector in vLLM's real scheduler, with scripted children: MultiConnector's defects."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvcompose.rules.metadata import MetadataMismatch
+from kvcompose.testing.harness import make_request, step
+from kvcompose.vllm.metadata import ComposedHandshakeMetadata, ComposedMetadata, ComposedStats, ComposedWorkerMetadata
+from tests.compose_util import composed_scheduler, composed_worker
+
+TWO = """
+version: 1
+connectors:
+  - {{name: a, type: record, options: {{matched_tokens: {a}, is_async: true}}}}
+  - {{name: b, type: record, options: {{matched_tokens: {b}, is_async: true}}}}
+"""
+
+
+def test_none_below_the_winner_does_not_block() -> None:
+    sched, conn = composed_scheduler(TWO.format(a=32, b="null"))
+    req = make_request(64)
+    assert conn.get_num_new_matched_tokens(req, 0) == (32, True)
+    # b is not even asked: probing has side effects (CPU offload pins blocks when asked).
+    assert conn.child("b").called("get_num_new_matched_tokens") == []
+
+
+def test_none_above_the_winner_waits() -> None:
+    sched, conn = composed_scheduler(TWO.format(a="null", b=32))
+    assert conn.get_num_new_matched_tokens(make_request(64), 0) == (None, False)
+
+
+def test_zero_is_an_answer() -> None:
+    sched, conn = composed_scheduler(TWO.format(a=0, b=16))
+    req = make_request(64)
+    assert conn.get_num_new_matched_tokens(req, 0) == (16, True)
+    assert conn._load_owner[req.request_id][0] == 1
+    conn.child("b").matched_tokens = 0
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.request_id not in conn._load_owner  # a re-lookup with no hit clears the old winner
+
+
+def test_winner_gets_external_tokens_others_zero_and_metadata_is_named() -> None:
+    sched, conn = composed_scheduler(TWO.format(a=0, b=32))
+    req = make_request(64)
+    sched.add_request(req)
+    out, _ = step(sched)
+    assert conn.child("a").called("update_state_after_alloc") == [(req.request_id, 0)]
+    assert conn.child("b").called("update_state_after_alloc") == [(req.request_id, 32)]
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, ComposedMetadata)
+    assert list(meta.children) == ["a", "b"]
+    assert meta.load_owners == {req.request_id: 1}
+    pickle.loads(pickle.dumps(meta))
+
+
+def test_finished_recving_only_from_the_owner_and_only_once() -> None:
+    sched, conn = composed_scheduler(TWO.format(a=0, b=32))
+    worker = composed_worker(TWO.format(a=0, b=32))
+    req = make_request(64)
+    sched.add_request(req)
+    out, _ = step(sched)
+    worker.bind_connector_metadata(out.kv_connector_metadata)
+    # The non-owner reports the request first: withheld (forwarding it would let vLLM run the
+    # request before the owner's blocks arrived).
+    worker.child("a").results = KVConnectorTransferResults(finished_recving={req.request_id})
+    assert worker.get_transfer_results(set()).finished_recving == set()
+    worker.child("b").results = KVConnectorTransferResults(finished_recving={req.request_id})
+    first = worker.get_transfer_results(set())
+    assert first.finished_recving == {req.request_id}
+    worker.child("b").results = KVConnectorTransferResults(finished_recving={req.request_id})
+    assert worker.get_transfer_results(set()).finished_recving == set()  # a duplicate
+    # Scheduler side: a duplicate that slipped through (another worker, a late report) is dropped
+    # instead of tripping vLLM's `assert req_id in self.requests`.
+    step(sched, finished_recving={req.request_id})
+    step(sched, finished_recving={req.request_id})
+    assert conn.dropped_completions == 1
+
+
+def test_failed_recving_only_from_the_owner() -> None:
+    worker = composed_worker(TWO.format(a=0, b=32))
+    worker._tracker.expect_load("r1", 1)
+    worker.child("a").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
+    assert worker.get_transfer_results(set()).failed_recving == set()
+    worker.child("b").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
+    res = worker.get_transfer_results(set())
+    assert res.failed_recving == {"r1"} and res.finished_recving == {"r1"}
+
+
+def test_delayed_free_waits_for_every_saving_child() -> None:
+    text = """
+version: 1
+connectors:
+  - {name: a, type: record, options: {delay_free: true}}
+  - {name: b, type: record, options: {delay_free: true}}
+"""
+    sched, conn = composed_scheduler(text)
+    worker = composed_worker(text)
+    req = make_request(32, max_tokens=1)
+    sched.add_request(req)
+    step(sched)  # prefill + 1 token: finished, both children hold the blocks
+    out = sched.schedule()
+    assert out.kv_connector_metadata.saves_owed == {req.request_id: (0, 1)}
+    worker.bind_connector_metadata(out.kv_connector_metadata)
+    worker.child("a").results = KVConnectorTransferResults(finished_sending={req.request_id})
+    assert worker.get_transfer_results(set()).finished_sending == set()
+    worker.child("b").results = KVConnectorTransferResults(finished_sending={req.request_id})
+    assert worker.get_transfer_results(set()).finished_sending == {req.request_id}
+
+
+def test_metadata_name_mismatch_is_an_error() -> None:
+    worker = composed_worker(TWO.format(a=0, b=0))
+    with pytest.raises(MetadataMismatch, match="missing: \\['b'\\]"):
+        worker.bind_connector_metadata(ComposedMetadata({"a": None}))
+    with pytest.raises(MetadataMismatch, match="unexpected: \\['c'\\]"):
+        worker.bind_connector_metadata(ComposedMetadata({"a": None, "b": None, "c": None}))
+
+
+def test_handshake_metadata_is_kept_per_child() -> None:
+    text = """
+version: 1
+connectors:
+  - {name: a, type: record-pd}
+  - {name: b, type: record}
+"""
+    sched, conn = composed_scheduler(text)
+    got: dict[str, object] = {}
+    conn.child("a").set_xfer_handshake_metadata_pp_aware = lambda m: got.__setitem__("a", m)  # type: ignore[method-assign]
+    conn.child("b").set_xfer_handshake_metadata_pp_aware = lambda m: got.__setitem__("b", m)  # type: ignore[method-assign]
+    payload = ComposedHandshakeMetadata({"a": "A-meta"})  # type: ignore[dict-item]
+    conn.set_xfer_handshake_metadata_pp_aware({(0, 0): payload})
+    assert got == {"a": {(0, 0): "A-meta"}}  # b gets nothing that is not its own
+
+
+def test_child_may_carry_its_own_engine_id() -> None:
+    from kvcompose.vllm.connector import child_configs
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id="top",
+                           kv_connector_extra_config={"connectors": [
+                               {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": "mine"},
+                               {"kv_connector": "NixlConnector", "kv_role": "kv_both"}]})
+    assert [c.engine_id for c in child_configs(ktc)] == ["mine", "top"]
+
+
+def test_stats_per_child_name_and_rebuilt_from_plain_data() -> None:
+    worker = composed_worker(TWO.format(a=0, b=0))
+    worker.child("a").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 1})  # type: ignore[method-assign]
+    worker.child("b").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 2})  # type: ignore[method-assign]
+    stats = worker.get_kv_connector_stats()
+    assert isinstance(stats, ComposedStats) and set(stats.data) == {"a", "b"}  # same class, kept apart
+    rebuilt = type(worker).build_kv_connector_stats(stats.to_dict())
+    assert rebuilt.data["b"].data == {"n": 2}
+
+
+def test_worker_meta_aggregates_per_child() -> None:
+    class M:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def aggregate(self, other: "M") -> "M":
+            return M(self.n + other.n)
+
+    x = ComposedWorkerMetadata({"a": M(1), "b": None})  # type: ignore[dict-item]
+    y = ComposedWorkerMetadata({"a": M(2), "b": M(5)})  # type: ignore[dict-item]
+    z = x.aggregate(y)
+    assert z.children["a"].n == 3 and z.children["b"].n == 5  # type: ignore[union-attr]
+
+
+def test_host_buffer_ops_only_to_the_owner() -> None:
+    worker = composed_worker("""
+version: 1
+connectors:
+  - {name: host, type: record}
+  - {name: pd, type: record-pd}
+""")
+    op = object()
+    worker.set_host_xfer_buffer_ops(op)  # type: ignore[arg-type]
+    assert worker.child("pd").called("set_host_xfer_buffer_ops") == [(op,)]
+    assert worker.child("host").called("set_host_xfer_buffer_ops") == []
+
+
+def test_store_only_routes_save_hooks() -> None:
+    worker = composed_worker("""
+version: 1
+connectors:
+  - {name: pd, type: record}
+  - {name: host, type: record}
+rules:
+  store: {use: only, children: [host]}
+""")
+    worker.save_kv_layer("layer0", None, None)  # type: ignore[arg-type]
+    worker.wait_for_save()
+    assert worker.child("pd").called("save_kv_layer") == []
+    assert worker.child("host").called("save_kv_layer") == [("layer0",)]
+
+
+def test_best_effort_child_is_disabled_and_its_load_fails_over_to_recompute() -> None:
+    worker = composed_worker("""
+version: 1
+connectors:
+  - {name: pd, type: record}
+  - {name: host, type: record}
+rules:
+  faults: {use: isolate, children: [host]}
+""")
+    worker._tracker.expect_load("r1", 1)
+
+    def boom(*a: object) -> None:
+        raise RuntimeError("disk gone")
+
+    worker.child("host").wait_for_save = boom  # type: ignore[method-assign]
+    worker._rebind()
+    worker.wait_for_save()  # contained, logged
+    assert 1 in worker._disabled
+    res = worker.get_transfer_results(set())
+    assert res.failed_recving == {"r1"} and res.finished_recving == {"r1"}
