@@ -221,13 +221,16 @@ def _flush(worker: SimpleCPUOffloadWorker) -> None:
 
 @pytest.mark.parametrize(
     ("use_page_cache", "buffer_slots", "head_size", "block_size"),
-    [(False, 2, 32, 32), (True, 3, 16, 16), (True, 1, 32, 16)],
+    # 16 KiB blocks suit O_DIRECT; 512-byte ones need the page cache.
+    [(False, 2, 32, 32), (True, 3, 8, 16), (True, 1, 32, 16)],
     ids=["o_direct", "page_cache", "one_slot"],
 )
 def test_disk_round_trip(
     tmp_path: os.PathLike[str], use_page_cache: bool, buffer_slots: int, head_size: int, block_size: int
 ) -> None:
-    kv = make_engine_kv(num_layers=2, block_size=block_size, head_size=head_size, num_blocks=16)
+    kv = make_engine_kv(
+        num_layers=2, block_size=block_size, num_kv_heads=1, head_size=head_size, num_blocks=16
+    )
     fill_random(kv, seed=11)
     before = _snapshot(kv)
     path = os.path.join(tmp_path, "sub", "kv.bin")
@@ -253,7 +256,7 @@ def test_disk_round_trip(
 
 
 def test_disk_o_direct_rejects_unaligned_blocks(tmp_path: os.PathLike[str]) -> None:
-    kv = make_engine_kv(num_layers=2, block_size=16, head_size=16, num_blocks=8)
+    kv = make_engine_kv(num_layers=2, block_size=16, num_kv_heads=1, head_size=8, num_blocks=8)
     with pytest.raises(ValueError, match="use_page_cache"):
         _disk_worker(kv, os.path.join(tmp_path, "kv.bin"))
 

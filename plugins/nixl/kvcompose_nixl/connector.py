@@ -13,15 +13,16 @@ Both subclass vLLM's connectors and change two things only:
    value per process. The ``kvcompose_side_channel_host`` / ``_port`` extra-config keys override
    them per connector, with vLLM's data-parallel offset (port + ``data_parallel_index``).
 2. **A remote prefill with no remote blocks is computed locally** (pull mode). In vLLM 0.32, a
-   decode request with ``do_remote_prefill`` and empty ``remote_block_ids`` is reported as a full
-   async hit by ``get_num_new_matched_tokens``, and then ``update_state_after_alloc`` hits
+   decode request with ``do_remote_prefill`` and empty (or missing) ``remote_block_ids``, e.g. a
+   prompt shorter than one block that a router forwards with no blocks, is reported as a full
+   async hit by ``get_num_new_matched_tokens``; ``update_state_after_alloc`` then fails
    ``assert num_external_tokens == 0`` (``nixl/pull_scheduler.py:186``), which kills the engine
-   core. It happens whenever the prefill instance holds nothing for the request, e.g. a prompt
-   shorter than one block that a router forwards without blocks. Here such a request is treated
-   as "nothing to pull": no external tokens, no read, no heartbeat, no notification, and the
-   scheduler computes the prompt like any local request. A request whose ``remote_block_ids``
-   has blocks (a lone partial block included) is untouched: vLLM pulls every prompt token except
-   the last, partial block included.
+   core. (``[[]]``, one empty list per KV-cache group, which is what a prefill instance returns
+   when it holds no block, does not assert but parks the request on a read of nothing.) Here
+   such a request is "nothing to pull": no external tokens, no read, no heartbeat, no
+   notification to the prefill instance, and the scheduler computes the prompt like a local
+   one. A request whose ``remote_block_ids`` has blocks (a lone partial block included) is
+   untouched: vLLM pulls every prompt token except the last, partial block included.
 
 Everything else (GPUDirect, host buffers, memory registration, leases) is vLLM's.
 """
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
         NixlBaseConnectorScheduler,
     )
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -134,10 +136,25 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
         schedules the prompt normally, and vLLM's ``update_state_after_alloc`` takes its
         "no remote blocks" branch, where ``num_external_tokens == 0`` holds: it queues no read
         and marks the params processed (``do_remote_prefill=False``) as after any transfer.
+        ``do_remote_prefill`` must stay set until then: with ``bidirectional_kv_xfer`` vLLM
+        tracks a remote-prefill request there for the prefill instance's later readback.
         """
         if _nothing_to_pull(request):
             return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """vLLM tells "no remote blocks" by truthiness: ``[[]]`` (one empty group, what a
+        prefill instance holding nothing returns) would make it queue a notification to that
+        instance, a handshake with a peer that has nothing to free. Spell it ``[]`` so vLLM
+        takes its no-blocks branch. Everything else, including the bidirectional bookkeeping
+        of a remote-prefill request, stays vLLM's."""
+        if _nothing_to_pull(request):
+            assert request.kv_transfer_params is not None
+            request.kv_transfer_params["remote_block_ids"] = []
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
