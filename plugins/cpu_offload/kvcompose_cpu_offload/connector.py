@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = init_logger(__name__)
+# A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
+logger = init_logger(f"vllm.{__name__}")
 
 __all__ = ["SimpleCPUOffloadConnector", "has_cuda_copy_engine", "size_from_num_cpu_blocks"]
 

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = init_logger(__name__)
+# A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
+logger = init_logger(f"vllm.{__name__}")
 
 # Below this average run length a per-run slice copy costs more Python calls than it saves in
 # memory traffic, so scattered block lists go through one gather and one scatter instead.

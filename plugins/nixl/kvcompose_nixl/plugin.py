@@ -82,15 +82,17 @@ PARAM_KEYS: frozenset[str] = frozenset(
         "transfer_mode",  # "pull" | "push": lets a router tell the two apart
         # Read by the worker when a router supplies it (metadata.py, ReqMeta.remote_block_size).
         "remote_block_size",
-        # Markers NixlConnector writes into the request's own params so that a request is
-        # transferred once and a prefill prompt is truncated once (pull_scheduler.py,
-        # base_scheduler.py).
-        "_remote_blocks_processed",
-        "_p_side_truncated",
     }
 )
 
+#: Markers NixlConnector writes into a request's own ``kv_transfer_params`` and reads back, so
+#: that a request is transferred once and a prefill prompt is truncated once
+#: (``pull_scheduler.py``, ``base_scheduler.py``). Never returned, not part of the P/D contract
+#: with routers; whoever hands a child a filtered view of the params must keep them.
+INTERNAL_PARAM_KEYS: frozenset[str] = frozenset({"_remote_blocks_processed", "_p_side_truncated"})
+
 _Seconds = Annotated[float, msgspec.Meta(gt=0)]
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class NixlOptions(Options):
@@ -109,8 +111,8 @@ class NixlOptions(Options):
         msgspec.Meta(description="pull: decode READs (NixlConnector); push: prefill WRITEs (NixlPushConnector)"),
     ] = "pull"
     side_channel_host: Annotated[
-        str | None,
-        msgspec.Meta(min_length=1, description="handshake listener host; unset: $VLLM_NIXL_SIDE_CHANNEL_HOST"),
+        _NonEmpty | None,
+        msgspec.Meta(description="handshake listener host; unset: $VLLM_NIXL_SIDE_CHANNEL_HOST"),
     ] = None
     side_channel_port: Annotated[
         Annotated[int, msgspec.Meta(ge=1, le=65535)] | None,
@@ -149,8 +151,8 @@ class NixlOptions(Options):
         msgspec.Meta(description="push mode: seconds decode waits for the prefill WRITE (default decoder_blocks_ttl)"),
     ] = None
     engine_id: Annotated[
-        str | None,
-        msgspec.Meta(min_length=1, description="this child's NIXL engine id; unset: the engine's"),
+        _NonEmpty | None,
+        msgspec.Meta(description="this child's NIXL engine id; unset: the engine's"),
     ] = None
 
 

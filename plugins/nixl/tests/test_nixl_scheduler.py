@@ -1,15 +1,21 @@
-"""kvcompose_nixl.connector under vLLM's real Scheduler (scheduler role, CPU, no NIXL agent)."""
+"""kvcompose_nixl.connector under vLLM's real Scheduler (scheduler role, CPU, no NIXL agent).
+
+The scheduler role of the NIXL connector creates no NIXL agent (only its worker does), so these
+tests need no NIXL hardware, no model weights and no network: the model is a local
+``config.json`` from kvcompose's test kit.
+"""
 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.v1.request import FinishReason, RequestStatus
 
-from conftest import BLOCK_SIZE, OURS, SchedulerFactory
+from kvcompose.testing import harness
 from kvcompose.testing.harness import (
     assert_scheduler_empty,
     decode_request,
@@ -20,7 +26,42 @@ from kvcompose.testing.harness import (
 from kvcompose_nixl.connector import NixlConnector, NixlPushConnector, has_remote_blocks
 from kvcompose_nixl.plugin import PARAM_KEYS
 
+BLOCK_SIZE = 16
 SHORT = BLOCK_SIZE - 6  # a prompt shorter than one block
+
+#: Where kvcompose's connector classes live; leaving it out loads vLLM's own classes.
+OURS = "kvcompose_nixl.connector"
+
+SchedulerFactory = Callable[..., Any]
+
+
+@pytest.fixture
+def make_nixl_scheduler() -> SchedulerFactory:
+    """``make_nixl_scheduler(role, module=OURS, connector="NixlConnector", **extra_config)``."""
+
+    def make(
+        role: str,
+        *,
+        module: str | None = OURS,
+        connector: str = "NixlConnector",
+        data_parallel_index: int = 0,
+        num_blocks: int = 100,
+        **extra: Any,
+    ) -> Any:
+        ktc: dict[str, Any] = {
+            "kv_connector": connector,
+            "kv_role": role,
+            "kv_connector_extra_config": extra,
+        }
+        if module is not None:
+            ktc["kv_connector_module_path"] = module
+        cfg = harness.make_vllm_config(ktc, block_size=BLOCK_SIZE)
+        # What the engine core sets for a data-parallel rank before it builds the scheduler.
+        cfg.parallel_config.data_parallel_index = data_parallel_index
+        kv = harness.make_kv_cache_config(num_blocks, block_size=BLOCK_SIZE)
+        return harness.make_scheduler(cfg, kv)
+
+    return make
 
 
 def assert_connector_idle(scheduler: Any) -> None:
@@ -107,6 +148,29 @@ def test_remote_prefill_without_remote_blocks_is_computed_locally(
     assert output.kv_transfer_params is None
     assert_scheduler_empty(scheduler)
     assert_connector_idle(scheduler)
+
+
+def test_bidirectional_decode_keeps_vllm_bookkeeping(make_nixl_scheduler: SchedulerFactory) -> None:
+    """With ``bidirectional_kv_xfer`` a decode instance keeps a finished request's blocks for
+    the prefill instance's turn-2 readback; that must hold for a locally computed prompt too,
+    so the fix leaves ``do_remote_prefill`` for vLLM to clear (vLLM marks the request "in
+    batch" for the worker, which then releases the blocks when the TTL passes)."""
+    scheduler = make_nixl_scheduler("kv_consumer", bidirectional_kv_xfer=True)
+    request = decode_request(SHORT, block_size=BLOCK_SIZE, remote_block_ids=[])
+    rid = request.request_id
+    scheduler.add_request(request)
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens[rid] == SHORT
+    assert rid in meta_of(out).reqs_in_batch
+    assert rid not in meta_of(out).reqs_to_recv
+
+    eco = finish(scheduler, request)
+    (output,) = eco[0].outputs
+    params = output.kv_transfer_params
+    assert params is not None and params["do_remote_decode"] is True
+    assert params["remote_blocks_expiry_time"] is not None
+    step(scheduler, finished_sending={rid})
+    assert_scheduler_empty(scheduler)
 
 
 def test_upstream_parks_empty_group_request_on_a_read_of_nothing(

@@ -1,0 +1,235 @@
+"""Real-engine check: vLLM on the CPU platform with the cpu-offload connector.
+
+Starts ``vllm.LLM`` with a tiny Llama whose weights are seeded random numbers at realistic
+scales (so the output depends on the KV it attends to; dummy weights would not show whether KV
+moved), serves prompt A, pushes A out of the device prefix cache with other prompts, then
+serves A again. A must get an external prefix-cache hit from the host tier and the same
+tokens and logprobs as the first time.
+
+``--backend disk`` does the same with the disk tier (a file in a temporary directory).
+Run it directly (``python cpu_offload_engine_check.py [--backend disk]``) or through
+``test_cpu_offload_engine.py``. It prints one line ``RESULT {json}`` and exits 0 when every
+check holds, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 32
+PROMPT_LEN = 600
+MAX_TOKENS = 16
+# 64 device blocks (2048 tokens) hold about three 600-token requests: four evictors push A out.
+NUM_GPU_BLOCKS = 64
+NUM_EVICTORS = 4
+HOST_BYTES = 64 << 20
+ATTN_GAIN = 3.0
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` with seeded weights (~1.7 MB)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = TINY_LLAMA
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim = hidden // cfg["num_attention_heads"]
+    kv_dim = cfg["num_key_value_heads"] * head_dim
+    g = torch.Generator().manual_seed(seed)
+
+    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        # 1/sqrt(fan_in) keeps activations O(1) through the layers.
+        return torch.randn(out_f, in_f, generator=g) * (gain / in_f**0.5)
+
+    weights: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": linear(vocab, hidden),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights |= {
+            # Larger q/k make attention peaked rather than a near-uniform average over the
+            # prompt, so what a token attends to (its KV) shows in the output.
+            p + "self_attn.q_proj.weight": linear(hidden, hidden, ATTN_GAIN),
+            p + "self_attn.k_proj.weight": linear(kv_dim, hidden, ATTN_GAIN),
+            p + "self_attn.v_proj.weight": linear(kv_dim, hidden),
+            p + "self_attn.o_proj.weight": linear(hidden, hidden),
+            p + "mlp.gate_proj.weight": linear(inter, hidden),
+            p + "mlp.up_proj.weight": linear(inter, hidden),
+            p + "mlp.down_proj.weight": linear(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def token_prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(PROMPT_LEN)]
+
+
+def counters(llm: Any) -> dict[str, float]:
+    """Prefix-cache and KV-connector counters from the engine's Prometheus metrics."""
+    wanted = ("prefix_cache", "prompt_tokens", "kv_offload", "cpu_offload", "external")
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not any(w in m.name for w in wanted):
+            continue
+        value = getattr(m, "value", None)
+        if value is None:  # histograms: report their sum
+            value = getattr(m, "sum", None)
+        if isinstance(value, (int, float)):
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
+            )
+            out[m.name + (f"{{{labels}}}" if labels else "")] = float(value)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["cpu", "disk"], default="cpu",
+                        help="the tier to offload to (disk: a file in a temporary directory)")
+    args = parser.parse_args(argv)
+    # Before vLLM is imported: a 1 GiB device KV budget, and one reserved core so the worker's
+    # OMP thread count (and thus float rounding) does not change with the connector.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    with tempfile.TemporaryDirectory(prefix="kvcompose-cpu-offload-") as tmp:
+        model = write_tiny_llama(Path(tmp) / "tiny_rand")
+        extra: dict[str, Any] = {"cpu_bytes_to_use": HOST_BYTES}
+        source = "host"
+        if args.backend == "disk":
+            extra = {
+                "kv_offload_backend": "disk",
+                "disk_path": str(Path(tmp) / "kv" / "blocks.bin"),
+                "disk_capacity_bytes": HOST_BYTES,
+            }
+            source = "disk"
+        t0 = time.monotonic()
+        llm = LLM(
+            model=str(model),
+            skip_tokenizer_init=True,
+            load_format="safetensors",
+            dtype="float32",
+            max_model_len=1024,
+            enforce_eager=True,
+            block_size=BLOCK_SIZE,
+            seed=0,
+            num_gpu_blocks_override=NUM_GPU_BLOCKS,
+            disable_log_stats=False,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="SimpleCPUOffloadConnector",
+                kv_connector_module_path="kvcompose_cpu_offload.connector",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+            ),
+        )
+        start_s = time.monotonic() - t0
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False, logprobs=1)
+
+        def run(ids: list[int]) -> Any:
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+            return out
+
+        a = token_prompt(0)
+        t1 = time.monotonic()
+        a1 = run(a)
+        after_a1 = counters(llm)
+        for seed in range(1, NUM_EVICTORS + 1):
+            run(token_prompt(seed))
+        before_a2 = counters(llm)
+        a2 = run(a)
+        after_a2 = counters(llm)
+        a3 = run(a)
+        # The model must be sensitive to its KV for the equality above to mean anything: one
+        # changed token in the first block has to change the output.
+        a_changed = run([a[0] + 1, *a[1:]])
+        serve_s = time.monotonic() - t1
+
+    def logprobs(out: Any) -> list[float]:
+        comp = out.outputs[0]
+        return [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs)]
+
+    def delta(name: str) -> float:
+        return after_a2.get(name, 0.0) - before_a2.get(name, 0.0)
+
+    ext_key = "vllm:external_prefix_cache_hits"
+    hit_tokens = int(delta(ext_key))
+    full_blocks = (PROMPT_LEN - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last token is always computed
+    result = {
+        "backend": args.backend,
+        "engine_start_s": round(start_s, 1),
+        "serve_s": round(serve_s, 2),
+        "a1_tokens": list(a1.outputs[0].token_ids),
+        "a2_tokens": list(a2.outputs[0].token_ids),
+        "a3_tokens": list(a3.outputs[0].token_ids),
+        "a_changed_tokens": list(a_changed.outputs[0].token_ids),
+        "a1_num_cached_tokens": a1.num_cached_tokens,
+        "a2_num_cached_tokens": a2.num_cached_tokens,
+        "a3_num_cached_tokens": a3.num_cached_tokens,
+        "a2_external_hit_tokens": hit_tokens,
+        "expected_hit_tokens": full_blocks,
+        "tokens_equal": list(a1.outputs[0].token_ids) == list(a2.outputs[0].token_ids),
+        "logprobs_equal": logprobs(a1) == logprobs(a2),
+        "a2_counter_deltas": {k: after_a2[k] - before_a2.get(k, 0.0) for k in after_a2
+                              if after_a2[k] != before_a2.get(k, 0.0)},
+        "a1_counters": after_a1,
+    }
+    checks = {
+        "A1 computed from scratch": a1.num_cached_tokens == 0,
+        "A2 hit the offload tier for every full block": hit_tokens == full_blocks,
+        "A2 tokens equal A1": result["tokens_equal"],
+        "A2 logprobs equal A1": result["logprobs_equal"],
+        "A3 equals A1": list(a3.outputs[0].token_ids) == list(a1.outputs[0].token_ids),
+        "output depends on the first block's KV": (
+            list(a_changed.outputs[0].token_ids) != list(a1.outputs[0].token_ids)
+        ),
+        f"A2's hit is counted as source={source}": (
+            result["a2_counter_deltas"].get(f"vllm:prompt_tokens_cached_by_source{{source={source}}}")
+            == full_blocks
+        ),
+    }
+    result["checks"] = checks
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,313 @@
+"""The ``nixl`` connector type: discovery, options, rendering to vLLM arguments, checks."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvcompose.compose import Child, loads
+from kvcompose.errors import CompositionError
+from kvcompose.plugins import Plugins
+from kvcompose_nixl import backends as nixl_backends
+from kvcompose_nixl.plugin import (
+    EXTRA_CONFIG_KEYS,
+    INTERNAL_PARAM_KEYS,
+    PARAM_KEYS,
+    NixlOptions,
+    NixlType,
+)
+
+
+@pytest.fixture(scope="module")
+def plugins() -> Plugins:
+    """The plugin manager with installed entry points, as ``kvcompose check`` builds it."""
+    return Plugins()
+
+
+def child(role: str = "consumer", **options: Any) -> Child:
+    return Child(0, "pd", NixlType(), role, msgspec.convert(options, NixlOptions))  # type: ignore[arg-type]
+
+
+def compose(plugins: Plugins, connectors: str) -> Any:
+    return loads("version: 1\nconnectors:\n" + connectors, plugins, "compose.yaml")
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+def test_entry_point_provides_the_type(plugins: Plugins) -> None:
+    assert isinstance(plugins.connector_types["nixl"], NixlType)
+    (row,) = [p for p in plugins.provided() if p.kind == "type" and p.name == "nixl"]
+    assert row.provider.startswith("kvcompose-nixl ")
+
+
+def test_type_flags() -> None:
+    t = NixlType()
+    assert t.name == "nixl"
+    assert t.owns_handshake and t.owns_host_buffer_ops
+    assert t.options is NixlOptions
+    assert {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+            "remote_request_id", "remote_host", "remote_port", "tp_size", "transfer_mode"} <= t.param_keys
+
+
+def test_param_keys_cover_what_vllm_reads() -> None:
+    """Every literal key vLLM's NIXL scheduler and metadata code reads from or writes to
+    ``kv_transfer_params`` is declared (push-mode registration fields are not params: they
+    travel worker to worker in a NIXL notification)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+        base_scheduler,
+        metadata,
+        pull_scheduler,
+        push_scheduler,
+    )
+
+    pattern = re.compile(
+        r"""(?:params|kv_transfer_params)(?:\.get\(|\[)\s*["']([A-Za-z_]+)["']"""
+    )
+    found: set[str] = set()
+    for module in (base_scheduler, pull_scheduler, push_scheduler, metadata):
+        found |= set(pattern.findall(inspect.getsource(module)))
+    # Keys of the dicts request_finished returns: dict(do_remote_prefill=..., ...).
+    for module in (pull_scheduler, push_scheduler):
+        src = inspect.getsource(module)
+        for body in re.findall(r"return delay_free_blocks, dict\((.*?)\n        \)", src, re.S):
+            found |= set(re.findall(r"^\s*([a-z_]+)=", body, re.M))
+    assert found, "the vLLM source no longer matches this test's patterns"
+    declared = PARAM_KEYS | INTERNAL_PARAM_KEYS
+    assert found <= declared, f"undeclared: {sorted(found - declared)}"
+    assert not {k for k in PARAM_KEYS if k.startswith("_")}, "private markers are not P/D params"
+
+
+# ------------------------------------------------------------------------------- options
+
+
+def test_defaults_render_minimal_vllm_config() -> None:
+    cfg = child().vllm_config()
+    assert cfg == {
+        "kv_connector": "NixlConnector",
+        "kv_connector_module_path": "kvcompose_nixl.connector",
+        "kv_connector_extra_config": {},
+        "kv_role": "kv_consumer",
+    }
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "key", "rendered"),
+    [
+        ("backends", ["UCX", "GDS"], "backends", ["UCX", "GDS"]),
+        ("lease_seconds", 45, "kv_lease_duration", 45),
+        ("recompute_threshold", 0, "kv_recompute_threshold", 0),
+        ("num_threads", 8, "num_threads", 8),
+        ("enforce_handshake_compat", False, "enforce_handshake_compat", False),
+        ("bidirectional", True, "bidirectional_kv_xfer", True),
+        ("decoder_blocks_ttl", 120, "decoder_kv_blocks_ttl", 120.0),
+        ("engine_ttl", 0, "engine_ttl", 0.0),
+        ("side_channel_host", "10.0.0.7", "kvcompose_side_channel_host", "10.0.0.7"),
+        ("side_channel_port", 5700, "kvcompose_side_channel_port", 5700),
+    ],
+)
+def test_each_option_maps_to_its_extra_config_key(
+    option: str, value: Any, key: str, rendered: Any
+) -> None:
+    assert EXTRA_CONFIG_KEYS[option] == key
+    extra = child(**{option: value}).vllm_config()["kv_connector_extra_config"]
+    assert extra == {key: rendered}
+
+
+def test_push_registration_timeout_maps_in_push_mode() -> None:
+    cfg = child(mode="push", push_registration_timeout=30).vllm_config()
+    assert cfg["kv_connector"] == "NixlPushConnector"
+    assert cfg["kv_connector_extra_config"] == {"push_registration_timeout": 30.0}
+
+
+def test_top_level_options() -> None:
+    cfg = child("producer", buffer_device="cpu", engine_id="prefill-0").vllm_config()
+    assert cfg["kv_buffer_device"] == "cpu"
+    assert cfg["engine_id"] == "prefill-0"
+    assert cfg["kv_role"] == "kv_producer"
+    assert "engine_id" not in cfg["kv_connector_extra_config"]
+
+
+def test_extra_config_keys_are_the_ones_vllm_and_the_connector_read() -> None:
+    """The vLLM names are pinned to the installed vLLM source, not to a copy of them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+        base_scheduler,
+        base_worker,
+        connector as vllm_connector,
+        push_scheduler,
+    )
+
+    import kvcompose_nixl.connector as ours
+
+    src = "".join(inspect.getsource(m) for m in (base_scheduler, base_worker, vllm_connector, push_scheduler))
+    read = set(re.findall(r"""get_from_extra_config\(\s*["']([a-z_]+)["']""", src))
+    for option, key in EXTRA_CONFIG_KEYS.items():
+        if key.startswith("kvcompose_"):
+            assert key in {ours.SIDE_CHANNEL_HOST_KEY, ours.SIDE_CHANNEL_PORT_KEY}, option
+        else:
+            assert key in read, f"{option} -> {key}: vLLM does not read it"
+
+
+def test_rendered_config_loads_our_classes_through_vllm() -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import kvcompose_nixl.connector as ours
+
+    for mode, cls in (("pull", ours.NixlConnector), ("push", ours.NixlPushConnector)):
+        ktc = KVTransferConfig(**child(mode=mode, backends=["UCX"], lease_seconds=10).vllm_config())
+        assert KVConnectorFactory.get_connector_class(ktc) is cls
+        assert ktc.get_from_extra_config("kv_lease_duration", None) == 10
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"backends": ["UCXX"]},
+        {"backends": ["MOONCAKE"]},  # NIXL names are case-sensitive: the plugin is "Mooncake"
+        {"backends": []},
+        {"side_channel_port": 0},
+        {"side_channel_port": 65536},
+        {"side_channel_port": "5600"},
+        {"mode": "pipe"},
+        {"buffer_device": "gpu"},
+        {"lease_seconds": 0},
+        {"recompute_threshold": -1},
+        {"decoder_blocks_ttl": 0},
+        {"side_channel_host": ""},
+        {"kv_lease_duration": 30},  # vLLM's name is not an option name
+    ],
+)
+def test_bad_options_are_msgspec_errors(options: dict[str, Any]) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(options, NixlOptions)
+
+
+def test_known_backend_names_are_accepted() -> None:
+    for name in ("UCX", "LIBFABRIC", "GDS", "GDS_MT", "POSIX", "OBJ", "Mooncake", "UCCL"):
+        assert msgspec.convert({"backends": ["UCX", name]}, NixlOptions).backends[1] == name
+
+
+def test_installed_nixl_plugins_are_found() -> None:
+    """The backends this machine's NIXL wheel ships are accepted (nixl-cu12 ships UCX)."""
+    pytest.importorskip("nixl_cu12")
+    assert "UCX" in nixl_backends.installed_backends()
+    assert set(nixl_backends.installed_backends()) <= set(nixl_backends.backend_names())
+    assert nixl_backends.close_backend("mooncake") == "Mooncake"
+
+
+def test_bad_backend_error_points_at_the_line(plugins: Plugins) -> None:
+    with pytest.raises(CompositionError) as excinfo:
+        compose(plugins, "  - name: pd\n    type: nixl\n    options:\n      backends: [UCX, UCXX]\n")
+    (problem,) = excinfo.value.problems
+    assert problem.path == ("connectors", 0, "options", "backends", 1)
+    assert problem.line == 6  # the `backends:` line (after `version:` and `connectors:`)
+    assert "UCXX" in problem.message and "UCX" in (problem.hint or "")
+
+
+def test_port_out_of_range_error(plugins: Plugins) -> None:
+    with pytest.raises(CompositionError) as excinfo:
+        compose(plugins, "  - name: pd\n    type: nixl\n    options: {side_channel_port: 70000}\n")
+    (problem,) = excinfo.value.problems
+    assert problem.path == ("connectors", 0, "options", "side_channel_port")
+    assert "65535" in problem.message
+
+
+# -------------------------------------------------------------------------------- checks
+
+
+def messages(plugins: Plugins, connectors: str) -> dict[tuple[Any, ...], str]:
+    with pytest.raises(CompositionError) as excinfo:
+        compose(plugins, connectors)
+    return {p.path: p.message for p in excinfo.value.problems}
+
+
+def test_check_push_with_bidirectional(plugins: Plugins) -> None:
+    found = messages(plugins, "  - {name: pd, type: nixl, options: {mode: push, bidirectional: true}}\n")
+    assert "bidirectional" in found[("connectors", 0, "options", "bidirectional")]
+
+
+def test_check_option_vllm_would_ignore(plugins: Plugins) -> None:
+    found = messages(
+        plugins,
+        "  - {name: pd, type: nixl, options: {backends: [UCX, GDS], num_threads: 2,"
+        " push_registration_timeout: 5}}\n",
+    )
+    assert ("connectors", 0, "options", "num_threads") in found
+    assert ("connectors", 0, "options", "push_registration_timeout") in found
+
+
+def test_check_storage_only_and_duplicate_backends(plugins: Plugins) -> None:
+    found = messages(plugins, "  - {name: pd, type: nixl, options: {backends: [POSIX, POSIX]}}\n")
+    assert ("connectors", 0, "options", "backends") in found
+    assert "twice" in found[("connectors", 0, "options", "backends", 1)]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "clash"),
+    [
+        ("{side_channel_port: 5600}", "{side_channel_port: 5600}", True),
+        ("{}", "{}", True),  # both take $VLLM_NIXL_SIDE_CHANNEL_PORT
+        ("{side_channel_port: 5600}", "{side_channel_port: 5601}", False),
+        ("{side_channel_host: 10.0.0.1, side_channel_port: 5600}",
+         "{side_channel_host: 10.0.0.2, side_channel_port: 5600}", False),
+    ],
+)
+def test_check_side_channel_port_clash(plugins: Plugins, a: str, b: str, clash: bool) -> None:
+    connectors = (f"  - {{name: a, type: nixl, role: consumer, options: {a}}}\n"
+                  f"  - {{name: b, type: nixl, role: producer, options: {b}}}\n")
+    # Two NIXL children also trip kvcompose's own one-host-buffer-owner check; only the
+    # port problem is this type's.
+    found = messages(plugins, connectors)
+    port = found.get(("connectors", 1, "options", "side_channel_port"))
+    assert (port is not None) == clash
+    if clash:
+        assert "already used by a" in port
+
+
+def test_valid_child_has_no_problem(plugins: Plugins) -> None:
+    plan = compose(plugins, "  - {name: pd, type: nixl, role: producer,"
+                            " options: {backends: [UCX], side_channel_port: 5600}}\n")
+    (pd,) = plan.children
+    assert list(pd.type.check(pd, plan)) == []
+
+
+# ------------------------------------------------------------------------------ describe
+
+
+def test_describe_each_role() -> None:
+    consumer = child("consumer", backends=["UCX"], buffer_device="cuda").type.describe(
+        child("consumer", backends=["UCX"], buffer_device="cuda"))
+    assert consumer.startswith("pulls prompt KV from the prefill instance over NIXL (UCX), GPUDirect into VRAM")
+    producer = NixlType().describe(child("producer"))
+    assert "serves its prompt KV to decode instances" in producer
+    assert "returns the P/D kv_transfer_params" in producer
+    assert "30 s lease" in producer
+    assert "45 s lease" in NixlType().describe(child("producer", lease_seconds=45))
+    both = NixlType().describe(child("both"))
+    assert "serves" in both and "pulls" in both and "deprecates kv_both" in both
+    push = NixlType().describe(child("consumer", mode="push"))
+    assert "writes the prompt KV into them" in push
+
+
+def test_describe_host_buffer_and_side_channel() -> None:
+    text = NixlType().describe(child("producer", buffer_device="cpu", side_channel_port=5700))
+    assert "device-to-host copies" in text
+    assert ":5700" in text
+    text = NixlType().describe(child("consumer", buffer_device="cpu"))
+    assert "host-to-device copies" in text
+    assert "$VLLM_NIXL_SIDE_CHANNEL_PORT (5600)" in text
+
+
+def test_kv_layout_is_left_to_vllm() -> None:
+    """Unknown without the model: vLLM's NixlConnector needs LBHNC except for MLA models."""
+    from kvcompose.testing.harness import make_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+
+    assert NixlType().kv_layout(child()) is None
+    cfg = make_vllm_config({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
+    assert NixlConnector.get_required_kvcache_layout(cfg) == "LBHNC"  # tiny llama: not MLA
