@@ -10,6 +10,7 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata, SimpleC
 
 from kvcompose.testing.harness import (
     assert_scheduler_empty,
+    model_runner_output,
     decode_request,
     make_request,
     prefill_request,
@@ -42,6 +43,14 @@ def store_ack(conn, out) -> ComposedWorkerMetadata | None:  # type: ignore[no-un
     return ComposedWorkerMetadata({"pd": None, "host": SimpleCPUOffloadWorkerMetadata({meta.store_event: workers})})
 
 
+def step_acked(sched, conn, *, eos: bool = False, **kv):  # type: ignore[no-untyped-def]
+    """One step whose worker output also acknowledges the CPU tier's stores of that step."""
+    out = sched.schedule()
+    running = [sched.requests[r] for r in out.num_scheduled_tokens]
+    eco = sched.update_from_output(out, model_runner_output(running, eos=eos, worker_meta=store_ack(conn, out), **kv))
+    return out, eco
+
+
 def test_hma_iff_every_child(tmp_path) -> None:  # type: ignore[no-untyped-def]
     sched, conn = composed_scheduler(composition("consumer"), sliding_window=128)
     assert not sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
@@ -52,7 +61,7 @@ def test_nixl_wins_a_remote_prefill_and_the_cpu_child_loads_nothing() -> None:
     sched, conn = composed_scheduler(composition("consumer"))
     req = decode_request(64)
     sched.add_request(req)
-    out, _ = step(sched)
+    out, _ = step_acked(sched, conn)
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     meta = out.kv_connector_metadata
     assert isinstance(meta, ComposedMetadata) and list(meta.children) == ["pd", "host"]
@@ -61,11 +70,11 @@ def test_nixl_wins_a_remote_prefill_and_the_cpu_child_loads_nothing() -> None:
     assert isinstance(meta.children["host"], SimpleCPUOffloadMetadata)
     assert not meta.children["host"].load_gpu_blocks
     assert conn.get_external_cache_hit_sources(req, 63) == {CacheHitSource.P2P: 63}
-    step(sched, finished_recving={req.request_id})
-    out, _ = step(sched, eos=True)
+    step_acked(sched, conn, finished_recving={req.request_id})
+    out, _ = step_acked(sched, conn, eos=True)
     assert out.num_scheduled_tokens == {req.request_id: 1}  # 63 pulled, 1 recomputed
     assert req.num_computed_tokens == 64
-    step(sched)
+    step_acked(sched, conn)
     assert_scheduler_empty(sched)
 
 
@@ -76,16 +85,14 @@ def test_store_to_all_then_the_cpu_tier_wins_a_repeated_prompt() -> None:
     out, _ = step(sched)
     out2 = sched.schedule()
     assert out2.kv_connector_metadata.children["host"].store_event >= 0  # the cpu child stores, nixl present
-    sched.update_from_output(out2, __import__("kvcompose.testing.harness", fromlist=["x"]).model_runner_output(
-        [a], eos=True, worker_meta=store_ack(conn, out2)))
+    sched.update_from_output(out2, model_runner_output([a], eos=True, worker_meta=store_ack(conn, out2)))
     # Push A out of the device prefix cache.
     for _ in range(3):
         other = make_request(64, prompt=[7 + (i * 13 + _ * 101) % 500 for i in range(64)])
         sched.add_request(other)
         out, _o = step(sched, eos=True, worker_meta=None)
         out = sched.schedule()
-        sched.update_from_output(out, __import__("kvcompose.testing.harness", fromlist=["x"]).model_runner_output(
-            [], worker_meta=store_ack(conn, out)))
+        sched.update_from_output(out, model_runner_output([], worker_meta=store_ack(conn, out)))
     again = make_request(64, prompt=a.prompt_token_ids)
     toks, is_async = conn.get_num_new_matched_tokens(again, 0)
     assert toks and toks > 0 and is_async
@@ -104,8 +111,7 @@ def test_prefill_side_returns_nixl_params_with_blocks_held() -> None:
     sched, conn = composed_scheduler(composition("producer"))
     req = prefill_request(64)
     sched.add_request(req)
-    out, eco = step(sched)
-    params = req.kv_transfer_params if req.status != RequestStatus.FINISHED_LENGTH_CAPPED else None
+    out, eco = step_acked(sched, conn)
     outputs = [o for e in eco.values() for o in e.outputs]
     params = outputs[0].kv_transfer_params
     assert params["do_remote_prefill"] is True and params["remote_port"] == 5633
@@ -113,8 +119,9 @@ def test_prefill_side_returns_nixl_params_with_blocks_held() -> None:
     assert len(params["remote_block_ids"][0]) == 4
     assert req.request_id in sched.requests  # blocks held until decode has read them
     out = sched.schedule()
-    assert out.kv_connector_metadata.saves_owed == {req.request_id: (0,)}
-    step(sched, finished_sending={req.request_id})
+    assert out.kv_connector_metadata.saves_owed == {req.request_id: (0,)}  # only nixl holds them
+    sched.update_from_output(out, model_runner_output([], worker_meta=store_ack(conn, out)))
+    step_acked(sched, conn, finished_sending={req.request_id})
     assert_scheduler_empty(sched)
 
 
