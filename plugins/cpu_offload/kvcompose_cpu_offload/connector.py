@@ -7,8 +7,9 @@ registry, even for a built-in name). Keeping the upstream class name keeps the c
 visible to vLLM's ``has_connector("SimpleCPUOffloadConnector")`` checks.
 
 The scheduler side is vLLM's, unchanged. The worker side is vLLM's on CUDA and ROCm; elsewhere
-(vLLM's CPU platform) it is :class:`~kvcompose_cpu_offload.portable_worker.PortableSimpleCPUOffloadWorker`,
-which reports transfers exactly as vLLM's worker does.
+(vLLM's CPU platform) it is
+:class:`~kvcompose_cpu_offload.portable_worker.PortableSimpleCPUOffloadWorker`, which reports
+transfers exactly as vLLM's worker does.
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def size_from_num_cpu_blocks(
     if str(extra.get("kv_offload_backend", "cpu")) == "disk":
         logger.warning("num_cpu_blocks sizes the host pool; the disk backend ignores it")
         return vllm_config
-    if kv_cache_config is None or not kv_cache_config.kv_cache_tensors or kv_cache_config.num_blocks <= 0:
+    if (
+        kv_cache_config is None
+        or not kv_cache_config.kv_cache_tensors
+        or kv_cache_config.num_blocks <= 0
+    ):
         return vllm_config  # nothing to size against; vLLM's own checks report this
     bytes_per_block = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
     per_rank = num_cpu_blocks * bytes_per_block
@@ -96,7 +101,9 @@ class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ) -> None:
-        super().__init__(size_from_num_cpu_blocks(vllm_config, kv_cache_config), role, kv_cache_config)
+        super().__init__(
+            size_from_num_cpu_blocks(vllm_config, kv_cache_config), role, kv_cache_config
+        )
         # vLLM's worker constructor is plain Python (CUDA is first touched in
         # register_kv_caches), so it is safe to build it and then swap in the portable one with
         # the settings vLLM parsed: the extra-config parsing stays vLLM's.

@@ -50,7 +50,7 @@ _MIN_AVG_RUN = 4
 
 
 def contiguous_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Split paired block lists into ``(src_start, dst_start, length)`` runs where both advance by 1."""
+    """Split paired block lists into ``(src_start, dst_start, length)`` runs of consecutive ids."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
     runs: list[tuple[int, int, int]] = []
@@ -145,7 +145,9 @@ class TorchCopyBackend:
     def __init__(self) -> None:
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def init(self, device_regions: dict[str, torch.Tensor], host_regions: dict[str, torch.Tensor]) -> None:
+    def init(
+        self, device_regions: dict[str, torch.Tensor], host_regions: dict[str, torch.Tensor]
+    ) -> None:
         """Pair each ``[num_blocks, block_bytes]`` device region with its pool region by name."""
         if device_regions.keys() != host_regions.keys():
             raise ValueError("device and host regions name different tensors")
@@ -247,12 +249,16 @@ class PortableDiskBackend(DiskBackend):
         )
 
         self._store_thread = threading.Thread(
-            target=self._io_loop, args=(self._store_queue, self._do_store),
-            name="kv-offload-disk-store", daemon=True,
+            target=self._io_loop,
+            args=(self._store_queue, self._do_store),
+            name="kv-offload-disk-store",
+            daemon=True,
         )
         self._load_thread = threading.Thread(
-            target=self._io_loop, args=(self._load_queue, self._do_load),
-            name="kv-offload-disk-load", daemon=True,
+            target=self._io_loop,
+            args=(self._load_queue, self._do_load),
+            name="kv-offload-disk-load",
+            daemon=True,
         )
         self._store_thread.start()
         self._load_thread.start()
@@ -420,7 +426,7 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
             for name, t in unique_gpu_caches.items()
         }
         logger.info(
-            "PortableSimpleCPUOffloadWorker [CPU]: %d regions, %d host blocks (%.2f GB), torch copies",
+            "PortableSimpleCPUOffloadWorker [CPU]: %d regions, %d host blocks (%.2f GB)",
             len(unique_gpu_caches),
             self.num_cpu_blocks,
             self.num_cpu_blocks * total_bytes_per_block / 2**30,

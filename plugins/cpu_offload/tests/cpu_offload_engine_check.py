@@ -119,8 +119,12 @@ def counters(llm: Any) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=["cpu", "disk"], default="cpu",
-                        help="the tier to offload to (disk: a file in a temporary directory)")
+    parser.add_argument(
+        "--backend",
+        choices=["cpu", "disk"],
+        default="cpu",
+        help="the tier to offload to (disk: a file in a temporary directory)",
+    )
     args = parser.parse_args(argv)
     # Before vLLM is imported: a 1 GiB device KV budget, and one reserved core so the worker's
     # OMP thread count (and thus float rounding) does not change with the connector.
@@ -208,8 +212,11 @@ def main(argv: list[str]) -> int:
         "expected_hit_tokens": full_blocks,
         "tokens_equal": list(a1.outputs[0].token_ids) == list(a2.outputs[0].token_ids),
         "logprobs_equal": logprobs(a1) == logprobs(a2),
-        "a2_counter_deltas": {k: after_a2[k] - before_a2.get(k, 0.0) for k in after_a2
-                              if after_a2[k] != before_a2.get(k, 0.0)},
+        "a2_counter_deltas": {
+            k: after_a2[k] - before_a2.get(k, 0.0)
+            for k in after_a2
+            if after_a2[k] != before_a2.get(k, 0.0)
+        },
         "a1_counters": after_a1,
     }
     checks = {
@@ -222,7 +229,9 @@ def main(argv: list[str]) -> int:
             list(a_changed.outputs[0].token_ids) != list(a1.outputs[0].token_ids)
         ),
         f"A2's hit is counted as source={source}": (
-            result["a2_counter_deltas"].get(f"vllm:prompt_tokens_cached_by_source{{source={source}}}")
+            result["a2_counter_deltas"].get(
+                f"vllm:prompt_tokens_cached_by_source{{source={source}}}"
+            )
             == full_blocks
         ),
     }

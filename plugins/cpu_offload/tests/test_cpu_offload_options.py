@@ -9,13 +9,13 @@ from typing import Any
 import msgspec
 import pluggy
 import pytest
+from kvcompose_cpu_offload import plugin
+from kvcompose_cpu_offload.plugin import CpuOffloadOptions, CpuOffloadType
 
 from kvcompose import NAME, hookspecs
 from kvcompose.compose import Child
 from kvcompose.config import dec_hook
 from kvcompose.errors import Problem
-from kvcompose_cpu_offload import plugin
-from kvcompose_cpu_offload.plugin import CpuOffloadOptions, CpuOffloadType
 
 GiB = 2**30
 
@@ -36,7 +36,10 @@ def problems(options: dict[str, Any], index: int = 0) -> list[Problem]:
     [
         ({}, {}),
         ({"backend": "cpu"}, {}),  # the default is left to vLLM
-        ({"backend": "disk", "disk_path": "/d/kv"}, {"kv_offload_backend": "disk", "disk_path": "/d/kv"}),
+        (
+            {"backend": "disk", "disk_path": "/d/kv"},
+            {"kv_offload_backend": "disk", "disk_path": "/d/kv"},
+        ),
         ({"cpu_bytes": "32GiB"}, {"cpu_bytes_to_use": 32 * GiB}),
         ({"cpu_bytes": 1 << 20}, {"cpu_bytes_to_use": 1 << 20}),
         ({"cpu_bytes_per_rank": "4GiB"}, {"cpu_bytes_to_use_per_rank": 4 * GiB}),
@@ -45,7 +48,11 @@ def problems(options: dict[str, Any], index: int = 0) -> list[Problem]:
         ({"lazy": False}, {}),
         (
             {"backend": "disk", "disk_path": "/d/kv", "disk_capacity": "200GB"},
-            {"kv_offload_backend": "disk", "disk_path": "/d/kv", "disk_capacity_bytes": 200 * 10**9},
+            {
+                "kv_offload_backend": "disk",
+                "disk_path": "/d/kv",
+                "disk_capacity_bytes": 200 * 10**9,
+            },
         ),
         (
             {"backend": "disk", "disk_path": "/d/kv", "disk_buffer_slots": 4},
@@ -76,10 +83,9 @@ def test_every_field_has_a_vllm_key() -> None:
 
 
 def test_vllm_resolves_the_rendered_config_to_our_connector() -> None:
+    from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 
     ktc = KVTransferConfig(**child({"cpu_bytes": "1GiB"}).vllm_config())
     assert KVConnectorFactory.get_connector_class(ktc) is SimpleCPUOffloadConnector
@@ -110,10 +116,16 @@ def test_disk_without_path_is_a_problem() -> None:
     assert "disk" in p.message and p.hint and "disk_path" in p.hint
 
 
-@pytest.mark.parametrize("key", ["disk_path", "disk_capacity", "disk_buffer_slots", "use_page_cache"])
+@pytest.mark.parametrize(
+    "key", ["disk_path", "disk_capacity", "disk_buffer_slots", "use_page_cache"]
+)
 def test_disk_keys_under_cpu_are_problems(key: str) -> None:
-    value = {"disk_path": "/d/kv", "disk_capacity": "1GiB", "disk_buffer_slots": 2,
-             "use_page_cache": True}[key]
+    value = {
+        "disk_path": "/d/kv",
+        "disk_capacity": "1GiB",
+        "disk_buffer_slots": 2,
+        "use_page_cache": True,
+    }[key]
     (p,) = problems({key: value}, index=1)
     assert p.path == ("connectors", 1, "options", key)
     assert p.hint == f"set backend: disk, or remove {key}"
@@ -140,8 +152,12 @@ def test_zero_size_is_a_problem() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"cpu_bytes": "32GiB", "lazy": True}, {"num_cpu_blocks": 5},
-     {"backend": "disk", "disk_path": "/d/kv", "disk_capacity": "1TiB", "use_page_cache": True}],
+    [
+        {},
+        {"cpu_bytes": "32GiB", "lazy": True},
+        {"num_cpu_blocks": 5},
+        {"backend": "disk", "disk_path": "/d/kv", "disk_capacity": "1TiB", "use_page_cache": True},
+    ],
 )
 def test_valid_options_have_no_problems(options: dict[str, Any]) -> None:
     assert problems(options) == []
@@ -150,17 +166,23 @@ def test_valid_options_have_no_problems(options: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("options", "text"),
     [
-        ({"cpu_bytes": "32GiB"},
-         "keeps evicted prefix blocks in 32GiB of host memory and loads them back on a hit "
-         "(eager offload)"),
-        ({"cpu_bytes_per_rank": "4GiB", "lazy": True},
-         "keeps evicted prefix blocks in 4GiB per rank of host memory and loads them back on a "
-         "hit (lazy offload)"),
+        (
+            {"cpu_bytes": "32GiB"},
+            "keeps evicted prefix blocks in 32GiB of host memory and loads them back on a hit "
+            "(eager offload)",
+        ),
+        (
+            {"cpu_bytes_per_rank": "4GiB", "lazy": True},
+            "keeps evicted prefix blocks in 4GiB per rank of host memory and loads them back on a "
+            "hit (lazy offload)",
+        ),
         ({"num_cpu_blocks": 512}, "in 512 KV blocks per rank of host memory"),
         ({}, "in 8GiB (vLLM's default) of host memory"),
-        ({"backend": "disk", "disk_path": "/nvme/kv", "disk_capacity": "2TiB"},
-         "keeps evicted prefix blocks in a 2TiB file per rank at /nvme/kv and loads them back "
-         "on a hit (eager offload, O_DIRECT I/O)"),
+        (
+            {"backend": "disk", "disk_path": "/nvme/kv", "disk_capacity": "2TiB"},
+            "keeps evicted prefix blocks in a 2TiB file per rank at /nvme/kv and loads them back "
+            "on a hit (eager offload, O_DIRECT I/O)",
+        ),
     ],
 )
 def test_describe(options: dict[str, Any], text: str) -> None:

@@ -14,21 +14,21 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_offload_kv import EngineKV, make_engine_kv, pattern_for
+from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
+from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
-from cpu_offload_kv import EngineKV, make_engine_kv, pattern_for
 from kvcompose.testing.harness import (
     assert_scheduler_empty,
     make_request,
     make_scheduler,
     model_runner_output,
 )
-from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
-from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 
 BLOCK = 16
 PROMPT = 4 * BLOCK + 8  # four full blocks and a partial one
@@ -132,7 +132,9 @@ def test_store_evict_load(lazy: bool) -> None:
     eng.run(make_request(prompt=a, max_tokens=2, block_size=BLOCK, request_id="A1"))
     # Three other prompts need the whole 11-block pool between them and push A out.
     for seed in (1, 2, 3):
-        eng.run(make_request(prompt=prompt(seed), max_tokens=2, block_size=BLOCK, request_id=f"E{seed}"))
+        eng.run(
+            make_request(prompt=prompt(seed), max_tokens=2, block_size=BLOCK, request_id=f"E{seed}")
+        )
     eng.drain()
     assert eng.stored_blocks >= 4 and not eng.loads
 

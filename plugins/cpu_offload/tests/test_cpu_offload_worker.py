@@ -7,13 +7,7 @@ import stat
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.simple_kv_offload.metadata import (
-    SimpleCPUOffloadMetadata,
-    SimpleCPUOffloadWorkerMetadata,
-)
-from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
-
+from cpu_offload_kv import EngineKV, fill_random, make_engine_kv
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 from kvcompose_cpu_offload.portable_worker import (
     CompletedEvent,
@@ -23,8 +17,12 @@ from kvcompose_cpu_offload.portable_worker import (
     contiguous_runs,
     copy_blocks,
 )
-
-from cpu_offload_kv import EngineKV, fill_random, make_engine_kv
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.simple_kv_offload.metadata import (
+    SimpleCPUOffloadMetadata,
+    SimpleCPUOffloadWorkerMetadata,
+)
+from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
 CONNECTOR = {
     "kv_connector": "SimpleCPUOffloadConnector",
@@ -64,7 +62,9 @@ def _load(
     worker.wait_for_save()
 
 
-def _assert_moved(kv: EngineKV, before: dict[str, torch.Tensor], src: list[int], dst: list[int]) -> None:
+def _assert_moved(
+    kv: EngineKV, before: dict[str, torch.Tensor], src: list[int], dst: list[int]
+) -> None:
     """Every layer's ``dst`` blocks now hold the ``src`` bytes; every other block is untouched."""
     for name, view in kv.kv_caches.items():
         for s, d in zip(src, dst):
@@ -227,7 +227,11 @@ def _flush(worker: SimpleCPUOffloadWorker) -> None:
     ids=["o_direct", "page_cache", "one_slot"],
 )
 def test_disk_round_trip(
-    tmp_path: os.PathLike[str], use_page_cache: bool, buffer_slots: int, head_size: int, block_size: int
+    tmp_path: os.PathLike[str],
+    use_page_cache: bool,
+    buffer_slots: int,
+    head_size: int,
+    block_size: int,
 ) -> None:
     kv = make_engine_kv(
         num_layers=2, block_size=block_size, num_kv_heads=1, head_size=head_size, num_blocks=16

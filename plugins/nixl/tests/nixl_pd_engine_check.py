@@ -198,10 +198,14 @@ def drive(upstream: bool = False) -> int:
             "engine_survived": len(result.get("second_tokens", [])) == 4,
         }
         if upstream:
-            # Documenting vLLM's defect: the first pull works, the short request takes it down.
+            # Documenting vLLM's defect: the first pull works, the short request takes it down,
+            # and the engine core's traceback ends in the scheduler-side assert.
+            log = (work / "decode.log").read_text()
             checks = {"first_pull_answered": len(result.get("first_tokens", [])) == 4,
                       "short_request_failed": not checks["short_prompt_answered"],
-                      "engine_did_not_survive": not checks["engine_survived"]}
+                      "engine_did_not_survive": not checks["engine_survived"],
+                      "engine_core_died_on_the_assert": "nixl/pull_scheduler.py" in log
+                      and "assert num_external_tokens == 0" in log and "AssertionError" in log}
             ok = all(checks.values())
         else:
             ok = "error" not in result and all(checks.values())
