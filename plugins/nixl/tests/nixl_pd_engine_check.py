@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,8 +42,26 @@ from typing import Any
 BLOCK_SIZE = 32
 PROMPT_LEN = 100  # 4 blocks, the last one partial
 SHORT_LEN = 10  # shorter than one block
-P_PORT, D_PORT = 5655, 5656
 TIMEOUT_S = 300
+#: The driver picks two free ports and hands them to both engine processes.
+PORTS_ENV = "KVCOMPOSE_NIXL_CHECK_PORTS"
+
+
+def free_ports(n: int) -> list[int]:
+    """n TCP ports that are free now (bound to port 0, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def ports() -> tuple[int, int]:
+    p, d = os.environ[PORTS_ENV].split(",")
+    return int(p), int(d)
 
 
 def engine(role: str, port: int, upstream: bool = False) -> Any:
@@ -92,7 +111,7 @@ def metrics(llm: Any) -> dict[str, float]:
 def run_prefill(work: Path) -> None:
     from vllm import SamplingParams
 
-    llm = engine("kv_producer", P_PORT)
+    llm = engine("kv_producer", ports()[0])
     (work / "p.ready").touch()
     outs = llm.generate(
         [prompt(PROMPT_LEN, 1), prompt(PROMPT_LEN, 2)],
@@ -112,7 +131,7 @@ def run_prefill(work: Path) -> None:
 def run_decode(work: Path, upstream: bool = False) -> None:
     from vllm import SamplingParams
 
-    llm = engine("kv_consumer", D_PORT, upstream)
+    llm = engine("kv_consumer", ports()[1], upstream)
     result: dict[str, Any] = {}
     try:
         deadline = time.time() + TIMEOUT_S
@@ -163,6 +182,8 @@ def drive(upstream: bool = False) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    p_port, d_port = free_ports(2)
+    env[PORTS_ENV] = f"{p_port},{d_port}"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvcompose-nixl-pd-") as tmp:
         work = Path(tmp)
@@ -186,7 +207,7 @@ def drive(upstream: bool = False) -> int:
         m = result.get("metrics", {})
         n_blocks = -(-PROMPT_LEN // BLOCK_SIZE)
         checks = {
-            "prefill_reports_configured_port": result.get("remote_ports") == [P_PORT, P_PORT],
+            "prefill_reports_configured_port": result.get("remote_ports") == [p_port, p_port],
             "bytes_transferred": m.get("vllm:nixl_bytes_transferred") == 2 * expected_bytes(n_blocks),
             "no_failed_transfers": m.get("vllm:nixl_num_failed_transfers", 0.0) == 0.0,
             # vLLM counts a pulled prompt whole as external, though it recomputes the last token.
