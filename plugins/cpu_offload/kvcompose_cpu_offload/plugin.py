@@ -169,7 +169,7 @@ class CpuOffloadType(ConnectorType):
                 yield Problem(
                     "backend disk needs a file to write blocks to",
                     path=at("disk_path"),
-                    hint="set disk_path, e.g. /mnt/nvme/kv.bin (each rank adds .rank_<n>)",
+                    hint="set disk_path, e.g. /mnt/nvme/kv.bin (rank n writes kv.bin.rank_n)",
                 )
             for key in CPU_ONLY:
                 if key in given:

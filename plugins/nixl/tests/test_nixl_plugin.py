@@ -280,8 +280,7 @@ def test_valid_child_has_no_problem(plugins: Plugins) -> None:
 
 
 def test_describe_each_role() -> None:
-    consumer = child("consumer", backends=["UCX"], buffer_device="cuda").type.describe(
-        child("consumer", backends=["UCX"], buffer_device="cuda"))
+    consumer = NixlType().describe(child("consumer", backends=["UCX"], buffer_device="cuda"))
     assert consumer.startswith("pulls prompt KV from the prefill instance over NIXL (UCX), GPUDirect into VRAM")
     producer = NixlType().describe(child("producer"))
     assert "serves its prompt KV to decode instances" in producer
