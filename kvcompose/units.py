@@ -43,4 +43,4 @@ def format_size(n: int) -> str:
     for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= factor:
             return f"{n / factor:.1f}{unit}"
-    return f"{n}B"
+    return f"{int(n)}B"

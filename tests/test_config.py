@@ -80,3 +80,8 @@ def test_rule_with_parameters() -> None:
                  "rules:\n  store: {use: only, children: [host]}\n  faults: {use: isolate, children: [host]}\n")
     assert plan.store_targets == (1,)
     assert plan.best_effort == frozenset({1})
+
+
+def test_small_sizes_render() -> None:
+    assert repr(ByteSize(512)) == "ByteSize(512B)"
+    assert repr(ByteSize(32 << 30)) == "ByteSize(32GiB)"
