@@ -7,6 +7,8 @@ aliases expand past :data:`MAX_NODES` nodes are refused before any work scales w
 from __future__ import annotations
 
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -175,8 +177,6 @@ def msgspec_problem(exc: msgspec.ValidationError, prefix: DocPath = (), fields: 
 
 def _struct_at(struct: Any, parts: list[str | int]) -> Any:
     """The Struct type found by following ``parts`` into ``struct``'s annotations, if any."""
-    import typing
-
     t = struct
     for part in parts:
         t = _unwrap(t)
@@ -191,11 +191,9 @@ def _struct_at(struct: Any, parts: list[str | int]) -> Any:
 
 
 def _unwrap(t: Any) -> Any:
-    import typing
-
     while typing.get_origin(t) is Annotated:
         t = typing.get_args(t)[0]
-    args = [a for a in typing.get_args(t) if a is not type(None)] if typing.get_origin(t) in (typing.Union, __import__("types").UnionType) else None
+    args = [a for a in typing.get_args(t) if a is not type(None)] if typing.get_origin(t) in (typing.Union, types.UnionType) else None
     if args and len(args) == 1:
         return _unwrap(args[0])
     return t
@@ -209,8 +207,6 @@ def _fields_at(struct: Any, parts: list[str | int]) -> list[str]:
 
 
 def _literal_at(struct: Any, parts: list[str | int]) -> list[str]:
-    import typing
-
     t = _struct_at(struct, parts)
     if typing.get_origin(t) is Literal:
         return [str(a) for a in typing.get_args(t)]

@@ -113,9 +113,7 @@ class Plugins:
         """Register a plugin object at run time (tests do; so can embedding code)."""
         self.pm.register(plugin, name=name)
         self._providers[id(plugin)] = name or getattr(plugin, "__name__", type(plugin).__name__)
-        self.__dict__.pop("connector_types", None)
-        self.__dict__.pop("rules", None)
-        self.__dict__.pop("_provided", None)
+        self.__dict__.pop("_provided", None)  # recollect types and rules on next access
 
     def _collect(self, hook_name: str) -> list[tuple[object, object]]:
         """(item, plugin) pairs from every implementation of a registration hook."""

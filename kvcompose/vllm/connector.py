@@ -137,6 +137,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._all_hma = all(supports_hma(c) for c in self._connectors)
         self._tracker = self.plan.completion()
         self._disabled: set[int] = set()
+        self._orphaned: set[str] = set()  # loads owed by a disabled child, to report failed
         # Scheduler side.
         # (child, is_async) decided by the load rule, kept until the request ends.
         self._load_owner: dict[str, tuple[int, bool]] = {}
@@ -189,7 +190,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
     def _disable(self, i: int) -> None:
         self._disabled.add(i)
         # Loads it owed will never complete: report them failed so vLLM recomputes.
-        self._orphaned = {r for r, o in self._tracker.load_owner.items() if o == i}
+        self._orphaned |= {r for r, o in self._tracker.load_owner.items() if o == i}
         self._rebind()
 
     def _each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -336,9 +337,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             r = None if i in self._disabled else self._call(i, "get_transfer_results")(finished_req_ids)
             per_child.append(ChildResults(set(r.finished_sending), set(r.finished_recving), set(r.failed_recving))
                              if r is not None else ChildResults())
-        orphaned = getattr(self, "_orphaned", None)
-        if orphaned:
-            for req in orphaned:
+        if self._orphaned:
+            for req in self._orphaned:
                 owner = self._tracker.load_owner.get(req)
                 if owner is not None:
                     per_child[owner].finished_recving.add(req)
