@@ -24,16 +24,12 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from kvcompose.testing.kv import make_engine_kv
 
 TINY_MODEL = Path(__file__).parent / "data" / "tiny-llama"
 EOS_TOKEN_ID = 2
@@ -92,37 +88,16 @@ def make_kv_cache_config(
     head_size: int = 16,
     dtype: torch.dtype = torch.float16,
     sliding_window: int | None = None,
+    num_layers: int = 2,
 ) -> KVCacheConfig:
-    """A KV cache of real shape: a full-attention group, plus a sliding-window group if asked.
+    """A KV cache config of real shape, laid out by vLLM (no tensors allocated).
 
-    Each group gets two layers and its own backing tensor, as vLLM's hybrid allocator lays them
-    out (the CPU-offload scheduler derives its pool from ``kv_cache_tensors``).
+    A full-attention group of ``num_layers`` layers, plus an overlaid sliding-window group if
+    asked; see :func:`kvcompose.testing.kv.make_engine_kv` for the tensors too.
     """
-    groups: list[KVCacheGroupSpec] = []
-    full = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
-    )
-    groups.append(KVCacheGroupSpec(["layer0", "layer2"], full))
-    if sliding_window is not None:
-        swa = SlidingWindowSpec(
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            dtype=dtype,
-            sliding_window=sliding_window,
-        )
-        groups.append(KVCacheGroupSpec(["layer1", "layer3"], swa))
-    page = full.page_size_bytes
-    tensors = [
-        KVCacheTensor(
-            size=page * num_blocks * 2,
-            layers=list(g.layer_names),
-            layer_stride=page * num_blocks,
-            block_stride=page,
-        )
-        for g in groups
-    ]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    return make_engine_kv(num_layers=num_layers, block_size=block_size, num_blocks=num_blocks,
+                          num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+                          sliding_window=sliding_window, allocate=False).kv_cache_config
 
 
 def make_scheduler(

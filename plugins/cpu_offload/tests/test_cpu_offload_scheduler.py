@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from cpu_offload_kv import EngineKV, make_engine_kv, pattern_for
+from kvcompose.testing.kv import EngineKV, make_engine_kv, pattern_for
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

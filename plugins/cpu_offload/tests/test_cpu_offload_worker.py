@@ -7,7 +7,7 @@ import stat
 
 import pytest
 import torch
-from cpu_offload_kv import EngineKV, fill_random, make_engine_kv
+from kvcompose.testing.kv import EngineKV, fill_random, make_engine_kv
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 from kvcompose_cpu_offload.portable_worker import (
     CompletedEvent,
@@ -102,7 +102,7 @@ def test_copy_blocks(src_ids: list[int], dst_ids: list[int]) -> None:
 # --------------------------------------------------------------------------- host-memory tier
 
 
-@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC"])
 @pytest.mark.parametrize(("num_layers", "block_size"), [(1, 16), (2, 32), (4, 16)])
 def test_store_then_load_into_other_blocks(layout: str, num_layers: int, block_size: int) -> None:
     kv = make_engine_kv(num_layers=num_layers, block_size=block_size, num_blocks=24, layout=layout)
