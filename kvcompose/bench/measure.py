@@ -1,0 +1,108 @@
+"""Interleaved repeats and the ratios every benchmark reports.
+
+Timings on a shared 2-core machine drift with the other processes' load, so a subject and its
+baseline are never timed in separate blocks: each repeat runs every subject once, and the order
+flips on every other repeat so that a slow phase hits both sides equally.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The fewest repeats a reported figure may rest on (the issue asks for min and median of >= 5).
+MIN_REPEATS = 5
+
+
+@dataclass
+class Samples:
+    """The per-repeat values of one subject in one case (seconds per unit, or bytes per second)."""
+
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def min(self) -> float:
+        return min(self.values)
+
+    @property
+    def max(self) -> float:
+        return max(self.values)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"min": self.min, "median": self.median, "max": self.max, "values": list(self.values)}
+
+
+def interleave(subjects: Mapping[str, Callable[[int], float]], repeats: int) -> dict[str, Samples]:
+    """Run ``subjects[name](repeat)`` for every name, ``repeats`` times, alternating the order.
+
+    Each callable returns one sample (its own unit). The garbage collector is paused inside a
+    sample so that a collection triggered by one subject's garbage is not billed to another.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    names = list(subjects)
+    out = {n: Samples() for n in names}
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            gc.collect()
+            gc.disable()
+            try:
+                out[name].values.append(subjects[name](r))
+            finally:
+                gc.enable()
+    return out
+
+
+def time_per_call(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds per call of ``fn``, over ``calls`` back-to-back calls."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``subject / baseline`` for one case; ``higher_is_better`` says which way the target points."""
+
+    case: str
+    subject: str
+    baseline: str
+    by_min: float
+    by_median: float
+    higher_is_better: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"case": self.case, "subject": self.subject, "baseline": self.baseline,
+                "by_min": self.by_min, "by_median": self.by_median,
+                "higher_is_better": self.higher_is_better}
+
+
+def ratio(case: str, samples: Mapping[str, Samples], subject: str, baseline: str,
+          *, higher_is_better: bool = False) -> Ratio:
+    """The ratio of the best and of the median sample of ``subject`` to those of ``baseline``.
+
+    For times (lower is better) the best sample is the minimum; for throughputs the maximum.
+    """
+    s, b = samples[subject], samples[baseline]
+    best_s, best_b = (s.max, b.max) if higher_is_better else (s.min, b.min)
+    return Ratio(case, subject, baseline, best_s / best_b, s.median / b.median, higher_is_better)
+
+
+def repeats_for(quick: bool, full: int, quick_repeats: int = MIN_REPEATS) -> int:
+    """How many repeats a benchmark runs: never fewer than :data:`MIN_REPEATS`."""
+    return max(MIN_REPEATS, quick_repeats if quick else full)
+
+
+def pick(seq: Sequence[Any], quick: bool, quick_seq: Sequence[Any]) -> list[Any]:
+    """The sizes a benchmark sweeps: all of ``seq``, or ``quick_seq`` in quick mode."""
+    return list(quick_seq if quick else seq)
