@@ -78,9 +78,16 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
         self._rec("update_connector_output", connector_output.kv_connector_worker_meta)
 
     # worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._rec("register_kv_caches", tuple(kv_caches))
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         self._rec("bind_connector_metadata", connector_metadata)
         super().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self._rec("clear_connector_metadata")
+        super().clear_connector_metadata()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._rec("start_load_kv")
@@ -101,3 +108,19 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
         self._rec("get_transfer_results", set(finished_req_ids))
         res, self.results = self.results, None
         return res or KVConnectorTransferResults()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._rec("get_block_ids_with_load_errors")
+        return set()
+
+    def get_kv_connector_stats(self) -> Any:
+        self._rec("get_kv_connector_stats")
+        return None
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        self._rec("get_kv_connector_kv_cache_events")
+        return None
+
+    def build_connector_worker_meta(self) -> Any:
+        self._rec("build_connector_worker_meta")
+        return None

@@ -1,0 +1,281 @@
+"""The worker role of a connector over real CPU KV tensors, driven step by step without a model.
+
+A :class:`WorkerHarness` builds the worker-role connector that vLLM's model runner would build —
+the kvcompose composition from YAML, or any ``kv_transfer_config`` vLLM accepts (its own
+``MultiConnector`` included) — registers engine-shaped KV caches with it (laid out by vLLM's
+code, :mod:`kvcompose.testing.kv`) and replays the calls of one model-runner step in the order
+vLLM 0.32 makes them (``KVConnectorModelRunnerMixin._get_kv_connector_output`` and the
+per-layer ``maybe_transfer_kv_layer`` wrapper)::
+
+    bind_connector_metadata(meta)
+    start_load_kv(ctx)                  # here when the step has synchronous loads...
+    for layer: wait_for_layer_load(layer); <attention writes KV>; save_kv_layer(layer, kv, attn)
+    start_load_kv(ctx)                  # ...else here, after the forward
+    wait_for_save()
+    get_transfer_results(finished_req_ids), get_block_ids_with_load_errors(),
+    get_kv_connector_stats(), get_kv_connector_kv_cache_events(), build_connector_worker_meta()
+    clear_connector_metadata()
+
+Example::
+
+    from kvcompose.testing.worker import WorkerHarness
+
+    h = WorkerHarness.from_yaml('''
+    version: 1
+    connectors:
+      - {name: host, type: cpu-offload, options: {cpu_bytes: 16MiB}}
+    ''', num_layers=32)
+    meta = h.idle_metadata()          # what the scheduler sends on a step with nothing to move
+    out = h.step(meta)                # one step's lifecycle; returns vLLM's KVConnectorOutput
+    h.shutdown()
+
+    # vLLM's own MultiConnector, driven the same way:
+    h = WorkerHarness({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"connectors": [...]}}, num_layers=32)
+
+With requests, pair the worker with the scheduler of the same configuration:
+``h.scheduler.add_request(req)`` then ``h.engine_step()`` runs ``schedule()``, the worker step and
+``update_from_output()``, as one engine step does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvcompose.testing.kv import CPU_LAYOUT, EngineKV, make_engine_kv
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvcompose.plugins import Plugins
+
+#: Called between ``wait_for_layer_load`` and ``save_kv_layer`` with the layer's name and KV
+#: tensor: the place where a model's attention would write the step's new KV.
+LayerWrite = Callable[[str, torch.Tensor], None]
+
+
+def yaml_kv_transfer_config(source: str | Path, plugins: "Plugins | None" = None) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that ``kvcompose vllm-args`` renders for a composition.
+
+    ``source`` is YAML text, or a path to a YAML file (a ``Path``, or a one-line string naming
+    an existing ``.yaml``/``.yml`` file).
+    """
+    from kvcompose.compose import load, loads
+    from kvcompose.vllm.args import kv_transfer_config
+
+    if isinstance(source, Path) or ("\n" not in source and source.endswith((".yaml", ".yml"))):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"composition file {path} does not exist")
+        return kv_transfer_config(load(path, plugins))
+    return kv_transfer_config(loads(source, plugins))
+
+
+class WorkerHarness:
+    """A worker-role connector over engine-shaped CPU KV caches, and one step at a time.
+
+    ``kv_transfer_config`` is what vLLM's ``--kv-transfer-config`` takes (dict or
+    ``KVTransferConfig``); :meth:`from_yaml` renders it from a composition. The KV cache has
+    ``num_layers`` full-attention layers of ``num_blocks`` blocks (block 0 is vLLM's null
+    block), shaped for the kit's tiny model by default. With ``register`` (the default) the
+    caches are registered and the host-buffer copy op is set, as the model runner does at start.
+    """
+
+    def __init__(
+        self,
+        kv_transfer_config: "dict[str, Any] | KVTransferConfig",
+        *,
+        num_layers: int = 2,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        num_kv_heads: int = 2,
+        head_size: int = 32,
+        dtype: torch.dtype = torch.float32,
+        layout: str = CPU_LAYOUT,
+        sliding_window: int | None = None,
+        register: bool = True,
+    ) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kvcompose.testing.harness import make_vllm_config
+
+        vllm_config = make_vllm_config(kv_transfer_config, block_size=block_size)
+        assert vllm_config.kv_transfer_config is not None
+        #: The engine-shaped KV caches, their config and the ``VllmConfig`` they were made for.
+        self.kv: EngineKV = make_engine_kv(
+            num_layers=num_layers, block_size=block_size, num_blocks=num_blocks, num_kv_heads=num_kv_heads,
+            head_size=head_size, dtype=dtype, layout=layout, sliding_window=sliding_window,
+            vllm_config=vllm_config)
+        cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+        #: The worker-role connector under test.
+        self.connector: KVConnectorBase_V1 = cls(vllm_config, KVConnectorRole.WORKER, self.kv.kv_cache_config)
+        self._scheduler: Scheduler | None = None
+        self._idle: KVConnectorMetadata | None = None
+        #: The worker's ``KVConnectorOutput`` of the last :meth:`engine_step`.
+        self.last_output: KVConnectorOutput | None = None
+        if register:
+            self.register()
+
+    @classmethod
+    def from_yaml(cls, source: str | Path, *, plugins: "Plugins | None" = None, **kw: Any) -> "WorkerHarness":
+        """The composed connector for a composition (YAML text or file); ``kw`` as the constructor."""
+        return cls(yaml_kv_transfer_config(source, plugins), **kw)
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def vllm_config(self) -> "VllmConfig":
+        return self.kv.vllm_config
+
+    @property
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        return self.kv.kv_caches
+
+    @property
+    def layer_names(self) -> list[str]:
+        return self.kv.layer_names
+
+    def child(self, name: str) -> "KVConnectorBase_V1":
+        """A child connector: by composition name (kvcompose), or by class name (vLLM's MultiConnector)."""
+        from kvcompose.vllm.connector import KVComposeConnector
+
+        if isinstance(self.connector, KVComposeConnector):
+            return self.connector.child(name)
+        children = getattr(self.connector, "_connectors", [])
+        found = [c for c in children if type(c).__name__ == name]
+        if len(found) != 1:
+            raise KeyError(f"no single child named {name!r}; children: {[type(c).__name__ for c in children]}")
+        return found[0]
+
+    @property
+    def scheduler(self) -> "Scheduler":
+        """vLLM's ``Scheduler`` (scheduler-role connector) on this harness's configs, built on first use."""
+        if self._scheduler is None:
+            from kvcompose.testing.harness import make_scheduler
+
+            self._scheduler = make_scheduler(self.vllm_config, self.kv.kv_cache_config)
+        return self._scheduler
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def register(self) -> None:
+        """What the model runner does once the caches exist: register them, set the copy op."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+
+        self.connector.register_kv_caches(self.kv.kv_caches)
+        self.connector.set_host_xfer_buffer_ops(copy_kv_blocks)
+
+    def idle_metadata(self) -> "KVConnectorMetadata":
+        """The metadata the scheduler-role connector builds for a step with no request.
+
+        Built once by an engine step of :attr:`scheduler` (so it is only valid while that
+        scheduler holds no request) and reused; a benchmark binds it every step.
+        """
+        if self._idle is None:
+            if self.scheduler.requests:
+                raise RuntimeError("idle_metadata: the harness scheduler holds requests; use engine_step()")
+            out, _ = self._schedule_and_update(lambda so: self.step(so))
+            assert out.kv_connector_metadata is not None
+            self._idle = out.kv_connector_metadata
+        return self._idle
+
+    def step(
+        self,
+        work: "SchedulerOutput | KVConnectorMetadata",
+        *,
+        finished_req_ids: Iterable[str] = (),
+        sync_loads: bool | None = None,
+        write: LayerWrite | None = None,
+        attn_metadata: Any = None,
+        layers: bool = True,
+    ) -> "KVConnectorOutput":
+        """One model-runner step's connector calls; returns the step's ``KVConnectorOutput``.
+
+        ``work`` is a ``SchedulerOutput`` (its metadata, ``finished_req_ids`` and
+        ``has_sync_kv_loads`` are used) or a bare connector metadata (then the keyword
+        arguments give those). ``layers=False`` skips the per-layer calls, as vLLM does when
+        no token runs in the step.
+        """
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+        from vllm.forward_context import get_forward_context, set_forward_context
+        from vllm.v1.outputs import KVConnectorOutput
+
+        if isinstance(work, KVConnectorMetadata):
+            meta, finished, sync = work, set(finished_req_ids), bool(sync_loads)
+        else:
+            if work.kv_connector_metadata is None:
+                raise ValueError("step: the SchedulerOutput carries no kv_connector_metadata "
+                                 "(was its scheduler built without a kv_transfer_config?)")
+            meta = work.kv_connector_metadata
+            finished = set(work.finished_req_ids) | set(finished_req_ids)
+            sync = work.has_sync_kv_loads if sync_loads is None else sync_loads
+        conn = self.connector
+        conn.bind_connector_metadata(meta)
+        with set_forward_context(attn_metadata, self.vllm_config):
+            ctx = get_forward_context()
+            if sync:
+                conn.start_load_kv(ctx)
+            if layers:
+                for name in self.kv.layer_names:
+                    kv_layer = self.kv.kv_caches[name]
+                    conn.wait_for_layer_load(name)
+                    if write is not None:
+                        write(name, kv_layer)
+                    conn.save_kv_layer(name, kv_layer, attn_metadata)
+            if not sync:
+                conn.start_load_kv(ctx)
+        conn.wait_for_save()
+        results = conn.get_transfer_results(finished)
+        output = KVConnectorOutput(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=conn.get_block_ids_with_load_errors(),
+            kv_connector_stats=conn.get_kv_connector_stats(),
+            kv_cache_events=conn.get_kv_connector_kv_cache_events(),
+            kv_connector_worker_meta=conn.build_connector_worker_meta(),
+        )
+        conn.clear_connector_metadata()
+        return output
+
+    def engine_step(self, *, eos: bool = False, **step_kw: Any) -> "tuple[SchedulerOutput, Any]":
+        """One engine step: :attr:`scheduler` schedules, this worker runs its connector step,
+        the scheduler takes the worker's output (one sampled token per running request).
+
+        Returns ``(scheduler_output, engine_core_outputs)``; the worker's ``KVConnectorOutput``
+        is ``last_output``.
+        """
+        return self._schedule_and_update(lambda so: self.step(so, **step_kw), eos=eos)
+
+    def _schedule_and_update(self, run: Callable[["SchedulerOutput"], "KVConnectorOutput"],
+                             eos: bool = False) -> "tuple[SchedulerOutput, Any]":
+        from kvcompose.testing.harness import model_runner_output
+
+        sched = self.scheduler
+        out = sched.schedule()
+        running = [sched.requests[r] for r in out.num_scheduled_tokens]
+        self.last_output = run(out)
+        mro = model_runner_output(running, eos=eos)
+        mro.kv_connector_output = self.last_output
+        return out, sched.update_from_output(out, mro)
+
+    def shutdown(self) -> None:
+        """Shut the worker connector (and the scheduler's connector, if one was built) down."""
+        self.connector.shutdown()
+        if self._scheduler is not None and self._scheduler.connector is not None:
+            self._scheduler.connector.shutdown()
+
+    def __enter__(self) -> "WorkerHarness":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
