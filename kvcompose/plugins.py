@@ -115,6 +115,12 @@ class Plugins:
         self._providers[id(plugin)] = name or getattr(plugin, "__name__", type(plugin).__name__)
         self.__dict__.pop("_provided", None)  # recollect types and rules on next access
 
+    def unregister(self, plugin: object) -> None:
+        """Undo :meth:`register` (the test kit's fixtures do, so test types do not outlive a test)."""
+        self.pm.unregister(plugin)
+        self._providers.pop(id(plugin), None)
+        self.__dict__.pop("_provided", None)
+
     def _collect(self, hook_name: str) -> list[tuple[object, object]]:
         """(item, plugin) pairs from every implementation of a registration hook."""
         out: list[tuple[object, object]] = []

@@ -2,12 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompose.plugins import get_plugins
+from kvcompose.plugins import Plugins
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    import kvcompose.testing.types
-
-    plugins = get_plugins()
-    if not plugins.pm.is_registered(kvcompose.testing.types):
-        plugins.register(kvcompose.testing.types, name="kvcompose.testing.types")
+@pytest.fixture(autouse=True)
+def _test_types(kvcompose_plugins: Plugins) -> None:
+    """The project's own tests compose the kit's test types (record, record-pd, faulty) freely."""

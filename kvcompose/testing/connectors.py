@@ -1,13 +1,17 @@
-"""Connector types for tests: ``record`` answers as scripted and records every engine call.
+"""Connectors for tests: ``record`` answers as scripted and records every engine call;
+``faulty`` is a record connector that also raises, returns ``None``, stalls or fails loads on demand.
 
-Register :mod:`kvcompose.testing.types` as a plugin (the test kit's conftest does) to use
-``type: record`` in a composition.
+The kit's pytest plugin registers their connector types (:mod:`kvcompose.testing.types`) for
+tests that use its fixtures, so a composition can say ``type: record`` or ``type: faulty``.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -19,9 +23,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 INSTANCES: list["RecordConnector"] = []
 
 
+class FaultInjected(RuntimeError):
+    """Raised by a ``faulty`` connector where the test asked for it."""
+
+
 class RecordMetadata(KVConnectorMetadata):
-    def __init__(self, name: str, step: int) -> None:
+    def __init__(self, name: str, step: int, loads: dict[str, list[int]] | None = None) -> None:
         self.name, self.step = name, step
+        #: Loads assigned to this child since the last step: request id -> block ids (first group).
+        self.loads = loads or {}
 
 
 class RecordConnector(KVConnectorBase_V1, SupportsHMA):
@@ -44,6 +54,9 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.results: KVConnectorTransferResults | None = None
         self._steps = 0
+        self._new_loads: dict[str, list[int]] = {}
+        #: Worker side: loads bound from metadata and not yet reported.
+        self.loading: dict[str, list[int]] = {}
         INSTANCES.append(self)
 
     def _rec(self, method: str, *args: Any) -> None:
@@ -60,11 +73,14 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._rec("update_state_after_alloc", request.request_id, num_external_tokens)
+        if num_external_tokens > 0:
+            self._new_loads[request.request_id] = list(blocks.get_block_ids()[0])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._steps += 1
         self._rec("build_connector_meta", self._steps)
-        return RecordMetadata(self.name, self._steps)
+        loads, self._new_loads = self._new_loads, {}
+        return RecordMetadata(self.name, self._steps, loads)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._rec("request_finished", request.request_id)
@@ -83,6 +99,8 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         self._rec("bind_connector_metadata", connector_metadata)
+        if isinstance(connector_metadata, RecordMetadata):
+            self.loading.update(connector_metadata.loads)
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
@@ -124,3 +142,64 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> Any:
         self._rec("build_connector_worker_meta")
         return None
+
+
+class FaultyConnector(RecordConnector):
+    """A record connector with the faults of its ``faults`` option (see ``kvcompose.testing.types.Fault``).
+
+    Each fault wraps the named call on this instance: ``raise`` raises :class:`FaultInjected`,
+    ``none`` returns ``None`` (``(None, False)``, "ask again later", from a lookup), ``stall`` sleeps ``seconds`` then answers, ``fail-load`` makes
+    ``get_transfer_results`` report the named requests' bound loads (all of them when no request
+    is named) finished and failed, and ``get_block_ids_with_load_errors`` return their blocks.
+    A fault with ``requests`` fires only for calls about those requests. ``fired`` lists
+    ``(call, action, request_id)`` for every fault that fired.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        from kvcompose.testing.types import Fault
+
+        raw = self._kv_transfer_config.kv_connector_extra_config.get("faults", [])
+        self.faults: list[Fault] = [msgspec.convert(f, Fault) for f in raw]
+        self.fired: list[tuple[str, str, str | None]] = []
+        self._load_errors: set[int] = set()
+        self._left = [f.times for f in self.faults]
+        for call in {f.call for f in self.faults}:
+            setattr(self, call, self._wrap(call, getattr(self, call)))
+
+    def _wrap(self, call: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        mine = [(i, f) for i, f in enumerate(self.faults) if f.call == call]
+
+        def faulty(*args: Any, **kwargs: Any) -> Any:
+            req = next((a.request_id for a in args if hasattr(a, "request_id")), None)
+            for i, f in mine:
+                if self._left[i] == 0 or (f.requests and f.action != "fail-load" and req not in f.requests):
+                    continue
+                if self._left[i] is not None:
+                    self._left[i] -= 1
+                if f.action == "fail-load":
+                    return self._fail_loads(fn(*args, **kwargs), f.requests)
+                self.fired.append((call, f.action, req))
+                if f.action == "raise":
+                    raise FaultInjected(f"faulty connector {self.name!r}: injected failure in {call}"
+                                        + (f" for request {req}" if req else ""))
+                if f.action == "none":
+                    # vLLM's "no answer yet" for a lookup is (None, False); elsewhere a bare None.
+                    return (None, False) if call == "get_num_new_matched_tokens" else None
+                time.sleep(f.seconds)  # stall
+            return fn(*args, **kwargs)
+
+        return faulty
+
+    def _fail_loads(self, res: KVConnectorTransferResults, requests: list[str]) -> KVConnectorTransferResults:
+        failing = [r for r in self.loading if not requests or r in requests]
+        for r in failing:
+            self.fired.append(("get_transfer_results", "fail-load", r))
+            self._load_errors.update(self.loading.pop(r))
+        return KVConnectorTransferResults(set(res.finished_sending), set(res.finished_recving) | set(failing),
+                                          set(res.failed_recving) | set(failing))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        super().get_block_ids_with_load_errors()
+        errors, self._load_errors = self._load_errors, set()
+        return errors

@@ -29,7 +29,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvcompose.compose import load, loads
+from kvcompose.plugins import Plugins
 from kvcompose.testing.kv import make_engine_kv
+from kvcompose.vllm.args import kv_transfer_config
 
 TINY_MODEL = Path(__file__).parent / "data" / "tiny-llama"
 EOS_TOKEN_ID = 2
@@ -114,6 +117,38 @@ def make_scheduler(
         block_size=vllm_config.cache_config.block_size,
         log_stats=True,
     )
+
+
+def yaml_kv_transfer_config(source: str | Path, plugins: "Plugins | None" = None) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that ``kvcompose vllm-args`` renders for a composition.
+
+    ``source`` is YAML text, or a path to a YAML file (a ``Path``, or a one-line string naming
+    an existing ``.yaml``/``.yml`` file).
+    """
+    if isinstance(source, Path) or ("\n" not in source and source.endswith((".yaml", ".yml"))):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"composition file {path} does not exist")
+        return kv_transfer_config(load(path, plugins))
+    return kv_transfer_config(loads(source, plugins))
+
+
+def scheduler_from_yaml(
+    source: str | Path,
+    *,
+    plugins: Plugins | None = None,
+    num_blocks: int = 100,
+    block_size: int = 16,
+    sliding_window: int | None = None,
+    **cfg: Any,
+) -> Scheduler:
+    """vLLM's ``Scheduler`` around the composed connector of a composition (YAML text or file).
+
+    ``cfg`` goes to :func:`make_vllm_config`; the composed connector is ``scheduler.connector``.
+    """
+    vllm_config = make_vllm_config(yaml_kv_transfer_config(source, plugins), block_size=block_size, **cfg)
+    return make_scheduler(vllm_config, make_kv_cache_config(num_blocks, block_size=block_size,
+                                                            sliding_window=sliding_window))
 
 
 def make_request(

@@ -1,8 +1,11 @@
-"""Plugin module: the test kit's connector types (``record``)."""
+"""Plugin module: the test kit's connector types (``record``, ``record-pd``, ``faulty``).
+
+Nothing here imports vLLM: the classes vLLM instantiates live in :mod:`kvcompose.testing.connectors`.
+"""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -16,6 +19,50 @@ class RecordOptions(Options):
     is_async: bool = False
     delay_free: bool = False
     params: dict[str, Any] | None = None
+
+
+#: Every engine call a fault may name: the methods of vLLM's ``KVConnectorBase_V1`` that a
+#: composed connector forwards to a child (pinned to vLLM's class by the kit's tests).
+FAULT_CALLS: frozenset[str] = frozenset({
+    # scheduler side
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
+    "request_finished_all_groups", "update_connector_output", "on_new_request", "take_events",
+    "get_finished_count", "has_pending_block_frees", "reset_cache", "bind_kv_cache_manager",
+    "bind_gpu_block_pool", "get_loaded_kv_cache_group_ids", "set_xfer_handshake_metadata_pp_aware",
+    # worker side
+    "register_kv_caches", "set_host_xfer_buffer_ops", "bind_connector_metadata", "clear_connector_metadata",
+    "handle_preemptions", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+    "get_finished", "get_transfer_results", "get_block_ids_with_load_errors", "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events", "build_connector_worker_meta", "get_handshake_metadata", "shutdown",
+})
+
+FaultAction = Literal["raise", "none", "stall", "fail-load"]
+
+
+class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One injected fault: ``action`` on ``call`` (for ``requests`` only, when given)."""
+
+    call: str
+    #: raise: raise FaultInjected. none: return None. stall: sleep ``seconds``, then answer.
+    #: fail-load: (on get_transfer_results) report the requests' loads finished and failed, and
+    #: their blocks from get_block_ids_with_load_errors.
+    action: FaultAction
+    requests: list[str] = []
+    seconds: float = 0.05
+    #: Fire this many times, then behave (None: every time).
+    times: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.call not in FAULT_CALLS:
+            raise ValueError(f"call {self.call!r} is not a connector call; expected one of {sorted(FAULT_CALLS)}")
+        if self.action == "fail-load" and self.call != "get_transfer_results":
+            raise ValueError("action fail-load is reported by get_transfer_results; set call: get_transfer_results")
+        if self.seconds < 0 or (self.times is not None and self.times < 1):
+            raise ValueError("seconds must be >= 0 and times >= 1")
+
+
+class FaultyOptions(RecordOptions):
+    faults: list[Fault] = []
 
 
 class RecordType(ConnectorType):
@@ -44,6 +91,22 @@ class RecordPDType(RecordType):
                             "remote_host", "remote_port"})
 
 
+class FaultyType(RecordType):
+    name = "faulty"
+    summary = "test double: a record connector that raises, returns None, stalls or fails loads on demand"
+    options: ClassVar[type[Options]] = FaultyOptions
+
+    def vllm_config(self, child: Child) -> dict[str, Any]:
+        cfg = super().vllm_config(child)
+        cfg["kv_connector"] = "FaultyConnector"
+        cfg["kv_connector_extra_config"]["faults"] = msgspec.to_builtins(child.options.faults)  # type: ignore[attr-defined]
+        return cfg
+
+    def describe(self, child: Child) -> str:
+        faults = child.options.faults  # type: ignore[attr-defined]
+        return f"records calls; injects {len(faults)} fault(s): " + ", ".join(f"{f.action} on {f.call}" for f in faults)
+
+
 @hookimpl
 def kvcompose_connector_types() -> list[ConnectorType]:
-    return [RecordType(), RecordPDType()]
+    return [RecordType(), RecordPDType(), FaultyType()]

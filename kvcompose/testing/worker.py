@@ -62,23 +62,6 @@ if TYPE_CHECKING:
 LayerWrite = Callable[[str, torch.Tensor], None]
 
 
-def yaml_kv_transfer_config(source: str | Path, plugins: "Plugins | None" = None) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that ``kvcompose vllm-args`` renders for a composition.
-
-    ``source`` is YAML text, or a path to a YAML file (a ``Path``, or a one-line string naming
-    an existing ``.yaml``/``.yml`` file).
-    """
-    from kvcompose.compose import load, loads
-    from kvcompose.vllm.args import kv_transfer_config
-
-    if isinstance(source, Path) or ("\n" not in source and source.endswith((".yaml", ".yml"))):
-        path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"composition file {path} does not exist")
-        return kv_transfer_config(load(path, plugins))
-    return kv_transfer_config(loads(source, plugins))
-
-
 class WorkerHarness:
     """A worker-role connector over engine-shaped CPU KV caches, and one step at a time.
 
@@ -128,6 +111,8 @@ class WorkerHarness:
     @classmethod
     def from_yaml(cls, source: str | Path, *, plugins: "Plugins | None" = None, **kw: Any) -> "WorkerHarness":
         """The composed connector for a composition (YAML text or file); ``kw`` as the constructor."""
+        from kvcompose.testing.harness import yaml_kv_transfer_config
+
         return cls(yaml_kv_transfer_config(source, plugins), **kw)
 
     # ------------------------------------------------------------------ accessors

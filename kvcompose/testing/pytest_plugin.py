@@ -1,0 +1,95 @@
+"""kvcompose's pytest plugin (entry point ``pytest11: kvcompose``): fixtures of the test kit.
+
+pytest loads this module into every run in an environment where kvcompose is installed, the
+real-engine tests included, so it imports nothing heavy (no vLLM, no torch: each fixture imports
+what it needs when a test asks for it) and changes nothing for a test that uses none of its
+fixtures: the test connector types are registered only for the tests that ask for them.
+
+Fixtures:
+
+``kvcompose_plugins``
+    The process-wide plugin manager with the kit's test types (``record``, ``record-pd``,
+    ``faulty``) registered for this test.
+``kvcompose_scheduler``
+    Factory: ``kvcompose_scheduler(yaml_text_or_path, num_blocks=100, ...)`` -> vLLM's
+    ``Scheduler`` around the composed connector (``.connector``).
+``kvcompose_worker``
+    Factory: ``kvcompose_worker(yaml_text_or_path_or_kv_transfer_config, num_layers=2, ...)``
+    -> a :class:`kvcompose.testing.worker.WorkerHarness`; shut down after the test.
+``fake_nixl``
+    vLLM's NIXL worker talks to a :class:`kvcompose.testing.fake_nixl.FakeNixlAgent` instead
+    of the real agent during this test; the fixture's value controls the fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvcompose.plugins import Plugins
+    from kvcompose.testing.fake_nixl import FakeNixl
+    from kvcompose.testing.worker import WorkerHarness
+
+TYPES_PLUGIN_NAME = "kvcompose.testing.types"
+
+
+@pytest.fixture
+def kvcompose_plugins() -> Iterator["Plugins"]:
+    """The global plugin manager (the one vLLM's composed connector uses) with the test types."""
+    import kvcompose.testing.types as types
+    from kvcompose.plugins import get_plugins
+
+    plugins = get_plugins()
+    if plugins.pm.is_registered(types):  # registered by an outer scope (a conftest): leave it
+        yield plugins
+        return
+    plugins.register(types, name=TYPES_PLUGIN_NAME)
+    try:
+        yield plugins
+    finally:
+        plugins.unregister(types)
+
+
+@pytest.fixture
+def kvcompose_scheduler(kvcompose_plugins: "Plugins") -> Callable[..., "Scheduler"]:
+    """Factory for vLLM's real ``Scheduler`` around a composition (YAML text or file)."""
+    from kvcompose.testing.harness import scheduler_from_yaml
+
+    def make(source: str | Path, **kw: Any) -> "Scheduler":
+        return scheduler_from_yaml(source, plugins=kvcompose_plugins, **kw)
+
+    return make
+
+
+@pytest.fixture
+def kvcompose_worker(kvcompose_plugins: "Plugins") -> Iterator[Callable[..., "WorkerHarness"]]:
+    """Factory for worker harnesses (composition YAML text or file, or a kv_transfer_config dict)."""
+    from kvcompose.testing.worker import WorkerHarness
+
+    made: list[WorkerHarness] = []
+
+    def make(source: str | Path | dict[str, Any], **kw: Any) -> WorkerHarness:
+        h = WorkerHarness(source, **kw) if isinstance(source, dict) else WorkerHarness.from_yaml(
+            source, plugins=kvcompose_plugins, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.shutdown()
+
+
+@pytest.fixture
+def fake_nixl(monkeypatch: pytest.MonkeyPatch) -> "FakeNixl":
+    """Swap the NIXL agent vLLM's NIXL worker creates for the kit's fake, for this test."""
+    from kvcompose.testing.fake_nixl import FakeNixl
+
+    fake = FakeNixl()
+    fake.install(monkeypatch)
+    return fake
