@@ -62,6 +62,32 @@ if TYPE_CHECKING:
 LayerWrite = Callable[[str, torch.Tensor], None]
 
 
+def ensure_single_rank_distributed(vllm_config: "VllmConfig") -> None:
+    """A one-process tensor/pipeline-parallel world (gloo), as a single-GPU worker has.
+
+    Workers of P/D connectors (NIXL) ask vLLM for their TP rank; outside an engine nobody has
+    set that world up. Done once per process; a world set up by someone else is kept.
+    """
+    import socket
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        return
+    with socket.socket() as sock:  # a free port for the one-member rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        ensure_model_parallel_initialized(1, 1)
+
+
 class WorkerHarness:
     """A worker-role connector over engine-shaped CPU KV caches, and one step at a time.
 
@@ -70,6 +96,8 @@ class WorkerHarness:
     ``num_layers`` full-attention layers of ``num_blocks`` blocks (block 0 is vLLM's null
     block), shaped for the kit's tiny model by default. With ``register`` (the default) the
     caches are registered and the host-buffer copy op is set, as the model runner does at start.
+    Workers that check the attention kernel's block size (NIXL's) need ``block_size=32`` (a
+    multiple of 32: vLLM's CPU attention backend); build requests with the same block size.
     """
 
     def __init__(
@@ -98,6 +126,7 @@ class WorkerHarness:
             num_layers=num_layers, block_size=block_size, num_blocks=num_blocks, num_kv_heads=num_kv_heads,
             head_size=head_size, dtype=dtype, layout=layout, sliding_window=sliding_window,
             vllm_config=vllm_config)
+        ensure_single_rank_distributed(vllm_config)
         cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
         #: The worker-role connector under test.
         self.connector: KVConnectorBase_V1 = cls(vllm_config, KVConnectorRole.WORKER, self.kv.kv_cache_config)
