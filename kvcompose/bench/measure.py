@@ -62,6 +62,32 @@ def interleave(subjects: Mapping[str, Callable[[int], float]], repeats: int) -> 
     return out
 
 
+def interleave_units(units: Mapping[str, Callable[[], float]], repeats: int, per_repeat: int) -> dict[str, Samples]:
+    """Like :func:`interleave`, but alternating the subjects on every unit of work.
+
+    ``units[name]()`` does one unit (a scheduler step) and returns the seconds it timed itself;
+    a sample is the mean over ``per_repeat`` units. Alternating per unit, not per sample, lets
+    subjects whose units last milliseconds share the same moments of machine load.
+    """
+    if repeats < 1 or per_repeat < 1:
+        raise ValueError(f"repeats and per_repeat must be >= 1, got {repeats} and {per_repeat}")
+    names = list(units)
+    out = {n: Samples() for n in names}
+    for _r in range(repeats):
+        total = dict.fromkeys(names, 0.0)
+        gc.collect()
+        gc.disable()
+        try:
+            for j in range(per_repeat):
+                for name in names if j % 2 == 0 else names[::-1]:
+                    total[name] += units[name]()
+        finally:
+            gc.enable()
+        for name in names:
+            out[name].values.append(total[name] / per_repeat)
+    return out
+
+
 def time_per_call(fn: Callable[[], Any], calls: int) -> float:
     """Seconds per call of ``fn``, over ``calls`` back-to-back calls."""
     t0 = time.perf_counter()

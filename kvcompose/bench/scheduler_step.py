@@ -23,11 +23,11 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvcompose.bench.measure import interleave, pick, ratio, repeats_for
+from kvcompose.bench.measure import interleave_units, pick, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
 
 SIZES = (1, 16, 128, 1024)
@@ -210,11 +210,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
             for _ in range(warmup_steps(quick)):
                 d.step()
         k = steps_per_repeat(n, quick)
-
-        def subject(d: Driver) -> Callable[[int], float]:
-            return lambda _r: sum(d.step() for _ in range(k)) / k
-
-        samples = interleave({s: subject(d) for s, d in drivers.items()}, reps)
+        samples = interleave_units({s: d.step for s, d in drivers.items()}, reps, k)
         label = f"{n} reqs"
         counts = {s: dict(sorted(d.counts.items())) for s, d in drivers.items()}
         cases.append(Case(label, samples, {"running": n, "steps_per_repeat": k, "work": counts}))

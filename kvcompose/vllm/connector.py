@@ -135,6 +135,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._connectors: list[KVConnectorBase_V1] = [cls(cfg, role, kv_cache_config) for cls, cfg in classes]
         self.names: tuple[str, ...] = self.plan.names
         self._all_hma = all(supports_hma(c) for c in self._connectors)
+        self._qualnames = {n: _qualname(type(c)) for n, c in zip(self.names, self._connectors)}
+        self._pack = self.plan.metadata.pack
         self._tracker = self.plan.completion()
         self._disabled: set[int] = set()
         self._orphaned: set[str] = set()  # loads owed by a disabled child, to report failed
@@ -157,6 +159,11 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._wait_save = [self._call(i, "wait_for_save") for i in self._stores]
         self._wait_layer = [self._call(i, "wait_for_layer_load") for i in active]
         self._start_load = [self._call(i, "start_load_kv") for i in active]
+        self._bound: dict[str, list[tuple[int, Callable[..., Any]]]] = {}
+        # Per step, on every child (None where disabled): the metadata keeps one slot per child.
+        self._build_meta = [None if i in self._disabled else c.build_connector_meta
+                            for i, c in enumerate(self._connectors)]
+        self._active_children = [self._connectors[i] for i in active]
 
     def _call(self, i: int, method: str) -> Callable[..., Any]:
         """Child ``i``'s bound method, wrapped only when tracing or fault isolation asks for it."""
@@ -193,9 +200,21 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._orphaned |= {r for r, o in self._tracker.load_owner.items() if o == i}
         self._rebind()
 
+    def _fns(self, method: str) -> list[tuple[int, Callable[..., Any]]]:
+        """``(child index, callable)`` for ``method`` on every active child, resolved once.
+
+        The scheduler calls several of these per request per step; resolving (getattr, the
+        trace and fault wrappers) once per method instead of per call keeps the composite's own
+        cost below vLLM's MultiConnector's (see docs/performance.md).
+        """
+        fns = self._bound.get(method)
+        if fns is None:
+            fns = self._bound[method] = [(i, self._call(i, method)) for i in self._active]
+        return fns
+
     def _each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every active child, in YAML order."""
-        return [self._call(i, method)(*args, **kwargs) for i in self._active]
+        return [fn(*args, **kwargs) for _, fn in self._fns(method)]
 
     @property
     def sub_connectors(self) -> list[KVConnectorBase_V1]:
@@ -356,14 +375,15 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = {}
-        for i in self._active:
-            stats = self._call(i, "get_kv_connector_stats")()
+        for i, fn in self._fns("get_kv_connector_stats"):
+            stats = fn()
             if stats is not None:
                 data[self.names[i]] = stats
         if not data:
             return None
-        classes = {n: _qualname(type(self.child(n))) for n in data}
-        return ComposedStats(data=data, connector_classes=classes)
+        if len(data) == len(self._qualnames):  # the usual case: every child reports
+            return ComposedStats(data=data, connector_classes=dict(self._qualnames))
+        return ComposedStats(data=data, connector_classes={n: self._qualnames[n] for n in data})
 
     def get_kv_connector_kv_cache_events(self) -> "KVConnectorKVEvents | None":
         children = {}
@@ -408,31 +428,32 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._each("bind_gpu_block_pool", gpu_block_pool)
 
     def on_new_request(self, request: "Request") -> None:
-        self._each("on_new_request", request)
+        for _, fn in self._fns("on_new_request"):
+            fn(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        active = self._active
+        fns = self._fns("get_num_new_matched_tokens")
 
         def ask(k: int) -> tuple[int | None, bool]:
-            i = active[k]
-            answer = self._call(i, "get_num_new_matched_tokens")(request, num_computed_tokens)
+            i, fn = fns[k]
+            answer = fn(request, num_computed_tokens)
             return (0, False) if answer is None and i in self._disabled else answer
 
-        sel: Selection = self.plan.load.select(ask, len(active))
+        sel: Selection = self.plan.load.select(ask, len(fns))
         if sel.tokens is None:
             return None, False
         if sel.winner is None:
             # A re-lookup that finds nothing must not leave an older winner behind.
             self._load_owner.pop(request.request_id, None)
             return 0, False
-        self._load_owner[request.request_id] = (active[sel.winner], sel.is_async)
+        self._load_owner[request.request_id] = (fns[sel.winner][0], sel.is_async)
         return sel.tokens, sel.is_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         owner = self._load_owner.get(request.request_id) if num_external_tokens > 0 else None
         winner = owner[0] if owner else None
-        for i in self._active:
-            self._call(i, "update_state_after_alloc")(request, blocks, num_external_tokens if i == winner else 0)
+        for i, fn in self._fns("update_state_after_alloc"):
+            fn(request, blocks, num_external_tokens if i == winner else 0)
         if owner is not None and owner[1]:  # an async load: vLLM now waits for its completion
             self._pending_loads[request.request_id] = owner[0]
             self._new_owners[request.request_id] = owner[0]
@@ -450,9 +471,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._connectors[owner[0]].get_external_cache_hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        metas = [self._connectors[i].build_connector_meta(scheduler_output) if i not in self._disabled else None
-                 for i in range(len(self._connectors))]
-        meta = ComposedMetadata(self.plan.metadata.pack(metas), self._new_owners, self._new_saves)
+        metas = [None if fn is None else fn(scheduler_output) for fn in self._build_meta]
+        meta = ComposedMetadata(self._pack(metas), self._new_owners, self._new_saves)
         self._new_owners, self._new_saves = {}, {}
         return meta
 
@@ -466,36 +486,33 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             self.dropped_completions += len(connector_output.finished_recving) - len(kept)
             connector_output.finished_recving = kept
         try:
-            for i in self._active:
-                name = self.names[i]
-                connector_output.kv_connector_worker_meta = (
-                    composed_meta.children.get(name) if isinstance(composed_meta, ComposedWorkerMetadata) else None)
-                connector_output.kv_cache_events = (
-                    composed_events.children.get(name) if isinstance(composed_events, ComposedKVEvents) else None)
-                self._call(i, "update_connector_output")(connector_output)
+            metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else {}
+            events = composed_events.children if isinstance(composed_events, ComposedKVEvents) else {}
+            names = self.names
+            for i, fn in self._fns("update_connector_output"):
+                connector_output.kv_connector_worker_meta = metas.get(names[i])
+                connector_output.kv_cache_events = events.get(names[i])
+                fn(connector_output)
         finally:
             connector_output.kv_connector_worker_meta = composed_meta
             connector_output.kv_cache_events = composed_events
 
-    def _finished(self, request: "Request", call: Callable[[int], tuple[bool, dict[str, Any] | None]]) -> tuple[bool, dict[str, Any] | None]:
-        results: list[dict[str, Any] | None] = []
+    def _finished(self, request: "Request", method: str, *args: Any) -> tuple[bool, dict[str, Any] | None]:
+        results: list[dict[str, Any] | None] = [None] * len(self._connectors)
         delaying: list[int] = []
-        for i in range(len(self._connectors)):
-            if i in self._disabled:
-                results.append(None)
-                continue
-            answer = call(i)
-            delay, params = answer if answer is not None else (False, None)
-            results.append(params)
-            if delay:
-                delaying.append(i)
+        for i, fn in self._fns(method):
+            answer = fn(request, *args)
+            if answer is not None:
+                delay, results[i] = answer
+                if delay:
+                    delaying.append(i)
         self._load_owner.pop(request.request_id, None)
         if delaying:
             self._new_saves[request.request_id] = tuple(delaying)
         return bool(delaying), self.plan.params.merge(results)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, lambda i: self._call(i, "request_finished")(request, block_ids))
+        return self._finished(request, "request_finished", block_ids)
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         if not self._all_hma:
@@ -503,15 +520,15 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError("several KV cache groups need every child to support HMA; "
                                  f"{[n for n, c in zip(self.names, self._connectors) if not supports_hma(c)]} do not")
             return self.request_finished(request, block_ids[0])
-        return self._finished(request, lambda i: self._call(i, "request_finished_all_groups")(request, block_ids))
+        return self._finished(request, "request_finished_all_groups", block_ids)
 
     def register_finished_partial_tail(self, request: "Request", block_ids: tuple[list[int], ...],
                                        partial_tail_offloads: list[tuple[int, int, int]]) -> bool:
         return any(self._each("register_finished_partial_tail", request, block_ids, partial_tail_offloads))
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
-        for i in self._active:
-            yield from self._connectors[i].take_events()
+        for c in self._active_children:
+            yield from c.take_events()
 
     def has_pending_block_frees(self) -> bool:
         return any(self._each("has_pending_block_frees"))

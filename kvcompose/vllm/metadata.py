@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,9 @@ class ComposedHandshakeMetadata(KVConnectorHandshakeMetadata):
     children: dict[str, KVConnectorHandshakeMetadata]
 
 
+@functools.cache
 def _qualname(obj: type) -> str:
+    # Cached: ComposedStats.to_dict runs on every scheduler step.
     return f"{obj.__module__}:{obj.__qualname__}"
 
 
