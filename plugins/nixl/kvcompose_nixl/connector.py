@@ -40,7 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as _VllmNixlPushConnector,
 )
 
-from kvcompose_nixl import SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
+from kvcompose_nixl import PROGRESS_DELAY_KEY, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
+from kvcompose_nixl.progress import calm_progress_thread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,13 +102,18 @@ def _nothing_to_pull(request: Request) -> bool:
 
 
 class _SideChannelMixin:
-    """Applies the side-channel options once vLLM has built the scheduler half."""
+    """Applies the progress-thread delay before vLLM builds its halves, and the side-channel
+    options once it has built the scheduler half."""
 
     connector_scheduler: NixlBaseConnectorScheduler | None
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        assert vllm_config.kv_transfer_config is not None
+        delay = vllm_config.kv_transfer_config.get_from_extra_config(PROGRESS_DELAY_KEY, None)
+        if delay is not None:  # before vLLM's worker creates its NIXL agent
+            calm_progress_thread(int(delay))
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         if self.connector_scheduler is not None:
             apply_side_channel(self.connector_scheduler, vllm_config)

@@ -24,7 +24,7 @@ import msgspec
 from kvcompose import hookimpl
 from kvcompose.catalog import ConnectorType, Options
 from kvcompose.errors import Problem
-from kvcompose_nixl import CONNECTOR_MODULE, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
+from kvcompose_nixl import CONNECTOR_MODULE, PROGRESS_DELAY_KEY, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
 from kvcompose_nixl.backends import NETWORK_BACKENDS, backend_names
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "push_registration_timeout": "push_registration_timeout",
     "side_channel_host": SIDE_CHANNEL_HOST_KEY,
     "side_channel_port": SIDE_CHANNEL_PORT_KEY,
+    "progress_delay_us": PROGRESS_DELAY_KEY,
 }
 
 #: Option name -> top-level ``KVTransferConfig`` field it is rendered as.
@@ -129,6 +130,11 @@ class NixlOptions(Options):
     num_threads: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | None,
         msgspec.Meta(description="NIXL UCX worker threads (num_threads, 4; UCX-only backends)"),
+    ] = None
+    progress_delay_us: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        msgspec.Meta(description="microseconds NIXL's progress thread sleeps between polls; unset: NIXL's 0, "
+                     "which busy-spins a core per engine (use 100 on CPU-only hosts)"),
     ] = None
     enforce_handshake_compat: Annotated[
         bool | None,

@@ -1,0 +1,360 @@
+"""An engine node: one ``vllm.LLM`` in its own process, driven by JSON commands.
+
+The parent (:class:`EngineNode`) starts ``python -m kvcompose.e2e.node``, which builds the engine
+from an :class:`EngineSpec` and answers one JSON line per command on a private pipe (vLLM's own
+logging goes to a log file, so it cannot corrupt the replies). Every wait has a deadline, and
+:meth:`EngineNode.close` kills the whole process group, engine core included.
+
+Each engine lives in its own process because vLLM keeps process-global state (the OMP thread
+pool, Prometheus registry, environment read at import), and because the dead-peer test kills a
+prefill engine outright.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+#: Environment every engine gets (reference/e2e_on_cpu.md §0): a 1 GiB KV budget, and one
+#: reserved core so the worker's OMP thread count, and thus float rounding, does not change with
+#: the connector (otherwise logprobs drift from the baseline at ~1e-6 on 2 cores). UCX gets the
+#: transports it picks anyway on one host (CMA for the reads, tcp for its messages): left to
+#: probe the others, the first NIXL read took 20-33 s here instead of about 3 s.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "UCX_TLS": "tcp,cma,self"}
+START_TIMEOUT_S = 300.0
+CALL_TIMEOUT_S = 120.0
+
+
+class NodeError(RuntimeError):
+    """An engine node failed to start, died, or did not answer in time; carries its log tail."""
+
+
+@dataclass
+class EngineSpec:
+    """What one engine process runs.
+
+    ``composition`` is a kvcompose YAML file (``None``: no connector, a baseline engine).
+    ``side_channel_port`` and ``nixl_options`` override the ``nixl`` children's options, so that
+    a shipped example can run with a free port or with the handshake check off.
+    """
+
+    name: str
+    model: str
+    composition: str | None = None
+    side_channel_port: int | None = None
+    nixl_options: dict[str, Any] = field(default_factory=dict)
+    #: vLLM's ``kv_load_failure_policy``: "fail" (vLLM's default) or "recompute".
+    kv_load_failure_policy: str | None = None
+    num_gpu_blocks: int = 256
+    seed: int = 0
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        """The ``KVTransferConfig`` kwargs: the composition's, with this spec's overrides."""
+        if self.composition is None:
+            return None
+        return composed_kv_transfer_config(Path(self.composition), self.side_channel_port,
+                                           self.nixl_options, self.kv_load_failure_policy)
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """``vllm.LLM`` keyword arguments (the same engine settings the HTTP servers get)."""
+        return {
+            "model": self.model,
+            "skip_tokenizer_init": True,
+            "load_format": "safetensors",
+            "dtype": "float32",
+            "max_model_len": MAX_MODEL_LEN,
+            "enforce_eager": True,
+            "block_size": BLOCK_SIZE,
+            "seed": self.seed,
+            "num_gpu_blocks_override": self.num_gpu_blocks,
+            "disable_log_stats": False,  # the Prometheus counters the checks read
+        }
+
+
+def composed_kv_transfer_config(composition: Path, side_channel_port: int | None = None,
+                                nixl_options: dict[str, Any] | None = None,
+                                kv_load_failure_policy: str | None = None) -> dict[str, Any]:
+    """What ``kvcompose vllm-args`` renders for ``composition``, with nixl option overrides."""
+    from kvcompose.compose import build, load
+    from kvcompose.config import from_builtins, to_builtins
+    from kvcompose.vllm.args import kv_transfer_config
+
+    plan = load(composition)
+    overrides = dict(nixl_options or {})
+    if side_channel_port is not None:
+        overrides["side_channel_port"] = side_channel_port
+    if overrides:
+        data = to_builtins(plan.composition)
+        for child in data["connectors"]:
+            if child["type"] == "nixl":
+                child["options"] = {**child.get("options", {}), **overrides}
+        plan = build(from_builtins(data, str(composition)))
+    cfg = kv_transfer_config(plan)
+    if kv_load_failure_policy is not None:
+        cfg["kv_load_failure_policy"] = kv_load_failure_policy
+    return cfg
+
+
+# ---------------------------------------------------------------------------- parent side
+
+
+class EngineNode:
+    """Handle on one engine process. Start several, then :meth:`wait_ready` on each."""
+
+    def __init__(self, spec: EngineSpec, log_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name}.log"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        read_fd, write_fd = os.pipe()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
+        env.update(ENGINE_ENV)
+        env.update(extra_env or {})
+        env["KVCOMPOSE_NODE_FD"] = str(write_fd)
+        self._log = open(self.log_path, "w")
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcompose.e2e.node", json.dumps(asdict(spec))],
+            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            pass_fds=(write_fd,), start_new_session=True, text=True,
+        )
+        os.close(write_fd)
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
+        self._reader.start()
+        self.stage = "starting"
+        self.ready_info: dict[str, Any] | None = None
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "r") as pipe:
+            for line in pipe:
+                self._replies.put(json.loads(line))
+        self._replies.put(None)  # the process closed its end: it exited
+
+    def _next(self, deadline: float, what: str) -> dict[str, Any]:
+        while True:
+            try:
+                msg = self._replies.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise NodeError(f"{self.spec.name}: no answer to {what} in time\n{self.log_tail()}")
+                continue
+            if msg is None:
+                raise NodeError(f"{self.spec.name}: process exited (rc={self.proc.wait(5)}) "
+                                f"during {what}\n{self.log_tail()}")
+            if msg.get("event") == "stage":
+                self.stage = msg["stage"]
+                continue
+            return msg
+
+    def poll_ready(self, timeout: float = 0.0) -> bool:
+        """True once the engine is up; raises :class:`NodeError` if it died starting."""
+        if self.ready_info is not None:
+            return True
+        try:
+            msg = self._next(time.monotonic() + timeout, "start")
+        except NodeError:
+            if self.proc.poll() is None:  # still starting
+                return False
+            raise
+        if msg.get("event") != "ready":
+            raise NodeError(f"{self.spec.name}: failed to start: {msg.get('error')}\n{self.log_tail()}")
+        self.ready_info = msg
+        self.stage = "ready"
+        return True
+
+    def call(self, op: str, timeout: float = CALL_TIMEOUT_S, **args: Any) -> Any:
+        """Run one command in the engine process and return its result."""
+        if self.proc.poll() is not None:
+            raise NodeError(f"{self.spec.name}: process has exited (rc={self.proc.returncode})\n{self.log_tail()}")
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        msg = self._next(time.monotonic() + timeout, op)
+        if "error" in msg:
+            raise NodeError(f"{self.spec.name}: {op} failed: {msg['error']}")
+        return msg["result"]
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 kv_transfer_params: list[dict[str, Any] | None] | None = None,
+                 timeout: float = CALL_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Greedy generation with 1 logprob per token; one dict per prompt (see ``_generate``)."""
+        return self.call("generate", timeout=timeout, prompts=prompts, max_tokens=max_tokens,
+                         kv_transfer_params=kv_transfer_params)
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's Prometheus counters, flattened (see :func:`flatten_metrics`)."""
+        return self.call("metrics")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the engine's own (device) prefix cache; the connectors keep what they hold."""
+        return self.call("reset_prefix_cache")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the engine's whole process group now (the dead-peer tests use this)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Ask the engine to exit, then kill its process group if it has not within ``grace_s``."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(grace_s)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        # The engine core is a child of the node: take down the group either way.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        self._log.close()
+
+
+def wait_all_ready(nodes: list[EngineNode], timeout: float = START_TIMEOUT_S,
+                   progress: Callable[[list[EngineNode], float], None] | None = None,
+                   every_s: float = 5.0) -> None:
+    """Wait until every node is up, calling ``progress(nodes, elapsed)`` every ``every_s``."""
+    start = time.monotonic()
+    last = start
+    while True:
+        pending = [n for n in nodes if not n.poll_ready(0.2)]
+        elapsed = time.monotonic() - start
+        if not pending:
+            return
+        if elapsed > timeout:
+            raise NodeError(f"engines not ready after {timeout:.0f} s: "
+                            + ", ".join(f"{n.spec.name} ({n.stage})" for n in pending)
+                            + "\n" + pending[0].log_tail())
+        if progress is not None and time.monotonic() - last >= every_s:
+            last = time.monotonic()
+            progress(nodes, elapsed)
+
+
+def flatten_metrics(metrics: list[Any]) -> dict[str, float]:
+    """``name{labels}`` -> value for counters and gauges; histograms as ``name_sum``/``name_count``.
+
+    The ``engine`` and ``model_name`` labels are dropped; the HTTP variant parses ``/metrics``
+    into the same keys.
+    """
+    out: dict[str, float] = {}
+    for m in metrics:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name"))
+        suffix = f"{{{labels}}}" if labels else ""
+        if hasattr(m, "sum") and hasattr(m, "count"):
+            out[f"{m.name}_sum{suffix}"] = float(m.sum)
+            out[f"{m.name}_count{suffix}"] = float(m.count)
+        elif isinstance(getattr(m, "value", None), (int, float)):
+            out[m.name + suffix] = float(m.value)
+    return out
+
+
+# ---------------------------------------------------------------------------- child side
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int,
+              kv_transfer_params: list[dict[str, Any] | None] | None) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = []
+    for i in range(len(prompts)):
+        kv = kv_transfer_params[i] if kv_transfer_params else None
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, logprobs=1,
+                                     extra_args={"kv_transfer_params": kv} if kv is not None else None))
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    results = []
+    for o in outs:
+        comp = o.outputs[0]
+        logprobs = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs or [])]
+        stats = getattr(o, "metrics", None)
+        results.append({
+            "token_ids": list(comp.token_ids),
+            "logprobs": logprobs,
+            "finish_reason": comp.finish_reason,
+            "kv_transfer_params": o.kv_transfer_params,
+            # From arrival in this engine to its first token (RequestStateStats).
+            "ttft_s": getattr(stats, "first_token_latency", None),
+            "wall_s": wall,
+        })
+    return results
+
+
+def _serve(spec: EngineSpec, reply: Callable[[dict[str, Any]], None]) -> None:
+    reply({"event": "stage", "stage": "importing vllm"})
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs = spec.llm_kwargs()
+    ktc = spec.kv_transfer_config()
+    if ktc is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
+    reply({"event": "stage", "stage": "building engine"})
+    t0 = time.monotonic()
+    llm = LLM(**kwargs)
+    reply({"event": "ready", "start_s": round(time.monotonic() - t0, 1), "pid": os.getpid()})
+    ops: dict[str, Callable[..., Any]] = {
+        "generate": lambda prompts, max_tokens, kv_transfer_params=None:
+            _generate(llm, prompts, max_tokens, kv_transfer_params),
+        "metrics": lambda: flatten_metrics(llm.get_metrics()),
+        "reset_prefix_cache": lambda: bool(llm.reset_prefix_cache()),
+    }
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "exit":
+            break
+        try:
+            reply({"result": ops[op](**cmd)})
+        except Exception as exc:  # reported to the parent, which decides
+            reply({"error": f"{type(exc).__name__}: {exc}"})
+    del llm
+
+
+def main(argv: list[str]) -> int:
+    spec = EngineSpec(**json.loads(argv[0]))
+    fd = int(os.environ.pop("KVCOMPOSE_NODE_FD"))
+    os.set_inheritable(fd, False)  # the engine core must not hold the reply pipe open
+    out = os.fdopen(fd, "w", buffering=1)
+    os.environ.update(ENGINE_ENV)
+
+    def reply(msg: dict[str, Any]) -> None:
+        out.write(json.dumps(msg) + "\n")
+
+    try:
+        _serve(spec, reply)
+    except Exception as exc:
+        reply({"event": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
