@@ -147,7 +147,7 @@ def test_extra_config_keys_are_the_ones_vllm_and_the_connector_read() -> None:
     read = set(re.findall(r"""get_from_extra_config\(\s*["']([a-z_]+)["']""", src))
     for option, key in EXTRA_CONFIG_KEYS.items():
         if key.startswith("kvcompose_"):
-            assert key in {ours.SIDE_CHANNEL_HOST_KEY, ours.SIDE_CHANNEL_PORT_KEY}, option
+            assert key in {ours.SIDE_CHANNEL_HOST_KEY, ours.SIDE_CHANNEL_PORT_KEY, ours.PROGRESS_DELAY_KEY}, option
         else:
             assert key in read, f"{option} -> {key}: vLLM does not read it"
 
