@@ -137,10 +137,11 @@ class Result:
         by_case: dict[str, list[Ratio]] = {}
         for r in self.ratios:
             by_case.setdefault(r.case, []).append(r)
-        head = ["case"] + [f"{s} ({self.unit}) min/med" for s in subjects]
+        higher = any(r.higher_is_better for r in self.ratios)
+        head = ["case"] + [f"{s} ({self.unit}) {'max' if higher else 'min'}/med" for s in subjects]
         pairs = sorted({(r.subject, r.baseline) for r in self.ratios}, key=lambda p: [
             (r.subject, r.baseline) for r in self.ratios].index(p))
-        head += [f"{s}/{b} min/med" for s, b in pairs]
+        head += [f"{s}/{b} best/med" for s, b in pairs]
         rows = []
         for c in self.cases:
             row = [c.label]
