@@ -1,0 +1,258 @@
+"""A fake NIXL agent with the installed ``nixl_agent``'s call surface, moving real bytes on CPU.
+
+vLLM's NIXL worker creates its agent through ``NixlWrapper`` in
+``vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker`` (``PATCH_TARGET``);
+:meth:`FakeNixl.install` swaps :class:`FakeNixlAgent` in there. Agents of one :class:`FakeNixl`
+know each other by name, so two worker instances in one process can do a P/D READ: descriptors
+are ``(address, length, device)`` tuples over real host memory and a transfer copies the bytes
+(``ctypes.memmove``). The controller scripts what real hardware does on its own time:
+
+- ``cycles_before_done``: how many ``check_xfer_state`` calls answer ``"PROC"`` before ``"DONE"``;
+- ``fail_next(kind)``: the next transfer ends in ``"ERR"`` (``"err"``), raises from ``transfer``
+  (``"raise"``), or completes without its notification (``"drop-notif"``);
+- ``agents``: every agent made, by name; each records its calls in ``calls``.
+
+``kvcompose.testing``'s tests pin the methods and signatures here to the real ``nixl_agent``
+and to every ``nixl_wrapper`` call that vLLM's NIXL worker makes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import pickle
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import pytest
+
+PATCH_TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker.NixlWrapper"
+LOCAL = "NIXL_INIT_AGENT"
+
+
+class FakeNixlError(RuntimeError):
+    """What the fake raises where the real agent raises a ``nixlBind`` error."""
+
+
+@dataclass
+class Telemetry:
+    """The fields of ``nixlXferTelemetry`` that vLLM's NIXL stats read."""
+
+    xferDuration: int = 1
+    postDuration: int = 1
+    totalBytes: int = 0
+    descCount: int = 0
+
+
+@dataclass
+class _Xfer:
+    op: str
+    local: list[tuple[int, int, int]]
+    remote: list[tuple[int, int, int]]
+    remote_agent: str
+    notif: bytes
+    cycles_left: int
+    state: str = "INIT"
+    fault: str | None = None
+
+
+@dataclass
+class FakeNixl:
+    """The agents of one test, and the knobs that script their transfers."""
+
+    cycles_before_done: int = 0
+    agents: dict[str, "FakeNixlAgent"] = field(default_factory=dict)
+    _faults: list[str] = field(default_factory=list)
+
+    def fail_next(self, kind: str) -> None:
+        """The next transfer: ``"err"`` (state ERR), ``"raise"`` (transfer raises), ``"drop-notif"``."""
+        if kind not in ("err", "raise", "drop-notif"):
+            raise ValueError(f"fail_next: unknown kind {kind!r}; expected err, raise or drop-notif")
+        self._faults.append(kind)
+
+    def agent_class(self) -> type["FakeNixlAgent"]:
+        """A ``nixl_agent``-compatible class whose instances belong to this controller."""
+        controller = self
+
+        class BoundFakeNixlAgent(FakeNixlAgent):
+            def __init__(self, agent_name: str, nixl_conf: Any = None, instantiate_all: bool = False) -> None:
+                super().__init__(agent_name, nixl_conf, instantiate_all, _controller=controller)
+
+        return BoundFakeNixlAgent
+
+    def install(self, monkeypatch: "pytest.MonkeyPatch") -> None:
+        """Make vLLM's NIXL worker create fake agents (undone with the monkeypatch)."""
+        monkeypatch.setattr(PATCH_TARGET, self.agent_class())
+
+
+class FakeNixlAgent:
+    """The ``nixl_agent`` surface vLLM uses, over host memory."""
+
+    def __init__(self, agent_name: str, nixl_conf: Any = None, instantiate_all: bool = False,
+                 *, _controller: FakeNixl | None = None) -> None:
+        self.name = agent_name
+        self.conf = nixl_conf
+        self.controller = _controller or FakeNixl()
+        self.controller.agents[agent_name] = self
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.backends: dict[str, dict[str, str]] = {}
+        for backend in getattr(nixl_conf, "backends", None) or ["UCX"]:
+            self.create_backend(backend)
+        self.registered: list[list[tuple[int, int, int]]] = []
+        self.remote_agents: set[str] = set()
+        self.notifs: dict[str, list[bytes]] = defaultdict(list)
+        self._dlists: dict[int, tuple[str, list[tuple[int, int, int]]]] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._ids = itertools.count(1)
+
+    def _rec(self, method: str, *args: Any) -> None:
+        self.calls.append((method, args))
+
+    def called(self, method: str) -> list[tuple[Any, ...]]:
+        return [a for m, a in self.calls if m == method]
+
+    @staticmethod
+    def _descs(descs: Any) -> list[tuple[int, int, int]]:
+        """``(address, length, device)`` from NIXL's accepted forms: tuples (registration ones
+        carry a fourth, metadata string), an N x 3 array, a tensor (one region), or a prior result."""
+        if hasattr(descs, "data_ptr"):
+            return [(descs.data_ptr(), descs.numel() * descs.element_size(), 0)]
+        rows = descs.tolist() if hasattr(descs, "tolist") else list(descs)
+        return [(int(r[0]), int(r[1]), int(r[2])) for r in rows]
+
+    # ------------------------------------------------------------------ backends, memory
+
+    def create_backend(self, backend: str, initParams: dict[str, str] = {}) -> None:  # noqa: B006 (real default)
+        self._rec("create_backend", backend)
+        self.backends[backend] = dict(initParams)
+
+    def get_reg_descs(self, descs: Any, mem_type: Optional[str] = None) -> list[tuple[int, int, int]]:
+        return self._descs(descs)
+
+    def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
+                        backends: list[str] = []) -> list[tuple[int, int, int]]:  # noqa: B006
+        self._rec("register_memory", mem_type)
+        regs = self._descs(reg_list)
+        self.registered.append(regs)
+        return regs
+
+    def deregister_memory(self, dereg_list: Any, backends: list[str] = []) -> None:  # noqa: B006
+        self._rec("deregister_memory")
+        regs = self._descs(dereg_list)
+        if regs not in self.registered:
+            raise FakeNixlError(f"agent {self.name}: deregister_memory of memory that is not registered")
+        self.registered.remove(regs)
+
+    def get_xfer_descs(self, descs: Any, mem_type: Optional[str] = None) -> list[tuple[int, int, int]]:
+        return self._descs(descs)
+
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Optional[str] = None,
+                        backends: list[str] = []) -> int:  # noqa: B006
+        self._rec("prep_xfer_dlist", agent_name, mem_type)
+        if agent_name != LOCAL and agent_name not in self.remote_agents:
+            raise FakeNixlError(f"agent {self.name}: prep_xfer_dlist for unknown remote agent {agent_name!r}")
+        handle = next(self._ids)
+        self._dlists[handle] = (agent_name, self._descs(xfer_list))
+        return handle
+
+    def release_dlist_handle(self, handle: int) -> None:
+        self._rec("release_dlist_handle", handle)
+        self._dlists.pop(handle, None)
+
+    # ------------------------------------------------------------------ peers
+
+    def get_agent_metadata(self) -> bytes:
+        return pickle.dumps({"fake_nixl_agent": self.name})
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        self._rec("add_remote_agent")
+        name = pickle.loads(metadata)["fake_nixl_agent"]
+        if name not in self.controller.agents:
+            raise FakeNixlError(f"agent {self.name}: metadata names agent {name!r}, which does not exist")
+        self.remote_agents.add(name)
+        return name
+
+    def remove_remote_agent(self, agent: str) -> None:
+        self._rec("remove_remote_agent", agent)
+        self.remote_agents.discard(agent)
+
+    def check_remote_metadata(self, agent: str, descs: Any = None) -> bool:
+        return agent in self.remote_agents
+
+    # ------------------------------------------------------------------ transfers
+
+    def make_prepped_xfer(self, operation: str, local_xfer_side: int, local_indices: Any, remote_xfer_side: int,
+                          remote_indices: Any, notif_msg: bytes = b"", backends: list[str] = [],  # noqa: B006
+                          skip_desc_merge: bool = False) -> int:
+        self._rec("make_prepped_xfer", operation)
+        if operation not in ("READ", "WRITE"):
+            raise FakeNixlError(f"agent {self.name}: operation must be READ or WRITE, got {operation!r}")
+        local_agent, local = self._dlists[local_xfer_side]
+        remote_agent, remote = self._dlists[remote_xfer_side]
+        li, ri = [int(i) for i in local_indices], [int(i) for i in remote_indices]
+        if len(li) != len(ri):
+            raise FakeNixlError(f"agent {self.name}: {len(li)} local and {len(ri)} remote descriptors")
+        handle = next(self._ids)
+        self._xfers[handle] = _Xfer(operation, [local[i] for i in li], [remote[i] for i in ri], remote_agent,
+                                    bytes(notif_msg), self.controller.cycles_before_done)
+        return handle
+
+    def transfer(self, handle: int, notif_msg: bytes = b"") -> str:
+        self._rec("transfer", handle)
+        x = self._xfers[handle]
+        fault = self.controller._faults.pop(0) if self.controller._faults else None
+        if fault == "raise":
+            raise FakeNixlError(f"agent {self.name}: transfer failed (injected)")
+        for (l_addr, l_len, _), (r_addr, r_len, _) in zip(x.local, x.remote):
+            if l_len != r_len:
+                raise FakeNixlError(f"agent {self.name}: descriptor lengths differ ({l_len} vs {r_len})")
+            if fault != "err":
+                src, dst = (r_addr, l_addr) if x.op == "READ" else (l_addr, r_addr)
+                ctypes.memmove(dst, src, l_len)
+        x.fault, x.notif = fault, notif_msg or x.notif
+        x.state = "PROC"
+        if x.cycles_left > 0:
+            return "PROC"
+        return self._advance(x)
+
+    def _advance(self, x: _Xfer) -> str:
+        """PROC for ``cycles_before_done`` checks after ``transfer``, then DONE (or ERR)."""
+        if x.state != "PROC":
+            return x.state
+        if x.cycles_left > 0:
+            x.cycles_left -= 1
+            return "PROC"
+        x.state = "ERR" if x.fault == "err" else "DONE"
+        peer = self.controller.agents.get(x.remote_agent)
+        if x.state == "DONE" and x.notif and x.fault != "drop-notif" and peer is not None:
+            peer.notifs[self.name].append(x.notif)
+        return x.state
+
+    def check_xfer_state(self, handle: int) -> str:
+        return self._advance(self._xfers[handle])
+
+    def get_xfer_telemetry(self, handle: int) -> Telemetry:
+        x = self._xfers[handle]
+        return Telemetry(totalBytes=sum(d[1] for d in x.local), descCount=len(x.local))
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self._rec("release_xfer_handle", handle)
+        if self._xfers.get(handle) is not None and self._xfers[handle].state == "PROC":
+            raise FakeNixlError(f"agent {self.name}: release of a transfer still in progress")
+        self._xfers.pop(handle, None)
+
+    # ------------------------------------------------------------------ notifications
+
+    def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: Optional[str] = None) -> None:
+        self._rec("send_notif", remote_agent_name, notif_msg)
+        peer = self.controller.agents.get(remote_agent_name)
+        if peer is None:
+            raise FakeNixlError(f"agent {self.name}: send_notif to unknown agent {remote_agent_name!r}")
+        peer.notifs[self.name].append(bytes(notif_msg))
+
+    def get_new_notifs(self, backends: list[str] = []) -> dict[str, list[bytes]]:  # noqa: B006
+        out, self.notifs = dict(self.notifs), defaultdict(list)
+        return out
+
