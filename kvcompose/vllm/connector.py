@@ -47,6 +47,7 @@ from kvcompose.compose import Plan, build
 from kvcompose.config import from_builtins
 from kvcompose.rules.completion import ChildResults
 from kvcompose.rules.load import Selection
+from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadPromMetrics, ChildLoadStats
 from kvcompose.vllm.metadata import (
     ComposedHandshakeMetadata,
     ComposedKVEvents,
@@ -148,6 +149,9 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._new_saves: dict[str, tuple[int, ...]] = {}
         self._worker_events: dict[str, list[KVCacheEvent]] = {}
         self.dropped_completions = 0
+        # Which child served each load, reported with the stats (kvcompose.vllm.loadstats).
+        self._load_stats = ChildLoadStats()
+        self._looked_up: set[str] = set()
         self._rebind()
 
     def _rebind(self) -> None:
@@ -277,6 +281,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             prom = child_cls.build_prom_metrics(cfg, metric_types, labelnames, per_engine_labelvalues)
             if prom is not None:
                 by_class[key] = prom
+        by_class[_qualname(ChildLoadStats)] = ChildLoadPromMetrics(vllm_config, metric_types, labelnames,
+                                                                   per_engine_labelvalues)
         return ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, by_class)
 
     # ------------------------------------------------------------------ worker side
@@ -379,11 +385,17 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             stats = fn()
             if stats is not None:
                 data[self.names[i]] = stats
-        if not data:
+        loads = None if self._load_stats.is_empty() else self._load_stats  # scheduler side only
+        if not data and loads is None:
             return None
         if len(data) == len(self._qualnames):  # the usual case: every child reports
-            return ComposedStats(data=data, connector_classes=dict(self._qualnames))
-        return ComposedStats(data=data, connector_classes={n: self._qualnames[n] for n in data})
+            classes = dict(self._qualnames)
+        else:
+            classes = {n: self._qualnames[n] for n in data}
+        if loads is not None:
+            data[STATS_KEY], classes[STATS_KEY] = loads, _qualname(ChildLoadStats)
+            self._load_stats = ChildLoadStats()
+        return ComposedStats(data=data, connector_classes=classes)
 
     def get_kv_connector_kv_cache_events(self) -> "KVConnectorKVEvents | None":
         children = {}
@@ -442,6 +454,9 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         sel: Selection = self.plan.load.select(ask, len(fns))
         if sel.tokens is None:
             return None, False
+        if request.request_id not in self._looked_up:
+            self._looked_up.add(request.request_id)
+            self._load_stats.lookup()
         if sel.winner is None:
             # A re-lookup that finds nothing must not leave an older winner behind.
             self._load_owner.pop(request.request_id, None)
@@ -454,6 +469,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         winner = owner[0] if owner else None
         for i, fn in self._fns("update_state_after_alloc"):
             fn(request, blocks, num_external_tokens if i == winner else 0)
+        if winner is not None:
+            self._load_stats.load(self.names[winner], num_external_tokens)
         if owner is not None and owner[1]:  # an async load: vLLM now waits for its completion
             self._pending_loads[request.request_id] = owner[0]
             self._new_owners[request.request_id] = owner[0]
@@ -507,6 +524,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
                 if delay:
                     delaying.append(i)
         self._load_owner.pop(request.request_id, None)
+        self._looked_up.discard(request.request_id)
         if delaying:
             self._new_saves[request.request_id] = tuple(delaying)
         return bool(delaying), self.plan.params.merge(results)

@@ -1,0 +1,92 @@
+"""Which child served each load: per-child load counters of the composed connector.
+
+vLLM's own counters say where prompt tokens came from by *source* (``p2p``, ``host``, ...), not
+by child, and two children of one type share a source. The composite's scheduler half counts,
+per child name, the loads it handed to that child and their tokens, against the requests it
+looked up. They travel as one entry of the composite's stats (``ComposedStats``) to the front
+end and become Prometheus counters::
+
+    vllm:kvcompose_lookups                    requests the composite looked up
+    vllm:kvcompose_loads{child="host"}        requests whose external KV that child loaded
+    vllm:kvcompose_loaded_tokens{child="pd"}  tokens that child loaded
+
+A child's hit rate is ``loads{child} / lookups``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+#: The key of the load counters among the composite's per-child stats. Not a valid child name
+#: (names cannot contain ``:``), so it never collides with a child.
+STATS_KEY = "kvcompose:loads"
+
+
+@dataclass
+class ChildLoadStats(KVConnectorStats):
+    """``data = {"lookups": n, "loads": {child: n}, "tokens": {child: n}}`` since the last report."""
+
+    def __post_init__(self) -> None:
+        self.data.setdefault("lookups", 0)
+        self.data.setdefault("loads", {})
+        self.data.setdefault("tokens", {})
+
+    def lookup(self) -> None:
+        self.data["lookups"] += 1
+
+    def load(self, child: str, tokens: int) -> None:
+        self.data["loads"][child] = self.data["loads"].get(child, 0) + 1
+        self.data["tokens"][child] = self.data["tokens"].get(child, 0) + tokens
+
+    def reset(self) -> None:
+        self.data = {"lookups": 0, "loads": {}, "tokens": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data["lookups"] += other.data.get("lookups", 0)
+        for key in ("loads", "tokens"):
+            for child, n in other.data.get(key, {}).items():
+                self.data[key][child] = self.data[key].get(child, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {"lookups": self.data["lookups"]}
+        for child, n in self.data["loads"].items():
+            out[f"{child}.loads"] = n
+            out[f"{child}.loaded_tokens"] = self.data["tokens"].get(child, 0)
+        return out
+
+    def is_empty(self) -> bool:
+        return self.data["lookups"] == 0 and not self.data["loads"]
+
+
+class ChildLoadPromMetrics(KVConnectorPromMetrics):
+    """The Prometheus counters of :class:`ChildLoadStats` (label ``child``)."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        child_labels = [*labelnames, "child"]
+        self._lookups = self._counter_cls(name="vllm:kvcompose_lookups", labelnames=labelnames,
+                                          documentation="Requests the composed connector looked up for external KV.")
+        self._loads = self._counter_cls(name="vllm:kvcompose_loads", labelnames=child_labels,
+                                        documentation="Requests whose external KV the named child loaded.")
+        self._tokens = self._counter_cls(name="vllm:kvcompose_loaded_tokens", labelnames=child_labels,
+                                         documentation="Tokens of external KV the named child loaded.")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        if transfer_stats_data.get("lookups"):
+            self._lookups.labels(*labels).inc(transfer_stats_data["lookups"])
+        for child, n in transfer_stats_data.get("loads", {}).items():
+            self._loads.labels(*labels, child).inc(n)
+        for child, n in transfer_stats_data.get("tokens", {}).items():
+            self._tokens.labels(*labels, child).inc(n)

@@ -1,0 +1,74 @@
+"""Per-child load counters of the composed connector ("which child served the load")."""
+
+from __future__ import annotations
+
+import functools
+
+from prometheus_client import CollectorRegistry, Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import Gauge, Histogram
+
+from kvcompose.testing.harness import make_request
+from kvcompose.vllm.connector import KVComposeConnector
+from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadPromMetrics, ChildLoadStats
+from kvcompose.vllm.metadata import ComposedStats
+from tests.compose_util import composed_scheduler
+
+TWO = """
+version: 1
+connectors:
+  - {{name: a, type: record, options: {{matched_tokens: {a}, is_async: true}}}}
+  - {{name: b, type: record, options: {{matched_tokens: {b}, is_async: true}}}}
+"""
+
+
+def test_the_winning_child_is_counted_with_its_tokens() -> None:
+    sched, conn = composed_scheduler(TWO.format(a=0, b=32))
+    sched.add_request(make_request(64))
+    sched.schedule()  # update_from_output would drain the stats into the scheduler's own
+    stats = conn.get_kv_connector_stats()
+    assert isinstance(stats, ComposedStats)
+    loads = stats.data[STATS_KEY]
+    assert loads.data == {"lookups": 1, "loads": {"b": 1}, "tokens": {"b": 32}}
+    # Reported once: the next report starts from zero.
+    assert STATS_KEY not in (conn.get_kv_connector_stats() or ComposedStats()).data
+
+
+def test_a_lookup_without_a_hit_counts_no_load() -> None:
+    sched, conn = composed_scheduler(TWO.format(a=0, b=0))
+    sched.add_request(make_request(64))
+    sched.schedule()  # update_from_output would drain the stats into the scheduler's own
+    stats = conn.get_kv_connector_stats()
+    assert isinstance(stats, ComposedStats)
+    assert stats.data[STATS_KEY].data == {"lookups": 1, "loads": {}, "tokens": {}}
+
+
+def test_counters_survive_the_trip_to_the_front_end() -> None:
+    sched, conn = composed_scheduler(TWO.format(a=16, b=0))
+    sched.add_request(make_request(64))
+    sched.schedule()  # update_from_output would drain the stats into the scheduler's own
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None
+    rebuilt = KVComposeConnector.build_kv_connector_stats(stats.to_dict())
+    assert isinstance(rebuilt, ComposedStats)
+    assert rebuilt.data[STATS_KEY].data["loads"] == {"a": 1}
+    assert rebuilt.reduce()[f"{STATS_KEY}.a.loaded_tokens"] == 16
+
+
+def test_aggregate_adds_per_child() -> None:
+    x = ChildLoadStats(data={"lookups": 2, "loads": {"a": 1}, "tokens": {"a": 32}})
+    x.aggregate(ChildLoadStats(data={"lookups": 1, "loads": {"a": 1, "b": 1}, "tokens": {"a": 8, "b": 4}}))
+    assert x.data == {"lookups": 3, "loads": {"a": 2, "b": 1}, "tokens": {"a": 40, "b": 4}}
+
+
+def test_prometheus_counters_labelled_by_child() -> None:
+    registry = CollectorRegistry()
+    C = functools.partial(Counter, registry=registry)  # a private registry, not the process one
+    sched, conn = composed_scheduler(TWO.format(a=0, b=32))
+    metrics = ChildLoadPromMetrics(conn._vllm_config, {Counter: C, Gauge: Gauge, Histogram: Histogram}  # type: ignore[dict-item],
+                                   ["model_name", "engine"], {0: ["m", "0"]})
+    metrics.observe({"lookups": 3, "loads": {"b": 2}, "tokens": {"b": 64}})
+    assert registry.get_sample_value("vllm:kvcompose_lookups_total", {"model_name": "m", "engine": "0"}) == 3
+    assert registry.get_sample_value("vllm:kvcompose_loads_total",
+                                     {"model_name": "m", "engine": "0", "child": "b"}) == 2
+    assert registry.get_sample_value("vllm:kvcompose_loaded_tokens_total",
+                                     {"model_name": "m", "engine": "0", "child": "b"}) == 64
