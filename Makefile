@@ -1,7 +1,7 @@
 # The two commands of the README. Each creates or reuses .venv itself.
 PY := .venv/bin/python
 
-.PHONY: demo test setup
+.PHONY: demo test setup bench
 setup:
 	@scripts/setup.sh
 
@@ -13,3 +13,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
+
+# Benchmarks (docs/performance.md): `make bench BENCH_ARGS=--quick` for the 2-minute run.
+bench: setup
+	$(PY) -m kvcompose.cli bench $(BENCH_ARGS)

@@ -1,4 +1,4 @@
-"""``kvcompose``: check, explain, plugins, schema, vllm-args.
+"""``kvcompose``: check, explain, plugins, schema, vllm-args, bench.
 
 Exit status: 0 on success, 2 for a bad composition or bad usage (the error is printed as
 ``FILE:LINE:COL: key: message (hint)``, never as a traceback), 1 for a broken plugin.
@@ -62,6 +62,26 @@ def cmd_vllm_args(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvcompose.bench.plot import PlotUnavailable
+    from kvcompose.bench.runner import run
+
+    try:
+        run(quick=args.quick, only=args.only or (), png=args.png, out=Path(args.out))
+    except (PlotUnavailable, ValueError) as exc:
+        print(f"kvcompose bench: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvcompose.e2e.demo import run
+
+    return run(http=args.http)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcompose", description="Compose vLLM KV-cache connectors from YAML.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -81,6 +101,18 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--style", choices=["json", "shell"], default="json",
                    help="json: the value alone (default); shell: the whole flag, quoted")
     s.set_defaults(func=cmd_vllm_args)
+    s = sub.add_parser("demo", help="P/D over NIXL plus the CPU tier between two real vLLM engines, "
+                       "checked against a single-engine baseline (the main job)")
+    s.add_argument("--http", action="store_true",
+                   help="run the engines as OpenAI-compatible HTTP servers (vllm.entrypoints.openai.api_server)")
+    s.set_defaults(func=cmd_demo)
+    s = sub.add_parser("bench", help="benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)")
+    s.add_argument("--quick", action="store_true", help="fewer sizes and repeats, no engine run (under 2 minutes)")
+    s.add_argument("--only", action="append", metavar="NAME",
+                   help="run only this benchmark (repeatable): scheduler, worker, dispatch, cpu-copy, nixl-read")
+    s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
+    s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
+    s.set_defaults(func=cmd_bench)
     return p
 
 

@@ -33,6 +33,7 @@ else
   check "import nixl._api" || pip install --no-deps nixl
 fi
 pip install pluggy msgspec pyyaml "pytest>=8"
+check "import matplotlib" || pip install "matplotlib>=3.7"   # kvcompose[bench]: bench --png
 pip install --no-deps -e . -e plugins/nixl -e plugins/cpu_offload
 "$VENV/bin/python" -c "import vllm, nixl._api, pluggy, msgspec, yaml, kvcompose, kvcompose_nixl, kvcompose_cpu_offload" \
   || { echo "setup.sh: the environment does not import; see the messages above" >&2; exit 1; }

@@ -39,12 +39,29 @@ def _ids(pattern: str, n: int, pool: int, gen: torch.Generator) -> list[int]:
 def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int | None = None,
         bytes_per_copy: int | None = None) -> Result:
     """Store and load throughput per block size and pattern; ratio portable / torch gather-scatter."""
-    from kvcompose_cpu_offload.portable_worker import TorchCopyBackend
-
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
     per_copy = bytes_per_copy or (8 if quick else 64) * 1024 * KIB
     reps = repeats or repeats_for(quick, full=9)
     gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the bound is one thread's; vLLM may have changed the count
+    try:
+        cases, ratios = _sweep(sizes, per_copy, reps, gen)
+    finally:
+        torch.set_num_threads(threads)
+    return Result(
+        "cpu_copy", "CPU tier copy path: portable worker vs torch gather/scatter", "GB/s", 1e-9,
+        cases, ratios, Target(">=", 0.8, "portable worker", "torch gather/scatter"), reps, quick,
+        ["one torch thread (the copy runs in the worker's thread); the baseline's index tensors are built "
+         "beforehand, the portable worker builds its own from the block lists on every call",
+         "'runs' = consecutive block ids: the portable worker copies each run as one slice, "
+         "which beats a gather"],
+        {"bytes_per_copy": per_copy, "sizes": list(sizes), "threads": 1})
+
+
+def _sweep(sizes: tuple[int, ...], per_copy: int, reps: int, gen: torch.Generator) -> tuple[list[Case], list[Any]]:
+    from kvcompose_cpu_offload.portable_worker import TorchCopyBackend
+
     cases: list[Case] = []
     ratios = []
     for size in sizes:
@@ -87,11 +104,4 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
             if not torch.equal(host[torch.tensor(host_ids)], device[torch.tensor(dev_ids)]):
                 raise RuntimeError(f"cpu_copy: the pool does not hold the stored blocks ({_label(size)}, {pattern})")
         del device, host
-    return Result(
-        "cpu_copy", "CPU tier copy path: portable worker vs torch gather/scatter", "GB/s", 1e-9,
-        cases, ratios, Target(">=", 0.8, "portable worker", "torch gather/scatter"), reps, quick,
-        ["one thread (the copy runs in the worker's thread); the baseline's index tensors are built "
-         "beforehand, the portable worker builds its own from the block lists on every call",
-         "'runs' = consecutive block ids: the portable worker copies each run as one slice, "
-         "which beats a gather"],
-        {"bytes_per_copy": per_copy, "sizes": list(sizes), "threads": torch.get_num_threads()})
+    return cases, ratios

@@ -1,0 +1,83 @@
+"""The benchmarks' machinery: interleaving, ratios, results, equal work on both sides. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcompose.bench.measure import Samples, interleave, interleave_units, ratio
+from kvcompose.bench.report import Case, Result, Target
+
+
+def test_interleave_alternates_the_order_every_repeat() -> None:
+    order: list[str] = []
+    interleave({"a": lambda r: order.append("a") or 1.0, "b": lambda r: order.append("b") or 2.0}, 4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+
+
+def test_interleave_units_alternates_per_unit_and_averages() -> None:
+    order: list[str] = []
+    samples = interleave_units({"a": lambda: order.append("a") or 1.0, "b": lambda: order.append("b") or 3.0}, 2, 3)
+    assert order[:6] == ["a", "b", "b", "a", "a", "b"]
+    assert samples["a"].values == [1.0, 1.0] and samples["b"].values == [3.0, 3.0]
+
+
+def test_ratio_uses_the_best_sample_in_the_right_direction() -> None:
+    s = {"x": Samples([2.0, 4.0, 9.0]), "base": Samples([1.0, 2.0, 3.0])}
+    lower = ratio("c", s, "x", "base")
+    assert (lower.by_min, lower.by_median) == (2.0, 2.0)
+    higher = ratio("c", s, "x", "base", higher_is_better=True)
+    assert higher.by_min == 3.0  # max over max for throughputs
+
+
+def test_result_json_and_table_name_the_target_and_its_verdict(tmp_path: Path) -> None:
+    samples = {"MultiConnector": Samples([1.0] * 5), "kvcompose": Samples([1.1] * 5)}
+    r = Result("demo", "Demo", "us/step", 1e6, [Case("16 reqs", samples)],
+               [ratio("16 reqs", samples, "kvcompose", "MultiConnector")],
+               Target("<=", 1.0, "kvcompose", "MultiConnector"), 5)
+    data = json.loads(r.write(tmp_path).read_text())
+    assert data["target"]["met"] is False and data["machine"]["cores"] >= 1
+    assert data["cases"][0]["samples"]["kvcompose"]["median"] == pytest.approx(1.1)
+    table = r.table()
+    assert "16 reqs" in table and "MISS" in table and "cores" in table
+
+
+def test_png_without_matplotlib_fails_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcompose.bench.plot import PlotUnavailable, require_matplotlib
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an absent package looks like to import
+    with pytest.raises(PlotUnavailable, match=r"kvcompose\[bench\]"):
+        require_matplotlib()
+
+
+def test_cli_rejects_an_unknown_benchmark(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from kvcompose.cli import main
+
+    assert main(["bench", "--only", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_both_composites_do_the_same_scheduler_work() -> None:
+    """The scheduler benchmark compares like with like: same loads per tier, same tokens."""
+    from kvcompose.bench.scheduler_step import Driver
+
+    drivers = {s: Driver(s, 8) for s in ("MultiConnector", "kvcompose")}
+    for d in drivers.values():
+        for _ in range(120):
+            d.step()
+    multi, composed = (drivers[s].counts for s in ("MultiConnector", "kvcompose"))
+    assert multi == composed
+    # The mix is what it claims: NIXL loads remote prefills and the CPU tier serves repeats.
+    assert composed["loaded:nixl"] > 0 and composed["loaded:cpu"] > 0 and composed["finished"] > 0
+
+
+def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
+    from kvcompose.bench.cpu_copy import run
+
+    r = run(quick=True, sizes=(16 * 1024,), repeats=5, bytes_per_copy=256 * 1024)
+    assert [c.label for c in r.cases] == ["store 16 KiB scattered", "load 16 KiB scattered",
+                                          "store 16 KiB runs", "load 16 KiB runs"]
+    assert all(len(s.values) == 5 for c in r.cases for s in c.samples.values())
