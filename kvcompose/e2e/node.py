@@ -12,6 +12,7 @@ prefill engine outright.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -358,3 +359,37 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports on 127.0.0.1 that are free now (bound to port 0, then released)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextlib.contextmanager
+def pd_pair(prefill_composition: str | Path, decode_composition: str | Path, model: str | Path,
+            log_dir: Path, progress: Callable[[list[EngineNode], float], None] | None = None,
+            **decode_overrides: Any) -> Iterator[tuple[EngineNode, EngineNode]]:
+    """A prefill and a decode engine from two composition files, started in parallel, each with
+    its own free side-channel port; both are killed on exit. ``decode_overrides`` go to the
+    decode :class:`EngineSpec` (e.g. ``kv_load_failure_policy="recompute"``)."""
+    p_port, d_port = free_ports(2)
+    nodes: list[EngineNode] = []
+    try:
+        nodes.append(EngineNode(EngineSpec("prefill", str(model), str(prefill_composition), p_port), log_dir))
+        nodes.append(EngineNode(EngineSpec("decode", str(model), str(decode_composition), d_port,
+                                           **decode_overrides), log_dir))
+        wait_all_ready(nodes, progress=progress)
+        yield nodes[0], nodes[1]
+    finally:
+        for n in nodes:
+            n.close()
