@@ -49,8 +49,9 @@ def run(quick: bool = False, only: Sequence[str] = (), png: bool = False, out: P
     echo(f"kvcompose bench{' --quick' if quick else ''}: {m['cores']} cores ({m['usable_cores']} usable), "
          f"{m['cpu']}, load {m['loadavg_1m']:.2f}")
     if quick:
-        echo("quick mode: fewer sizes and repeats; the engine TTFT run (P/D through kvcompose vs a bare "
-             "NixlConnector) is skipped")
+        echo("quick mode: fewer sizes and repeats")
+    echo("not measured: decode TTFT through kvcompose vs a bare NixlConnector on an engine pair "
+         "(not built yet; docs/performance.md says how to take it)")
     echo("every figure is a ratio against a baseline run in the same process, interleaved; "
          "the other processes on this machine add noise to both sides alike")
     results = []

@@ -316,8 +316,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             self._tracker.expect_load(req, child)
         for req, children in connector_metadata.saves_owed.items():
             self._tracker.expect_saves(req, children)
-        for i in self._active:
-            self._call(i, "bind_connector_metadata")(metas[i])
+        for i, fn in self._fns("bind_connector_metadata"):
+            fn(metas[i])
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
@@ -357,11 +357,11 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return res.finished_sending or None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        per_child = []
-        for i in range(len(self._connectors)):
-            r = None if i in self._disabled else self._call(i, "get_transfer_results")(finished_req_ids)
-            per_child.append(ChildResults(set(r.finished_sending), set(r.finished_recving), set(r.failed_recving))
-                             if r is not None else ChildResults())
+        per_child = [ChildResults() for _ in self._connectors]
+        for i, fn in self._fns("get_transfer_results"):
+            r = fn(finished_req_ids)
+            if r is not None:
+                per_child[i] = ChildResults(set(r.finished_sending), set(r.finished_recving), set(r.failed_recving))
         if self._orphaned:
             for req in self._orphaned:
                 owner = self._tracker.load_owner.get(req)
@@ -399,8 +399,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_kv_cache_events(self) -> "KVConnectorKVEvents | None":
         children = {}
-        for i in self._active:
-            events = self._call(i, "get_kv_connector_kv_cache_events")()
+        for i, fn in self._fns("get_kv_connector_kv_cache_events"):
+            events = fn()
             if events is not None:
                 children[self.names[i]] = events
         return ComposedKVEvents(children) if children else None
@@ -414,7 +414,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return ComposedHandshakeMetadata(children) if children else None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        children = {self.names[i]: self._call(i, "build_connector_worker_meta")() for i in self._active}
+        names = self.names
+        children = {names[i]: fn() for i, fn in self._fns("build_connector_worker_meta")}
         if all(m is None for m in children.values()):
             return None
         return ComposedWorkerMetadata(children)
