@@ -36,7 +36,8 @@ class Engine(Protocol):
     """What the flow needs from an engine: an offline node or an HTTP server."""
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
-                 kv_transfer_params: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any]]: ...
+                 kv_transfer_params: list[dict[str, Any] | None] | None = None,
+                 timeout: float = ...) -> list[dict[str, Any]]: ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -85,11 +86,11 @@ def pd_request(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: i
 
 def decode_request(decode: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any] | None,
                    label: str = "", children: tuple[str, ...] = ("host", "pd"),
-                   prefill_s: float = 0.0) -> Served:
+                   prefill_s: float = 0.0, timeout_s: float = 120.0) -> Served:
     """One decode request (with ``params`` from a prefill, or None for a local one) and its counters."""
     before = decode.metrics()
     t0 = time.perf_counter()
-    (d,) = decode.generate([prompt], max_tokens, [params] if params is not None else None)
+    (d,) = decode.generate([prompt], max_tokens, [params] if params is not None else None, timeout=timeout_s)
     wall = time.perf_counter() - t0
     moved = delta(before, decode.metrics())
     served_by = [c for c in children if moved.get(loads_key(c), 0) > 0]

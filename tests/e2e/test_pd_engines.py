@@ -1,0 +1,165 @@
+"""Real KV between real vLLM engines on CPU, through the composed connector (marker ``engine``).
+
+Engines are shared: a module-scoped :class:`Cluster` keeps at most two engine processes up and
+switches them only when a test needs a different prefill model or decode failure policy; the
+tests are ordered so that happens three times. Every wait has a deadline (engine start 300 s,
+each call 120 s) and every engine process group is killed on teardown. Run under
+``flock /tmp/kvcompose-engines.lock`` on a shared machine (``make test`` does).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcompose.e2e.flow import EXTERNAL, decode_request, pd_request, token_prompt
+from kvcompose.e2e.model import kv_bytes_per_token, make_model
+from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+
+pytestmark = pytest.mark.engine
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+MAX_TOKENS = 16
+PROMPTS = {"pd": token_prompt(0, 600), "local": token_prompt(1, 500), "turn": token_prompt(2, 400),
+           "tamper": token_prompt(3, 600), "dead-fail": token_prompt(4, 300),
+           "dead-recompute": token_prompt(5, 300)}
+
+
+class Cluster:
+    """A baseline run, then one prefill and one decode engine at a time."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.models = {seed: str(make_model(seed)) for seed in (0, 1)}
+        self.prefill: EngineNode | None = None
+        self.decode: EngineNode | None = None
+        self.key: tuple[int, str] | None = None
+        # The single-engine baseline of every prompt, started alongside the first prefill.
+        baseline = EngineNode(EngineSpec("baseline", self.models[0]), logs)
+        try:
+            self._start(0, "fail", also=[baseline])
+            self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
+        finally:
+            baseline.close()
+        self.decode = self._decode("fail")
+        wait_all_ready([self.decode])
+
+    def _decode(self, policy: str) -> EngineNode:
+        # Handshake compatibility off: the tamper control pairs it with a different model.
+        return EngineNode(EngineSpec(f"decode-{policy}", self.models[0], str(EXAMPLES / "pd-decode.yaml"),
+                                     free_ports(1)[0], {"enforce_handshake_compat": False},
+                                     kv_load_failure_policy=policy), self.logs)
+
+    def _start(self, seed: int, policy: str, also: list[EngineNode] | None = None) -> None:
+        prefill = EngineNode(EngineSpec(f"prefill-seed{seed}", self.models[seed],
+                                        str(EXAMPLES / "pd-prefill.yaml"), free_ports(1)[0]), self.logs)
+        self.prefill, self.key = prefill, (seed, policy)
+        wait_all_ready([prefill, *(also or [])])
+
+    def use(self, prefill_seed: int = 0, policy: str = "fail") -> tuple[EngineNode, EngineNode]:
+        """The engines for a test, (re)started when the wanted pair differs or one has died."""
+        alive = all(n is not None and n.proc.poll() is None for n in (self.prefill, self.decode))
+        if self.key != (prefill_seed, policy) or not alive:
+            self.close()  # at most two engines at once
+            self.decode = self._decode(policy)
+            self._start(prefill_seed, policy, also=[self.decode])
+        assert self.prefill is not None and self.decode is not None
+        return self.prefill, self.decode
+
+    def close(self) -> None:
+        for n in (self.prefill, self.decode):
+            if n is not None:
+                n.close()
+        self.prefill = self.decode = None
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with tempfile.TemporaryDirectory(prefix="kvcompose-e2e-") as tmp:
+        c = Cluster(Path(tmp))
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+def equal(got: Any, expected: dict[str, Any]) -> bool:
+    return got.token_ids == expected["token_ids"] and got.logprobs == expected["logprobs"]
+
+
+def test_pd_pull_equals_single_engine_baseline(cluster: Cluster) -> None:
+    prefill, decode = cluster.use()
+    ids = PROMPTS["pd"]
+    s = pd_request(prefill, decode, ids, MAX_TOKENS)
+    assert equal(s, cluster.expected["pd"]), (s.token_ids, cluster.expected["pd"]["token_ids"])
+    n_blocks = -(-len(ids) // BLOCK_SIZE)  # the partial last block is pulled too
+    assert s.child == "pd"
+    assert s.nixl_bytes == n_blocks * BLOCK_SIZE * kv_bytes_per_token(Path(cluster.models[0]))
+    # vLLM counts a pulled prompt whole as external, though it recomputes the last token.
+    assert s.counters.get(EXTERNAL) == len(ids)
+    assert s.loaded_tokens == len(ids)
+    assert s.failed_transfers == 0
+
+
+def test_cpu_tier_serves_a_prompt_pushed_out_of_the_device_cache(cluster: Cluster) -> None:
+    _, decode = cluster.use()
+    ids = PROMPTS["local"]
+    first = decode_request(decode, ids, MAX_TOKENS, None)
+    assert first.child is None and first.computed_tokens == len(ids)
+    assert decode.reset_prefix_cache()
+    again = decode_request(decode, ids, MAX_TOKENS, None)
+    full_blocks = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last token is always computed
+    assert again.child == "host"
+    assert again.loaded_tokens == full_blocks
+    assert again.host_blocks == full_blocks // BLOCK_SIZE
+    assert equal(first, cluster.expected["local"]) and equal(again, cluster.expected["local"])
+
+
+def test_repeated_turn_comes_from_the_cpu_tier_not_a_second_pull(cluster: Cluster) -> None:
+    prefill, decode = cluster.use()
+    ids = PROMPTS["turn"]
+    first = pd_request(prefill, decode, ids, MAX_TOKENS)
+    assert first.child == "pd" and first.nixl_bytes > 0
+    assert decode.reset_prefix_cache()
+    again = pd_request(prefill, decode, ids, MAX_TOKENS)
+    assert again.child == "host"
+    assert again.nixl_bytes == 0
+    assert again.loaded_tokens == (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert equal(first, cluster.expected["turn"]) and equal(again, cluster.expected["turn"])
+
+
+def dead_peer(cluster: Cluster, policy: str, prefill_seed: int) -> tuple[Any, dict[str, Any]]:
+    prefill, decode = cluster.use(prefill_seed, policy)
+    ids = PROMPTS[f"dead-{policy}"]
+    (p,) = prefill.generate([ids], 1, [{"do_remote_decode": True}])
+    prefill.kill()  # after it answered, before decode pulls
+    # A hang would end in NodeError after the call's deadline and fail the test.
+    return decode_request(decode, ids, MAX_TOKENS, p["kv_transfer_params"], timeout_s=90), cluster.expected[f"dead-{policy}"]
+
+
+def test_dead_prefill_with_policy_fail_ends_the_request_with_an_error(cluster: Cluster) -> None:
+    s, _ = dead_peer(cluster, "fail", 0)
+    assert s.finish_reason == "error"
+    assert s.token_ids == []
+    assert s.failed_transfers >= 1
+
+
+def test_tamper_prefill_with_other_weights_changes_decode_output(cluster: Cluster) -> None:
+    prefill, decode = cluster.use(prefill_seed=1, policy="recompute")
+    ids = PROMPTS["tamper"]
+    s = pd_request(prefill, decode, ids, MAX_TOKENS)
+    assert s.child == "pd" and s.nixl_bytes > 0 and s.failed_transfers == 0
+    assert s.token_ids != cluster.expected["tamper"]["token_ids"]  # decode used the pulled KV
+
+
+def test_dead_prefill_with_policy_recompute_computes_locally(cluster: Cluster) -> None:
+    s, expected = dead_peer(cluster, "recompute", 1)
+    # Recomputed with decode's own weights: the baseline's answer, not the dead seed-1 prefill's.
+    assert s.finish_reason == "length"
+    assert equal(s, expected)
+    assert s.failed_transfers >= 1
+    assert s.computed_tokens == len(PROMPTS["dead-recompute"])
