@@ -31,68 +31,6 @@ MAX_TOKENS = 16
 NUM_GPU_BLOCKS = 64
 NUM_EVICTORS = 4
 HOST_BYTES = 64 << 20
-ATTN_GAIN = 3.0
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-def write_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` with seeded weights (~1.7 MB)."""
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = TINY_LLAMA
-    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    head_dim = hidden // cfg["num_attention_heads"]
-    kv_dim = cfg["num_key_value_heads"] * head_dim
-    g = torch.Generator().manual_seed(seed)
-
-    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
-        # 1/sqrt(fan_in) keeps activations O(1) through the layers.
-        return torch.randn(out_f, in_f, generator=g) * (gain / in_f**0.5)
-
-    weights: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
-        "model.norm.weight": torch.ones(hidden),
-        "lm_head.weight": linear(vocab, hidden),
-    }
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        weights |= {
-            # Larger q/k make attention peaked rather than a near-uniform average over the
-            # prompt, so what a token attends to (its KV) shows in the output.
-            p + "self_attn.q_proj.weight": linear(hidden, hidden, ATTN_GAIN),
-            p + "self_attn.k_proj.weight": linear(kv_dim, hidden, ATTN_GAIN),
-            p + "self_attn.v_proj.weight": linear(kv_dim, hidden),
-            p + "self_attn.o_proj.weight": linear(hidden, hidden),
-            p + "mlp.gate_proj.weight": linear(inter, hidden),
-            p + "mlp.up_proj.weight": linear(inter, hidden),
-            p + "mlp.down_proj.weight": linear(hidden, inter),
-            p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
-        }
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
-    return path
-
 
 def token_prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
@@ -135,8 +73,10 @@ def main(argv: list[str]) -> int:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    from kvcompose.e2e.model import make_model
+
     with tempfile.TemporaryDirectory(prefix="kvcompose-cpu-offload-") as tmp:
-        model = write_tiny_llama(Path(tmp) / "tiny_rand")
+        model = make_model(0)  # cached, shared with the e2e tests and the demo
         extra: dict[str, Any] = {"cpu_bytes_to_use": HOST_BYTES}
         source = "host"
         if args.backend == "disk":

@@ -16,8 +16,7 @@ Checks:
    ``remote_block_ids`` is computed locally and answered, and the decode engine then serves
    another pulled request (vLLM's own NixlConnector kills the engine core here).
 
-The model is the test kit's tiny Llama config with dummy weights: these checks count bytes and
-tokens, not the values, so the weights need not be meaningful.
+The model is the seeded tiny Llama of ``kvcompose.e2e.model`` (made once, cached).
 
 Run it directly (``python nixl_pd_engine_check.py``). It prints one line ``RESULT {json}`` and
 exits 0 when every check holds, 1 otherwise. About 45 s on 2 cores.
@@ -67,18 +66,20 @@ def ports() -> tuple[int, int]:
 def engine(role: str, port: int, upstream: bool = False) -> Any:
     from vllm import LLM
 
-    from kvcompose.testing.harness import TINY_MODEL
+    from kvcompose.e2e.model import make_model
 
     kv_transfer_config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
     if upstream:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)  # vLLM's only way to set it
     else:
         kv_transfer_config["kv_connector_module_path"] = "kvcompose_nixl.connector"
-        kv_transfer_config["kv_connector_extra_config"] = {"kvcompose_side_channel_port": port}
+        # The progress-thread delay keeps NIXL from spinning both cores (kvcompose_nixl.progress).
+        kv_transfer_config["kv_connector_extra_config"] = {"kvcompose_side_channel_port": port,
+                                                           "kvcompose_progress_delay_us": 100}
     return LLM(
-        model=str(TINY_MODEL),
+        model=str(make_model(0)),
         skip_tokenizer_init=True,
-        load_format="dummy",
+        load_format="safetensors",
         dtype="float32",
         max_model_len=1024,
         block_size=BLOCK_SIZE,
@@ -182,6 +183,7 @@ def drive(upstream: bool = False) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    env.setdefault("UCX_TLS", "tcp,cma,self")  # see kvcompose.e2e.node.ENGINE_ENV
     p_port, d_port = free_ports(2)
     env[PORTS_ENV] = f"{p_port},{d_port}"
     started = time.perf_counter()
