@@ -12,6 +12,11 @@ are ``(address, length, device)`` tuples over real host memory and a transfer co
   (``"raise"``), or completes without its notification (``"drop-notif"``);
 - ``agents``: every agent made, by name; each records its calls in ``calls``.
 
+For a P/D test, :meth:`FakeNixl.pair` builds a producer and a consumer worker harness (vLLM's
+``NixlConnector``, or compositions with a ``nixl`` child) and :meth:`FakeNixl.handshake` does
+in process what vLLM's ZMQ side-channel handshake does, so the consumer's READs reach the
+producer's KV.
+
 ``kvcompose.testing``'s tests pin the methods and signatures here to the real ``nixl_agent``
 and to every ``nixl_wrapper`` call that vLLM's NIXL worker makes.
 """
@@ -21,15 +26,24 @@ from __future__ import annotations
 import ctypes
 import itertools
 import pickle
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import pytest
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    from kvcompose.testing.worker import WorkerHarness
 
 PATCH_TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker.NixlWrapper"
 LOCAL = "NIXL_INIT_AGENT"
+
+#: The default sides of :meth:`FakeNixl.pair`: vLLM's own NixlConnector, one engine each.
+PRODUCER = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": "prefill-engine"}
+CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "engine_id": "decode-engine"}
 
 
 class FakeNixlError(RuntimeError):
@@ -65,6 +79,7 @@ class FakeNixl:
     cycles_before_done: int = 0
     agents: dict[str, "FakeNixlAgent"] = field(default_factory=dict)
     _faults: list[str] = field(default_factory=list)
+    _harnesses: list["WorkerHarness"] = field(default_factory=list)
 
     def fail_next(self, kind: str) -> None:
         """The next transfer: ``"err"`` (state ERR), ``"raise"`` (transfer raises), ``"drop-notif"``."""
@@ -85,6 +100,93 @@ class FakeNixl:
     def install(self, monkeypatch: "pytest.MonkeyPatch") -> None:
         """Make vLLM's NIXL worker create fake agents (undone with the monkeypatch)."""
         monkeypatch.setattr(PATCH_TARGET, self.agent_class())
+
+    def pair(
+        self,
+        producer: "str | Path | dict[str, Any]" = PRODUCER,
+        consumer: "str | Path | dict[str, Any]" = CONSUMER,
+        *,
+        block_size: int = 32,
+        **kw: Any,
+    ) -> "tuple[WorkerHarness, WorkerHarness]":
+        """A prefill-side and a decode-side worker harness, handshaken (consumer knows producer).
+
+        Each side is a ``kv_transfer_config`` dict or a composition (YAML text or file) with a
+        ``nixl`` child; ``kw`` goes to both :class:`WorkerHarness` constructors. Install the fake
+        first (the ``fake_nixl`` fixture does); :meth:`close` (the fixture's teardown) shuts the
+        harnesses down. ``block_size`` defaults to 32, the CPU attention kernel's block size that
+        NIXL's worker checks.
+        """
+        from kvcompose.testing.worker import WorkerHarness
+
+        def build(source: "str | Path | dict[str, Any]") -> WorkerHarness:
+            h = (WorkerHarness(source, block_size=block_size, **kw) if isinstance(source, dict)
+                 else WorkerHarness.from_yaml(source, block_size=block_size, **kw))
+            self._harnesses.append(h)
+            return h
+
+        p, d = build(producer), build(consumer)
+        self.handshake(d, p)
+        return p, d
+
+    def handshake(self, consumer: Any, producer: Any) -> str:
+        """Give ``consumer``'s NIXL worker the producer's agent, as vLLM's handshake does.
+
+        vLLM's ``_nixl_handshake`` fetches the producer's ``NixlHandshakePayload`` over a ZMQ
+        side channel from a background thread; everything after the fetch is done here, in the
+        same order: the payload goes through msgpack as on the wire, the compatibility hash is
+        checked, ``NixlAgentMetadata`` is decoded and validated, the worker's
+        ``add_remote_agent`` registers the remote agent and its block descriptors, and the
+        bookkeeping of ``_ensure_handshake``'s done callback is recorded. Both sides are worker
+        harnesses or worker-role connectors; returns the remote agent's name.
+        """
+        import msgspec
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlAgentMetadata,
+            NixlHandshakePayload,
+        )
+
+        local, remote = nixl_worker(consumer), nixl_worker(producer)
+        if remote.xfer_handshake_metadata is None:
+            raise RuntimeError("handshake: the producer's NIXL worker has not registered its KV caches yet")
+        wire = msgspec.msgpack.encode(remote.xfer_handshake_metadata)
+        payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(wire)
+        if local.enforce_compat_hash and payload.compatibility_hash != local.compat_hash:
+            raise RuntimeError(f"NIXL compatibility hash mismatch. Local: {local.compat_hash}, "
+                               f"Remote: {payload.compatibility_hash}.")
+        meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+        local._validate_remote_parallel_config(meta)
+        name = local.add_remote_agent(meta, 0, remote.world_size, meta.dcp_size)
+        with local._handshake_lock:
+            local._remote_agents[meta.engine_id] = {(0, 0): name}
+            # One process, one clock: the offset vLLM estimates from the round trip is 0.
+            local._engine_clock_offset[meta.engine_id] = 0.0
+            local._engine_last_active[meta.engine_id] = time.perf_counter()
+        return name
+
+    def close(self) -> None:
+        """Shut down the harnesses :meth:`pair` made."""
+        while self._harnesses:
+            self._harnesses.pop().shutdown()
+
+
+def nixl_worker(target: Any) -> "NixlBaseConnectorWorker":
+    """vLLM's NIXL worker inside a worker harness or a worker-role connector.
+
+    ``target`` is vLLM's NixlConnector (or a subclass, as the ``nixl`` type's), or a composed
+    connector / vLLM ``MultiConnector`` with exactly one NIXL child.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    conn = getattr(target, "connector", target)  # a WorkerHarness holds its connector
+    worker = getattr(conn, "connector_worker", None)
+    if isinstance(worker, NixlBaseConnectorWorker):
+        return worker
+    found = [c.connector_worker for c in getattr(conn, "_connectors", [])
+             if isinstance(getattr(c, "connector_worker", None), NixlBaseConnectorWorker)]
+    if len(found) != 1:
+        raise ValueError(f"nixl_worker: {type(conn).__name__} has {len(found)} NIXL workers, expected one")
+    return found[0]
 
 
 class FakeNixlAgent:

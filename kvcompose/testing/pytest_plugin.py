@@ -18,7 +18,8 @@ Fixtures:
     -> a :class:`kvcompose.testing.worker.WorkerHarness`; shut down after the test.
 ``fake_nixl``
     vLLM's NIXL worker talks to a :class:`kvcompose.testing.fake_nixl.FakeNixlAgent` instead
-    of the real agent during this test; the fixture's value controls the fakes.
+    of the real agent during this test; the fixture's value controls the fakes, and its
+    ``pair()`` gives a handshaken producer and consumer worker (shut down after the test).
 """
 
 from __future__ import annotations
@@ -86,10 +87,11 @@ def kvcompose_worker(kvcompose_plugins: "Plugins") -> Iterator[Callable[..., "Wo
 
 
 @pytest.fixture
-def fake_nixl(monkeypatch: pytest.MonkeyPatch) -> "FakeNixl":
+def fake_nixl(monkeypatch: pytest.MonkeyPatch) -> Iterator["FakeNixl"]:
     """Swap the NIXL agent vLLM's NIXL worker creates for the kit's fake, for this test."""
     from kvcompose.testing.fake_nixl import FakeNixl
 
     fake = FakeNixl()
     fake.install(monkeypatch)
-    return fake
+    yield fake
+    fake.close()
