@@ -43,7 +43,7 @@ def _row(s: Served, ok: bool) -> str:
             f"{moved:<24} TTFT {s.ttft_s * 1000:7.1f} ms  {'equal' if ok else 'MISMATCH'}")
 
 
-def run(http: bool = False, work: Path | None = None, out: TextIO = sys.stdout,
+def run(work: Path | None = None, out: TextIO = sys.stdout,
         prefill_yaml: Path = EXAMPLES / "pd-prefill.yaml", decode_yaml: Path = EXAMPLES / "pd-decode.yaml") -> int:
     """Run the demo; 0 when every decode output equals the baseline, 1 otherwise."""
     started = time.monotonic()
@@ -52,10 +52,7 @@ def run(http: bool = False, work: Path | None = None, out: TextIO = sys.stdout,
     print(f"model: {model} (seeded random weights)\nengine logs: {logs}", file=out)
     prompts = {label: token_prompt(seed, n) for label, seed, n in PROMPTS}
     p_port, d_port = free_ports(2)
-    if http:
-        from kvcompose.e2e.http import ServerNode as Node
-    else:
-        Node = EngineNode  # type: ignore[assignment, misc]
+    Node = EngineNode
     nodes: list[Any] = []
     try:
         print("starting baseline (no connector) and prefill engines ...", file=out, flush=True)
@@ -72,7 +69,7 @@ def run(http: bool = False, work: Path | None = None, out: TextIO = sys.stdout,
         nodes.append(decode)
         wait_all_ready([decode], progress=_progress(out))
         print(f"engines ready after {time.monotonic() - started:.0f} s "
-              f"({'HTTP servers' if http else 'offline engines'}; prefill side channel :{p_port}, decode :{d_port})\n",
+              f"(offline engines; prefill side channel :{p_port}, decode :{d_port})\n",
               file=out)
 
         before = decode.metrics()
