@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -11,7 +13,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvcompose.rules.metadata import MetadataMismatch
 from kvcompose.testing.harness import make_request, step
 from kvcompose.vllm.metadata import ComposedHandshakeMetadata, ComposedMetadata, ComposedStats, ComposedWorkerMetadata
-from tests.compose_util import composed_scheduler, composed_worker
+
+#: The kit's fixtures are factories (kvcompose_scheduler, kvcompose_worker).
+Factory = Callable[..., Any]
 
 TWO = """
 version: 1
@@ -21,21 +25,21 @@ connectors:
 """
 
 
-def test_none_below_the_winner_does_not_block() -> None:
-    sched, conn = composed_scheduler(TWO.format(a=32, b="null"))
+def test_none_below_the_winner_does_not_block(kvcompose_scheduler: Factory) -> None:
+    conn = kvcompose_scheduler(TWO.format(a=32, b="null")).connector
     req = make_request(64)
     assert conn.get_num_new_matched_tokens(req, 0) == (32, True)
     # b is not even asked: probing has side effects (CPU offload pins blocks when asked).
     assert conn.child("b").called("get_num_new_matched_tokens") == []
 
 
-def test_none_above_the_winner_waits() -> None:
-    sched, conn = composed_scheduler(TWO.format(a="null", b=32))
+def test_none_above_the_winner_waits(kvcompose_scheduler: Factory) -> None:
+    conn = kvcompose_scheduler(TWO.format(a="null", b=32)).connector
     assert conn.get_num_new_matched_tokens(make_request(64), 0) == (None, False)
 
 
-def test_zero_is_an_answer() -> None:
-    sched, conn = composed_scheduler(TWO.format(a=0, b=16))
+def test_zero_is_an_answer(kvcompose_scheduler: Factory) -> None:
+    conn = kvcompose_scheduler(TWO.format(a=0, b=16)).connector
     req = make_request(64)
     assert conn.get_num_new_matched_tokens(req, 0) == (16, True)
     assert conn._load_owner[req.request_id][0] == 1
@@ -44,8 +48,9 @@ def test_zero_is_an_answer() -> None:
     assert req.request_id not in conn._load_owner  # a re-lookup with no hit clears the old winner
 
 
-def test_winner_gets_external_tokens_others_zero_and_metadata_is_named() -> None:
-    sched, conn = composed_scheduler(TWO.format(a=0, b=32))
+def test_winner_gets_external_tokens_others_zero_and_metadata_is_named(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(TWO.format(a=0, b=32))
+    conn = sched.connector
     req = make_request(64)
     sched.add_request(req)
     out, _ = step(sched)
@@ -58,9 +63,9 @@ def test_winner_gets_external_tokens_others_zero_and_metadata_is_named() -> None
     pickle.loads(pickle.dumps(meta))
 
 
-def test_finished_recving_only_from_the_owner_and_only_once() -> None:
-    sched, conn = composed_scheduler(TWO.format(a=0, b=32))
-    worker = composed_worker(TWO.format(a=0, b=32))
+def test_finished_recving_only_from_the_owner_and_only_once(kvcompose_worker: Factory) -> None:
+    h = kvcompose_worker(TWO.format(a=0, b=32), register=False)
+    sched, conn, worker = h.scheduler, h.scheduler.connector, h.connector
     req = make_request(64)
     sched.add_request(req)
     out, _ = step(sched)
@@ -81,8 +86,8 @@ def test_finished_recving_only_from_the_owner_and_only_once() -> None:
     assert conn.dropped_completions == 1
 
 
-def test_failed_recving_only_from_the_owner() -> None:
-    worker = composed_worker(TWO.format(a=0, b=32))
+def test_failed_recving_only_from_the_owner(kvcompose_worker: Factory) -> None:
+    worker = kvcompose_worker(TWO.format(a=0, b=32), register=False).connector
     worker._tracker.expect_load("r1", 1)
     worker.child("a").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
     assert worker.get_transfer_results(set()).failed_recving == set()
@@ -91,15 +96,15 @@ def test_failed_recving_only_from_the_owner() -> None:
     assert res.failed_recving == {"r1"} and res.finished_recving == {"r1"}
 
 
-def test_delayed_free_waits_for_every_saving_child() -> None:
+def test_delayed_free_waits_for_every_saving_child(kvcompose_worker: Factory) -> None:
     text = """
 version: 1
 connectors:
   - {name: a, type: record, options: {delay_free: true}}
   - {name: b, type: record, options: {delay_free: true}}
 """
-    sched, conn = composed_scheduler(text)
-    worker = composed_worker(text)
+    h = kvcompose_worker(text, register=False)
+    sched, conn, worker = h.scheduler, h.scheduler.connector, h.connector
     req = make_request(32, max_tokens=1)
     sched.add_request(req)
     step(sched)  # prefill + 1 token: finished, both children hold the blocks
@@ -112,22 +117,22 @@ connectors:
     assert worker.get_transfer_results(set()).finished_sending == {req.request_id}
 
 
-def test_metadata_name_mismatch_is_an_error() -> None:
-    worker = composed_worker(TWO.format(a=0, b=0))
+def test_metadata_name_mismatch_is_an_error(kvcompose_worker: Factory) -> None:
+    worker = kvcompose_worker(TWO.format(a=0, b=0), register=False).connector
     with pytest.raises(MetadataMismatch, match="missing: \\['b'\\]"):
         worker.bind_connector_metadata(ComposedMetadata({"a": None}))
     with pytest.raises(MetadataMismatch, match="unexpected: \\['c'\\]"):
         worker.bind_connector_metadata(ComposedMetadata({"a": None, "b": None, "c": None}))
 
 
-def test_handshake_metadata_is_kept_per_child() -> None:
+def test_handshake_metadata_is_kept_per_child(kvcompose_scheduler: Factory) -> None:
     text = """
 version: 1
 connectors:
   - {name: a, type: record-pd}
   - {name: b, type: record}
 """
-    sched, conn = composed_scheduler(text)
+    conn = kvcompose_scheduler(text).connector
     got: dict[str, object] = {}
     conn.child("a").set_xfer_handshake_metadata_pp_aware = lambda m: got.__setitem__("a", m)  # type: ignore[method-assign]
     conn.child("b").set_xfer_handshake_metadata_pp_aware = lambda m: got.__setitem__("b", m)  # type: ignore[method-assign]
@@ -147,8 +152,8 @@ def test_child_may_carry_its_own_engine_id() -> None:
     assert [c.engine_id for c in child_configs(ktc)] == ["mine", "top"]
 
 
-def test_stats_per_child_name_and_rebuilt_from_plain_data() -> None:
-    worker = composed_worker(TWO.format(a=0, b=0))
+def test_stats_per_child_name_and_rebuilt_from_plain_data(kvcompose_worker: Factory) -> None:
+    worker = kvcompose_worker(TWO.format(a=0, b=0), register=False).connector
     worker.child("a").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 1})  # type: ignore[method-assign]
     worker.child("b").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 2})  # type: ignore[method-assign]
     stats = worker.get_kv_connector_stats()
@@ -171,43 +176,43 @@ def test_worker_meta_aggregates_per_child() -> None:
     assert z.children["a"].n == 3 and z.children["b"].n == 5  # type: ignore[union-attr]
 
 
-def test_host_buffer_ops_only_to_the_owner() -> None:
-    worker = composed_worker("""
+def test_host_buffer_ops_only_to_the_owner(kvcompose_worker: Factory) -> None:
+    worker = kvcompose_worker("""
 version: 1
 connectors:
   - {name: host, type: record}
   - {name: pd, type: record-pd}
-""")
+""", register=False).connector
     op = object()
     worker.set_host_xfer_buffer_ops(op)  # type: ignore[arg-type]
     assert worker.child("pd").called("set_host_xfer_buffer_ops") == [(op,)]
     assert worker.child("host").called("set_host_xfer_buffer_ops") == []
 
 
-def test_store_only_routes_save_hooks() -> None:
-    worker = composed_worker("""
+def test_store_only_routes_save_hooks(kvcompose_worker: Factory) -> None:
+    worker = kvcompose_worker("""
 version: 1
 connectors:
   - {name: pd, type: record}
   - {name: host, type: record}
 rules:
   store: {use: only, children: [host]}
-""")
+""", register=False).connector
     worker.save_kv_layer("layer0", None, None)  # type: ignore[arg-type]
     worker.wait_for_save()
     assert worker.child("pd").called("save_kv_layer") == []
     assert worker.child("host").called("save_kv_layer") == [("layer0",)]
 
 
-def test_best_effort_child_is_disabled_and_its_load_fails_over_to_recompute() -> None:
-    worker = composed_worker("""
+def test_best_effort_child_is_disabled_and_its_load_fails_over_to_recompute(kvcompose_worker: Factory) -> None:
+    worker = kvcompose_worker("""
 version: 1
 connectors:
   - {name: pd, type: record}
   - {name: host, type: record}
 rules:
   faults: {use: isolate, children: [host]}
-""")
+""", register=False).connector
     worker._tracker.expect_load("r1", 1)
 
     def boom(*a: object) -> None:

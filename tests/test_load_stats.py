@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import Gauge, Histogram
@@ -11,7 +13,9 @@ from kvcompose.testing.harness import make_request
 from kvcompose.vllm.connector import KVComposeConnector
 from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadPromMetrics, ChildLoadStats
 from kvcompose.vllm.metadata import ComposedStats
-from tests.compose_util import composed_scheduler
+
+#: The kit's fixtures are factories (kvcompose_scheduler, kvcompose_worker).
+Factory = Callable[..., Any]
 
 TWO = """
 version: 1
@@ -21,8 +25,9 @@ connectors:
 """
 
 
-def test_the_winning_child_is_counted_with_its_tokens() -> None:
-    sched, conn = composed_scheduler(TWO.format(a=0, b=32))
+def test_the_winning_child_is_counted_with_its_tokens(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(TWO.format(a=0, b=32))
+    conn = sched.connector
     sched.add_request(make_request(64))
     sched.schedule()  # update_from_output would drain the stats into the scheduler's own
     stats = conn.get_kv_connector_stats()
@@ -33,8 +38,9 @@ def test_the_winning_child_is_counted_with_its_tokens() -> None:
     assert STATS_KEY not in (conn.get_kv_connector_stats() or ComposedStats()).data
 
 
-def test_a_lookup_without_a_hit_counts_no_load() -> None:
-    sched, conn = composed_scheduler(TWO.format(a=0, b=0))
+def test_a_lookup_without_a_hit_counts_no_load(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(TWO.format(a=0, b=0))
+    conn = sched.connector
     sched.add_request(make_request(64))
     sched.schedule()  # update_from_output would drain the stats into the scheduler's own
     stats = conn.get_kv_connector_stats()
@@ -42,8 +48,9 @@ def test_a_lookup_without_a_hit_counts_no_load() -> None:
     assert stats.data[STATS_KEY].data == {"lookups": 1, "loads": {}, "tokens": {}}
 
 
-def test_counters_survive_the_trip_to_the_front_end() -> None:
-    sched, conn = composed_scheduler(TWO.format(a=16, b=0))
+def test_counters_survive_the_trip_to_the_front_end(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(TWO.format(a=16, b=0))
+    conn = sched.connector
     sched.add_request(make_request(64))
     sched.schedule()  # update_from_output would drain the stats into the scheduler's own
     stats = conn.get_kv_connector_stats()
@@ -60,10 +67,10 @@ def test_aggregate_adds_per_child() -> None:
     assert x.data == {"lookups": 3, "loads": {"a": 2, "b": 1}, "tokens": {"a": 40, "b": 4}}
 
 
-def test_prometheus_counters_labelled_by_child() -> None:
+def test_prometheus_counters_labelled_by_child(kvcompose_scheduler: Factory) -> None:
     registry = CollectorRegistry()
     C = functools.partial(Counter, registry=registry)  # a private registry, not the process one
-    sched, conn = composed_scheduler(TWO.format(a=0, b=32))
+    conn = kvcompose_scheduler(TWO.format(a=0, b=32)).connector
     types = {Counter: C, Gauge: Gauge, Histogram: Histogram}
     metrics = ChildLoadPromMetrics(conn._vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]})  # type: ignore[arg-type]
     metrics.observe({"lookups": 3, "loads": {"b": 2}, "tokens": {"b": 64}})

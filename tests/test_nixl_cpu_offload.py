@@ -1,23 +1,34 @@
-"""NIXL + CPU offload composed from YAML, in vLLM's real scheduler (vllm#43871's scenarios and more)."""
+"""NIXL + CPU offload composed from YAML, in vLLM's real scheduler (vllm#43871's scenarios and more).
+
+Where a scenario needs workers, the kit's harnesses run them: vLLM's NIXL workers talk through
+the kit's fake NIXL agent (``fake_nixl.pair``: a producer and a consumer composition, handshaken)
+and the CPU tier's worker stores and acknowledges its stores itself (``engine_step``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.request import RequestStatus
-from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata, SimpleCPUOffloadWorkerMetadata
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
+from kvcompose.testing.fake_nixl import FakeNixl
 from kvcompose.testing.harness import (
     assert_scheduler_empty,
-    model_runner_output,
     decode_request,
     make_request,
     prefill_request,
     step,
 )
-from kvcompose.vllm.metadata import ComposedMetadata, ComposedWorkerMetadata
-from tests.compose_util import composed_scheduler
+from kvcompose.testing.worker import WorkerHarness
+from kvcompose.vllm.metadata import ComposedMetadata
+
+Factory = Callable[..., Any]
+BLOCK = 32  # with workers: the CPU attention kernel's block size, which NIXL's worker checks
 
 
 def composition(role: str) -> str:
@@ -34,34 +45,28 @@ connectors:
 """
 
 
-def store_ack(conn, out) -> ComposedWorkerMetadata | None:  # type: ignore[no-untyped-def]
-    """What the CPU tier's workers report once the step's stores are done."""
-    meta = out.kv_connector_metadata.children["host"]
-    if meta is None or meta.store_event < 0:
-        return None
-    workers = conn.child("host").scheduler_manager._expected_worker_count  # type: ignore[attr-defined]
-    return ComposedWorkerMetadata({"pd": None, "host": SimpleCPUOffloadWorkerMetadata({meta.store_event: workers})})
+def prefill_then_decode(p: WorkerHarness, d: WorkerHarness, n: int = 128) -> tuple[Request, dict[str, Any], Request]:
+    """The prefill engine runs a P/D request; the proxy hands its params to the decode engine."""
+    req = prefill_request(n, block_size=BLOCK)
+    p.scheduler.add_request(req)
+    _, eco = p.engine_step()
+    (out,) = [o for e in eco.values() for o in e.outputs]
+    dreq = make_request(n, block_size=BLOCK, prompt=req.prompt_token_ids, kv_transfer_params=out.kv_transfer_params)
+    d.scheduler.add_request(dreq)
+    return req, out.kv_transfer_params, dreq
 
 
-def step_acked(sched, conn, *, eos: bool = False, **kv):  # type: ignore[no-untyped-def]
-    """One step whose worker output also acknowledges the CPU tier's stores of that step."""
-    out = sched.schedule()
-    running = [sched.requests[r] for r in out.num_scheduled_tokens]
-    eco = sched.update_from_output(out, model_runner_output(running, eos=eos, worker_meta=store_ack(conn, out), **kv))
-    return out, eco
-
-
-def test_hma_iff_every_child(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    sched, conn = composed_scheduler(composition("consumer"), sliding_window=128)
+def test_hma_iff_every_child(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(composition("consumer"), sliding_window=128)
     assert not sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-    assert conn._all_hma and len(sched.kv_cache_config.kv_cache_groups) == 2
+    assert sched.connector._all_hma and len(sched.kv_cache_config.kv_cache_groups) == 2
 
 
-def test_nixl_wins_a_remote_prefill_and_the_cpu_child_loads_nothing() -> None:
-    sched, conn = composed_scheduler(composition("consumer"))
-    req = decode_request(64)
-    sched.add_request(req)
-    out, _ = step_acked(sched, conn)
+def test_nixl_wins_a_remote_prefill_and_the_cpu_child_loads_nothing(fake_nixl: FakeNixl) -> None:
+    fake_nixl.cycles_before_done = 1
+    p, d = fake_nixl.pair(composition("producer"), composition("consumer"))
+    _, _, req = prefill_then_decode(p, d)
+    out, _ = d.engine_step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     meta = out.kv_connector_metadata
     assert isinstance(meta, ComposedMetadata) and list(meta.children) == ["pd", "host"]
@@ -69,64 +74,62 @@ def test_nixl_wins_a_remote_prefill_and_the_cpu_child_loads_nothing() -> None:
     assert req.request_id in meta.children["pd"].reqs_to_recv
     assert isinstance(meta.children["host"], SimpleCPUOffloadMetadata)
     assert not meta.children["host"].load_gpu_blocks
-    assert conn.get_external_cache_hit_sources(req, 63) == {CacheHitSource.P2P: 63}
-    step_acked(sched, conn, finished_recving={req.request_id})
-    out, _ = step_acked(sched, conn, eos=True)
-    assert out.num_scheduled_tokens == {req.request_id: 1}  # 63 pulled, 1 recomputed
-    assert req.num_computed_tokens == 64
-    step_acked(sched, conn)
-    assert_scheduler_empty(sched)
+    assert d.scheduler.connector.get_external_cache_hit_sources(req, 127) == {CacheHitSource.P2P: 127}
+    d.engine_step()
+    assert d.last_output.finished_recving == {req.request_id}  # the NIXL worker's READ is DONE
+    out, _ = d.engine_step(eos=True)
+    assert out.num_scheduled_tokens == {req.request_id: 1}  # 127 pulled, 1 recomputed
+    assert req.num_computed_tokens == 128
+    d.engine_step()
+    assert_scheduler_empty(d.scheduler)
 
 
-def test_store_to_all_then_the_cpu_tier_wins_a_repeated_prompt() -> None:
-    sched, conn = composed_scheduler(composition("consumer"), num_blocks=12)
-    a = make_request(64)
-    sched.add_request(a)
-    out, _ = step(sched)
-    out2 = sched.schedule()
+def test_store_to_all_then_the_cpu_tier_wins_a_repeated_prompt(fake_nixl: FakeNixl, kvcompose_worker: Factory) -> None:
+    h = kvcompose_worker(composition("consumer"), num_blocks=12, block_size=BLOCK)
+    a = make_request(128, block_size=BLOCK)
+    h.scheduler.add_request(a)
+    h.engine_step()
+    out2, _ = h.engine_step(eos=True)
     assert out2.kv_connector_metadata.children["host"].store_event >= 0  # the cpu child stores, nixl present
-    sched.update_from_output(out2, model_runner_output([a], eos=True, worker_meta=store_ack(conn, out2)))
     # Push A out of the device prefix cache.
-    for _ in range(3):
-        other = make_request(64, prompt=[7 + (i * 13 + _ * 101) % 500 for i in range(64)])
-        sched.add_request(other)
-        out, _o = step(sched, eos=True, worker_meta=None)
-        out = sched.schedule()
-        sched.update_from_output(out, model_runner_output([], worker_meta=store_ack(conn, out)))
-    again = make_request(64, prompt=a.prompt_token_ids)
+    for k in range(3):
+        h.scheduler.add_request(make_request(128, block_size=BLOCK,
+                                             prompt=[7 + (i * 13 + k * 101) % 500 for i in range(128)]))
+        h.engine_step(eos=True)
+        h.engine_step()
+    conn = h.scheduler.connector
+    again = make_request(128, block_size=BLOCK, prompt=a.prompt_token_ids)
     toks, is_async = conn.get_num_new_matched_tokens(again, 0)
     assert toks and toks > 0 and is_async
     assert conn._load_owner[again.request_id][0] == 1  # host, since nixl has no remote params
     assert conn.get_external_cache_hit_sources(again, toks) == {CacheHitSource.HOST: toks}
 
 
-def test_plain_request_finishes_with_no_async_save() -> None:
-    sched, conn = composed_scheduler(composition("consumer"), sliding_window=128)
+def test_plain_request_finishes_with_no_async_save(kvcompose_scheduler: Factory) -> None:
+    conn = kvcompose_scheduler(composition("consumer"), sliding_window=128).connector
     req = make_request(40)
     assert conn.request_finished_all_groups(req, ([1, 2, 3], [1, 2, 3])) == (False, None)
     assert conn._new_saves == {}
 
 
-def test_prefill_side_returns_nixl_params_with_blocks_held() -> None:
-    sched, conn = composed_scheduler(composition("producer"))
-    req = prefill_request(64)
-    sched.add_request(req)
-    out, eco = step_acked(sched, conn)
-    outputs = [o for e in eco.values() for o in e.outputs]
-    params = outputs[0].kv_transfer_params
+def test_prefill_side_returns_nixl_params_with_blocks_held(fake_nixl: FakeNixl) -> None:
+    p, d = fake_nixl.pair(composition("producer"), composition("consumer"))
+    req, params, _ = prefill_then_decode(p, d)
     assert params["do_remote_prefill"] is True and params["remote_port"] == 5633
     assert params["remote_host"] == "127.0.0.1"
     assert len(params["remote_block_ids"][0]) == 4
-    assert req.request_id in sched.requests  # blocks held until decode has read them
-    out = sched.schedule()
+    assert req.request_id in p.scheduler.requests  # blocks held until decode has read them
+    out, _ = p.engine_step()
     assert out.kv_connector_metadata.saves_owed == {req.request_id: (0,)}  # only nixl holds them
-    sched.update_from_output(out, model_runner_output([], worker_meta=store_ack(conn, out)))
-    step_acked(sched, conn, finished_sending={req.request_id})
-    assert_scheduler_empty(sched)
+    assert req.request_id in p.scheduler.requests
+    d.engine_step()  # the decode engine reads the blocks and notifies
+    p.engine_step()
+    assert p.last_output.finished_sending == {req.request_id}
+    assert_scheduler_empty(p.scheduler)
 
 
-def test_prompt_shorter_than_a_block_with_empty_remote_blocks_runs_locally() -> None:
-    sched, conn = composed_scheduler(composition("consumer"))
+def test_prompt_shorter_than_a_block_with_empty_remote_blocks_runs_locally(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(composition("consumer"))
     req = decode_request(10, remote_block_ids=[])
     sched.add_request(req)
     out, _ = step(sched, eos=True)
@@ -135,8 +138,8 @@ def test_prompt_shorter_than_a_block_with_empty_remote_blocks_runs_locally() -> 
     assert_scheduler_empty(sched)
 
 
-def test_prompt_shorter_than_a_block_with_a_partial_block_is_pulled() -> None:
-    sched, conn = composed_scheduler(composition("consumer"))
+def test_prompt_shorter_than_a_block_with_a_partial_block_is_pulled(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(composition("consumer"))
     req = decode_request(10, remote_block_ids=[5])
     sched.add_request(req)
     out, _ = step(sched)
@@ -147,7 +150,7 @@ def test_prompt_shorter_than_a_block_with_a_partial_block_is_pulled() -> None:
     assert_scheduler_empty(sched)
 
 
-def test_the_cpu_child_is_the_real_vllm_class_family() -> None:
-    sched, conn = composed_scheduler(composition("consumer"))
-    assert isinstance(conn.child("host"), SimpleCPUOffloadConnector)
-    assert sched.connector._connectors[1] is conn.child("host")
+def test_the_cpu_child_is_the_real_vllm_class_family(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(composition("consumer"))
+    assert isinstance(sched.connector.child("host"), SimpleCPUOffloadConnector)
+    assert sched.connector._connectors[1] is sched.connector.child("host")
