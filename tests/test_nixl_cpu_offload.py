@@ -41,7 +41,7 @@ connectors:
     options: {{side_channel_host: 127.0.0.1, side_channel_port: 5633}}
   - name: host
     type: cpu-offload
-    options: {{cpu_bytes: 1GiB}}
+    options: {{cpu_bytes: 16MiB}}  # plenty here; the CPU block pool is built per block, so keep it small
 """
 
 
