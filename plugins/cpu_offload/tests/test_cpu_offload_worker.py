@@ -166,7 +166,9 @@ def test_events_complete_in_order_across_steps() -> None:
 
 def test_vllm_worker_fails_here_and_the_connector_swaps_it() -> None:
     """Why this package exists: vLLM's own worker cannot register caches on the CPU platform."""
-    kv = make_engine_kv(num_blocks=8, kv_transfer_config=CONNECTOR)
+    # A 1 MiB pool: without it vLLM's default (8 GiB) is zeroed, which costs seconds and proves nothing here.
+    small = {**CONNECTOR, "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}
+    kv = make_engine_kv(num_blocks=8, kv_transfer_config=small)
     with pytest.raises(AttributeError, match="priority_range|Stream"):
         SimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20).register_kv_caches(
             kv.kv_caches
