@@ -79,7 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvcompose.e2e.demo import run
 
-    return run()
+    return run(http=args.http)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_vllm_args)
     s = sub.add_parser("demo", help="P/D over NIXL plus the CPU tier between two real vLLM engines, "
                        "checked against a single-engine baseline (the main job)")
+    s.add_argument("--http", action="store_true",
+                   help="prefill and decode as vLLM's OpenAI-compatible HTTP servers (kv_transfer_params "
+                   "in the request bodies, counters from /metrics) instead of offline engines")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("bench", help="benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)")
     s.add_argument("--quick", action="store_true", help="fewer sizes and repeats, no engine run (under 2 minutes)")

@@ -7,6 +7,12 @@
 4. the decode engine's own prefix cache is dropped, and some prompts come again as a repeated
    turn: the host-memory tier (child ``host``) serves them, not a second NIXL pull;
 5. every decode output is compared with the baseline; any difference exits 1.
+
+``http=True`` (``kvcompose demo --http``) runs prefill and decode as vLLM's OpenAI-compatible HTTP
+servers (:mod:`kvcompose.e2e.server`) instead of offline ``vllm.LLM`` engines: the same flow, with
+``kv_transfer_params`` in the request bodies and the counters read from ``/metrics``, into the
+same report. The baseline stays an offline engine, so the check also shows that the HTTP path
+returns the same token ids and logprobs as ``vllm.LLM``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any, TextIO
 from kvcompose.e2e.flow import Served, hit_rates, pd_request, token_prompt
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.server import ServerNode
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 CHILDREN = ("host", "pd")
@@ -44,19 +51,22 @@ def _row(s: Served, ok: bool) -> str:
 
 
 def run(work: Path | None = None, out: TextIO = sys.stdout,
-        prefill_yaml: Path = EXAMPLES / "pd-prefill.yaml", decode_yaml: Path = EXAMPLES / "pd-decode.yaml") -> int:
-    """Run the demo; 0 when every decode output equals the baseline, 1 otherwise."""
+        prefill_yaml: Path = EXAMPLES / "pd-prefill.yaml", decode_yaml: Path = EXAMPLES / "pd-decode.yaml",
+        http: bool = False) -> int:
+    """Run the demo; 0 when every decode output equals the baseline, 1 otherwise. ``http``:
+    prefill and decode are vLLM API servers, else offline engines (the baseline is offline)."""
     started = time.monotonic()
     model = make_model(0)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-demo-"))
     print(f"model: {model} (seeded random weights)\nengine logs: {logs}", file=out)
     prompts = {label: token_prompt(seed, n) for label, seed, n in PROMPTS}
     p_port, d_port = free_ports(2)
-    Node = EngineNode
+    Node: Any = ServerNode if http else EngineNode
+    kind = "HTTP server" if http else "engine"
     nodes: list[Any] = []
     try:
-        print("starting baseline (no connector) and prefill engines ...", file=out, flush=True)
-        baseline = Node(EngineSpec("baseline", str(model)), logs)
+        print(f"starting baseline (offline engine, no connector) and prefill {kind} ...", file=out, flush=True)
+        baseline = EngineNode(EngineSpec("baseline", str(model)), logs)
         nodes.append(baseline)
         prefill = Node(EngineSpec("prefill", str(model), str(prefill_yaml), p_port), logs)
         nodes.append(prefill)
@@ -64,12 +74,13 @@ def run(work: Path | None = None, out: TextIO = sys.stdout,
         expected = {label: baseline.generate([ids], MAX_TOKENS)[0] for label, ids in prompts.items()}
         baseline.close()
         nodes.remove(baseline)
-        print("baseline done; starting decode engine ...", file=out, flush=True)
+        print(f"baseline done; starting decode {kind} ...", file=out, flush=True)
         decode = Node(EngineSpec("decode", str(model), str(decode_yaml), d_port), logs)
         nodes.append(decode)
         wait_all_ready([decode], progress=_progress(out))
+        via = (f"HTTP: prefill {prefill.url}, decode {decode.url}" if http else "offline engines")
         print(f"engines ready after {time.monotonic() - started:.0f} s "
-              f"(offline engines; prefill side channel :{p_port}, decode :{d_port})\n",
+              f"({via}; NIXL side channels: prefill :{p_port}, decode :{d_port})\n",
               file=out)
 
         before = decode.metrics()

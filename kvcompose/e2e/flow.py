@@ -22,6 +22,8 @@ NIXL_FAILED = "vllm:nixl_num_failed_transfers"
 COMPUTED = "vllm:prompt_tokens_by_source{source=local_compute}"
 EXTERNAL = "vllm:prompt_tokens_by_source{source=external_kv_transfer}"
 HOST_LOADED_BLOCKS = "vllm:simple_kv_offload_load_blocks"
+#: Sum of arrival-to-first-token times: one request's own when requests go one at a time.
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 
 
 def loads_key(child: str) -> str:
@@ -33,7 +35,8 @@ def tokens_key(child: str) -> str:
 
 
 class Engine(Protocol):
-    """What the flow needs from an engine: an offline node or an HTTP server."""
+    """What the flow needs from an engine: an offline node (``node.EngineNode``) or an HTTP
+    server (``server.ServerNode``)."""
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  kv_transfer_params: list[dict[str, Any] | None] | None = None,
@@ -94,7 +97,11 @@ def decode_request(decode: Engine, prompt: list[int], max_tokens: int, params: d
     wall = time.perf_counter() - t0
     moved = delta(before, decode.metrics())
     served_by = [c for c in children if moved.get(loads_key(c), 0) > 0]
+    # The offline engine reports the request's own TTFT; the HTTP server does not, and its
+    # TTFT histogram moved by exactly this request's (the same RequestStateStats figure).
     ttft = d.get("ttft_s")
+    if ttft is None and TTFT_SUM in moved:
+        ttft = moved[TTFT_SUM]
     return Served(
         label=label, prompt_tokens=len(prompt), token_ids=d["token_ids"], logprobs=d["logprobs"],
         finish_reason=d.get("finish_reason"),

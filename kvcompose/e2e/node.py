@@ -24,7 +24,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcompose.compose import Plan
 
 #: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
 BLOCK_SIZE = 32
@@ -37,6 +40,23 @@ MAX_MODEL_LEN = 1024
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "UCX_TLS": "tcp,cma,self"}
 START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 120.0
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of an engine's log ('' while there is none)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for an engine process: :data:`ENGINE_ENV` on top, and no
+    inherited NIXL side-channel variables (each engine gets its port from its composition)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
+    env.update(ENGINE_ENV)
+    env.update(extra or {})
+    return env
 
 
 class NodeError(RuntimeError):
@@ -89,9 +109,20 @@ def composed_kv_transfer_config(composition: Path, side_channel_port: int | None
                                 nixl_options: dict[str, Any] | None = None,
                                 kv_load_failure_policy: str | None = None) -> dict[str, Any]:
     """What ``kvcompose vllm-args`` renders for ``composition``, with nixl option overrides."""
+    from kvcompose.vllm.args import kv_transfer_config
+
+    cfg = kv_transfer_config(composed_plan(composition, side_channel_port, nixl_options))
+    if kv_load_failure_policy is not None:
+        cfg["kv_load_failure_policy"] = kv_load_failure_policy
+    return cfg
+
+
+def composed_plan(composition: Path, side_channel_port: int | None = None,
+                  nixl_options: dict[str, Any] | None = None) -> Plan:
+    """The composition's :class:`~kvcompose.compose.Plan`, its ``nixl`` children's options
+    overridden (a free side-channel port, the handshake check off, ...)."""
     from kvcompose.compose import build, load
     from kvcompose.config import from_builtins, to_builtins
-    from kvcompose.vllm.args import kv_transfer_config
 
     plan = load(composition)
     overrides = dict(nixl_options or {})
@@ -103,10 +134,7 @@ def composed_kv_transfer_config(composition: Path, side_channel_port: int | None
             if child["type"] == "nixl":
                 child["options"] = {**child.get("options", {}), **overrides}
         plan = build(from_builtins(data, str(composition)))
-    cfg = kv_transfer_config(plan)
-    if kv_load_failure_policy is not None:
-        cfg["kv_load_failure_policy"] = kv_load_failure_policy
-    return cfg
+    return plan
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -120,9 +148,7 @@ class EngineNode:
         self.log_path = log_dir / f"{spec.name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         read_fd, write_fd = os.pipe()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
-        env.update(ENGINE_ENV)
-        env.update(extra_env or {})
+        env = engine_env(extra_env)
         env["KVCOMPOSE_NODE_FD"] = str(write_fd)
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
@@ -204,10 +230,7 @@ class EngineNode:
         return self.call("reset_prefix_cache")
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)
 
     def kill(self) -> None:
         """SIGKILL the engine's whole process group now (the dead-peer tests use this)."""
@@ -265,14 +288,18 @@ def flatten_metrics(metrics: list[Any]) -> dict[str, float]:
     """
     out: dict[str, float] = {}
     for m in metrics:
-        labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name"))
-        suffix = f"{{{labels}}}" if labels else ""
         if hasattr(m, "sum") and hasattr(m, "count"):
-            out[f"{m.name}_sum{suffix}"] = float(m.sum)
-            out[f"{m.name}_count{suffix}"] = float(m.count)
+            out[metric_key(m.name + "_sum", m.labels)] = float(m.sum)
+            out[metric_key(m.name + "_count", m.labels)] = float(m.count)
         elif isinstance(getattr(m, "value", None), (int, float)):
-            out[m.name + suffix] = float(m.value)
+            out[metric_key(m.name, m.labels)] = float(m.value)
     return out
+
+
+def metric_key(name: str, labels: dict[str, str]) -> str:
+    """``name{k=v,...}`` with sorted labels, less the per-instance ``engine``/``model_name``."""
+    kept = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("engine", "model_name"))
+    return f"{name}{{{kept}}}" if kept else name
 
 
 # ---------------------------------------------------------------------------- child side
