@@ -73,6 +73,14 @@ trace_log = logging.getLogger("kvcompose.trace")
 
 EXTRA_KEY = "kvcompose"
 
+#: Worker hooks whose base-class implementation returns a constant (``None`` or an empty set).
+#: A child that inherits one of them unchanged is not called: its answer is known, and these
+#: hooks run on every model-runner step.
+_CONSTANT_IN_BASE = frozenset({
+    "get_kv_connector_stats", "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
+    "get_block_ids_with_load_errors",
+})
+
 
 class ChildFailed(RuntimeError):
     """A child connector raised; names the child and the engine call."""
@@ -112,6 +120,23 @@ def _child_vllm_configs(vllm_config: VllmConfig) -> list[tuple[type[KVConnectorB
     return out
 
 
+class _Resolved(dict):  # type: ignore[type-arg]
+    """method name -> ``[(child index, callable), ...]``, resolved on first use.
+
+    A plain subscription on the hot path (no method call); the resolver runs only on a miss.
+    Lazy rather than at construction so that a child patched before its first call (tests do
+    this) is seen.
+    """
+
+    def __init__(self, resolve: Callable[[str], list[tuple[int, Callable[..., Any]]]]) -> None:
+        super().__init__()
+        self._resolve = resolve
+
+    def __missing__(self, method: str) -> list[tuple[int, Callable[..., Any]]]:
+        fns = self[method] = self._resolve(method)
+        return fns
+
+
 class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
     """Children and rules from a kvcompose composition, behind vLLM's connector interface.
 
@@ -138,6 +163,9 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._all_hma = all(supports_hma(c) for c in self._connectors)
         self._qualnames = {n: _qualname(type(c)) for n, c in zip(self.names, self._connectors)}
         self._pack = self.plan.metadata.pack
+        self._unpack_children = self.plan.metadata.unpack
+        # Only the scheduler half counts loads; the worker half skips that check every step.
+        self._counts_loads = role == KVConnectorRole.SCHEDULER
         self._tracker = self.plan.completion()
         self._disabled: set[int] = set()
         self._orphaned: set[str] = set()  # loads owed by a disabled child, to report failed
@@ -163,7 +191,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._wait_save = [self._call(i, "wait_for_save") for i in self._stores]
         self._wait_layer = [self._call(i, "wait_for_layer_load") for i in active]
         self._start_load = [self._call(i, "start_load_kv") for i in active]
-        self._bound: dict[str, list[tuple[int, Callable[..., Any]]]] = {}
+        #: Per method, the active children's callables (see :meth:`_fns`).
+        self._bound = _Resolved(self._resolve)
         # Per step, on every child (None where disabled): the metadata keeps one slot per child.
         self._build_meta = [None if i in self._disabled else c.build_connector_meta
                             for i, c in enumerate(self._connectors)]
@@ -211,14 +240,27 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         trace and fault wrappers) once per method instead of per call keeps the composite's own
         cost below vLLM's MultiConnector's (see docs/performance.md).
         """
-        fns = self._bound.get(method)
-        if fns is None:
-            fns = self._bound[method] = [(i, self._call(i, method)) for i in self._active]
-        return fns
+        return self._bound[method]
+
+    def _resolve(self, method: str) -> list[tuple[int, Callable[..., Any]]]:
+        return [(i, self._call(i, method)) for i in self._active if not self._inherits_constant(i, method)]
+
+    def _inherits_constant(self, i: int, method: str) -> bool:
+        """Whether child ``i`` answers ``method`` with the base class's constant (so needs no call).
+
+        Not while tracing, which logs every child call.
+        """
+        if method not in _CONSTANT_IN_BASE or self.plan.trace:
+            return False
+        # The bound method's function, so that an instance attribute (a test's patch) counts as
+        # the child's own. Not ``vars(child)``: materialising an instance's ``__dict__`` makes
+        # every later attribute read on it ~3x slower (CPython 3.11+ inline values).
+        fn = getattr(self._connectors[i], method)
+        return getattr(fn, "__func__", None) is getattr(KVConnectorBase_V1, method)
 
     def _each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every active child, in YAML order."""
-        return [fn(*args, **kwargs) for _, fn in self._fns(method)]
+        return [fn(*args, **kwargs) for _, fn in self._bound[method]]
 
     @property
     def sub_connectors(self) -> list[KVConnectorBase_V1]:
@@ -310,19 +352,24 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return self.plan.metadata.unpack(metadata.children)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        metas = self._unpack(connector_metadata)
+        if not isinstance(connector_metadata, ComposedMetadata):
+            self._unpack(connector_metadata)  # raises the explanatory TypeError
         assert isinstance(connector_metadata, ComposedMetadata)
-        for req, child in connector_metadata.load_owners.items():
-            self._tracker.expect_load(req, child)
-        for req, children in connector_metadata.saves_owed.items():
-            self._tracker.expect_saves(req, children)
-        for i, fn in self._fns("bind_connector_metadata"):
+        metas = self._unpack_children(connector_metadata.children)
+        if connector_metadata.load_owners:  # most steps start no load and end no request
+            for req, child in connector_metadata.load_owners.items():
+                self._tracker.expect_load(req, child)
+        if connector_metadata.saves_owed:
+            for req, children in connector_metadata.saves_owed.items():
+                self._tracker.expect_saves(req, children)
+        for i, fn in self._bound["bind_connector_metadata"]:
             fn(metas[i])
-        super().bind_connector_metadata(connector_metadata)
+        self._connector_metadata = connector_metadata  # what the base class's bind does
 
     def clear_connector_metadata(self) -> None:
-        self._each("clear_connector_metadata")
-        super().clear_connector_metadata()
+        for _, fn in self._bound["clear_connector_metadata"]:
+            fn()
+        self._connector_metadata = None  # what the base class's clear does
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         metas = self._unpack(kv_connector_metadata)
@@ -357,11 +404,17 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return res.finished_sending or None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        per_child = [ChildResults() for _ in self._connectors]
-        for i, fn in self._fns("get_transfer_results"):
+        per_child: list[ChildResults] | None = None  # built on the first report: most steps have none
+        for i, fn in self._bound["get_transfer_results"]:
             r = fn(finished_req_ids)
-            if r is not None:
+            if r is not None and (r.finished_sending or r.finished_recving or r.failed_recving):
+                if per_child is None:
+                    per_child = [ChildResults() for _ in self._connectors]
                 per_child[i] = ChildResults(set(r.finished_sending), set(r.finished_recving), set(r.failed_recving))
+        if per_child is None:
+            if not self._orphaned:
+                return KVConnectorTransferResults()  # nothing to settle
+            per_child = [ChildResults() for _ in self._connectors]
         if self._orphaned:
             for req in self._orphaned:
                 owner = self._tracker.load_owner.get(req)
@@ -375,17 +428,20 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set()
-        for r in self._each("get_block_ids_with_load_errors"):
-            errors |= r or set()
+        for _, fn in self._bound["get_block_ids_with_load_errors"]:
+            r = fn()
+            if r:
+                errors |= r
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = {}
-        for i, fn in self._fns("get_kv_connector_stats"):
+        names = self.names
+        for i, fn in self._bound["get_kv_connector_stats"]:
             stats = fn()
             if stats is not None:
-                data[self.names[i]] = stats
-        loads = None if self._load_stats.is_empty() else self._load_stats  # scheduler side only
+                data[names[i]] = stats
+        loads = self._load_stats if self._counts_loads and not self._load_stats.is_empty() else None
         if not data and loads is None:
             return None
         if len(data) == len(self._qualnames):  # the usual case: every child reports
@@ -398,8 +454,11 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return ComposedStats(data=data, connector_classes=classes)
 
     def get_kv_connector_kv_cache_events(self) -> "KVConnectorKVEvents | None":
+        fns = self._bound["get_kv_connector_kv_cache_events"]
+        if not fns:  # no child has its own (the usual case: vLLM's base answers None)
+            return None
         children = {}
-        for i, fn in self._fns("get_kv_connector_kv_cache_events"):
+        for i, fn in fns:
             events = fn()
             if events is not None:
                 children[self.names[i]] = events
@@ -415,10 +474,13 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         names = self.names
-        children = {names[i]: fn() for i, fn in self._fns("build_connector_worker_meta")}
-        if all(m is None for m in children.values()):
-            return None
-        return ComposedWorkerMetadata(children)
+        children: dict[str, KVConnectorWorkerMetadata | None] = {}
+        some = False  # a plain loop: a comprehension and all() cost a frame each, every step
+        for i, fn in self._bound["build_connector_worker_meta"]:
+            meta = children[names[i]] = fn()
+            if meta is not None:
+                some = True
+        return ComposedWorkerMetadata(children) if some else None
 
     def shutdown(self) -> None:
         errors: list[tuple[str, BaseException]] = []
@@ -441,11 +503,11 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._each("bind_gpu_block_pool", gpu_block_pool)
 
     def on_new_request(self, request: "Request") -> None:
-        for _, fn in self._fns("on_new_request"):
+        for _, fn in self._bound["on_new_request"]:
             fn(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        fns = self._fns("get_num_new_matched_tokens")
+        fns = self._bound["get_num_new_matched_tokens"]
 
         def ask(k: int) -> tuple[int | None, bool]:
             i, fn = fns[k]
@@ -468,7 +530,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         owner = self._load_owner.get(request.request_id) if num_external_tokens > 0 else None
         winner = owner[0] if owner else None
-        for i, fn in self._fns("update_state_after_alloc"):
+        for i, fn in self._bound["update_state_after_alloc"]:
             fn(request, blocks, num_external_tokens if i == winner else 0)
         if winner is not None:
             self._load_stats.load(self.names[winner], num_external_tokens)
@@ -507,7 +569,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else {}
             events = composed_events.children if isinstance(composed_events, ComposedKVEvents) else {}
             names = self.names
-            for i, fn in self._fns("update_connector_output"):
+            for i, fn in self._bound["update_connector_output"]:
                 connector_output.kv_connector_worker_meta = metas.get(names[i])
                 connector_output.kv_cache_events = events.get(names[i])
                 fn(connector_output)
@@ -518,7 +580,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
     def _finished(self, request: "Request", method: str, *args: Any) -> tuple[bool, dict[str, Any] | None]:
         results: list[dict[str, Any] | None] = [None] * len(self._connectors)
         delaying: list[int] = []
-        for i, fn in self._fns(method):
+        for i, fn in self._bound[method]:
             answer = fn(request, *args)
             if answer is not None:
                 delay, results[i] = answer
