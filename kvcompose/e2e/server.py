@@ -83,7 +83,9 @@ def parse_metrics(text: str) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
-        if not fam.name.startswith("vllm:"):
+        # The text parser files a counter's or histogram's ``_created`` timestamp apart, as a
+        # metric of its own; get_metrics() drops them.
+        if not fam.name.startswith("vllm:") or fam.name.endswith("_created"):
             continue
         for s in fam.samples:
             if fam.type == "counter" and s.name == fam.name + "_total":
@@ -92,7 +94,7 @@ def parse_metrics(text: str) -> dict[str, float]:
                 name = fam.name
             elif fam.type == "histogram" and s.name in (fam.name + "_sum", fam.name + "_count"):
                 name = s.name
-            else:  # buckets, _created timestamps
+            else:  # histogram buckets
                 continue
             out[metric_key(name, s.labels)] = float(s.value)
     return out
