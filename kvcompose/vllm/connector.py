@@ -73,13 +73,22 @@ trace_log = logging.getLogger("kvcompose.trace")
 
 EXTRA_KEY = "kvcompose"
 
-#: Worker hooks whose base-class implementation returns a constant (``None`` or an empty set).
-#: A child that inherits one of them unchanged is not called: its answer is known, and these
-#: hooks run on every model-runner step.
+#: Hooks whose base-class implementation does nothing or returns a constant (``None``,
+#: ``False``, an empty set or tuple) that the composite's combination of answers ignores. A
+#: child that inherits one of them unchanged is not called: its answer is known, and these hooks
+#: run on every step (worker) or for every request (scheduler). MultiConnector calls them all.
 _CONSTANT_IN_BASE = frozenset({
+    # worker, every step
     "get_kv_connector_stats", "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
-    "get_block_ids_with_load_errors",
+    "get_block_ids_with_load_errors", "finish_forward", "reset_capture_state",
+    # scheduler, every step or request
+    "on_new_request", "take_events", "has_pending_block_frees", "register_finished_partial_tail",
 })
+
+
+#: The empty ``load_owners`` / ``saves_owed`` of a step's metadata. Never written to: the
+#: scheduler half adds to dicts of its own and ships this one only when those are empty.
+_NOTHING: dict[str, Any] = {}
 
 
 class ChildFailed(RuntimeError):
@@ -196,7 +205,6 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         # Per step, on every child (None where disabled): the metadata keeps one slot per child.
         self._build_meta = [None if i in self._disabled else c.build_connector_meta
                             for i, c in enumerate(self._connectors)]
-        self._active_children = [self._connectors[i] for i in active]
 
     def _call(self, i: int, method: str) -> Callable[..., Any]:
         """Child ``i``'s bound method, wrapped only when tracing or fault isolation asks for it."""
@@ -551,10 +559,22 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._connectors[owner[0]].get_external_cache_hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        metas = [None if fn is None else fn(scheduler_output) for fn in self._build_meta]
-        meta = ComposedMetadata(self._pack(metas), self._new_owners, self._new_saves)
-        self._new_owners, self._new_saves = {}, {}
-        return meta
+        if self._disabled:
+            metas = [None if fn is None else fn(scheduler_output) for fn in self._build_meta]
+        else:
+            metas = [fn(scheduler_output) for fn in self._build_meta]  # type: ignore[misc]
+        # Most steps start no async load and announce no delayed free: ship the shared empty
+        # dict then (workers only read it) instead of allocating two dicts per step.
+        owners, saves = self._new_owners, self._new_saves
+        if owners:
+            self._new_owners = {}
+        else:
+            owners = _NOTHING
+        if saves:
+            self._new_saves = {}
+        else:
+            saves = _NOTHING
+        return ComposedMetadata(self._pack(metas), owners, saves)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         composed_meta = connector_output.kv_connector_worker_meta
@@ -565,6 +585,10 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             kept = {r for r in connector_output.finished_recving if self._pending_loads.pop(r, None) is not None}
             self.dropped_completions += len(connector_output.finished_recving) - len(kept)
             connector_output.finished_recving = kept
+        if composed_meta is None and composed_events is None:  # nothing per child to hand out
+            for _, fn in self._bound["update_connector_output"]:
+                fn(connector_output)
+            return
         try:
             metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else {}
             events = composed_events.children if isinstance(composed_events, ComposedKVEvents) else {}
@@ -608,8 +632,8 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return any(self._each("register_finished_partial_tail", request, block_ids, partial_tail_offloads))
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
-        for c in self._active_children:
-            yield from c.take_events()
+        for _, fn in self._bound["take_events"]:
+            yield from fn()
 
     def has_pending_block_frees(self) -> bool:
         return any(self._each("has_pending_block_frees"))
