@@ -96,7 +96,15 @@ class Plan:
         lines.append("P/D kv_transfer_params: " + (" and ".join(pd) if pd else "none (no P/D transport)"))
         lines.append("host-buffer copies: " + (self.children[self.host_buffer_owner].name
                                                if self.host_buffer_owner is not None else "no child"))
+        lines.append("a failed load: " + _LOAD_FAILURE[self.composition.load_failure])
         return lines
+
+
+_LOAD_FAILURE = {
+    None: "vLLM's default (fail): the request ends with an error",
+    "fail": "the request ends with an error (vLLM's kv_load_failure_policy=fail)",
+    "recompute": "the prompt is computed locally (vLLM's kv_load_failure_policy=recompute)",
+}
 
 
 def _rule_choice(kind: str, value: Any) -> tuple[str, dict[str, Any]]:

@@ -52,6 +52,10 @@ class Composition(Spec):
     version: Literal[1]
     connectors: Annotated[list[ChildSpec], msgspec.Meta(min_length=1, max_length=32)]
     rules: RulesSpec = msgspec.field(default_factory=RulesSpec)
+    #: What vLLM does with a request whose KV load failed (its ``kv_load_failure_policy``):
+    #: ``fail`` ends it with an error, ``recompute`` computes the prompt locally. Unset: vLLM's
+    #: default (``fail``).
+    load_failure: Literal["fail", "recompute"] | None = None
 
 
 def dec_hook(type_: type, obj: Any) -> Any:

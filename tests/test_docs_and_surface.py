@@ -61,6 +61,18 @@ def test_vllm_args_load_the_composite(capsys: pytest.CaptureFixture[str]) -> Non
     assert KVConnectorFactory.supports_hma_config(ktc)
 
 
+@pytest.mark.parametrize("policy", [None, "fail", "recompute"])
+def test_load_failure_renders_vllms_policy(policy: str | None) -> None:
+    from kvcompose.compose import loads
+    from kvcompose.vllm.args import kv_transfer_config
+
+    text = "version: 1\nconnectors: [{name: host, type: cpu-offload}]\n"
+    plan = loads(text + (f"load_failure: {policy}\n" if policy else ""))
+    ktc = KVTransferConfig(**kv_transfer_config(plan))
+    assert ktc.kv_load_failure_policy == (policy or "fail")
+    assert any(line.startswith("a failed load: ") and (policy or "default") in line for line in plan.explain())
+
+
 def test_general_plugin_registration_is_idempotent() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 

@@ -111,16 +111,16 @@ def composed_kv_transfer_config(composition: Path, side_channel_port: int | None
     """What ``kvcompose vllm-args`` renders for ``composition``, with nixl option overrides."""
     from kvcompose.vllm.args import kv_transfer_config
 
-    cfg = kv_transfer_config(composed_plan(composition, side_channel_port, nixl_options))
-    if kv_load_failure_policy is not None:
-        cfg["kv_load_failure_policy"] = kv_load_failure_policy
-    return cfg
+    return kv_transfer_config(composed_plan(composition, side_channel_port, nixl_options,
+                                            kv_load_failure_policy))
 
 
 def composed_plan(composition: Path, side_channel_port: int | None = None,
-                  nixl_options: dict[str, Any] | None = None) -> Plan:
+                  nixl_options: dict[str, Any] | None = None,
+                  load_failure: str | None = None) -> Plan:
     """The composition's :class:`~kvcompose.compose.Plan`, its ``nixl`` children's options
-    overridden (a free side-channel port, the handshake check off, ...)."""
+    overridden (a free side-channel port, the handshake check off, ...) and, when given, its
+    ``load_failure`` (vLLM's ``kv_load_failure_policy``)."""
     from kvcompose.compose import build, load
     from kvcompose.config import from_builtins, to_builtins
 
@@ -128,11 +128,13 @@ def composed_plan(composition: Path, side_channel_port: int | None = None,
     overrides = dict(nixl_options or {})
     if side_channel_port is not None:
         overrides["side_channel_port"] = side_channel_port
-    if overrides:
+    if overrides or load_failure is not None:
         data = to_builtins(plan.composition)
         for child in data["connectors"]:
             if child["type"] == "nixl":
                 child["options"] = {**child.get("options", {}), **overrides}
+        if load_failure is not None:
+            data["load_failure"] = load_failure
         plan = build(from_builtins(data, str(composition)))
     return plan
 

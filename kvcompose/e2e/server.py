@@ -47,15 +47,12 @@ SUCCESS = "vllm:request_success"
 
 def kv_transfer_value(spec: EngineSpec) -> str:
     """The ``--kv-transfer-config`` value for ``spec``: ``kvcompose vllm-args`` of its composition
-    (with the spec's nixl overrides), plus its ``kv_load_failure_policy`` when set."""
+    (with the spec's nixl overrides and ``kv_load_failure_policy`` as its ``load_failure``)."""
     from kvcompose.vllm.args import render
 
     assert spec.composition is not None
-    value = render(composed_plan(Path(spec.composition), spec.side_channel_port, spec.nixl_options))
-    if spec.kv_load_failure_policy is not None:
-        cfg = {**json.loads(value), "kv_load_failure_policy": spec.kv_load_failure_policy}
-        value = json.dumps(cfg, separators=(",", ":"))
-    return value
+    return render(composed_plan(Path(spec.composition), spec.side_channel_port, spec.nixl_options,
+                                spec.kv_load_failure_policy))
 
 
 def server_argv(spec: EngineSpec, port: int) -> list[str]:

@@ -24,7 +24,7 @@ def _top_role(plan: Plan) -> str:
 
 def kv_transfer_config(plan: Plan) -> dict[str, Any]:
     """``KVTransferConfig(**kv_transfer_config(plan))`` makes vLLM load the composed connector."""
-    return {
+    cfg: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": MODULE,
         "kv_role": _top_role(plan),
@@ -33,6 +33,9 @@ def kv_transfer_config(plan: Plan) -> dict[str, Any]:
             "kvcompose": {"composition": to_builtins(plan.composition), "source": plan.source.filename},
         },
     }
+    if plan.composition.load_failure is not None:
+        cfg["kv_load_failure_policy"] = plan.composition.load_failure
+    return cfg
 
 
 def render(plan: Plan, style: str = "json") -> str:
