@@ -386,9 +386,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
 
 def free_ports(n: int) -> list[int]:
     """``n`` TCP ports on 127.0.0.1 that are free now (bound to port 0, then released)."""
@@ -422,3 +419,7 @@ def pd_pair(prefill_composition: str | Path, decode_composition: str | Path, mod
     finally:
         for n in nodes:
             n.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,24 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcompose.e2e.node import free_ports
+
 BLOCK_SIZE = 32
 PROMPT_LEN = 100  # 4 blocks, the last one partial
 SHORT_LEN = 10  # shorter than one block
 TIMEOUT_S = 300
 #: The driver picks two free ports and hands them to both engine processes.
 PORTS_ENV = "KVCOMPOSE_NIXL_CHECK_PORTS"
-
-
-def free_ports(n: int) -> list[int]:
-    """n TCP ports that are free now (bound to port 0, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def ports() -> tuple[int, int]:
