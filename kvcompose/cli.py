@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)")
     s.add_argument("--quick", action="store_true", help="fewer sizes and repeats, no engine run (under 2 minutes)")
     s.add_argument("--only", action="append", metavar="NAME",
-                   help="run only this benchmark (repeatable): scheduler, worker, dispatch, cpu-copy, nixl-read")
+                   help="run only this benchmark (repeatable): scheduler, worker, dispatch, cpu-copy, nixl-read, pd-ttft")
     s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
     s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
     s.set_defaults(func=cmd_bench)

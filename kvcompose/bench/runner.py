@@ -17,7 +17,10 @@ BENCHMARKS: dict[str, str] = {
     "dispatch": "dispatch",
     "cpu-copy": "cpu_copy",
     "nixl-read": "nixl_read",
+    "pd-ttft": "pd_ttft",
 }
+#: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
+FULL_ONLY = ("pd-ttft",)
 
 
 def _runner(name: str) -> Callable[..., Result]:
@@ -50,13 +53,14 @@ def run(quick: bool = False, only: Sequence[str] = (), png: bool = False, out: P
          f"{m['cpu']}, load {m['loadavg_1m']:.2f}")
     if quick:
         echo("quick mode: fewer sizes and repeats")
-    echo("not measured: decode TTFT through kvcompose vs a bare NixlConnector on an engine pair "
-         "(not built yet; docs/performance.md says how to take it)")
+    names = list(only) or [n for n in BENCHMARKS if not (quick and n in FULL_ONLY)]
+    if quick and not only:
+        echo(f"left out of --quick (they start vLLM engines): {', '.join(FULL_ONLY)}")
     echo("every figure is a ratio against a baseline run in the same process, interleaved; "
          "the other processes on this machine add noise to both sides alike")
     results = []
     started = time.perf_counter()
-    for name in only or list(BENCHMARKS):
+    for name in names:
         if cores is not None:
             os.sched_setaffinity(0, cores)
         t0 = time.perf_counter()

@@ -1,0 +1,48 @@
+"""The engine TTFT benchmark's set-up, without engines: its sides, its lock, its place in the runner."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcompose.bench import pd_ttft
+
+
+def test_the_baseline_is_the_composites_own_nixl_child_alone() -> None:
+    """Same connector class, module path and options as the composite's ``pd`` child: only the
+    composite (and the host tier) differs between the two decode engines."""
+    from kvcompose.e2e.node import composed_kv_transfer_config
+
+    composed = composed_kv_transfer_config(pd_ttft.DECODE_YAML, 4321)
+    alone = pd_ttft.decode_spec("NixlConnector", "model", 4321).kv_transfer_config()
+    assert alone is not None and alone["kv_connector"] == "NixlConnector"
+    assert alone in [{**c, "kv_role": composed["kv_role"]} for c in composed["kv_connector_extra_config"]["connectors"]]
+    assert alone["kv_connector_extra_config"]["kvcompose_progress_delay_us"] > 0  # same NIXL agent settings
+    composite = pd_ttft.decode_spec("kvcompose", "model", 4321).kv_transfer_config()
+    assert composite == composed
+    with pytest.raises(ValueError, match="unknown side"):
+        pd_ttft.decode_spec("nope", "model", 1)
+
+
+def test_engine_lock_is_taken_unless_the_process_already_holds_it(tmp_path: Path) -> None:
+    lock = str(tmp_path / "engines.lock")
+    with pd_ttft.engine_lock(lock, echo=lambda _: None):
+        with open(lock) as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while engines run
+    with open(lock) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after
+    # Under `flock FILE cmd` the child has the file open already and must not wait for itself.
+    code = ("from kvcompose.bench import pd_ttft\n"
+            f"with pd_ttft.engine_lock({lock!r}, echo=print): print('inside')\n")
+    out = subprocess.run(["flock", lock, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "inside", out.stderr
+
+
+def test_quick_runs_leave_the_engine_benchmark_out() -> None:
+    from kvcompose.bench.runner import BENCHMARKS, FULL_ONLY
+
+    assert BENCHMARKS["pd-ttft"] == "pd_ttft" and "pd-ttft" in FULL_ONLY
