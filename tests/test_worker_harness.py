@@ -120,3 +120,51 @@ connectors:
     assert any(m.completed_store_events for m in metas if m is not None)
     assert not h.scheduler.requests
     h.shutdown()
+
+
+def test_write_blocks_fills_each_completed_block_with_its_prefix_bytes() -> None:
+    h = WorkerHarness.from_yaml(TWO, num_layers=2, num_blocks=16)
+    h.kv.raw.fill_(5)  # what no write produces: a block the forward did not complete keeps it
+    req = make_request(40, max_tokens=12)  # two full blocks and a partial one
+    h.scheduler.add_request(req)
+    hooked: list[str] = []
+    h.engine_step(write_blocks=True, write=lambda name, kv: hooked.append(name))
+    assert hooked == h.layer_names  # a caller's write hook still runs, after the block writes
+    ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+    tokens = list(req.prompt_token_ids)
+    assert h.holds_prefix(ids[0], tokens[:16]) and h.holds_prefix(ids[1], tokens[:32])
+    # Each layer gets its own bytes, and the prefix (not the block's own tokens) decides them.
+    a, b = h.layer_names
+    assert not torch.equal(h.expected_block(tokens[:16], a), h.expected_block(tokens[:16], b))
+    assert not h.holds_prefix(ids[1], tokens[16:32])
+    assert bool((h.block_bytes(a, ids[2]) == 5).all())
+    # Decode steps complete the third block (prompt tail + sampled tokens) on its 48th token.
+    while req.num_computed_tokens < 47:
+        h.engine_step(write_blocks=True)
+    assert bool((h.block_bytes(a, ids[2]) == 5).all())
+    h.engine_step(write_blocks=True)
+    assert req.num_computed_tokens == 48 and h.holds_prefix(ids[2], req.all_token_ids[:48])
+    # Without write_blocks the step writes nothing.
+    h.kv.raw.fill_(5)
+    h.engine_step(eos=True)
+    assert bool((h.kv.raw == 5).all())
+    h.shutdown()
+
+
+def test_drain_steps_until_stores_are_acknowledged() -> None:
+    h = WorkerHarness.from_yaml("""
+version: 1
+connectors:
+  - {name: host, type: cpu-offload, options: {cpu_bytes: 4MiB}}
+""", num_blocks=32)
+    req = make_request(64, max_tokens=1)
+    h.scheduler.add_request(req)
+    h.engine_step(write_blocks=True)
+    assert req.is_finished() and h.scheduler.connector.has_pending_push_work()
+    outs = h.drain(write_blocks=True)
+    assert 1 <= len(outs) <= 5 and not h.scheduler.connector.has_pending_push_work()
+    assert h.drain() == []  # nothing pending: no step
+    h.scheduler.connector.has_pending_push_work = lambda: True  # type: ignore[method-assign]
+    with pytest.raises(AssertionError, match="still pending after 2 engine steps"):
+        h.drain(max_steps=2)
+    h.shutdown()

@@ -35,7 +35,15 @@ Example::
 
 With requests, pair the worker with the scheduler of the same configuration:
 ``h.scheduler.add_request(req)`` then ``h.engine_step()`` runs ``schedule()``, the worker step and
-``update_from_output()``, as one engine step does.
+``update_from_output()``, as one engine step does. With ``write_blocks=True`` a stand-in forward
+writes, into every block the step completes, bytes that depend on the block's token prefix, so a
+block that comes back from another tier can be checked byte for byte::
+
+    h.scheduler.add_request(make_request(prompt=tokens, block_size=16))
+    h.engine_step(write_blocks=True)
+    h.drain(write_blocks=True)           # until the connector has no store/push pending
+    ...                                  # later, after a load into block ``b``:
+    assert h.holds_prefix(b, tokens[:16])
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcompose.testing.kv import CPU_LAYOUT, EngineKV, make_engine_kv
+from kvcompose.testing.kv import CPU_LAYOUT, EngineKV, make_engine_kv, pattern_for
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -261,14 +269,100 @@ class WorkerHarness:
         conn.clear_connector_metadata()
         return output
 
-    def engine_step(self, *, eos: bool = False, **step_kw: Any) -> "tuple[SchedulerOutput, Any]":
+    def engine_step(self, *, eos: bool = False, write_blocks: bool = False,
+                    **step_kw: Any) -> "tuple[SchedulerOutput, Any]":
         """One engine step: :attr:`scheduler` schedules, this worker runs its connector step,
         the scheduler takes the worker's output (one sampled token per running request).
 
-        Returns ``(scheduler_output, engine_core_outputs)``; the worker's ``KVConnectorOutput``
-        is ``last_output``.
+        With ``write_blocks`` the step's forward writes, per layer, every block a scheduled
+        request completes in this step with :meth:`expected_block` of the block's token prefix
+        (after ``wait_for_layer_load``, before ``save_kv_layer``, as attention writes KV; a
+        ``write`` hook in ``step_kw`` runs after it). Returns ``(scheduler_output,
+        engine_core_outputs)``; the worker's ``KVConnectorOutput`` is ``last_output``.
         """
-        return self._schedule_and_update(lambda so: self.step(so, **step_kw), eos=eos)
+        user_write: LayerWrite | None = step_kw.pop("write", None)
+
+        def run(so: "SchedulerOutput") -> "KVConnectorOutput":
+            write = self._forward_writer(so, user_write) if write_blocks else user_write
+            return self.step(so, write=write, **step_kw)
+
+        return self._schedule_and_update(run, eos=eos)
+
+    def drain(self, *, max_steps: int = 5, **engine_step_kw: Any) -> "list[SchedulerOutput]":
+        """Engine steps until the scheduler's connector has no push work pending.
+
+        Push work is what keeps vLLM's engine loop stepping with no request left
+        (``Scheduler.has_requests``): stores not yet acknowledged by the worker (the
+        CPU-offload tier holds the stored blocks until then), P-side writes in flight. Returns
+        the scheduler outputs of the steps it ran (none if nothing was pending);
+        ``engine_step_kw`` as :meth:`engine_step`. Raises ``AssertionError`` if work is still
+        pending after ``max_steps`` steps.
+        """
+        outs: list[SchedulerOutput] = []
+        for _ in range(max_steps + 1):
+            conn = self.scheduler.connector
+            if conn is None or not conn.has_pending_push_work():
+                return outs
+            if len(outs) == max_steps:
+                break
+            outs.append(self.engine_step(**engine_step_kw)[0])
+        raise AssertionError(f"drain: push work still pending after {max_steps} engine steps")
+
+    # ------------------------------------------------------------------ block contents
+
+    def expected_block(self, prefix: "list[int] | tuple[int, ...]", layer: str) -> torch.Tensor:
+        """The bytes (int8, flat) ``engine_step(write_blocks=True)`` writes into ``layer``'s
+        block whose tokens end ``prefix`` (the block's tokens and every token before them).
+
+        The layer's position is part of the seed, so a block copied to the wrong layer is caught.
+        """
+        view = self.kv.kv_caches[layer][0]
+        index = self.kv.layer_names.index(layer)
+        return pattern_for([*prefix, -1 - index], view.numel() * view.element_size())
+
+    def block_bytes(self, layer: str, block_id: int) -> torch.Tensor:
+        """A copy of one layer's block as flat bytes (int8): compares exactly, NaN patterns included."""
+        return self.kv.kv_caches[layer][block_id].contiguous().view(torch.int8).reshape(-1).clone()
+
+    def holds_prefix(self, block_id: int, prefix: "list[int] | tuple[int, ...]",
+                     layers: Iterable[str] | None = None) -> bool:
+        """Whether ``block_id`` holds, in every layer (or ``layers``), the bytes the stand-in
+        forward writes for ``prefix``."""
+        names = self.kv.layer_names if layers is None else list(layers)
+        return all(torch.equal(self.block_bytes(n, block_id), self.expected_block(prefix, n)) for n in names)
+
+    def _forward_writer(self, out: "SchedulerOutput", then: LayerWrite | None) -> LayerWrite:
+        """The per-layer write of :meth:`engine_step`'s ``write_blocks`` for one scheduler output.
+
+        The blocks are fixed before the forward: ``schedule()`` has already advanced each
+        request's ``num_computed_tokens`` past the step's tokens and allocated their blocks.
+        """
+        sched = self.scheduler
+        block_size = self.vllm_config.cache_config.block_size
+        groups = self.kv.kv_cache_config.kv_cache_groups
+        group_of = {n: g for g, group in enumerate(groups) for n in group.layer_names}
+        # (group, block id, prefix) of every block completed in this step.
+        done: list[tuple[int, int, list[int]]] = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = sched.requests[req_id]
+            end = req.num_computed_tokens
+            block_ids = sched.kv_cache_manager.get_block_ids(req_id)
+            tokens = req.all_token_ids
+            for b in range((end - n) // block_size, end // block_size):
+                for g in range(len(groups)):
+                    # A sliding-window group frees blocks behind its window (the null block 0).
+                    if b < len(block_ids[g]) and block_ids[g][b] != 0:
+                        done.append((g, block_ids[g][b], list(tokens[: (b + 1) * block_size])))
+
+        def write(name: str, kv_layer: torch.Tensor) -> None:
+            for g, block_id, prefix in done:
+                if g == group_of[name]:
+                    dst = kv_layer[block_id]
+                    dst.copy_(self.expected_block(prefix, name).view(dst.dtype).view(dst.shape))
+            if then is not None:
+                then(name, kv_layer)
+
+        return write
 
     def _schedule_and_update(self, run: Callable[["SchedulerOutput"], "KVConnectorOutput"],
                              eos: bool = False) -> "tuple[SchedulerOutput, Any]":
