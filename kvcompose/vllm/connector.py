@@ -443,19 +443,17 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = {}
-        names = self.names
+        data: dict[str, KVConnectorStats] = {}
+        classes: dict[str, str] = {}  # filled in the same loop: no second pass per step
+        names, qualnames = self.names, self._qualnames
         for i, fn in self._bound["get_kv_connector_stats"]:
             stats = fn()
             if stats is not None:
-                data[names[i]] = stats
+                name = names[i]
+                data[name], classes[name] = stats, qualnames[name]
         loads = self._load_stats if self._counts_loads and not self._load_stats.is_empty() else None
         if not data and loads is None:
             return None
-        if len(data) == len(self._qualnames):  # the usual case: every child reports
-            classes = dict(self._qualnames)
-        else:
-            classes = {n: self._qualnames[n] for n in data}
         if loads is not None:
             data[STATS_KEY], classes[STATS_KEY] = loads, _qualname(ChildLoadStats)
             self._load_stats = ChildLoadStats()

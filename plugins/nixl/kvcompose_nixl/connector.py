@@ -85,20 +85,22 @@ def has_remote_blocks(remote_block_ids: Any) -> bool:
     """
     if not remote_block_ids:
         return False
-    return any(
-        len(group) > 0 if isinstance(group, Sequence) and not isinstance(group, str) else True
-        for group in remote_block_ids
-    )
+    # A plain loop, lists and tuples first: the scheduler asks this up to four times per request.
+    for group in remote_block_ids:
+        if isinstance(group, (list, tuple)):
+            if group:
+                return True
+        elif not isinstance(group, Sequence) or isinstance(group, str) or len(group) > 0:
+            return True
+    return False
 
 
 def _nothing_to_pull(request: Request) -> bool:
     """A decode-side request that asks for a remote prefill the prefill instance cannot serve."""
     params = request.kv_transfer_params
-    return bool(
-        params
-        and params.get("do_remote_prefill")
-        and not has_remote_blocks(params.get("remote_block_ids"))
-    )
+    if not params or not params.get("do_remote_prefill"):
+        return False
+    return not has_remote_blocks(params.get("remote_block_ids"))
 
 
 class _SideChannelMixin:
