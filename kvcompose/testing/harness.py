@@ -50,8 +50,13 @@ def make_vllm_config(
     max_model_len: int = 2048,
     disable_hybrid_kv_cache_manager: bool | None = None,
     model: str | Path = TINY_MODEL,
+    data_parallel_index: int = 0,
 ) -> VllmConfig:
-    """A ``VllmConfig`` for the CPU platform around a local model config (no download)."""
+    """A ``VllmConfig`` for the CPU platform around a local model config (no download).
+
+    ``data_parallel_index`` is the data-parallel rank this engine is (connectors offset their
+    ports by it), set as the engine core sets it before it builds the scheduler.
+    """
     ktc = (
         KVTransferConfig(**kv_transfer_config)
         if isinstance(kv_transfer_config, dict)
@@ -74,13 +79,15 @@ def make_vllm_config(
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     cache_config.num_gpu_blocks = 0
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         kv_transfer_config=ktc,
         device_config=DeviceConfig("cpu"),
     )
+    config.parallel_config.data_parallel_index = data_parallel_index
+    return config
 
 
 def make_kv_cache_config(
@@ -133,22 +140,39 @@ def yaml_kv_transfer_config(source: str | Path, plugins: "Plugins | None" = None
     return kv_transfer_config(loads(source, plugins))
 
 
-def scheduler_from_yaml(
-    source: str | Path,
+def scheduler_for(
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None,
     *,
-    plugins: Plugins | None = None,
     num_blocks: int = 100,
     block_size: int = 16,
     sliding_window: int | None = None,
     **cfg: Any,
 ) -> Scheduler:
-    """vLLM's ``Scheduler`` around the composed connector of a composition (YAML text or file).
+    """vLLM's ``Scheduler`` around the connector of any ``kv_transfer_config`` vLLM accepts.
 
-    ``cfg`` goes to :func:`make_vllm_config`; the composed connector is ``scheduler.connector``.
+    A plain connector (vLLM's ``NixlConnector``, a plugin's class through
+    ``kv_connector_module_path``) or a rendered composition; ``cfg`` goes to
+    :func:`make_vllm_config` (``data_parallel_index``, ``max_num_seqs``, ...). The KV cache has
+    ``num_blocks`` blocks, plus an overlaid sliding-window group with ``sliding_window``.
     """
-    vllm_config = make_vllm_config(yaml_kv_transfer_config(source, plugins), block_size=block_size, **cfg)
+    vllm_config = make_vllm_config(kv_transfer_config, block_size=block_size, **cfg)
     return make_scheduler(vllm_config, make_kv_cache_config(num_blocks, block_size=block_size,
                                                             sliding_window=sliding_window))
+
+
+def scheduler_from_yaml(
+    source: str | Path,
+    *,
+    plugins: Plugins | None = None,
+    **kw: Any,
+) -> Scheduler:
+    """vLLM's ``Scheduler`` around the composed connector of a composition (YAML text or file).
+
+    ``kw`` as :func:`scheduler_for` (``num_blocks=100``, ``block_size=16``,
+    ``sliding_window=None``, and :func:`make_vllm_config`'s keywords); the composed connector is
+    ``scheduler.connector``.
+    """
+    return scheduler_for(yaml_kv_transfer_config(source, plugins), **kw)
 
 
 def make_request(

@@ -15,12 +15,12 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.v1.request import FinishReason, RequestStatus
 
-from kvcompose.testing import harness
 from kvcompose.testing.harness import (
     assert_scheduler_empty,
     decode_request,
     model_runner_output,
     prefill_request,
+    scheduler_for,
     step,
 )
 from kvcompose_nixl.connector import NixlConnector, NixlPushConnector, has_remote_blocks
@@ -48,18 +48,11 @@ def make_nixl_scheduler() -> SchedulerFactory:
         num_blocks: int = 100,
         **extra: Any,
     ) -> Any:
-        ktc: dict[str, Any] = {
-            "kv_connector": connector,
-            "kv_role": role,
-            "kv_connector_extra_config": extra,
-        }
+        ktc: dict[str, Any] = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
         if module is not None:
             ktc["kv_connector_module_path"] = module
-        cfg = harness.make_vllm_config(ktc, block_size=BLOCK_SIZE)
-        # What the engine core sets for a data-parallel rank before it builds the scheduler.
-        cfg.parallel_config.data_parallel_index = data_parallel_index
-        kv = harness.make_kv_cache_config(num_blocks, block_size=BLOCK_SIZE)
-        return harness.make_scheduler(cfg, kv)
+        return scheduler_for(ktc, block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                             data_parallel_index=data_parallel_index)
 
     return make
 
