@@ -12,20 +12,22 @@ import pytest
 from kvcompose.bench import pd_ttft
 
 
-def test_the_baseline_is_the_composites_own_nixl_child_alone() -> None:
+def test_the_baseline_is_the_composites_own_nixl_child_alone(tmp_path: Path) -> None:
     """Same connector class, module path and options as the composite's ``pd`` child: only the
-    composite (and the host tier) differs between the two decode engines."""
+    composite (and the host tier) differs between the two engines."""
     from kvcompose.e2e.node import composed_kv_transfer_config
 
-    composed = composed_kv_transfer_config(pd_ttft.DECODE_YAML, 4321)
-    alone = pd_ttft.decode_spec("NixlConnector", "model", 4321).kv_transfer_config()
-    assert alone is not None and alone["kv_connector"] == "NixlConnector"
-    assert alone in [{**c, "kv_role": composed["kv_role"]} for c in composed["kv_connector_extra_config"]["connectors"]]
+    composite = pd_ttft.engine_spec("kvcompose", "model", tmp_path, 4321).kv_transfer_config()
+    alone = pd_ttft.engine_spec("NixlConnector", "model", tmp_path, 4321).kv_transfer_config()
+    assert composite == composed_kv_transfer_config(tmp_path / "kvcompose" / "pd-both.yaml")
+    assert composite is not None and alone is not None
+    assert alone["kv_connector"] == "NixlConnector" and alone["kv_role"] == composite["kv_role"] == "kv_both"
+    assert {**alone, "kv_role": "kv_both"} in [{**c, "kv_role": "kv_both"}
+                                               for c in composite["kv_connector_extra_config"]["connectors"]]
+    assert alone["kv_connector_extra_config"]["kvcompose_side_channel_port"] == 4321
     assert alone["kv_connector_extra_config"]["kvcompose_progress_delay_us"] > 0  # same NIXL agent settings
-    composite = pd_ttft.decode_spec("kvcompose", "model", 4321).kv_transfer_config()
-    assert composite == composed
     with pytest.raises(ValueError, match="unknown side"):
-        pd_ttft.decode_spec("nope", "model", 1)
+        pd_ttft.engine_spec("nope", "model", tmp_path, 1)
 
 
 def test_engine_lock_is_taken_unless_the_process_already_holds_it(tmp_path: Path) -> None:

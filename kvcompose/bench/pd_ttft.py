@@ -1,23 +1,27 @@
 """Benchmark 5b: decode time-to-first-token through kvcompose vs a bare NixlConnector, real engines.
 
-One prefill engine (the shipped ``examples/pd-prefill.yaml``) stays up; decode engines start one
-at a time beside it (the machine runs at most two engines), alternating between the sides:
+One engine pair, both up for the whole run (the machine runs at most two engines), each engine
+both a prefill and a decode instance (``kv_both``), each prefilling for the other:
 
-* ``NixlConnector``: the NIXL connector alone, as the decode engine's ``--kv-transfer-config``:
-  exactly the child entry the composite hands its ``pd`` child (vLLM's ``NixlConnector`` class
-  through the nixl plugin's module path, with the same options), no composite around it;
-* ``kvcompose``: the shipped ``examples/pd-decode.yaml`` (host-memory tier + NIXL child, composed).
+* ``kvcompose``: :data:`COMPOSITION`, the shipped examples' decode composition (host-memory tier
+  asked first, then NIXL) with the NIXL child in both roles;
+* ``NixlConnector``: that composition's NIXL child alone as the engine's ``--kv-transfer-config``
+  (vLLM's ``NixlConnector`` class through the nixl plugin's module path, the same options), no
+  composite around it.
 
-Every request goes the proxy way (:func:`kvcompose.e2e.flow.decode_request`): prefill with
-``do_remote_decode`` and one token, then decode with prefill's ``kv_transfer_params``; decode
-pulls the prompt's KV over NIXL. A sample is the decode engine's own time from the request's
-arrival to its first token (vLLM's ``first_token_latency``), so the pull, the scheduling and
-the connector hooks are in it, the client's IPC is not. Every prompt is new (no prefix hit on
-either engine); the first request after each decode start (the NIXL handshake) is not counted.
+A request goes the proxy way (:func:`kvcompose.e2e.flow.decode_request`): prefill on one engine
+with ``do_remote_decode`` and one token, then decode on the other with the prefill's
+``kv_transfer_params``; the decode engine pulls the prompt's KV over NIXL. A sample is the decode
+engine's own time from the request's arrival to its first token (vLLM's ``first_token_latency``):
+the pull, the scheduling and the connector hooks are in it, the client's IPC is not. The sides
+alternate request by request (the order flipping every repeat), so both share the machine's
+moments of load. NIXL READ is one-sided (the decode engine reads the prefill engine's memory), so
+which engine prefilled does not enter the decode's time beyond the finished-notification. Every
+prompt is new; one request each way before timing does the NIXL handshakes.
 
 Why the baseline goes through the nixl plugin's module path: vLLM's NIXL agent polls without
-sleeping, so an idle decode engine's worker burns a whole core (measured: ~100% CPU at idle) and
-on this 2-core machine that, not the connector, would set the baseline's TTFT. The plugin's
+sleeping, so an idle engine's worker burns a whole core (measured here: ~100% CPU at idle) and on
+this 2-core machine that, not the connector, would set the baseline's TTFT. The plugin's
 ``progress_delay_us`` (100 us, as in the examples) gives both sides the same NIXL agent; its
 other overrides are the side-channel options and a check for remote prefills without blocks.
 
@@ -43,16 +47,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcompose.bench.measure import Samples, ratio
+from kvcompose.bench.measure import Samples, interleave, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.node import EngineNode, EngineSpec, engine_env, free_ports, wait_all_ready
 
-EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
 SIDES = ("NixlConnector", "kvcompose")
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
-PER_ROUND = 5  # measured requests per decode engine start
-ROUNDS = 2  # decode engine starts per side; the side order flips every round
+REPEATS = 25  # measured requests per side (quick: the minimum, 5); single TTFTs swing 10x here
 
 
 @dataclass
@@ -156,96 +158,109 @@ def engine_lock(path: str = LOCK_PATH, echo: Callable[[str], None] = print) -> I
 
 # ---------------------------------------------------------------------------- the benchmark
 
+#: The kvcompose engine: ``examples/pd-decode.yaml`` with the NIXL child in both roles, so the
+#: same engine can also prefill for the other one.
+COMPOSITION = """\
+version: 1
+connectors:
+  - name: host
+    type: cpu-offload
+    options: {{cpu_bytes: 256MiB}}
+  - name: pd
+    type: nixl
+    role: both
+    options: {{backends: [UCX], side_channel_host: 127.0.0.1, side_channel_port: {port}, progress_delay_us: 100}}
+rules: {{load: first-wins, store: all, metadata: merge}}
+"""
 
-DECODE_YAML = EXAMPLES / "pd-decode.yaml"
+
+def composition_file(directory: Path, port: int) -> Path:
+    """:data:`COMPOSITION` with its NIXL side channel on ``port``, written under ``directory``."""
+    path = directory / "pd-both.yaml"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(COMPOSITION.format(port=port))
+    return path
 
 
-def nixl_alone(port: int) -> dict[str, Any]:
-    """The decode composition's NIXL child as a connector of its own: the child entry
-    ``kvcompose vllm-args`` renders for ``pd`` (class, module path, options), with the composite's role."""
+def nixl_alone(composition: Path) -> dict[str, Any]:
+    """The composition's NIXL child as a connector of its own: the child entry ``kvcompose
+    vllm-args`` renders for it (class, module path, options), with the composite's role."""
     from kvcompose.e2e.node import composed_kv_transfer_config
 
-    composed = composed_kv_transfer_config(DECODE_YAML, port)
+    composed = composed_kv_transfer_config(composition)
     (entry,) = [c for c in composed["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "NixlConnector"]
     return {**entry, "kv_role": composed["kv_role"]}
 
 
-def decode_spec(side: str, model: str, port: int) -> BenchSpec:
-    """The decode engine of ``side``, its NIXL side channel on ``port``."""
+def engine_spec(side: str, model: str, directory: Path, port: int) -> BenchSpec:
+    """The engine of ``side``, its NIXL side channel on ``port`` (its composition under ``directory``)."""
+    composition = composition_file(directory / side, port)
     if side == "kvcompose":
-        return BenchSpec(f"decode-{side}", model, str(DECODE_YAML), side_channel_port=port)
+        return BenchSpec(side, model, str(composition))
     if side == "NixlConnector":
-        return BenchSpec(f"decode-{side}", model, kv_config=nixl_alone(port))
+        return BenchSpec(side, model, kv_config=nixl_alone(composition))
     raise ValueError(f"unknown side {side!r}")
 
 
-def run(quick: bool = False, rounds: int = ROUNDS, per_round: int = PER_ROUND,
-        echo: Callable[[str], None] = print, work: Path | None = None) -> Result:
-    """Decode TTFT per side, decode engines alternating beside one prefill engine."""
+def run(quick: bool = False, repeats: int | None = None, echo: Callable[[str], None] = print,
+        work: Path | None = None) -> Result:
+    """Decode TTFT of each side, requests alternating between the two engines of one pair."""
     from kvcompose.e2e.flow import decode_request, token_prompt
     from kvcompose.e2e.model import make_model
 
-    if quick:  # only when asked for by name: `kvcompose bench --quick` leaves this one out
-        rounds = 1
+    reps = repeats or repeats_for(quick, full=REPEATS)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-ttft-"))
     model = str(make_model(0))
     samples = {s: Samples() for s in SIDES}
     work_done: dict[str, Counter[str]] = {s: Counter() for s in SIDES}
-    starts: dict[str, list[float]] = {s: [] for s in SIDES}
-    seed = iter(range(10_000, 20_000))  # a new prompt for every request
-    (p_port,) = free_ports(1)
+    seed = iter(range(10_000, 1_000_000))  # a new prompt for every request
     with engine_lock(echo=echo):
-        prefill = BenchNode(BenchSpec("prefill", model, str(EXAMPLES / "pd-prefill.yaml"), p_port), logs)
-        nodes = [prefill]
+        nodes = {side: BenchNode(engine_spec(side, model, logs, port), logs)
+                 for side, port in zip(SIDES, free_ports(len(SIDES)))}
         try:
-            wait_all_ready([prefill])
+            t0 = time.monotonic()
+            wait_all_ready(list(nodes.values()))
+            started_s = time.monotonic() - t0
 
-            def request(decode: EngineNode, side: str, counted: bool) -> None:
+            def request(side: str) -> float:
+                """Prefill on the other engine, decode on ``side``; the decode's TTFT."""
+                (other,) = [n for s, n in nodes.items() if s != side]
                 prompt = token_prompt(next(seed), PROMPT_TOKENS)
-                (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
-                s = decode_request(decode, prompt, 1, p["kv_transfer_params"])
-                if s.nixl_bytes <= 0 or s.computed_tokens >= PROMPT_TOKENS:
-                    raise RuntimeError(f"{side}: the prompt's KV was not pulled over NIXL "
-                                       f"(bytes {s.nixl_bytes}, computed {s.computed_tokens}); see {decode.log_path}")
-                if counted:
-                    samples[side].values.append(s.ttft_s)
-                    work_done[side]["requests"] += 1
-                    work_done[side]["nixl_bytes"] += s.nixl_bytes
-                    work_done[side]["computed_tokens"] += s.computed_tokens
+                (p,) = other.generate([prompt], 1, [{"do_remote_decode": True}])
+                d = decode_request(nodes[side], prompt, 1, p["kv_transfer_params"])
+                if d.nixl_bytes <= 0 or d.computed_tokens >= PROMPT_TOKENS:
+                    raise RuntimeError(f"{side}: the prompt's KV was not pulled over NIXL (bytes "
+                                       f"{d.nixl_bytes}, computed {d.computed_tokens}); see {nodes[side].log_path}")
+                work_done[side]["requests"] += 1
+                work_done[side]["nixl_bytes"] += d.nixl_bytes
+                work_done[side]["computed_tokens"] += d.computed_tokens
+                return d.ttft_s
 
-            for r in range(rounds):
-                for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                    decode = BenchNode(decode_spec(side, model, free_ports(1)[0]), logs)
-                    nodes.append(decode)
-                    t0 = time.monotonic()
-                    wait_all_ready([decode])
-                    starts[side].append(time.monotonic() - t0)
-                    request(decode, side, counted=False)  # NIXL handshake with the prefill engine
-                    for _ in range(per_round):
-                        request(decode, side, counted=True)
-                    decode.close()
-                    nodes.remove(decode)
-                    echo(f"   round {r + 1}/{rounds} {side}: TTFT ms "
-                         + " ".join(f"{v * 1e3:.1f}" for v in samples[side].values[-per_round:]))
+            for side in SIDES:  # NIXL handshakes both ways, and first-request warm-up
+                request(side)
+            work_done = {s: Counter() for s in SIDES}
+            measured = interleave({side: (lambda _r, side=side: request(side)) for side in SIDES}, reps)
         finally:
-            for n in nodes:
+            for n in nodes.values():
                 n.close()
+    for side in SIDES:
+        samples[side] = measured[side]
     label = f"{PROMPT_TOKENS}-token prompt"
+    echo("   TTFT ms: " + "; ".join(f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in SIDES))
     return Result(
         "pd_ttft", "Decode time to first token over NIXL: kvcompose vs a bare NixlConnector", "ms", 1e3,
-        [Case(label, samples, {"work": {s: dict(c) for s, c in work_done.items()},
-                               "decode_start_s": {s: [round(x, 1) for x in v] for s, v in starts.items()}})],
+        [Case(label, samples, {"work": {s: dict(c) for s, c in work_done.items()}, "engines_start_s": round(started_s, 1)})],
         [ratio(label, samples, "kvcompose", "NixlConnector")],
-        Target("<=", 1.02, "kvcompose", "NixlConnector"), rounds * per_round, quick,
-        ["one prefill engine (examples/pd-prefill.yaml); decode engines one at a time beside it, the side "
-         "order flipping every round; a sample is one request's TTFT inside the decode engine "
-         "(arrival to first token: NIXL pull, scheduling, connector hooks)",
-         "NixlConnector: the decode composition's NIXL child alone (vLLM's NixlConnector via the nixl plugin, "
-         "same options: its NIXL agent sleeps between polls; vLLM's own busy-spins a core here); kvcompose: "
-         "examples/pd-decode.yaml (host-memory tier asked first, then NIXL; the host tier also stores the pulled blocks)",
-         f"every prompt new ({PROMPT_TOKENS} tokens); the first request after each decode start (NIXL "
-         "handshake) is not counted; 'work' in the JSON: NIXL bytes and computed tokens per side"],
-        {"prompt_tokens": PROMPT_TOKENS, "rounds": rounds, "per_round": per_round, "engine_logs": str(logs)})
+        Target("<=", 1.02, "kvcompose", "NixlConnector"), reps, quick,
+        ["one engine pair, both kv_both, each prefilling for the other; a sample is one request's TTFT inside "
+         "the decode engine (arrival to first token: NIXL pull, scheduling, connector hooks); the sides "
+         "alternate request by request",
+         "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
+         "NixlConnector: that composition's NIXL child alone (vLLM's NixlConnector via the nixl plugin, same "
+         "options: its NIXL agent sleeps between polls; vLLM's own busy-spins a core here)",
+         f"every prompt new ({PROMPT_TOKENS} tokens); one request each way before timing (NIXL handshakes); "
+         "'work' in the JSON: NIXL bytes and computed tokens per side (equal)"],
+        {"prompt_tokens": PROMPT_TOKENS, "engine_logs": str(logs)})
 
 
 if __name__ == "__main__":
