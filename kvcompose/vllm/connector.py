@@ -173,8 +173,6 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._qualnames = {n: _qualname(type(c)) for n, c in zip(self.names, self._connectors)}
         self._pack = self.plan.metadata.pack
         self._unpack_children = self.plan.metadata.unpack
-        # Only the scheduler half counts loads; the worker half skips that check every step.
-        self._counts_loads = role == KVConnectorRole.SCHEDULER
         self._tracker = self.plan.completion()
         self._disabled: set[int] = set()
         self._orphaned: set[str] = set()  # loads owed by a disabled child, to report failed
@@ -188,6 +186,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self.dropped_completions = 0
         # Which child served each load, reported with the stats (kvcompose.vllm.loadstats).
         self._load_stats = ChildLoadStats()
+        self._loads_counted = False  # anything in _load_stats since the last report (a flag: asked every step)
         self._looked_up: set[str] = set()
         self._rebind()
 
@@ -451,12 +450,12 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             if stats is not None:
                 name = names[i]
                 data[name], classes[name] = stats, qualnames[name]
-        loads = self._load_stats if self._counts_loads and not self._load_stats.is_empty() else None
+        loads = self._load_stats if self._loads_counted else None
         if not data and loads is None:
             return None
         if loads is not None:
             data[STATS_KEY], classes[STATS_KEY] = loads, _qualname(ChildLoadStats)
-            self._load_stats = ChildLoadStats()
+            self._load_stats, self._loads_counted = ChildLoadStats(), False
         return ComposedStats(data=data, connector_classes=classes)
 
     def get_kv_connector_kv_cache_events(self) -> "KVConnectorKVEvents | None":
@@ -526,6 +525,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         if request.request_id not in self._looked_up:
             self._looked_up.add(request.request_id)
             self._load_stats.lookup()
+            self._loads_counted = True
         if sel.winner is None:
             # A re-lookup that finds nothing must not leave an older winner behind.
             self._load_owner.pop(request.request_id, None)
@@ -540,6 +540,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             fn(request, blocks, num_external_tokens if i == winner else 0)
         if winner is not None:
             self._load_stats.load(self.names[winner], num_external_tokens)
+            self._loads_counted = True
         if owner is not None and owner[1]:  # an async load: vLLM now waits for its completion
             self._pending_loads[request.request_id] = owner[0]
             self._new_owners[request.request_id] = owner[0]

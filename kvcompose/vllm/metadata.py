@@ -73,10 +73,12 @@ class ComposedStats(KVConnectorStats):
     connector_classes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            name: {"class": _qualname(type(s)), "connector": self.connector_classes.get(name, ""), "data": s.to_dict()}
-            for name, s in self.data.items()
-        }
+        # A plain loop rather than a comprehension (one frame fewer): vLLM calls this every step.
+        out: dict[str, Any] = {}
+        classes = self.connector_classes
+        for name, s in self.data.items():
+            out[name] = {"class": _qualname(type(s)), "connector": classes.get(name, ""), "data": s.to_dict()}
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ComposedStats":
@@ -106,7 +108,10 @@ class ComposedStats(KVConnectorStats):
         return {f"{name}.{k}": v for name, s in self.data.items() for k, v in s.reduce().items()}
 
     def is_empty(self) -> bool:
-        return all(s.is_empty() for s in self.data.values())
+        for s in self.data.values():  # no generator: vLLM asks every step
+            if not s.is_empty():
+                return False
+        return True
 
 
 class ComposedKVEvents(KVConnectorKVEvents):
