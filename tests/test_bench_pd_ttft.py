@@ -26,6 +26,9 @@ def test_the_baseline_is_the_composites_own_nixl_child_alone(tmp_path: Path) -> 
                                                for c in composite["kv_connector_extra_config"]["connectors"]]
     assert alone["kv_connector_extra_config"]["kvcompose_side_channel_port"] == 4321
     assert alone["kv_connector_extra_config"]["kvcompose_progress_delay_us"] > 0  # same NIXL agent settings
+    pd_only = pd_ttft.engine_spec("kvcompose-pd-only", "model", tmp_path, 4322).kv_transfer_config()
+    assert pd_only is not None and [c["kv_connector"] for c in pd_only["kv_connector_extra_config"]["connectors"]] == [
+        "NixlConnector"]
     with pytest.raises(ValueError, match="unknown side"):
         pd_ttft.engine_spec("nope", "model", tmp_path, 1)
 

@@ -9,6 +9,9 @@ both a prefill and a decode instance (``kv_both``), each prefilling for the othe
   (vLLM's ``NixlConnector`` class through the nixl plugin's module path, the same options), no
   composite around it.
 
+A second pair runs after the first: ``NixlConnector`` vs ``kvcompose-pd-only``, the composite
+with its NIXL child alone, which separates the composite's own cost from the host tier's work.
+
 A request goes the proxy way (:func:`kvcompose.e2e.flow.decode_request`): prefill on one engine
 with ``do_remote_decode`` and one token, then decode on the other with the prefill's
 ``kv_transfer_params``; the decode engine pulls the prompt's KV over NIXL. A sample is the decode
@@ -53,8 +56,10 @@ from kvcompose.e2e.node import EngineNode, EngineSpec, engine_env, free_ports, w
 
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
 SIDES = ("NixlConnector", "kvcompose")
+#: Engine pairs, one after the other (two engines at a time): (baseline, subject).
+PAIRS = (SIDES, ("NixlConnector", "kvcompose-pd-only"))
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
-REPEATS = 25  # measured requests per side (quick: the minimum, 5); single TTFTs swing 10x here
+REPEATS = 20  # measured requests per side and pair (quick: the minimum, 5); single TTFTs swing 10x here
 
 
 @dataclass
@@ -174,11 +179,23 @@ rules: {{load: first-wins, store: all, metadata: merge}}
 """
 
 
-def composition_file(directory: Path, port: int) -> Path:
-    """:data:`COMPOSITION` with its NIXL side channel on ``port``, written under ``directory``."""
+#: Side ``kvcompose-pd-only`` (not run by default): the same composite with its NIXL child
+#: alone, to tell the composite's own cost from the host tier's work (its lookups and stores).
+PD_ONLY = """\
+version: 1
+connectors:
+  - name: pd
+    type: nixl
+    role: both
+    options: {{backends: [UCX], side_channel_host: 127.0.0.1, side_channel_port: {port}, progress_delay_us: 100}}
+"""
+
+
+def composition_file(directory: Path, port: int, text: str = COMPOSITION) -> Path:
+    """A composition (:data:`COMPOSITION`) with its NIXL side channel on ``port``, under ``directory``."""
     path = directory / "pd-both.yaml"
     directory.mkdir(parents=True, exist_ok=True)
-    path.write_text(COMPOSITION.format(port=port))
+    path.write_text(text.format(port=port))
     return path
 
 
@@ -194,73 +211,87 @@ def nixl_alone(composition: Path) -> dict[str, Any]:
 
 def engine_spec(side: str, model: str, directory: Path, port: int) -> BenchSpec:
     """The engine of ``side``, its NIXL side channel on ``port`` (its composition under ``directory``)."""
-    composition = composition_file(directory / side, port)
-    if side == "kvcompose":
+    composition = composition_file(directory / side, port, PD_ONLY if side == "kvcompose-pd-only" else COMPOSITION)
+    if side in ("kvcompose", "kvcompose-pd-only"):
         return BenchSpec(side, model, str(composition))
     if side == "NixlConnector":
         return BenchSpec(side, model, kv_config=nixl_alone(composition))
     raise ValueError(f"unknown side {side!r}")
 
 
-def run(quick: bool = False, repeats: int | None = None, echo: Callable[[str], None] = print,
-        work: Path | None = None) -> Result:
-    """Decode TTFT of each side, requests alternating between the two engines of one pair."""
+def measure_pair(sides: tuple[str, str], reps: int, model: str, logs: Path, seed: Iterator[int]
+                 ) -> tuple[dict[str, Samples], dict[str, dict[str, int]], float]:
+    """Start one engine per side, then time ``reps`` decodes on each, alternating request by request.
+
+    Returns the TTFT samples, the work done per side (requests, NIXL bytes, computed tokens) and
+    the engines' start time. The caller holds the engine lock.
+    """
     from kvcompose.e2e.flow import decode_request, token_prompt
+
+    nodes = {side: BenchNode(engine_spec(side, model, logs, port), logs)
+             for side, port in zip(sides, free_ports(len(sides)))}
+    work_done: dict[str, Counter[str]] = {s: Counter() for s in sides}
+    try:
+        t0 = time.monotonic()
+        wait_all_ready(list(nodes.values()))
+        started_s = time.monotonic() - t0
+
+        def request(side: str) -> float:
+            """Prefill on the other engine, decode on ``side``; the decode's TTFT."""
+            (other,) = [n for s, n in nodes.items() if s != side]
+            prompt = token_prompt(next(seed), PROMPT_TOKENS)
+            (p,) = other.generate([prompt], 1, [{"do_remote_decode": True}])
+            d = decode_request(nodes[side], prompt, 1, p["kv_transfer_params"])
+            if d.nixl_bytes <= 0 or d.computed_tokens >= PROMPT_TOKENS:
+                raise RuntimeError(f"{side}: the prompt's KV was not pulled over NIXL (bytes "
+                                   f"{d.nixl_bytes}, computed {d.computed_tokens}); see {nodes[side].log_path}")
+            work_done[side]["requests"] += 1
+            work_done[side]["nixl_bytes"] += d.nixl_bytes
+            work_done[side]["computed_tokens"] += d.computed_tokens
+            return d.ttft_s
+
+        for side in sides:  # NIXL handshakes both ways, and first-request warm-up
+            request(side)
+        work_done = {s: Counter() for s in sides}
+        samples = interleave({side: (lambda _r, side=side: request(side)) for side in sides}, reps)
+    finally:
+        for n in nodes.values():
+            n.close()
+    return samples, {s: dict(c) for s, c in work_done.items()}, started_s
+
+
+def run(quick: bool = False, repeats: int | None = None, echo: Callable[[str], None] = print,
+        work: Path | None = None, pairs: tuple[tuple[str, str], ...] = PAIRS) -> Result:
+    """Decode TTFT, one engine pair after the other (:data:`PAIRS`); each pair's ratio."""
     from kvcompose.e2e.model import make_model
 
     reps = repeats or repeats_for(quick, full=REPEATS)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-ttft-"))
     model = str(make_model(0))
-    samples = {s: Samples() for s in SIDES}
-    work_done: dict[str, Counter[str]] = {s: Counter() for s in SIDES}
     seed = iter(range(10_000, 1_000_000))  # a new prompt for every request
+    cases, ratios = [], []
     with engine_lock(echo=echo):
-        nodes = {side: BenchNode(engine_spec(side, model, logs, port), logs)
-                 for side, port in zip(SIDES, free_ports(len(SIDES)))}
-        try:
-            t0 = time.monotonic()
-            wait_all_ready(list(nodes.values()))
-            started_s = time.monotonic() - t0
-
-            def request(side: str) -> float:
-                """Prefill on the other engine, decode on ``side``; the decode's TTFT."""
-                (other,) = [n for s, n in nodes.items() if s != side]
-                prompt = token_prompt(next(seed), PROMPT_TOKENS)
-                (p,) = other.generate([prompt], 1, [{"do_remote_decode": True}])
-                d = decode_request(nodes[side], prompt, 1, p["kv_transfer_params"])
-                if d.nixl_bytes <= 0 or d.computed_tokens >= PROMPT_TOKENS:
-                    raise RuntimeError(f"{side}: the prompt's KV was not pulled over NIXL (bytes "
-                                       f"{d.nixl_bytes}, computed {d.computed_tokens}); see {nodes[side].log_path}")
-                work_done[side]["requests"] += 1
-                work_done[side]["nixl_bytes"] += d.nixl_bytes
-                work_done[side]["computed_tokens"] += d.computed_tokens
-                return d.ttft_s
-
-            for side in SIDES:  # NIXL handshakes both ways, and first-request warm-up
-                request(side)
-            work_done = {s: Counter() for s in SIDES}
-            measured = interleave({side: (lambda _r, side=side: request(side)) for side in SIDES}, reps)
-        finally:
-            for n in nodes.values():
-                n.close()
-    for side in SIDES:
-        samples[side] = measured[side]
-    label = f"{PROMPT_TOKENS}-token prompt"
-    echo("   TTFT ms: " + "; ".join(f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in SIDES))
+        for sides in pairs:
+            samples, work_done, started_s = measure_pair(sides, reps, model, logs, seed)
+            label = f"{PROMPT_TOKENS}-token prompt: {sides[1]}"
+            echo(f"   {label}, TTFT ms: " + "; ".join(
+                f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in sides))
+            cases.append(Case(label, samples, {"work": work_done, "engines_start_s": round(started_s, 1)}))
+            ratios.append(ratio(label, samples, sides[1], sides[0]))
     return Result(
         "pd_ttft", "Decode time to first token over NIXL: kvcompose vs a bare NixlConnector", "ms", 1e3,
-        [Case(label, samples, {"work": {s: dict(c) for s, c in work_done.items()}, "engines_start_s": round(started_s, 1)})],
-        [ratio(label, samples, "kvcompose", "NixlConnector")],
-        Target("<=", 1.02, "kvcompose", "NixlConnector"), reps, quick,
-        ["one engine pair, both kv_both, each prefilling for the other; a sample is one request's TTFT inside "
-         "the decode engine (arrival to first token: NIXL pull, scheduling, connector hooks); the sides "
+        cases, ratios, Target("<=", 1.02, "kvcompose", "NixlConnector"), reps, quick,
+        ["per pair: two engines, both kv_both, each prefilling for the other; a sample is one request's TTFT "
+         "inside the decode engine (arrival to first token: NIXL pull, scheduling, connector hooks); the sides "
          "alternate request by request",
          "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
-         "NixlConnector: that composition's NIXL child alone (vLLM's NixlConnector via the nixl plugin, same "
-         "options: its NIXL agent sleeps between polls; vLLM's own busy-spins a core here)",
+         "kvcompose-pd-only: the same composite with the NIXL child alone (the composite's own cost, without "
+         "the host tier's lookups and stores); NixlConnector: the NIXL child with no composite (vLLM's "
+         "NixlConnector via the nixl plugin, same options: its NIXL agent sleeps between polls; vLLM's own "
+         "busy-spins a core here)",
          f"every prompt new ({PROMPT_TOKENS} tokens); one request each way before timing (NIXL handshakes); "
          "'work' in the JSON: NIXL bytes and computed tokens per side (equal)"],
-        {"prompt_tokens": PROMPT_TOKENS, "engine_logs": str(logs)})
+        {"prompt_tokens": PROMPT_TOKENS, "pairs": [list(p) for p in pairs], "engine_logs": str(logs)})
 
 
 if __name__ == "__main__":
