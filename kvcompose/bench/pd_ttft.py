@@ -36,23 +36,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
-import queue
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcompose.bench.measure import Samples, interleave, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import EngineNode, EngineSpec, engine_env, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, EngineSpec, free_ports, wait_all_ready
 
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
 SIDES = ("NixlConnector", "kvcompose")
@@ -60,69 +54,6 @@ SIDES = ("NixlConnector", "kvcompose")
 PAIRS = (SIDES, ("NixlConnector", "kvcompose-pd-only"))
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
 REPEATS = 20  # measured requests per side and pair (quick: the minimum, 5); single TTFTs swing 10x here
-
-
-@dataclass
-class BenchSpec(EngineSpec):
-    """An :class:`EngineSpec` that may carry a ``kv_transfer_config`` as is (one bare connector)."""
-
-    kv_config: dict[str, Any] | None = None
-
-    def kv_transfer_config(self) -> dict[str, Any] | None:
-        if self.kv_config is not None:
-            return dict(self.kv_config)
-        return super().kv_transfer_config()
-
-
-class BenchNode(EngineNode):
-    """An :class:`EngineNode` whose process runs :func:`node_main` (a :class:`BenchSpec`).
-
-    ``EngineNode`` starts ``kvcompose.e2e.node``, which builds only kvcompose compositions; the
-    pipe protocol, waits and shutdown are ``EngineNode``'s.
-    """
-
-    def __init__(self, spec: BenchSpec, log_dir: Path, extra_env: dict[str, str] | None = None) -> None:
-        # EngineNode.__init__ with this module as the entry point.
-        self.spec = spec
-        self.log_path = log_dir / f"{spec.name}.log"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        read_fd, write_fd = os.pipe()
-        env = engine_env(extra_env)
-        env["KVCOMPOSE_NODE_FD"] = str(write_fd)
-        self._log = open(self.log_path, "w")
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, json.dumps(asdict(spec))],
-            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            pass_fds=(write_fd,), start_new_session=True, text=True,
-        )
-        os.close(write_fd)
-        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
-        self._reader.start()
-        self.stage = "starting"
-        self.ready_info: dict[str, Any] | None = None
-
-
-def node_main(argv: list[str]) -> int:
-    """The engine process: ``kvcompose.e2e.node``'s loop, for a :class:`BenchSpec`."""
-    from kvcompose.e2e import node
-
-    spec = BenchSpec(**json.loads(argv[0]))
-    fd = int(os.environ.pop("KVCOMPOSE_NODE_FD"))
-    os.set_inheritable(fd, False)
-    out = os.fdopen(fd, "w", buffering=1)
-    os.environ.update(node.ENGINE_ENV)
-
-    def reply(msg: dict[str, Any]) -> None:
-        out.write(json.dumps(msg) + "\n")
-
-    try:
-        node._serve(spec, reply)
-    except Exception as exc:
-        reply({"event": "failed", "error": f"{type(exc).__name__}: {exc}"})
-        raise
-    return 0
 
 
 # ---------------------------------------------------------------------------- the engine lock
@@ -209,13 +140,13 @@ def nixl_alone(composition: Path) -> dict[str, Any]:
     return {**entry, "kv_role": composed["kv_role"]}
 
 
-def engine_spec(side: str, model: str, directory: Path, port: int) -> BenchSpec:
+def engine_spec(side: str, model: str, directory: Path, port: int) -> EngineSpec:
     """The engine of ``side``, its NIXL side channel on ``port`` (its composition under ``directory``)."""
     composition = composition_file(directory / side, port, PD_ONLY if side == "kvcompose-pd-only" else COMPOSITION)
     if side in ("kvcompose", "kvcompose-pd-only"):
-        return BenchSpec(side, model, str(composition))
+        return EngineSpec(side, model, str(composition))
     if side == "NixlConnector":
-        return BenchSpec(side, model, kv_config=nixl_alone(composition))
+        return EngineSpec(side, model, kv_config=nixl_alone(composition))
     raise ValueError(f"unknown side {side!r}")
 
 
@@ -228,7 +159,7 @@ def measure_pair(sides: tuple[str, str], reps: int, model: str, logs: Path, seed
     """
     from kvcompose.e2e.flow import decode_request, token_prompt
 
-    nodes = {side: BenchNode(engine_spec(side, model, logs, port), logs)
+    nodes = {side: EngineNode(engine_spec(side, model, logs, port), logs)
              for side, port in zip(sides, free_ports(len(sides)))}
     work_done: dict[str, Counter[str]] = {s: Counter() for s in sides}
     try:
@@ -293,6 +224,3 @@ def run(quick: bool = False, repeats: int | None = None, echo: Callable[[str], N
          "'work' in the JSON: NIXL bytes and computed tokens per side (equal)"],
         {"prompt_tokens": PROMPT_TOKENS, "pairs": [list(p) for p in pairs], "engine_logs": str(logs)})
 
-
-if __name__ == "__main__":
-    sys.exit(node_main(sys.argv[1:]))

@@ -69,7 +69,8 @@ class EngineSpec:
 
     ``composition`` is a kvcompose YAML file (``None``: no connector, a baseline engine).
     ``side_channel_port`` and ``nixl_options`` override the ``nixl`` children's options, so that
-    a shipped example can run with a free port or with the handshake check off.
+    a shipped example can run with a free port or with the handshake check off. ``kv_config`` is a
+    ``KVTransferConfig`` as is, instead of a composition (a benchmark's bare-connector baseline).
     """
 
     name: str
@@ -81,9 +82,13 @@ class EngineSpec:
     kv_load_failure_policy: str | None = None
     num_gpu_blocks: int = 256
     seed: int = 0
+    kv_config: dict[str, Any] | None = None
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
-        """The ``KVTransferConfig`` kwargs: the composition's, with this spec's overrides."""
+        """The ``KVTransferConfig`` kwargs: ``kv_config``, or the composition's with this spec's
+        overrides."""
+        if self.kv_config is not None:
+            return dict(self.kv_config)
         if self.composition is None:
             return None
         return composed_kv_transfer_config(Path(self.composition), self.side_channel_port,
