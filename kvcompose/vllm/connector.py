@@ -47,6 +47,7 @@ from kvcompose.compose import Plan, build
 from kvcompose.config import from_builtins
 from kvcompose.rules.completion import ChildResults
 from kvcompose.rules.load import Selection
+from kvcompose.rules.metadata import Merge
 from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadPromMetrics, ChildLoadStats
 from kvcompose.vllm.metadata import (
     ComposedHandshakeMetadata,
@@ -202,8 +203,12 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         #: Per method, the active children's callables (see :meth:`_fns`).
         self._bound = _Resolved(self._resolve)
         # Per step, on every child (None where disabled): the metadata keeps one slot per child.
-        self._build_meta = [None if i in self._disabled else c.build_connector_meta
-                            for i, c in enumerate(self._connectors)]
+        self._build_meta = [(name, None if i in self._disabled else c.build_connector_meta)
+                            for i, (name, c) in enumerate(zip(self.names, self._connectors))]
+        # The built-in merge rule's pack is dict(zip(names, metas)) after a length check that
+        # holds by construction here: build that dict in place (no list, zip or call per step).
+        metadata_rule = self.plan.metadata
+        self._merge_in_place = type(metadata_rule) is Merge and metadata_rule.names == self.names
 
     def _call(self, i: int, method: str) -> Callable[..., Any]:
         """Child ``i``'s bound method, wrapped only when tracing or fault isolation asks for it."""
@@ -566,10 +571,12 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._connectors[owner[0]].get_external_cache_hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        if self._disabled:
-            metas = [None if fn is None else fn(scheduler_output) for fn in self._build_meta]
+        if self._merge_in_place:
+            children: dict[str, Any] = {}  # a plain loop: a comprehension costs a frame every step
+            for name, fn in self._build_meta:
+                children[name] = None if fn is None else fn(scheduler_output)
         else:
-            metas = [fn(scheduler_output) for fn in self._build_meta]  # type: ignore[misc]
+            children = self._pack([None if fn is None else fn(scheduler_output) for _, fn in self._build_meta])
         # Most steps start no async load and announce no delayed free: ship the shared empty
         # dict then (workers only read it) instead of allocating two dicts per step.
         owners, saves = self._new_owners, self._new_saves
@@ -581,7 +588,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             self._new_saves = {}
         else:
             saves = _NOTHING
-        return ComposedMetadata(self._pack(metas), owners, saves)
+        return ComposedMetadata(children, owners, saves)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         composed_meta = connector_output.kv_connector_worker_meta
