@@ -604,9 +604,15 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
                 fn(connector_output)
             return
         try:
-            metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else {}
-            events = composed_events.children if isinstance(composed_events, ComposedKVEvents) else {}
+            metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else _NOTHING
             names = self.names
+            if composed_events is None:  # the usual case: worker metadata only, no per-child events
+                for i, fn in self._bound["update_connector_output"]:
+                    connector_output.kv_connector_worker_meta = metas.get(names[i])
+                    connector_output.kv_cache_events = None
+                    fn(connector_output)
+                return
+            events = composed_events.children if isinstance(composed_events, ComposedKVEvents) else _NOTHING
             for i, fn in self._bound["update_connector_output"]:
                 connector_output.kv_connector_worker_meta = metas.get(names[i])
                 connector_output.kv_cache_events = events.get(names[i])

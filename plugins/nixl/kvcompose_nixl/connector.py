@@ -96,7 +96,11 @@ def has_remote_blocks(remote_block_ids: Any) -> bool:
 
 
 def _nothing_to_pull(request: Request) -> bool:
-    """A decode-side request that asks for a remote prefill the prefill instance cannot serve."""
+    """A decode-side request that asks for a remote prefill the prefill instance cannot serve.
+
+    The overrides below test ``request.kv_transfer_params`` first: most requests have none, and
+    then this call (a frame, four times per request) is skipped.
+    """
     params = request.kv_transfer_params
     if not params or not params.get("do_remote_prefill"):
         return False
@@ -129,7 +133,7 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
         """vLLM starts lease heartbeats to the prefill instance for every remote prefill; there
         is no lease to renew when the prefill instance holds no block."""
         super().on_new_request(request)
-        if _nothing_to_pull(request):
+        if request.kv_transfer_params and _nothing_to_pull(request):
             assert self.connector_scheduler is not None
             self.connector_scheduler._stop_heartbeat(request.request_id)
             log.debug("%s: remote prefill without remote blocks; computing it locally",
@@ -147,7 +151,7 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
         ``do_remote_prefill`` must stay set until then: with ``bidirectional_kv_xfer`` vLLM
         tracks a remote-prefill request there for the prefill instance's later readback.
         """
-        if _nothing_to_pull(request):
+        if request.kv_transfer_params and _nothing_to_pull(request):
             return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -159,7 +163,7 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
         instance, a handshake with a peer that has nothing to free. Spell it ``[]`` so vLLM
         takes its no-blocks branch. Everything else, including the bidirectional bookkeeping
         of a remote-prefill request, stays vLLM's."""
-        if _nothing_to_pull(request):
+        if request.kv_transfer_params and _nothing_to_pull(request):
             assert request.kv_transfer_params is not None
             request.kv_transfer_params["remote_block_ids"] = []
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -183,7 +187,7 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
 
     @staticmethod
     def _forget_unserved_prefill(request: Request) -> None:
-        if _nothing_to_pull(request):
+        if request.kv_transfer_params and _nothing_to_pull(request):
             assert request.kv_transfer_params is not None
             request.kv_transfer_params["do_remote_prefill"] = False
 
