@@ -172,7 +172,8 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """See :meth:`request_finished_all_groups`."""
-        self._forget_unserved_prefill(request)
+        if request.kv_transfer_params:  # most requests have none: no call then
+            self._forget_unserved_prefill(request)
         return super().request_finished(request, block_ids)
 
     def request_finished_all_groups(
@@ -182,7 +183,8 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
         vLLM then queues an empty read so the worker notifies the prefill instance to free its
         blocks, which means a handshake with it. With no remote blocks there is nothing to
         free: clear the flag first so vLLM finishes the request like a local one."""
-        self._forget_unserved_prefill(request)
+        if request.kv_transfer_params:  # most requests have none: no call then
+            self._forget_unserved_prefill(request)
         return super().request_finished_all_groups(request, block_ids)
 
     @staticmethod
