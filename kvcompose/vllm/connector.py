@@ -200,7 +200,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._wait_save = [self._call(i, "wait_for_save") for i in self._stores]
         self._wait_layer = [self._call(i, "wait_for_layer_load") for i in active]
         self._start_load = [self._call(i, "start_load_kv") for i in active]
-        #: Per method, the active children's callables (see :meth:`_fns`).
+        #: Per method, the active children's callables (see :meth:`_resolve`).
         self._bound = _Resolved(self._resolve)
         # Per step, on every child (None where disabled): the metadata keeps one slot per child.
         self._build_meta = [(name, None if i in self._disabled else c.build_connector_meta)
@@ -245,16 +245,13 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._orphaned |= {r for r, o in self._tracker.load_owner.items() if o == i}
         self._rebind()
 
-    def _fns(self, method: str) -> list[tuple[int, Callable[..., Any]]]:
-        """``(child index, callable)`` for ``method`` on every active child, resolved once.
-
-        The scheduler calls several of these per request per step; resolving (getattr, the
-        trace and fault wrappers) once per method instead of per call keeps the composite's own
-        cost below vLLM's MultiConnector's (see docs/performance.md).
-        """
-        return self._bound[method]
-
     def _resolve(self, method: str) -> list[tuple[int, Callable[..., Any]]]:
+        """``(child index, callable)`` for ``method`` on every active child that needs the call.
+
+        Filled into ``self._bound`` once per method: resolving (getattr, the trace and fault
+        wrappers) per call instead would cost more than vLLM's MultiConnector spends per
+        request (see docs/performance.md).
+        """
         return [(i, self._call(i, method)) for i in self._active if not self._inherits_constant(i, method)]
 
     def _inherits_constant(self, i: int, method: str) -> bool:
