@@ -16,7 +16,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
-	$(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tests/e2e plugins $(PYTEST_ARGS)
+	$(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tests/engine plugins $(PYTEST_ARGS)
 
 # Benchmarks (docs/performance.md): `make bench BENCH_ARGS=--quick` for the 2-minute run.
 bench: setup

@@ -1,29 +1,32 @@
-"""What plugins contribute: connector types and rules.
+"""What plugins contribute (connector types, rules) and what they are given (children, the plan).
 
 A plugin returns instances of :class:`ConnectorType` from ``kvcompose_connector_types`` and
-:class:`Rule` objects from ``kvcompose_rules``. Nothing here imports vLLM: a connector type
-describes the vLLM child it stands for as a plain ``KVTransferConfig`` dict.
+:class:`Rule` objects from ``kvcompose_rules``; types and rules are handed :class:`Child` and
+:class:`Plan`, plain data that :mod:`kvcompose.compose` resolves. Nothing here imports vLLM: a
+connector type describes the vLLM child it stands for as a plain ``KVTransferConfig`` dict.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
+from kvcompose.config import VLLM_ROLES, Composition, Role, Source
 from kvcompose.errors import Problem
-
-if TYPE_CHECKING:
-    from kvcompose.compose import Child, Plan
-
-Role = Literal["producer", "consumer", "both"]
-RuleKind = Literal["load", "store", "metadata", "params", "completion", "faults"]
-RULE_KINDS: tuple[RuleKind, ...] = ("load", "store", "metadata", "params", "completion", "faults")
-
-#: vLLM's spelling of a child's role.
-VLLM_ROLES: dict[str, str] = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
+from kvcompose.rules.contract import (
+    RULE_KINDS,
+    CompletionRule,
+    FaultsRule,
+    LoadRule,
+    MetadataRule,
+    ParamsRule,
+    RuleKind,
+    RuleObject,
+    StoreRule,
+)
 
 
 class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -52,40 +55,156 @@ class ConnectorType:
     owns_handshake: ClassVar[bool] = False
     #: It wants vLLM's host-buffer copy op (``set_host_xfer_buffer_ops``).
     owns_host_buffer_ops: ClassVar[bool] = False
-    #: The ``kv_transfer_params`` keys this type reads and returns.
+    #: It is the instance's P/D transport: its role is the instance's ``kv_role``, and it owns
+    #: the P/D ``kv_transfer_params`` (NIXL is; a prefix tier is not).
+    pd_transport: ClassVar[bool] = False
+    #: The ``kv_transfer_params`` keys this type reads and returns (the ``owners`` params rule
+    #: gives each key to the type that declares it).
     param_keys: ClassVar[frozenset[str]] = frozenset()
 
-    def vllm_config(self, child: "Child") -> dict[str, Any]:
+    def vllm_config(self, child: Child) -> dict[str, Any]:
         """The child's ``KVTransferConfig`` keyword arguments, ``kv_role`` excluded (kvcompose sets it)."""
         raise NotImplementedError
 
-    def describe(self, child: "Child") -> str:
+    def describe(self, child: Child) -> str:
         """One sentence, in plain words, of what this child does in the composition."""
         return self.summary
 
-    def check(self, child: "Child", plan: "Plan") -> Iterable[Problem]:
+    def check(self, child: Child, plan: Plan) -> Iterable[Problem]:
         """Problems that only this type can see (conflicting ports, a missing path, ...)."""
         return ()
 
-    def kv_layout(self, child: "Child") -> str | None:
+    def kv_layout(self, child: Child) -> str | None:
         """The KV cache layout this child requires, when it is known without vLLM (else None)."""
         return None
 
 
+O = TypeVar("O", bound=Options)
+
+
 @dataclass(frozen=True)
-class Rule:
+class Child:
+    """One resolved child of a composition: its place, name, type and validated options."""
+
+    index: int  # position in the YAML list: the order load rules ask children in
+    name: str
+    type: ConnectorType
+    role: Role
+    options: Options
+
+    @property
+    def vllm_role(self) -> str:
+        return VLLM_ROLES[self.role]
+
+    def options_as(self, cls: type[O]) -> O:
+        """The options, typed: ``child.options_as(NixlOptions)``; raises for another type's child."""
+        if not isinstance(self.options, cls):
+            raise TypeError(f"{self.name} is a {self.type.name} child; its options are not {cls.__name__}")
+        return self.options
+
+    def vllm_config(self) -> dict[str, Any]:
+        """The child's full ``KVTransferConfig`` kwargs (the type's, plus the role)."""
+        cfg = dict(self.type.vllm_config(self))
+        cfg["kv_role"] = self.vllm_role
+        return cfg
+
+
+T = TypeVar("T", bound=RuleObject)
+
+
+@dataclass(frozen=True)
+class Rule(Generic[T]):
     """A named policy for one kind of engine call.
 
-    ``build(children, params)`` runs once when a composition is resolved and returns the object
-    that the call plan keeps (see ``kvcompose.rules`` for what each kind returns). Per-request
-    calls go to that object directly, never through pluggy.
+    ``build(children, params)`` runs once when a composition is resolved and returns the rule
+    object that the plan keeps: an implementation of the kind's Protocol in
+    :mod:`kvcompose.rules.contract` (checked when the plan is built). Per-request calls go to
+    that object directly, never through pluggy.
     """
 
     kind: RuleKind
     name: str
     summary: str
-    build: Callable[[tuple["Child", ...], Any], Any]
+    build: Callable[[tuple[Child, ...], Any], T]
     #: Struct for the rule's parameters (``load: {use: longest-hit, ...}``); None: takes none.
     params: type[msgspec.Struct] | None = None
     #: One line for ``kvcompose check``, given the children and params.
-    explain: Callable[[tuple["Child", ...], Any], str] | None = field(default=None, compare=False)
+    explain: Callable[[tuple[Child, ...], Any], str] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A composition resolved against the installed plugins: what the vLLM adapter executes.
+
+    Every field is plain data or a rule object, so the per-request path calls rule objects and
+    children directly, never through pluggy.
+    """
+
+    source: Source
+    children: tuple[Child, ...]
+    #: Per kind, the chosen rule and its validated parameters (None: it takes none).
+    rules: dict[RuleKind, Rule[Any]]
+    rule_params: dict[RuleKind, Any]
+    load: LoadRule
+    store: StoreRule
+    metadata: MetadataRule
+    params: ParamsRule
+    completion: CompletionRule
+    faults: FaultsRule
+    #: Log every hook and child call (``KVCOMPOSE_TRACE``).
+    trace: bool = False
+
+    @property
+    def composition(self) -> Composition:
+        return self.source.composition
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.children)
+
+    def child(self, name: str) -> Child:
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    @property
+    def handshake_children(self) -> tuple[int, ...]:
+        """Children that exchange handshake metadata (each gets only its own back)."""
+        return tuple(c.index for c in self.children if c.type.owns_handshake)
+
+    @property
+    def host_buffer_owner(self) -> int | None:
+        """The child that receives vLLM's host-buffer copy op (checks allow at most one)."""
+        return next((c.index for c in self.children if c.type.owns_host_buffer_ops), None)
+
+    @property
+    def pd_transport(self) -> Child | None:
+        """The P/D transport child, if any (checks allow at most one)."""
+        return next((c for c in self.children if c.type.pd_transport), None)
+
+    def explain(self) -> list[str]:
+        """The plan in plain words: who loads first, who stores, who owns what."""
+        lines = ["children, in load priority order:"]
+        for c in self.children:
+            lines.append(f"  {c.index + 1}. {c.name} ({c.type.name}, {c.role}): {c.type.describe(c)}")
+        for kind in RULE_KINDS:
+            rule = self.rules[kind]
+            text = rule.explain(self.children, self.rule_params[kind]) if rule.explain else f"{kind}: {rule.name}"
+            lines.append(text)
+        owners = [self.children[i].name for i in self.handshake_children]
+        lines.append("handshake: " + (", ".join(owners) + " exchange their own handshake metadata, kept apart per child"
+                                      if owners else "no child uses a handshake"))
+        pd = self.pd_transport
+        lines.append("P/D kv_transfer_params: " + (pd.name if pd else "none (no P/D transport)"))
+        owner = self.host_buffer_owner
+        lines.append("host-buffer copies: " + (self.children[owner].name if owner is not None else "no child"))
+        lines.append("a failed load: " + _LOAD_FAILURE[self.composition.load_failure])
+        return lines
+
+
+_LOAD_FAILURE = {
+    None: "vLLM's default (fail): the request ends with an error",
+    "fail": "the request ends with an error (vLLM's kv_load_failure_policy=fail)",
+    "recompute": "the prompt is computed locally (vLLM's kv_load_failure_policy=recompute)",
+}

@@ -11,7 +11,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvcompose.compose import Plan, load
+from kvcompose.catalog import Plan
+from kvcompose.compose import load
 from kvcompose.errors import CompositionError
 from kvcompose.plugins import PluginError, get_plugins
 

@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from kvcompose.errors import CompositionError, Locator, Path as DocPath, Problem, did_you_mean
+from kvcompose.rules.contract import RULE_KINDS, RuleKind
 from kvcompose.units import ByteSize
 
 MAX_BYTES = 1 << 20
@@ -32,20 +33,30 @@ class Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base for every struct of the file: an unknown key is a typo until proven otherwise."""
 
 
+#: A child's role in P/D disaggregation, as the composition file spells it.
+Role = Literal["producer", "consumer", "both"]
+#: vLLM's spelling of each role (``kv_role``).
+VLLM_ROLES: dict[str, str] = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
+
+
 class ChildSpec(Spec):
     name: Name
     type: str
-    role: Literal["producer", "consumer", "both"] = "both"
+    role: Role = "both"
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class RulesSpec(Spec):
-    load: RuleChoice = "first-wins"
-    store: RuleChoice = "all"
-    metadata: RuleChoice = "merge"
-    params: RuleChoice = "owners"
-    completion: RuleChoice = "owner"
-    faults: RuleChoice = "fail"
+#: The built-in rule each kind uses when ``rules:`` leaves it out.
+DEFAULT_RULES: dict[RuleKind, str] = {
+    "load": "first-wins", "store": "all", "metadata": "merge", "params": "owners", "completion": "owner",
+    "faults": "fail",
+}
+
+#: ``rules:``: one field per rule kind (:data:`kvcompose.rules.contract.RULE_KINDS`).
+RulesSpec = msgspec.defstruct(
+    "RulesSpec", [(kind, RuleChoice, DEFAULT_RULES[kind]) for kind in RULE_KINDS],
+    bases=(Spec,), module=__name__,
+)
 
 
 class Composition(Spec):

@@ -19,8 +19,7 @@ import pluggy
 from kvcompose import NAME
 
 if TYPE_CHECKING:
-    from kvcompose.catalog import ConnectorType, Rule
-    from kvcompose.compose import Plan
+    from kvcompose.catalog import ConnectorType, Plan, Rule
     from kvcompose.errors import Problem
 
 hookspec = pluggy.HookspecMarker(NAME)
@@ -57,7 +56,7 @@ def kvcompose_rules() -> Iterable[Rule]:
 
 
 # -------------------------------------------------------------------------------------------
-# Composition hooks: called once each time a composition is resolved into a plan.
+# Composition hook: called once each time a composition is resolved into a plan.
 # -------------------------------------------------------------------------------------------
 
 
@@ -72,15 +71,4 @@ def kvcompose_check(plan: Plan) -> Iterable[Problem] | None:
     :param plan: the call plan, read-only.
     :return: :class:`kvcompose.errors.Problem` objects, each with the document path it is
         about, so the user sees ``FILE:LINE:COL``. Return nothing when all is well.
-    """
-
-
-@hookspec
-def kvcompose_plan_ready(plan: Plan) -> None:
-    """Observe a plan that passed every check, before any child connector is built.
-
-    Use it for logging, metrics registration or recording (the test kit's ``record`` type
-    does). It must not change the plan.
-
-    :param plan: the call plan, read-only.
     """

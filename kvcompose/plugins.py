@@ -18,16 +18,13 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import pluggy
 
 from kvcompose import NAME, hookspecs
-from kvcompose.catalog import RULE_KINDS, ConnectorType, Rule
+from kvcompose.catalog import ConnectorType, Plan, Rule
 from kvcompose.errors import Problem
-
-if TYPE_CHECKING:
-    from kvcompose.compose import Plan
+from kvcompose.rules.contract import RULE_KINDS
 
 ENV_SELECT = "KVCOMPOSE_PLUGINS"
 ENV_TRACE = "KVCOMPOSE_TRACE"
@@ -176,9 +173,6 @@ class Plugins:
         for result in self.pm.hook.kvcompose_check(plan=plan):
             problems.extend(result or ())
         return problems
-
-    def plan_ready(self, plan: "Plan") -> None:
-        self.pm.hook.kvcompose_plan_ready(plan=plan)
 
 
 _default: Plugins | None = None

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvcompose.compose import Plan
+    from kvcompose.catalog import Plan
 
 #: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
 BLOCK_SIZE = 32

@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from kvcompose import hookimpl
+from kvcompose.catalog import Plan
 from kvcompose.errors import Problem
 
-if TYPE_CHECKING:
-    from kvcompose.compose import Plan
+
+def layout_conflict(layouts: Mapping[str, str | None]) -> str | None:
+    """The complaint when children (by name) need different KV cache layouts; None if they agree.
+
+    Used here on what types know without vLLM, and by the vLLM adapter at engine start on what
+    the vLLM classes answer for the real model.
+    """
+    known = {name: layout for name, layout in layouts.items() if layout}
+    if len(set(known.values())) > 1:
+        return "children need different KV cache layouts: " + ", ".join(f"{n}={lay}" for n, lay in known.items())
+    return None
 
 
 @hookimpl
-def kvcompose_check(plan: "Plan") -> list[Problem]:
+def kvcompose_check(plan: Plan) -> list[Problem]:
     problems: list[Problem] = []
-    hosts = [c for c in plan.children if c.type.owns_host_buffer_ops]
-    for c in hosts[1:]:
-        problems.append(Problem(
-            f"{c.name} and {hosts[0].name} both want vLLM's host-buffer copy op; only one child can own it",
-            ("connectors", c.index, "type"), "keep one host-buffer transport per composition"))
-    if plan.rule_names["params"] == "owners":
+    for attr, what, fix in (
+        ("owns_host_buffer_ops", "want vLLM's host-buffer copy op; only one child can own it",
+         "keep one host-buffer transport per composition"),
+        ("pd_transport", "are P/D transports; an instance has one", "compose at most one P/D transport"),
+    ):
+        claimants = [c for c in plan.children if getattr(c.type, attr)]
+        for c in claimants[1:]:
+            problems.append(Problem(f"{c.name} and {claimants[0].name} both {what}",
+                                    ("connectors", c.index, "type"), fix))
+    if plan.rules["params"].name == "owners":
         owner: dict[str, str] = {}
         for c in plan.children:
             for key in sorted(c.type.param_keys):
@@ -30,11 +44,8 @@ def kvcompose_check(plan: "Plan") -> list[Problem]:
                         "compose at most one P/D transport, or use `params: strict` and distinct keys"))
                     break
                 owner[key] = c.name
-    layouts = {c.name: c.type.kv_layout(c) for c in plan.children}
-    known = {n: l for n, l in layouts.items() if l}
-    if len(set(known.values())) > 1:
-        idx = next(c.index for c in plan.children if c.name == list(known)[1])
-        problems.append(Problem(
-            "children need different KV cache layouts: " + ", ".join(f"{n}={l}" for n, l in known.items()),
-            ("connectors", idx, "type")))
+    conflict = layout_conflict({c.name: c.type.kv_layout(c) for c in plan.children})
+    if conflict:
+        second = [c for c in plan.children if c.type.kv_layout(c)][1]
+        problems.append(Problem(conflict, ("connectors", second.index, "type")))
     return problems

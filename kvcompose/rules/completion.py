@@ -9,69 +9,80 @@ a child that did not load a request can crash the engine or free blocks another 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcompose import hookimpl
-from kvcompose.catalog import Rule
+from kvcompose.catalog import Child, Rule
+from kvcompose.rules.contract import CompletionRule, CompletionTracker, TransferResults
 
 log = logging.getLogger("kvcompose.rules.completion")
 
 
 @dataclass
-class ChildResults:
-    """One child's report for a step (vLLM's ``KVConnectorTransferResults``, minus vLLM)."""
+class _Load:
+    """A load this worker waits for: the children still to report, and whether one failed."""
 
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    failed_recving: set[str] = field(default_factory=set)
+    awaited: set[int]
+    failed: bool = False
 
 
 @dataclass
-class Forwarded:
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    failed_recving: set[str] = field(default_factory=set)
-    dropped: int = 0  # reports withheld (non-owner, duplicate or late)
+class OwnerAccounting(CompletionTracker):
+    """Bookkeeping of who owes which completion, per (child, request).
 
-
-class OwnerAccounting:
-    """Worker-side and scheduler-side bookkeeping of who owes which completion.
-
-    * A load has one owner (the child the load rule chose). Only the owner's
-      ``finished_recving``/``failed_recving`` for that request is forwarded, once.
-    * A delayed free (``request_finished`` returned True) may be owed by several children; the
-      request's ``finished_sending`` is forwarded when the last of them reports it.
+    * A load awaits the children the load rule named. Only their ``finished_recving`` counts,
+      each once; the request's ``finished_recving`` is forwarded when the last of them reported,
+      and with ``failed_recving`` when any of them failed.
+    * A delayed free may be owed by several children; the request's ``finished_sending`` is
+      forwarded when the last of them reported it.
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
-        self.names = tuple(names)
-        self.load_owner: dict[str, int] = {}
-        self.saves_owed: dict[str, set[int]] = {}
+    names: tuple[str, ...]
+    loads: dict[str, _Load] = field(default_factory=dict)
+    saves_owed: dict[str, set[int]] = field(default_factory=dict)
+    abandoned: dict[int, set[str]] = field(default_factory=dict)
 
-    # ---- told by the scheduler (through connector metadata on the worker side)
-    def expect_load(self, req_id: str, child: int) -> None:
-        self.load_owner[req_id] = child
+    # ---- worker half: told by the scheduler through the step's metadata
+    def expect_load(self, request_id: str, children: tuple[int, ...]) -> None:
+        self.loads[request_id] = _Load(set(children))
 
-    def expect_saves(self, req_id: str, children: Iterable[int]) -> None:
-        self.saves_owed[req_id] = set(children)
+    def expect_saves(self, request_id: str, children: tuple[int, ...]) -> None:
+        self.saves_owed[request_id] = set(children)
 
-    # ---- reported by the children
-    def settle(self, results: Sequence[ChildResults]) -> Forwarded:
-        out = Forwarded()
+    def owed_by(self, child: int) -> set[str]:
+        return {r for r, load in self.loads.items() if child in load.awaited}
+
+    def abandon(self, child: int, request_ids: Collection[str]) -> None:
+        self.abandoned.setdefault(child, set()).update(request_ids)
+
+    # ---- worker half: reported by the children
+    def settle(self, results: Sequence[TransferResults | None]) -> tuple[TransferResults, int]:
+        out = TransferResults()
+        dropped = 0
         for child, res in enumerate(results):
+            gone = self.abandoned.pop(child, None)
+            if gone:
+                res = res or TransferResults()
+                res.finished_recving |= gone
+                res.failed_recving |= gone
+            if not res:
+                continue
             for req in res.finished_recving:
-                if self.load_owner.get(req) == child:
-                    del self.load_owner[req]
-                    out.finished_recving.add(req)
-                    if req in res.failed_recving:
-                        out.failed_recving.add(req)
-                else:
-                    out.dropped += 1
+                load = self.loads.get(req)
+                if load is None or child not in load.awaited:
+                    dropped += 1
                     log.debug("finished_recving of %s from %s withheld: %s", req, self.names[child],
-                              "duplicate or late" if req not in self.load_owner else
-                              f"{self.names[self.load_owner[req]]} loads it")
+                              "duplicate or late" if load is None else "it is not one of the request's loaders")
+                    continue
+                load.awaited.discard(child)
+                load.failed = load.failed or req in res.failed_recving
+                if not load.awaited:
+                    del self.loads[req]
+                    out.finished_recving.add(req)
+                    if load.failed:
+                        out.failed_recving.add(req)
             for req in res.finished_sending:
                 owed = self.saves_owed.get(req)
                 if owed is None:
@@ -82,13 +93,31 @@ class OwnerAccounting:
                 if not owed:
                     del self.saves_owed[req]
                     out.finished_sending.add(req)
-        return out
+        return out, dropped
+
+    # ---- scheduler half
+    def admit(self, finished_recving: set[str], waiting: Collection[str]) -> set[str]:
+        # A report for a request vLLM no longer waits for (another worker's duplicate, a late
+        # report after an abort) would trip vLLM's assertion.
+        return {r for r in finished_recving if r in waiting}
+
+
+@dataclass(frozen=True)
+class Owner(CompletionRule):
+    names: tuple[str, ...]
+
+    def tracker(self) -> OwnerAccounting:
+        return OwnerAccounting(self.names)
+
+
+def _owner(children: tuple[Child, ...], params: None) -> Owner:
+    return Owner(tuple(c.name for c in children))
 
 
 @hookimpl
-def kvcompose_rules() -> list[Rule]:
+def kvcompose_rules() -> list[Rule[Any]]:
     return [
-        Rule("completion", "owner", "only the loading child's finished_recving is forwarded, once; a delayed free ends when every saving child reported",
-             lambda children, params: (lambda: OwnerAccounting([c.name for c in children])),
-             explain=lambda ch, p: "completion: a load's completion is taken only from the child that loads it, once; blocks held by several children are freed when the last one is done"),
+        Rule("completion", "owner", "only the loading children's finished_recving is forwarded, once, when the last of them reported; a delayed free ends when every saving child reported",
+             _owner,
+             explain=lambda ch, p: "completion: a load's completion is taken only from the children that load it, each once; blocks held by several children are freed when the last one is done"),
     ]

@@ -1,35 +1,29 @@
-"""Load rules: which child loads a request's external KV (``get_num_new_matched_tokens``).
+"""Load rules: who loads a request's external KV (vLLM's ``get_num_new_matched_tokens`` and
+``update_state_after_alloc``).
 
 vLLM's answer ``(0, False)`` means "nothing here" and ``None`` means "ask me again later", so
 the rules walk children in YAML order themselves instead of using pluggy's ``firstresult``
-(which runs LIFO and skips ``None``).
+(which runs LIFO and skips ``None``). Both built-in rules pick one child; the allocation split and
+load completion are :class:`~kvcompose.rules.contract.LoadRule`'s defaults: the winner gets the
+external tokens, the others 0, and an async winner's report completes the load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Rule
-
-#: ``ask(i)`` returns child ``i``'s ``(tokens | None, is_async)``.
-Ask = Callable[[int], "tuple[int | None, bool]"]
+from kvcompose.rules.contract import NO_HIT, NOT_READY, Ask, Contribution, LoadRule, Selection
 
 
-@dataclass(frozen=True, slots=True)
-class Selection:
-    winner: int | None  # child index that loads, None when no child does
-    tokens: int | None  # external tokens; None = not decided yet, ask again next step
-    is_async: bool
+def single(child: int, tokens: int, is_async: bool) -> Selection:
+    """A selection in which one child loads every external token."""
+    return Selection(tokens, is_async, (Contribution(child, 0, tokens, is_async),))
 
 
-NOT_READY = Selection(None, None, False)
-NO_HIT = Selection(None, 0, False)
-
-
-class FirstWins:
+class FirstWins(LoadRule):
     """The first child in YAML order with a hit loads; children below it are not asked.
 
     Not asking them matters: probing is not free of side effects (vLLM's CPU offload pins the
@@ -37,28 +31,28 @@ class FirstWins:
     winner means that child may still answer with a hit, so the request waits a step.
     """
 
-    def select(self, ask: Ask, n: int) -> Selection:
-        for i in range(n):
-            tokens, is_async = ask(i)
+    def select(self, ask: Ask, children: Sequence[int], num_computed_tokens: int) -> Selection:
+        for i in children:
+            tokens, is_async = ask(i, num_computed_tokens)
             if tokens is None:
                 return NOT_READY
             if tokens > 0:
-                return Selection(i, tokens, is_async)
+                return single(i, tokens, is_async)
         return NO_HIT
 
 
-class LongestHit:
+class LongestHit(LoadRule):
     """Every child is asked; the one with the most tokens loads (ties go to YAML order)."""
 
-    def select(self, ask: Ask, n: int) -> Selection:
+    def select(self, ask: Ask, children: Sequence[int], num_computed_tokens: int) -> Selection:
         best = NO_HIT
         waiting = False
-        for i in range(n):
-            tokens, is_async = ask(i)
+        for i in children:
+            tokens, is_async = ask(i, num_computed_tokens)
             if tokens is None:
                 waiting = True
             elif tokens > (best.tokens or 0):
-                best = Selection(i, tokens, is_async)
+                best = single(i, tokens, is_async)
         # A child still looking up might beat the best hit so far.
         return NOT_READY if waiting else best
 
@@ -73,7 +67,7 @@ def _explain_longest(children: tuple[Any, ...], _: Any) -> str:
 
 
 @hookimpl
-def kvcompose_rules() -> list[Rule]:
+def kvcompose_rules() -> list[Rule[Any]]:
     return [
         Rule("load", "first-wins", "first child in YAML order with a hit loads (vLLM MultiConnector's rule, without its None and probing defects)",
              lambda children, params: FirstWins(), explain=_explain_first),

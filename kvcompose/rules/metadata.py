@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Rule
+from kvcompose.rules.contract import MetadataRule
 
 
 class MetadataMismatch(RuntimeError):
     """Scheduler and worker disagree on the children (a stale or foreign metadata object)."""
 
 
-class Merge:
+class Merge(MetadataRule):
     """One entry per child, keyed by the child's name; a missing or extra name is an error.
 
     vLLM's MultiConnector ships a positional tuple and ``zip``s it, so a length mismatch
@@ -28,7 +29,7 @@ class Merge:
             raise MetadataMismatch(f"{len(metas)} metadata entries for {len(self.names)} children {self.names}")
         return dict(zip(self.names, metas))
 
-    def unpack(self, payload: dict[str, Any]) -> list[Any]:
+    def unpack(self, payload: Mapping[str, Any]) -> list[Any]:
         if tuple(payload) != self.names:
             missing = [n for n in self.names if n not in payload]
             extra = [n for n in payload if n not in self.names]
@@ -41,7 +42,7 @@ class Merge:
 
 
 @hookimpl
-def kvcompose_rules() -> list[Rule]:
+def kvcompose_rules() -> list[Rule[Any]]:
     return [
         Rule("metadata", "merge", "one named metadata entry per child, checked on arrival",
              lambda children, params: Merge([c.name for c in children]),

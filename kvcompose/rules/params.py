@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcompose import hookimpl
-from kvcompose.catalog import Rule
+from kvcompose.catalog import Child, Rule
+from kvcompose.rules.contract import ParamsRule
 
 log = logging.getLogger("kvcompose.rules.params")
 
@@ -16,14 +17,14 @@ class ParamsClash(RuntimeError):
     """Two children returned the same ``kv_transfer_params`` key (``strict`` rule only)."""
 
 
-class Owners:
+class Owners(ParamsRule):
     """Each key goes to the child whose type declares it; undeclared keys: first child wins.
 
     A child returning a key that another child owns has it dropped (logged once per key), so a
     CPU tier can never overwrite the P/D transport's ``remote_block_ids``.
     """
 
-    def __init__(self, children: Sequence[Any]) -> None:
+    def __init__(self, children: Sequence[Child]) -> None:
         self.names = [c.name for c in children]
         self.owner: dict[str, int] = {}
         for c in children:
@@ -31,7 +32,7 @@ class Owners:
                 self.owner.setdefault(key, c.index)
         self._warned: set[tuple[int, str]] = set()
 
-    def merge(self, results: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    def merge(self, results: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
         merged: dict[str, Any] = {}
         source: dict[str, int] = {}
         for i, params in enumerate(results):
@@ -54,13 +55,13 @@ class Owners:
             log.warning("kv_transfer_params from %s: dropped, %s", self.names[child], why)
 
 
-class Strict:
+class Strict(ParamsRule):
     """vLLM MultiConnector's behaviour: any key returned by two children is an error."""
 
-    def __init__(self, children: Sequence[Any]) -> None:
+    def __init__(self, children: Sequence[Child]) -> None:
         self.names = [c.name for c in children]
 
-    def merge(self, results: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    def merge(self, results: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
         merged: dict[str, Any] = {}
         source: dict[str, int] = {}
         for i, params in enumerate(results):
@@ -74,13 +75,14 @@ class Strict:
         return merged or None
 
 
-def _explain_owners(children: tuple[Any, ...], _: Any) -> str:
-    owners = [f"{c.name} owns the P/D params ({len(c.type.param_keys)} keys)" for c in children if c.type.param_keys]
+def _explain_owners(children: tuple[Child, ...], _: Any) -> str:
+    owners = [f"{c.name} owns {'the P/D params' if c.type.pd_transport else 'its params'} ({len(c.type.param_keys)} keys)"
+              for c in children if c.type.param_keys]
     return "params: kv_transfer_params merged by declared owner; " + ("; ".join(owners) or "no child declares keys")
 
 
 @hookimpl
-def kvcompose_rules() -> list[Rule]:
+def kvcompose_rules() -> list[Rule[Any]]:
     return [
         Rule("params", "owners", "each kv_transfer_params key comes from the child that declares it",
              lambda children, params: Owners(children), explain=_explain_owners),

@@ -5,23 +5,32 @@ Each child still decides from its own metadata what to save; the rule decides wh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvcompose import hookimpl
-from kvcompose.catalog import Rule
+from kvcompose.catalog import Child, Rule
 from kvcompose.rules._children import ChildrenParams, indices
+from kvcompose.rules.contract import StoreRule
 
 
-def _all(children: tuple[Any, ...], params: Any) -> tuple[int, ...]:
-    return tuple(c.index for c in children)
+@dataclass(frozen=True)
+class StoreTo(StoreRule):
+    """Save hooks go to a fixed set of children."""
+
+    targets: tuple[int, ...]
 
 
-def _only(children: tuple[Any, ...], params: ChildrenParams) -> tuple[int, ...]:
-    return indices(children, params.children)
+def _all(children: tuple[Child, ...], params: None) -> StoreTo:
+    return StoreTo(tuple(c.index for c in children))
+
+
+def _only(children: tuple[Child, ...], params: ChildrenParams) -> StoreTo:
+    return StoreTo(indices(children, params.children))
 
 
 @hookimpl
-def kvcompose_rules() -> list[Rule]:
+def kvcompose_rules() -> list[Rule[Any]]:
     return [
         Rule("store", "all", "every child gets every save hook (store-to-all)", _all,
              explain=lambda ch, p: "store: every child may store (" + ", ".join(c.name for c in ch) + ")"),

@@ -11,7 +11,7 @@ import msgspec
 
 from kvcompose import hookimpl
 from kvcompose.catalog import ConnectorType, Options
-from kvcompose.compose import Child
+from kvcompose.catalog import Child
 
 
 class RecordOptions(Options):

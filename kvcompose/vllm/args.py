@@ -1,41 +1,62 @@
-"""Rendering a plan as vLLM's ``--kv-transfer-config`` (no vLLM import needed)."""
+"""The composition as vLLM's ``--kv-transfer-config``: written here, read back by the composite.
+
+No vLLM import: ``kvcompose vllm-args`` runs without vLLM. The keys of
+``kv_connector_extra_config`` that carry the composition are defined here only, next to both the
+code that writes them (:func:`kv_transfer_config`) and the code that reads them back
+(:func:`embedded`).
+"""
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from typing import Any
 
-from kvcompose.compose import Plan
-from kvcompose.config import to_builtins
+from kvcompose.catalog import Plan
+from kvcompose.config import Source, from_builtins, to_builtins
 
 MODULE = "kvcompose.vllm.connector"
 #: The name vLLM special-cases for composites; the module path makes it load kvcompose's class.
 CONNECTOR_NAME = "MultiConnector"
-
-
-def _top_role(plan: Plan) -> str:
-    # The P/D transport's role is the instance's role; a composition without one serves both.
-    for c in plan.children:
-        if c.type.param_keys:
-            return c.vllm_role
-    return "kv_both"
+#: ``kv_connector_extra_config`` keys: the children's configs (the key vLLM's own
+#: ``MultiConnector`` checks read), and kvcompose's entry with the composition and its source.
+CHILDREN_KEY = "connectors"
+EXTRA_KEY = "kvcompose"
 
 
 def kv_transfer_config(plan: Plan) -> dict[str, Any]:
     """``KVTransferConfig(**kv_transfer_config(plan))`` makes vLLM load the composed connector."""
+    pd = plan.pd_transport
     cfg: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": MODULE,
-        "kv_role": _top_role(plan),
+        # The P/D transport's role is the instance's role; a composition without one serves both.
+        "kv_role": pd.vllm_role if pd else "kv_both",
         "kv_connector_extra_config": {
-            "connectors": [c.vllm_config() for c in plan.children],
-            "kvcompose": {"composition": to_builtins(plan.composition), "source": plan.source.filename},
+            CHILDREN_KEY: [c.vllm_config() for c in plan.children],
+            EXTRA_KEY: {"composition": to_builtins(plan.composition), "source": plan.source.filename},
         },
     }
     if plan.composition.load_failure is not None:
         cfg["kv_load_failure_policy"] = plan.composition.load_failure
     return cfg
+
+
+def children_configs(extra_config: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The children's ``KVTransferConfig`` kwargs from a ``kv_connector_extra_config``."""
+    return list((extra_config or {}).get(CHILDREN_KEY) or [])
+
+
+def embedded(extra_config: Mapping[str, Any] | None) -> Source:
+    """The composition that :func:`kv_transfer_config` embedded, validated again."""
+    data = (extra_config or {}).get(EXTRA_KEY)
+    if data is None:
+        raise ValueError(
+            f"kv_connector_extra_config has no {EXTRA_KEY!r} entry: start vLLM with the arguments "
+            "that `kvcompose vllm-args FILE` prints"
+        )
+    return from_builtins(data["composition"], data.get("source", "<kv_connector_extra_config>"))
 
 
 def render(plan: Plan, style: str = "json") -> str:

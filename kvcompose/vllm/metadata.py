@@ -21,8 +21,9 @@ class ComposedMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
     children: dict[str, KVConnectorMetadata]
-    #: Loads the scheduler assigned since the last step: request id -> child index.
-    load_owners: dict[str, int] = field(default_factory=dict)
+    #: Loads the scheduler started since the last step: request id -> the children whose
+    #: completion the load awaits (the load rule's ``awaited``).
+    loads_awaited: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: Delayed frees announced since the last step: request id -> children that must report.
     saves_owed: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -51,13 +52,13 @@ class ComposedHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 @functools.cache
-def _qualname(obj: type) -> str:
+def qualname(obj: type) -> str:
     # Cached: ComposedStats.to_dict runs on every scheduler step.
     return f"{obj.__module__}:{obj.__qualname__}"
 
 
-def _resolve(qualname: str) -> type:
-    module, _, name = qualname.partition(":")
+def _resolve(dotted: str) -> type:
+    module, _, name = dotted.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -77,7 +78,7 @@ class ComposedStats(KVConnectorStats):
         out: dict[str, Any] = {}
         classes = self.connector_classes
         for name, s in self.data.items():
-            out[name] = {"class": _qualname(type(s)), "connector": classes.get(name, ""), "data": s.to_dict()}
+            out[name] = {"class": qualname(type(s)), "connector": classes.get(name, ""), "data": s.to_dict()}
         return out
 
     @classmethod

@@ -14,5 +14,7 @@ REGISTERED_NAME = "KVCompose"
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from kvcompose.vllm.args import MODULE
+
     if REGISTERED_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(REGISTERED_NAME, "kvcompose.vllm.connector", "KVComposeConnector")
+        KVConnectorFactory.register_connector(REGISTERED_NAME, MODULE, "KVComposeConnector")

@@ -26,7 +26,7 @@ from kvcompose.errors import Problem
 from kvcompose.units import ByteSize, format_size
 
 if TYPE_CHECKING:
-    from kvcompose.compose import Child, Plan
+    from kvcompose.catalog import Child, Plan
 
 #: The class name vLLM is given. It must stay the literal upstream name: vLLM looks the
 #: connector up by name (``KVTransferConfig.has_connector("SimpleCPUOffloadConnector")``) to

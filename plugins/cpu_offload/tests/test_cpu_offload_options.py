@@ -13,7 +13,7 @@ from kvcompose_cpu_offload import plugin
 from kvcompose_cpu_offload.plugin import CpuOffloadOptions, CpuOffloadType
 
 from kvcompose import NAME, hookspecs
-from kvcompose.compose import Child
+from kvcompose.catalog import Child
 from kvcompose.config import dec_hook
 from kvcompose.errors import Problem
 

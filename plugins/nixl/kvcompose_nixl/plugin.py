@@ -28,7 +28,7 @@ from kvcompose_nixl import CONNECTOR_MODULE, PROGRESS_DELAY_KEY, SIDE_CHANNEL_HO
 from kvcompose_nixl.backends import NETWORK_BACKENDS, backend_names
 
 if TYPE_CHECKING:
-    from kvcompose.compose import Child, Plan
+    from kvcompose.catalog import Child, Plan
 
 #: A NIXL backend plugin name. Built from the names NIXL's source builds plus the plugins on
 #: this machine, so an unknown name fails validation with the list of good ones.
@@ -204,6 +204,7 @@ class NixlType(ConnectorType):
     owns_handshake: ClassVar[bool] = True
     # vLLM hands the host<->device copy op to the NIXL worker (set_host_xfer_buffer_ops).
     owns_host_buffer_ops: ClassVar[bool] = True
+    pd_transport: ClassVar[bool] = True
     param_keys: ClassVar[frozenset[str]] = PARAM_KEYS
 
     def vllm_config(self, child: Child) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvcompose.compose import Child, loads
+from kvcompose.catalog import Child
+from kvcompose.compose import loads
 from kvcompose.errors import CompositionError
 from kvcompose.plugins import Plugins
 from kvcompose_nixl import backends as nixl_backends

@@ -12,7 +12,7 @@ from kvcompose.e2e.node import EngineSpec, composed_kv_transfer_config
 from kvcompose.e2e.server import SERVER_MODULE, parse_metrics, server_argv
 from kvcompose.vllm.args import render
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _flag(argv: list[str], name: str) -> str:

@@ -15,7 +15,7 @@ from kvcompose.cli import main
 from kvcompose.plugins import get_plugins
 from kvcompose.vllm.connector import KVComposeConnector
 
-DOCS = Path(__file__).parent.parent / "docs"
+DOCS = Path(__file__).parents[2] / "docs"
 HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("kvcompose_")]
 
 

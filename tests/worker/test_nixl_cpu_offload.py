@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -59,7 +60,7 @@ def prefill_then_decode(p: WorkerHarness, d: WorkerHarness, n: int = 128) -> tup
 def test_hma_iff_every_child(kvcompose_scheduler: Factory) -> None:
     sched = kvcompose_scheduler(composition("consumer"), sliding_window=128)
     assert not sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-    assert sched.connector._all_hma and len(sched.kv_cache_config.kv_cache_groups) == 2
+    assert all(supports_hma(c) for c in sched.connector.sub_connectors) and len(sched.kv_cache_config.kv_cache_groups) == 2
 
 
 def test_nixl_wins_a_remote_prefill_and_the_cpu_child_loads_nothing(fake_nixl: FakeNixl) -> None:
@@ -101,7 +102,7 @@ def test_store_to_all_then_the_cpu_tier_wins_a_repeated_prompt(fake_nixl: FakeNi
     again = make_request(128, block_size=BLOCK, prompt=a.prompt_token_ids)
     toks, is_async = conn.get_num_new_matched_tokens(again, 0)
     assert toks and toks > 0 and is_async
-    assert conn._load_owner[again.request_id][0] == 1  # host, since nixl has no remote params
+    assert conn.loaders(again.request_id) == ("host",)  # host, since nixl has no remote params
     assert conn.get_external_cache_hit_sources(again, toks) == {CacheHitSource.HOST: toks}
 
 
@@ -153,4 +154,4 @@ def test_prompt_shorter_than_a_block_with_a_partial_block_is_pulled(kvcompose_sc
 def test_the_cpu_child_is_the_real_vllm_class_family(kvcompose_scheduler: Factory) -> None:
     sched = kvcompose_scheduler(composition("consumer"))
     assert isinstance(sched.connector.child("host"), SimpleCPUOffloadConnector)
-    assert sched.connector._connectors[1] is sched.connector.child("host")
+    assert sched.connector.sub_connectors[1] is sched.connector.child("host")

@@ -42,10 +42,10 @@ def test_zero_is_an_answer(kvcompose_scheduler: Factory) -> None:
     conn = kvcompose_scheduler(TWO.format(a=0, b=16)).connector
     req = make_request(64)
     assert conn.get_num_new_matched_tokens(req, 0) == (16, True)
-    assert conn._load_owner[req.request_id][0] == 1
+    assert conn.loaders(req.request_id) == ("b",)
     conn.child("b").matched_tokens = 0
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert req.request_id not in conn._load_owner  # a re-lookup with no hit clears the old winner
+    assert conn.loaders(req.request_id) == ()  # a re-lookup with no hit clears the old winner
 
 
 def test_winner_gets_external_tokens_others_zero_and_metadata_is_named(kvcompose_scheduler: Factory) -> None:
@@ -59,7 +59,7 @@ def test_winner_gets_external_tokens_others_zero_and_metadata_is_named(kvcompose
     meta = out.kv_connector_metadata
     assert isinstance(meta, ComposedMetadata)
     assert list(meta.children) == ["a", "b"]
-    assert meta.load_owners == {req.request_id: 1}
+    assert meta.loads_awaited == {req.request_id: (1,)}
     pickle.loads(pickle.dumps(meta))
 
 
@@ -88,7 +88,7 @@ def test_finished_recving_only_from_the_owner_and_only_once(kvcompose_worker: Fa
 
 def test_failed_recving_only_from_the_owner(kvcompose_worker: Factory) -> None:
     worker = kvcompose_worker(TWO.format(a=0, b=32), register=False).connector
-    worker._tracker.expect_load("r1", 1)
+    worker.bind_connector_metadata(ComposedMetadata({"a": None, "b": None}, loads_awaited={"r1": (1,)}))
     worker.child("a").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
     assert worker.get_transfer_results(set()).failed_recving == set()
     worker.child("b").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
@@ -142,7 +142,7 @@ connectors:
 
 
 def test_child_may_carry_its_own_engine_id() -> None:
-    from kvcompose.vllm.connector import child_configs
+    from kvcompose.vllm.children import child_configs
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id="top",
@@ -213,14 +213,13 @@ connectors:
 rules:
   faults: {use: isolate, children: [host]}
 """, register=False).connector
-    worker._tracker.expect_load("r1", 1)
+    worker.bind_connector_metadata(ComposedMetadata({"pd": None, "host": None}, loads_awaited={"r1": (1,)}))
 
     def boom(*a: object) -> None:
         raise RuntimeError("disk gone")
 
     worker.child("host").wait_for_save = boom  # type: ignore[method-assign]
-    worker._rebind()
     worker.wait_for_save()  # contained, logged
-    assert 1 in worker._disabled
+    assert worker.disabled == ("host",)
     res = worker.get_transfer_results(set())
     assert res.failed_recving == {"r1"} and res.finished_recving == {"r1"}

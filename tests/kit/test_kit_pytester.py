@@ -24,7 +24,7 @@ def test_nixl_wins_the_load_and_metadata_is_merged(kvcompose_scheduler):
     req = decode_request(64)
     sched.add_request(req)
     meta = sched.schedule().kv_connector_metadata
-    assert list(meta.children) == ["pd", "host"] and meta.load_owners == {req.request_id: 0}
+    assert list(meta.children) == ["pd", "host"] and meta.loads_awaited == {req.request_id: (0,)}
     assert req.request_id in meta.children["pd"].reqs_to_recv
     assert not meta.children["host"].load_gpu_blocks
 

@@ -1,0 +1,258 @@
+"""The rule contract: one typed Protocol per rule kind, and the plain data they exchange.
+
+A composition picks one rule per kind. Each kind's Protocol owns everything that kind decides,
+on both halves of vLLM's connector: the scheduler process (one composite per engine core) and
+the worker processes (one composite per worker). The composed connector in
+:mod:`kvcompose.vllm.connector` keeps the per-request state below and calls the rules where
+vLLM calls it; it decides nothing itself.
+
+=============  ====================================================================
+kind           decides
+=============  ====================================================================
+load           who loads which tokens of a request (lookup), how
+               ``update_state_after_alloc`` splits them, whose completion ends the load
+store          which children receive the save hooks
+metadata       how the children's per-step metadata travels scheduler -> workers
+params         how the children's ``kv_transfer_params`` are merged
+completion     which child reports reach vLLM, once (worker and scheduler halves)
+faults         which children may fail without stopping the engine, and what they owed
+=============  ====================================================================
+
+Nothing here imports vLLM: rules are unit-tested without it. Child positions are the children's
+indices in the composition (YAML order). A Protocol's methods with a body are defaults that a
+rule class inherits when it subclasses the Protocol explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+# ------------------------------------------------------------------ plain data
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One child's part of a request's external load.
+
+    The child loads ``tokens`` tokens starting ``start`` tokens after the request's local prefix
+    (vLLM's ``num_computed_tokens``). Under a single-child rule ``start`` is 0.
+    """
+
+    child: int
+    start: int
+    tokens: int
+    is_async: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """A load rule's answer to vLLM's ``get_num_new_matched_tokens``.
+
+    ``tokens`` is what vLLM sees: ``None`` asks vLLM to look the request up again next step,
+    ``0`` is "nothing to load". ``contributions`` says who loads what, in YAML order.
+    """
+
+    tokens: int | None
+    is_async: bool
+    contributions: tuple[Contribution, ...] = ()
+
+
+#: Ask again next step (a child above any hit answered ``None``).
+NOT_READY = Selection(None, False)
+#: No child has anything to load.
+NO_HIT = Selection(0, False)
+
+#: ``ask(child, num_computed_tokens)`` returns that child's ``get_num_new_matched_tokens``
+#: answer for the request being looked up, as vLLM defines it: ``(tokens | None, is_async)``.
+Ask = Callable[[int, int], "tuple[int | None, bool]"]
+
+
+@dataclass(slots=True)
+class TransferResults:
+    """One child's transfer report for a step, or what the composite forwards to vLLM.
+
+    The fields of vLLM's ``KVConnectorTransferResults``, copied by name: the vLLM adapter
+    refuses to start on a vLLM whose results carry a field this class does not, so a field a
+    newer vLLM adds is never dropped silently (and a test pins the two together). Failed
+    receives also appear in ``finished_recving`` (vLLM's rule).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed_recving)
+
+
+# ------------------------------------------------------------------ the Protocols
+
+
+@runtime_checkable
+class LoadRule(Protocol):
+    """Rule kind ``load``: lookup, allocation split and load completion (scheduler half).
+
+    Called by the composite at vLLM's ``get_num_new_matched_tokens`` (:meth:`select`) and
+    ``update_state_after_alloc`` (:meth:`allocate`, then :meth:`awaited`). The worker half of a
+    load is the completion rule's: it waits for the children :meth:`awaited` names.
+    """
+
+    def select(self, ask: Ask, children: Sequence[int], num_computed_tokens: int) -> Selection:
+        """Decide who loads which tokens of a request.
+
+        :param ask: asks one child (by index) with a ``num_computed_tokens`` of the rule's
+            choosing; a child asked with ``num_computed_tokens + s`` answers for the tokens
+            beyond ``s`` (vLLM's own contract).
+        :param children: the children that may be asked, in YAML order (a disabled child is
+            left out).
+        :param num_computed_tokens: the request's local prefix (block-aligned, from vLLM).
+        :return: :data:`NOT_READY`, :data:`NO_HIT`, or a :class:`Selection` whose ``tokens`` is
+            the sum of its contributions' tokens.
+        """
+        ...
+
+    def allocate(self, selection: Selection, num_external_tokens: int) -> tuple[Contribution, ...]:
+        """Split vLLM's ``num_external_tokens`` among the contributions of a selection.
+
+        vLLM calls ``update_state_after_alloc`` with the external tokens it allocated blocks for
+        (the selection's tokens, or 0 when it decided to load nothing). Every child that is not
+        in the result is told 0 tokens with the real blocks (children track stores from it).
+        """
+        out = []
+        left = num_external_tokens
+        for c in selection.contributions:  # vLLM may allocate fewer tokens than selected
+            if left <= 0:
+                break
+            out.append(c if c.tokens <= left else Contribution(c.child, c.start, left, c.is_async))
+            left -= c.tokens
+        return tuple(out)
+
+    def awaited(self, contributions: tuple[Contribution, ...]) -> tuple[int, ...]:
+        """The children whose ``finished_recving`` completes the request's load.
+
+        vLLM sees one load per request: it leaves ``WAITING_FOR_REMOTE_KVS`` when each of these
+        children reported (the completion rule keeps that barrier). Empty for a synchronous load.
+        """
+        return tuple(c.child for c in contributions if c.is_async and c.tokens > 0)
+
+
+@runtime_checkable
+class StoreRule(Protocol):
+    """Rule kind ``store``: which children receive the save hooks (worker half).
+
+    ``save_kv_layer`` and ``wait_for_save`` go to :attr:`targets` only; each target still
+    decides from its own metadata what to save. The scheduler half of a save (a delayed free)
+    is the completion rule's.
+    """
+
+    #: Child indices that receive the save hooks, in YAML order.
+    targets: tuple[int, ...]
+
+
+@runtime_checkable
+class MetadataRule(Protocol):
+    """Rule kind ``metadata``: the per-step scheduler -> worker payload of the children."""
+
+    def pack(self, metas: Sequence[Any]) -> dict[str, Any]:
+        """Scheduler half: one metadata object per child (``None`` for a disabled child), in
+        YAML order, into the payload the workers receive."""
+        ...
+
+    def unpack(self, payload: Mapping[str, Any]) -> Sequence[Any]:
+        """Worker half: the payload back into one metadata object per child, in YAML order.
+        Raises when the payload does not fit this composition's children."""
+        ...
+
+
+@runtime_checkable
+class ParamsRule(Protocol):
+    """Rule kind ``params``: the ``kv_transfer_params`` of ``request_finished`` (scheduler half)."""
+
+    def merge(self, results: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+        """Each child's returned params (``None`` where it returned none), in YAML order, into
+        what vLLM returns to the client (``None`` for nothing)."""
+        ...
+
+
+@runtime_checkable
+class CompletionTracker(Protocol):
+    """One connector instance's bookkeeping of who owes which completion.
+
+    Worker half: told by the scheduler (through the step's metadata) which children each load
+    awaits and which children delay each free; settles the children's reports into what vLLM may
+    see. Scheduler half: :meth:`admit` keeps vLLM's scheduler from a report it does not wait for.
+    """
+
+    def expect_load(self, request_id: str, children: tuple[int, ...]) -> None:
+        """Worker half: the request's load completes when each of ``children`` reported."""
+        ...
+
+    def expect_saves(self, request_id: str, children: tuple[int, ...]) -> None:
+        """Worker half: the request's blocks are freed when each of ``children`` reported
+        ``finished_sending``."""
+        ...
+
+    def owed_by(self, child: int) -> set[str]:
+        """Worker half: the requests whose load still waits for ``child``."""
+        ...
+
+    def abandon(self, child: int, request_ids: Collection[str]) -> None:
+        """Worker half: ``child`` will never report these loads (it was disabled); the next
+        :meth:`settle` counts them as reported by it, finished and failed."""
+        ...
+
+    def settle(self, results: Sequence[TransferResults | None]) -> tuple[TransferResults, int]:
+        """Worker half: each child's report for this step (``None``: nothing), in YAML order,
+        into what this worker forwards to vLLM, and how many reports were withheld."""
+        ...
+
+    def admit(self, finished_recving: set[str], waiting: Collection[str]) -> set[str]:
+        """Scheduler half: of the ``finished_recving`` aggregated over the workers, the ones
+        vLLM's scheduler may see. ``waiting`` holds the requests whose async load it waits for.
+        """
+        ...
+
+
+@runtime_checkable
+class CompletionRule(Protocol):
+    """Rule kind ``completion``: makes one :class:`CompletionTracker` per connector instance."""
+
+    def tracker(self) -> CompletionTracker:
+        """A fresh tracker (one per scheduler or worker connector)."""
+        ...
+
+
+@runtime_checkable
+class FaultsRule(Protocol):
+    """Rule kind ``faults``: which child failures are contained, and what a failed child owed."""
+
+    def contains(self, child: int) -> bool:
+        """Whether an exception raised by ``child`` is contained (the child is disabled and the
+        engine goes on) instead of propagating to vLLM."""
+        ...
+
+    def owed(self, child: int, tracker: CompletionTracker) -> set[str]:
+        """Worker half: the loads a disabled child owed, to report failed so that vLLM stops
+        waiting for them (and recomputes under ``kv_load_failure_policy: recompute``)."""
+        return tracker.owed_by(child)
+
+
+RuleKind = Literal["load", "store", "metadata", "params", "completion", "faults"]
+
+#: The Protocol each rule kind's ``Rule.build`` returns; its keys are the rule kinds, in the
+#: order ``kvcompose check`` explains them.
+PROTOCOLS: dict[RuleKind, type] = {
+    "load": LoadRule,
+    "store": StoreRule,
+    "metadata": MetadataRule,
+    "params": ParamsRule,
+    "completion": CompletionRule,
+    "faults": FaultsRule,
+}
+
+RULE_KINDS: tuple[RuleKind, ...] = tuple(PROTOCOLS)
+
+#: Whatever a ``Rule.build`` returns.
+RuleObject = LoadRule | StoreRule | MetadataRule | ParamsRule | CompletionRule | FaultsRule

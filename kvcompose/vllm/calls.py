@@ -1,0 +1,147 @@
+"""The composite's call table: per engine call, the callables of the children that get it.
+
+Every call the composite forwards to a child goes through this table, so tracing
+(``KVCOMPOSE_TRACE``) and fault containment (the ``faults`` rule) apply to all of them. The table
+is built once per method on first use and rebuilt when a best-effort child is disabled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from kvcompose.rules.contract import FaultsRule
+
+log = logging.getLogger("kvcompose.vllm")
+trace_log = logging.getLogger("kvcompose.trace")
+
+Entry = tuple[int, Callable[..., Any]]
+
+#: What a child that failed (and was disabled) answers in place of a real answer: vLLM's
+#: "nothing" for that call. Unlisted calls answer ``None``.
+NEUTRAL: dict[str, Any] = {
+    "get_num_new_matched_tokens": (0, False),
+    "request_finished": (False, None),
+    "request_finished_all_groups": (False, None),
+    "get_finished": (None, None),
+    "has_pending_block_frees": False,
+    "has_pending_push_work": False,
+    "register_finished_partial_tail": False,
+    "take_events": (),
+    "get_block_ids_with_load_errors": frozenset(),
+    "get_external_cache_hit_sources": {},
+}
+
+#: Calls whose implementation in vLLM's base class answers a constant that the composite's
+#: combination ignores (``None``, ``False``, an empty set or tuple) or does nothing. A child that
+#: inherits one unchanged is not called (docs/performance.md: worker step, before/after).
+CONSTANT_IN_BASE = frozenset({
+    "get_kv_connector_stats", "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
+    "get_block_ids_with_load_errors", "finish_forward", "reset_capture_state",
+    "on_new_request", "take_events", "has_pending_block_frees", "register_finished_partial_tail",
+})
+
+
+class ChildFailed(RuntimeError):
+    """A child connector raised; names the child and the engine call."""
+
+
+class CallTable:
+    """``table[method]``: ``[(child index, callable), ...]`` in YAML order, for the active children
+    that get ``method``.
+
+    :param only: per method, the children that get it (the store rule's targets for the save
+        hooks, the host-buffer owner for ``set_host_xfer_buffer_ops``); every active child
+        otherwise.
+    :param on_fault: called with (child, method) when a contained child raised, after it was
+        disabled here; the composite settles what that child owed.
+    """
+
+    def __init__(self, children: Sequence[KVConnectorBase_V1], names: Sequence[str], faults: FaultsRule,
+                 trace: bool, only: Mapping[str, Sequence[int]],
+                 on_fault: Callable[[int, str], None]) -> None:
+        self._children = list(children)
+        self._names = tuple(names)
+        self._faults = faults
+        self._trace = trace
+        self._only = dict(only)
+        self._on_fault = on_fault
+        self.disabled: set[int] = set()
+        self._resolved: dict[str, list[Entry]] = {}
+        self._by_child: dict[str, dict[int, Callable[..., Any]]] = {}
+        #: The active children, in YAML order.
+        self.active: tuple[int, ...] = tuple(range(len(self._children)))
+
+    def __getitem__(self, method: str) -> list[Entry]:
+        try:
+            return self._resolved[method]
+        except KeyError:
+            entries = self._resolved[method] = self._resolve(method, self.active)
+            return entries
+
+    def by_child(self, method: str) -> dict[int, Callable[..., Any]]:
+        """``method``'s callables keyed by child index (for rules that ask children by index)."""
+        try:
+            return self._by_child[method]
+        except KeyError:
+            fns = self._by_child[method] = dict(self[method])
+            return fns
+
+    def every(self, method: str) -> list[Entry]:
+        """``method`` on every child, disabled ones included (``shutdown``)."""
+        return self._resolve(method, range(len(self._children)))
+
+    def disable(self, child: int) -> None:
+        """Stop calling ``child``: every method is resolved again without it."""
+        self.disabled.add(child)
+        self.active = tuple(i for i in range(len(self._children)) if i not in self.disabled)
+        self._resolved.clear()
+        self._by_child.clear()
+
+    def _resolve(self, method: str, among: Sequence[int]) -> list[Entry]:
+        only = self._only.get(method)
+        return [(i, self._bind(i, method)) for i in among
+                if (only is None or i in only) and not self._inherits_constant(i, method)]
+
+    def _inherits_constant(self, i: int, method: str) -> bool:
+        if method not in CONSTANT_IN_BASE or self._trace:  # tracing logs every child call
+            return False
+        fn = getattr(self._children[i], method)  # an instance attribute (a test's patch) is the child's own
+        return getattr(fn, "__func__", None) is getattr(KVConnectorBase_V1, method)
+
+    def _bind(self, i: int, method: str) -> Callable[..., Any]:
+        fn: Callable[..., Any] = getattr(self._children[i], method)
+        if self._trace:
+            fn = _traced(self._names[i], method, fn)
+        if self._faults.contains(i):
+            fn = self._contained(i, method, fn)
+        return fn
+
+    def _contained(self, i: int, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        neutral = NEUTRAL.get(method)
+
+        def contained(*args: Any, **kwargs: Any) -> Any:
+            if i in self.disabled:  # an entry captured before the child was disabled
+                return neutral
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                log.exception("best-effort connector %s failed in %s; it is disabled from now on",
+                              self._names[i], method)
+                self.disable(i)
+                self._on_fault(i, method)
+                return neutral
+
+        return contained
+
+
+def _traced(name: str, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        trace_log.info("%s.%s -> %r", name, method, result)
+        return result
+
+    return traced

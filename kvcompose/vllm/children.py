@@ -1,0 +1,98 @@
+"""The children as vLLM sees them: their configs and classes, from a composite's ``KVTransferConfig``.
+
+Also the class-level answers vLLM asks of a connector class before any instance exists
+(KV layout, CUDA-graph mode, Prometheus metrics), each combined over the children's classes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    PromMetric,
+    PromMetricT,
+)
+
+from kvcompose.catalog import Plan
+from kvcompose.compose import build
+from kvcompose.rules.checks import layout_conflict
+from kvcompose.vllm.args import children_configs, embedded
+from kvcompose.vllm.loadstats import ChildLoadPromMetrics, ChildLoadStats
+from kvcompose.vllm.metadata import qualname
+
+
+def plan_from_config(ktc: KVTransferConfig) -> Plan:
+    """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``."""
+    return build(embedded(ktc.kv_connector_extra_config))
+
+
+def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:
+    """Each child's own ``KVTransferConfig``; a child may carry its own ``engine_id``.
+
+    vLLM's MultiConnector passes ``engine_id`` twice when a child sets it (a TypeError); merging
+    the dicts lets the child's value win.
+    """
+    return [KVTransferConfig(**{"engine_id": ktc.engine_id, **entry})
+            for entry in children_configs(ktc.kv_connector_extra_config)]
+
+
+def child_classes(vllm_config: VllmConfig) -> list[tuple[type[KVConnectorBase_V1], VllmConfig]]:
+    """Each child's connector class, with a copy of ``vllm_config`` holding the child's config."""
+    assert vllm_config.kv_transfer_config is not None
+    out = []
+    for cktc in child_configs(vllm_config.kv_transfer_config):
+        cfg = copy.copy(vllm_config)
+        cfg.kv_transfer_config = cktc
+        out.append((KVConnectorFactory.get_connector_class(cktc), cfg))
+    return out
+
+
+def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
+    """The one layout the children need (None: any); raises when they disagree."""
+    assert vllm_config.kv_transfer_config is not None
+    names = [c.name for c in embedded(vllm_config.kv_transfer_config.kv_connector_extra_config).composition.connectors]
+    layouts = {name: cls.get_required_kvcache_layout(cfg)
+               for name, (cls, cfg) in zip(names, child_classes(vllm_config), strict=True)}
+    conflict = layout_conflict(layouts)
+    if conflict:
+        raise ValueError(conflict)
+    return next((layout for layout in layouts.values() if layout), None)
+
+
+def requires_piecewise_for_cudagraph(extra_config: dict[str, Any]) -> bool:
+    """Whether any child needs piecewise CUDA graphs."""
+    for entry in children_configs(extra_config):
+        child_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**entry))
+        if child_cls.requires_piecewise_for_cudagraph(entry.get("kv_connector_extra_config", {})):
+            return True
+    return False
+
+
+class ComposedPromMetrics(KVConnectorPromMetrics):
+    """Dispatches each child's stats to the Prometheus metrics of its class."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._by_class: dict[str, KVConnectorPromMetrics] = {}
+        for child_cls, cfg in child_classes(vllm_config):
+            key = qualname(child_cls)
+            if key in self._by_class:
+                continue  # one metric family per class: a second registration would clash
+            prom = child_cls.build_prom_metrics(cfg, metric_types, labelnames, per_engine_labelvalues)
+            if prom is not None:
+                self._by_class[key] = prom
+        self._by_class[qualname(ChildLoadStats)] = ChildLoadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for entry in transfer_stats_data.values():
+            prom = self._by_class.get(entry.get("connector", "")) if isinstance(entry, dict) else None
+            if prom is not None:
+                prom.observe(entry["data"], engine_idx)
