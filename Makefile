@@ -1,7 +1,7 @@
 # The two commands of the README. Each creates or reuses .venv itself.
 PY := .venv/bin/python
 
-.PHONY: demo test setup bench
+.PHONY: demo test lint setup bench
 setup:
 	@scripts/setup.sh
 
@@ -14,9 +14,14 @@ demo: setup
 	$(PY) -m kvcompose.cli check examples/pd-decode.yaml
 	$(ENGINE_LOCK) $(PY) -m kvcompose.cli demo
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
 	$(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tests/engine plugins $(PYTEST_ARGS)
+
+# ruff's linter and formatter, configured in pyproject.toml; `make test` runs this first.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 
 # Benchmarks (docs/performance.md): `make bench BENCH_ARGS=--quick` for the 2-minute run.
 bench: setup

@@ -32,7 +32,7 @@ else
   check "import nixl_cu12" || pip install nixl-cu12
   check "import nixl._api" || pip install --no-deps nixl
 fi
-pip install pluggy msgspec pyyaml "pytest>=8"
+pip install pluggy msgspec pyyaml "pytest>=8" "ruff==0.17.6"
 check "import matplotlib" || pip install "matplotlib>=3.7"   # kvcompose[bench]: bench --png
 pip install --no-deps -e . -e plugins/nixl -e plugins/cpu_offload
 "$VENV/bin/python" -c "import vllm, nixl._api, pluggy, msgspec, yaml, kvcompose, kvcompose_nixl, kvcompose_cpu_offload" \

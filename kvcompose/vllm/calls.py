@@ -38,11 +38,20 @@ NEUTRAL: dict[str, Any] = {
 #: Calls whose implementation in vLLM's base class answers a constant that the composite's
 #: combination ignores (``None``, ``False``, an empty set or tuple) or does nothing. A child that
 #: inherits one unchanged is not called (docs/performance.md: worker step, before/after).
-CONSTANT_IN_BASE = frozenset({
-    "get_kv_connector_stats", "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
-    "get_block_ids_with_load_errors", "finish_forward", "reset_capture_state",
-    "on_new_request", "take_events", "has_pending_block_frees", "register_finished_partial_tail",
-})
+CONSTANT_IN_BASE = frozenset(
+    {
+        "get_kv_connector_stats",
+        "get_kv_connector_kv_cache_events",
+        "build_connector_worker_meta",
+        "get_block_ids_with_load_errors",
+        "finish_forward",
+        "reset_capture_state",
+        "on_new_request",
+        "take_events",
+        "has_pending_block_frees",
+        "register_finished_partial_tail",
+    }
+)
 
 
 class ChildFailed(RuntimeError):
@@ -60,9 +69,15 @@ class CallTable:
         disabled here; the composite settles what that child owed.
     """
 
-    def __init__(self, children: Sequence[KVConnectorBase_V1], names: Sequence[str], faults: FaultsRule,
-                 trace: bool, only: Mapping[str, Sequence[int]],
-                 on_fault: Callable[[int, str], None]) -> None:
+    def __init__(
+        self,
+        children: Sequence[KVConnectorBase_V1],
+        names: Sequence[str],
+        faults: FaultsRule,
+        trace: bool,
+        only: Mapping[str, Sequence[int]],
+        on_fault: Callable[[int, str], None],
+    ) -> None:
         self._children = list(children)
         self._names = tuple(names)
         self._faults = faults
@@ -90,6 +105,15 @@ class CallTable:
             fns = self._by_child[method] = dict(self[method])
             return fns
 
+    def named(self, method: str, *args: Any) -> dict[str, Any]:
+        """Call ``method`` on its children; their answers that are not ``None``, by child name."""
+        out = {}
+        for i, fn in self[method]:
+            answer = fn(*args)
+            if answer is not None:
+                out[self._names[i]] = answer
+        return out
+
     def every(self, method: str) -> list[Entry]:
         """``method`` on every child, disabled ones included (``shutdown``)."""
         return self._resolve(method, range(len(self._children)))
@@ -103,8 +127,11 @@ class CallTable:
 
     def _resolve(self, method: str, among: Sequence[int]) -> list[Entry]:
         only = self._only.get(method)
-        return [(i, self._bind(i, method)) for i in among
-                if (only is None or i in only) and not self._inherits_constant(i, method)]
+        return [
+            (i, self._bind(i, method))
+            for i in among
+            if (only is None or i in only) and not self._inherits_constant(i, method)
+        ]
 
     def _inherits_constant(self, i: int, method: str) -> bool:
         if method not in CONSTANT_IN_BASE or self._trace:  # tracing logs every child call
@@ -129,8 +156,9 @@ class CallTable:
             try:
                 return fn(*args, **kwargs)
             except Exception:
-                log.exception("best-effort connector %s failed in %s; it is disabled from now on",
-                              self._names[i], method)
+                log.exception(
+                    "best-effort connector %s failed in %s; it is disabled from now on", self._names[i], method
+                )
                 self.disable(i)
                 self._on_fault(i, method)
                 return neutral

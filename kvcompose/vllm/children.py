@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
+    KVConnectorStats,
     PromMetric,
     PromMetricT,
 )
@@ -24,7 +25,7 @@ from kvcompose.compose import build
 from kvcompose.rules.checks import layout_conflict
 from kvcompose.vllm.args import children_configs, embedded
 from kvcompose.vllm.loadstats import ChildLoadPromMetrics, ChildLoadStats
-from kvcompose.vllm.metadata import qualname
+from kvcompose.vllm.metadata import ComposedStats, qualname
 
 
 def plan_from_config(ktc: KVTransferConfig) -> Plan:
@@ -38,8 +39,10 @@ def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:
     vLLM's MultiConnector passes ``engine_id`` twice when a child sets it (a TypeError); merging
     the dicts lets the child's value win.
     """
-    return [KVTransferConfig(**{"engine_id": ktc.engine_id, **entry})
-            for entry in children_configs(ktc.kv_connector_extra_config)]
+    return [
+        KVTransferConfig(**{"engine_id": ktc.engine_id, **entry})
+        for entry in children_configs(ktc.kv_connector_extra_config)
+    ]
 
 
 def child_classes(vllm_config: VllmConfig) -> list[tuple[type[KVConnectorBase_V1], VllmConfig]]:
@@ -53,12 +56,41 @@ def child_classes(vllm_config: VllmConfig) -> list[tuple[type[KVConnectorBase_V1
     return out
 
 
+class ClassLevelAnswers:
+    """The connector classmethods vLLM calls before any instance exists, each combined over the
+    children's classes (the composite inherits them)."""
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return required_kvcache_layout(vllm_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return requires_piecewise_for_cudagraph(extra_config)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return ComposedStats() if data is None else ComposedStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
 def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
     """The one layout the children need (None: any); raises when they disagree."""
     assert vllm_config.kv_transfer_config is not None
     names = [c.name for c in embedded(vllm_config.kv_transfer_config.kv_connector_extra_config).composition.connectors]
-    layouts = {name: cls.get_required_kvcache_layout(cfg)
-               for name, (cls, cfg) in zip(names, child_classes(vllm_config), strict=True)}
+    layouts = {
+        name: cls.get_required_kvcache_layout(cfg)
+        for name, (cls, cfg) in zip(names, child_classes(vllm_config), strict=True)
+    }
     conflict = layout_conflict(layouts)
     if conflict:
         raise ValueError(conflict)
@@ -77,8 +109,13 @@ def requires_piecewise_for_cudagraph(extra_config: dict[str, Any]) -> bool:
 class ComposedPromMetrics(KVConnectorPromMetrics):
     """Dispatches each child's stats to the Prometheus metrics of its class."""
 
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._by_class: dict[str, KVConnectorPromMetrics] = {}
         for child_cls, cfg in child_classes(vllm_config):
@@ -89,7 +126,8 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
             if prom is not None:
                 self._by_class[key] = prom
         self._by_class[qualname(ChildLoadStats)] = ChildLoadPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for entry in transfer_stats_data.values():

@@ -15,7 +15,6 @@ to the plan's rules (:mod:`kvcompose.rules.contract`), which decide everything.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -35,16 +34,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
     KVConnectorStats,
-    PromMetric,
-    PromMetricT,
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvcompose.rules.contract import Contribution, Selection, TransferResults
+from kvcompose.rules.contract import TransferResults
 from kvcompose.vllm import children as vllm_children
 from kvcompose.vllm.calls import CallTable, ChildFailed
+from kvcompose.vllm.children import ClassLevelAnswers
+from kvcompose.vllm.loads import RequestLoads
 from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadStats
 from kvcompose.vllm.metadata import (
     ComposedHandshakeMetadata,
@@ -52,7 +50,9 @@ from kvcompose.vllm.metadata import (
     ComposedMetadata,
     ComposedStats,
     ComposedWorkerMetadata,
+    from_vllm_results,
     qualname,
+    to_vllm_results,
 )
 
 if TYPE_CHECKING:
@@ -68,19 +68,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcompose.vllm")
 
-#: vLLM's transfer-result fields, copied by name between vLLM's class and the rules' own.
-RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(KVConnectorTransferResults))
-_missing = set(RESULT_FIELDS) - {f.name for f in dataclasses.fields(TransferResults)}
-if _missing:
-    raise ImportError(f"this vLLM's KVConnectorTransferResults has fields {sorted(_missing)} that "
-                      "kvcompose.rules.contract.TransferResults lacks; kvcompose would drop them")
 
-
-class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
+class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     """Children and rules from a kvcompose composition, behind vLLM's connector interface.
 
     The class is ``SupportsHMA`` (vLLM tests that on the class); effective HMA support is that of
-    every child, which vLLM's config resolution computes from the ``connectors`` list.
+    every child, which vLLM's config resolution computes from the ``connectors`` list. What vLLM
+    asks of the class before any instance exists is combined over the children's classes
+    (:class:`~kvcompose.vllm.children.ClassLevelAnswers`).
     """
 
     # ------------------------------------------------------------------ construction
@@ -100,27 +95,24 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         self._connectors: list[KVConnectorBase_V1] = [cls(cfg, role, kv_cache_config) for cls, cfg in classes]
         self.names: tuple[str, ...] = plan.names
         self._all_hma = all(supports_hma(c) for c in self._connectors)
-        self._classes = {n: qualname(type(c)) for n, c in zip(self.names, self._connectors)}
+        self._classes = {n: qualname(type(c)) for n, c in zip(self.names, self._connectors, strict=True)}
         host = plan.host_buffer_owner
         self.calls = CallTable(
-            self._connectors, self.names, plan.faults, plan.trace,
-            only={"save_kv_layer": plan.store.targets, "wait_for_save": plan.store.targets,
-                  "set_host_xfer_buffer_ops": () if host is None else (host,)},
-            on_fault=self._child_failed)
+            self._connectors,
+            self.names,
+            plan.faults,
+            plan.trace,
+            only={
+                "save_kv_layer": plan.store.targets,
+                "wait_for_save": plan.store.targets,
+                "set_host_xfer_buffer_ops": () if host is None else (host,),
+            },
+            on_fault=self._child_failed,
+        )
         self._completion = plan.completion.tracker()
         #: Reports withheld from vLLM (not from a loader, duplicate or late), for tests and logs.
         self.dropped_completions = 0
-        # Scheduler side, per request until it finishes: the load rule's selection, then what
-        # update_state_after_alloc gave each contributor; the requests vLLM waits on.
-        self._selected: dict[str, Selection] = {}
-        self._loading: dict[str, tuple[Contribution, ...]] = {}
-        self._waiting: set[str] = set()
-        # Shipped to the workers in the next step's metadata.
-        self._new_loads: dict[str, tuple[int, ...]] = {}
-        self._new_saves: dict[str, tuple[int, ...]] = {}
-        # Which child served each load, reported with the stats (kvcompose.vllm.loadstats).
-        self._load_stats = ChildLoadStats()
-        self._looked_up: set[str] = set()
+        self._loads = RequestLoads(plan.load, self.names)  # scheduler side
 
     def _child_failed(self, child: int, method: str) -> None:
         """A contained child raised and is disabled: what it owed is reported failed."""
@@ -141,7 +133,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def loaders(self, request_id: str) -> tuple[str, ...]:
         """Names of the children loading (or chosen to load) a request's external KV."""
-        return tuple(self.names[c.child] for c in self._contributions(request_id))
+        return tuple(self.names[c.child] for c in self._loads.contributions(request_id))
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -150,26 +142,6 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return any(c.requires_kv_delivery for c in self._connectors)
-
-    # ------------------------------------------------------------------ class-level answers
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return vllm_children.required_kvcache_layout(vllm_config)
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return vllm_children.requires_piecewise_for_cudagraph(extra_config)
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return ComposedStats() if data is None else ComposedStats.from_dict(data)
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
-                           ) -> KVConnectorPromMetrics | None:
-        return vllm_children.ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ worker side
 
@@ -182,16 +154,17 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             fn(copy_operation)
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
-        found = [(self.names[i], ctx) for i, fn in self.calls["get_mem_pool_context"] if (ctx := fn()) is not None]
+        found = self.calls.named("get_mem_pool_context")
         if len(found) > 1:
-            raise ValueError(f"children {[n for n, _ in found]} each provide a KV cache memory pool; "
-                             "the KV cache lives in one pool, so at most one child may")
-        return found[0][1] if found else None
+            raise ValueError(f"children {list(found)} each provide a KV cache memory pool; at most one may")
+        return next(iter(found.values()), None)
 
     def _metas(self, metadata: KVConnectorMetadata) -> list[Any]:
         if not isinstance(metadata, ComposedMetadata):
-            raise TypeError(f"expected kvcompose metadata, got {type(metadata).__name__}; "
-                            "were the scheduler and workers started from different configs?")
+            raise TypeError(
+                f"expected kvcompose metadata, got {type(metadata).__name__}; "
+                "were the scheduler and workers started from different configs?"
+            )
         return list(self.plan.metadata.unpack(metadata.children))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -223,8 +196,9 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         for _, fn in self.calls["wait_for_layer_load"]:
             fn(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         for _, fn in self.calls["save_kv_layer"]:
             fn(layer_name, kv_layer, attn_metadata, **kwargs)
 
@@ -247,12 +221,10 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         reports: list[TransferResults | None] = [None] * len(self._connectors)
         for i, fn in self.calls["get_transfer_results"]:
-            r = fn(finished_req_ids)
-            if r is not None:
-                reports[i] = TransferResults(**{f: set(getattr(r, f)) for f in RESULT_FIELDS})
+            reports[i] = from_vllm_results(fn(finished_req_ids))
         out, dropped = self._completion.settle(reports)
         self.dropped_completions += dropped
-        return KVConnectorTransferResults(**{f: getattr(out, f) for f in RESULT_FIELDS})
+        return to_vllm_results(out)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set()
@@ -261,39 +233,24 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data: dict[str, KVConnectorStats] = {}
-        classes: dict[str, str] = {}
-        for i, fn in self.calls["get_kv_connector_stats"]:
-            stats = fn()
-            if stats is not None:
-                name = self.names[i]
-                data[name], classes[name] = stats, self._classes[name]
-        if not self._load_stats.is_empty():
-            data[STATS_KEY], classes[STATS_KEY] = self._load_stats, qualname(ChildLoadStats)
-            self._load_stats = ChildLoadStats()
+        data = self.calls.named("get_kv_connector_stats")
+        classes = {name: self._classes[name] for name in data}
+        loads = self._loads.take_stats()
+        if loads is not None:
+            data[STATS_KEY], classes[STATS_KEY] = loads, qualname(ChildLoadStats)
         return ComposedStats(data=data, connector_classes=classes) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
-        children = {}
-        for i, fn in self.calls["get_kv_connector_kv_cache_events"]:
-            events = fn()
-            if events is not None:
-                children[self.names[i]] = events
+        children = self.calls.named("get_kv_connector_kv_cache_events")
         return ComposedKVEvents(children) if children else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        children = {}
-        for i, fn in self.calls["get_handshake_metadata"]:
-            meta = fn()
-            if meta is not None:
-                children[self.names[i]] = meta
+        children = self.calls.named("get_handshake_metadata")
         return ComposedHandshakeMetadata(children) if children else None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        children: dict[str, KVConnectorWorkerMetadata | None] = {}
-        for i, fn in self.calls["build_connector_worker_meta"]:
-            children[self.names[i]] = fn()
-        return ComposedWorkerMetadata(children) if any(m is not None for m in children.values()) else None
+        children = self.calls.named("build_connector_worker_meta")
+        return ComposedWorkerMetadata(children) if children else None
 
     def shutdown(self) -> None:
         errors: list[tuple[str, BaseException]] = []
@@ -324,48 +281,17 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         fns = self.calls.by_child("get_num_new_matched_tokens")
         sel = self.plan.load.select(lambda i, n: fns[i](request, n), self.calls.active, num_computed_tokens)
-        if sel.tokens is None:
-            return None, False
-        rid = request.request_id
-        if rid not in self._looked_up:
-            self._looked_up.add(rid)
-            self._load_stats.lookup()
-        if sel.contributions:
-            self._selected[rid] = sel
-        else:  # a re-lookup that finds nothing must not leave an older selection behind
-            self._selected.pop(rid, None)
+        if sel.tokens is not None:
+            self._loads.selected(request.request_id, sel)
         return sel.tokens, sel.is_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        rid = request.request_id
-        sel = self._selected.get(rid)
-        contribs = self.plan.load.allocate(sel, num_external_tokens) if sel is not None else ()
-        tokens = {c.child: c.tokens for c in contribs}
+        tokens = {c.child: c.tokens for c in self._loads.allocate(request.request_id, num_external_tokens)}
         for i, fn in self.calls["update_state_after_alloc"]:
             fn(request, blocks, tokens.get(i, 0))
-        if not contribs:
-            return
-        self._loading[rid] = contribs
-        for c in contribs:
-            self._load_stats.load(self.names[c.child], c.tokens)
-        awaited = self.plan.load.awaited(contribs)
-        if awaited:  # an async load: vLLM now waits for its completion
-            self._waiting.add(rid)
-            self._new_loads[rid] = awaited
-
-    def _contributions(self, request_id: str, num_external_tokens: int | None = None) -> tuple[Contribution, ...]:
-        """Who loads the request: the load rule's split of ``num_external_tokens`` when given,
-        else as allocated (or, asked before allocation, as selected)."""
-        sel = self._selected.get(request_id)
-        if sel is not None and num_external_tokens is not None:
-            return self.plan.load.allocate(sel, num_external_tokens)
-        contribs = self._loading.get(request_id)
-        if contribs is None:
-            contribs = sel.contributions if sel is not None else ()
-        return contribs
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        contribs = self._contributions(request.request_id)
+        contribs = self._loads.contributions(request.request_id)
         if not contribs:
             return super().get_loaded_kv_cache_group_ids(request)
         fns = self.calls.by_child("get_loaded_kv_cache_group_ids")
@@ -376,7 +302,7 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(sorted(groups))
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        contribs = self._contributions(request.request_id, num_external_tokens)
+        contribs = self._loads.contributions(request.request_id, num_external_tokens)
         if not contribs:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         fns = self.calls.by_child("get_external_cache_hit_sources")
@@ -391,14 +317,12 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
         metas: list[Any] = [None] * len(self._connectors)  # a disabled child's slot stays None
         for i, fn in self.calls["build_connector_meta"]:
             metas[i] = fn(scheduler_output)
-        meta = ComposedMetadata(self.plan.metadata.pack(metas), self._new_loads, self._new_saves)
-        self._new_loads, self._new_saves = {}, {}
-        return meta
+        return ComposedMetadata(self.plan.metadata.pack(metas), *self._loads.take_announcements())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.finished_recving:
-            kept = self._completion.admit(connector_output.finished_recving, self._waiting)
-            self._waiting -= kept
+            kept = self._completion.admit(connector_output.finished_recving, self._loads.waiting)
+            self._loads.waiting -= kept
             self.dropped_completions += len(connector_output.finished_recving) - len(kept)
             connector_output.finished_recving = kept
         composed_meta = connector_output.kv_connector_worker_meta
@@ -421,32 +345,32 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
             delay, results[i] = fn(request, *args)
             if delay:
                 delaying.append(i)
-        rid = request.request_id
-        self._selected.pop(rid, None)
-        self._loading.pop(rid, None)
-        # Not ``_waiting``: vLLM frees a request that finished while its load was in flight only
-        # when that load's finished_recving arrives.
-        self._looked_up.discard(rid)
-        if delaying:
-            self._new_saves[rid] = tuple(delaying)
+        self._loads.finished(request.request_id, tuple(delaying))
         return bool(delaying), self.plan.params.merge(results)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._finished(request, "request_finished", block_ids)
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+    ) -> tuple[bool, dict[str, Any] | None]:
         if not self._all_hma:
             if len(block_ids) != 1:
-                raise ValueError("several KV cache groups need every child to support HMA; "
-                                 f"{[n for n, c in zip(self.names, self._connectors) if not supports_hma(c)]} do not")
+                raise ValueError(
+                    "several KV cache groups need every child to support HMA; "
+                    f"{[n for n, c in zip(self.names, self._connectors, strict=True) if not supports_hma(c)]} do not"
+                )
             return self.request_finished(request, block_ids[0])
         return self._finished(request, "request_finished_all_groups", block_ids)
 
-    def register_finished_partial_tail(self, request: Request, block_ids: tuple[list[int], ...],
-                                       partial_tail_offloads: list[tuple[int, int, int]]) -> bool:
-        return any([fn(request, block_ids, partial_tail_offloads)
-                    for _, fn in self.calls["register_finished_partial_tail"]])
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        return any(
+            [fn(request, block_ids, partial_tail_offloads) for _, fn in self.calls["register_finished_partial_tail"]]
+        )
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         for _, fn in self.calls["take_events"]:
@@ -470,11 +394,16 @@ class KVComposeConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
 
-    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
         for i, fn in self.calls["set_xfer_handshake_metadata_pp_aware"]:
             name = self.names[i]
-            mine = {rank: m.children[name] for rank, m in metadata.items()
-                    if isinstance(m, ComposedHandshakeMetadata) and name in m.children}
+            mine = {
+                rank: m.children[name]
+                for rank, m in metadata.items()
+                if isinstance(m, ComposedHandshakeMetadata) and name in m.children
+            }
             if mine:
                 fn(mine)
 

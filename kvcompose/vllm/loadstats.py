@@ -71,16 +71,30 @@ class ChildLoadStats(KVConnectorStats):
 class ChildLoadPromMetrics(KVConnectorPromMetrics):
     """The Prometheus counters of :class:`ChildLoadStats` (label ``child``)."""
 
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         child_labels = [*labelnames, "child"]
-        self._lookups = self._counter_cls(name="vllm:kvcompose_lookups", labelnames=labelnames,
-                                          documentation="Requests the composed connector looked up for external KV.")
-        self._loads = self._counter_cls(name="vllm:kvcompose_loads", labelnames=child_labels,
-                                        documentation="Requests whose external KV the named child loaded.")
-        self._tokens = self._counter_cls(name="vllm:kvcompose_loaded_tokens", labelnames=child_labels,
-                                         documentation="Tokens of external KV the named child loaded.")
+        self._lookups = self._counter_cls(
+            name="vllm:kvcompose_lookups",
+            labelnames=labelnames,
+            documentation="Requests the composed connector looked up for external KV.",
+        )
+        self._loads = self._counter_cls(
+            name="vllm:kvcompose_loads",
+            labelnames=child_labels,
+            documentation="Requests whose external KV the named child loaded.",
+        )
+        self._tokens = self._counter_cls(
+            name="vllm:kvcompose_loaded_tokens",
+            labelnames=child_labels,
+            documentation="Tokens of external KV the named child loaded.",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]

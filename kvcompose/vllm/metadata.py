@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass, field
@@ -11,9 +12,32 @@ from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvcompose.rules.contract import TransferResults
+
+#: vLLM's transfer-result fields, copied by name between vLLM's class and the rules' own.
+RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(KVConnectorTransferResults))
+_missing = set(RESULT_FIELDS) - {f.name for f in dataclasses.fields(TransferResults)}
+if _missing:
+    raise ImportError(
+        f"this vLLM's KVConnectorTransferResults has fields {sorted(_missing)} that "
+        "kvcompose.rules.contract.TransferResults lacks; kvcompose would drop them"
+    )
+
+
+def from_vllm_results(results: KVConnectorTransferResults | None) -> TransferResults | None:
+    """A child's report as the completion rule reads it (copies: the rule may change them)."""
+    if results is None:
+        return None
+    return TransferResults(**{f: set(getattr(results, f)) for f in RESULT_FIELDS})
+
+
+def to_vllm_results(results: TransferResults) -> KVConnectorTransferResults:
+    return KVConnectorTransferResults(**{f: getattr(results, f) for f in RESULT_FIELDS})
 
 
 @dataclass
@@ -82,7 +106,7 @@ class ComposedStats(KVConnectorStats):
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ComposedStats":
+    def from_dict(cls, data: dict[str, Any]) -> ComposedStats:
         out: dict[str, KVConnectorStats] = {}
         classes: dict[str, str] = {}
         for name, entry in data.items():
@@ -124,7 +148,7 @@ class ComposedKVEvents(KVConnectorKVEvents):
     def add_events(self, events: list[KVCacheEvent]) -> None:
         raise TypeError("add events to a child's container, not to the composed one")
 
-    def aggregate(self) -> "ComposedKVEvents":
+    def aggregate(self) -> ComposedKVEvents:
         return ComposedKVEvents({n: e.aggregate() for n, e in self.children.items()})
 
     def increment_workers(self, count: int = 1) -> None:
@@ -141,7 +165,7 @@ class ComposedKVEvents(KVConnectorKVEvents):
         for e in self.children.values():
             e.clear_events()
 
-    def merge(self, other: KVConnectorKVEvents) -> "ComposedKVEvents":
+    def merge(self, other: KVConnectorKVEvents) -> ComposedKVEvents:
         if not isinstance(other, ComposedKVEvents):
             raise TypeError(f"cannot merge {type(other).__name__} into composed KV events")
         for name, events in other.children.items():

@@ -70,9 +70,9 @@ def test_aggregate_adds_per_child() -> None:
 def test_prometheus_counters_labelled_by_child(kvcompose_scheduler: Factory) -> None:
     registry = CollectorRegistry()
     C = functools.partial(Counter, registry=registry)  # a private registry, not the process one
-    conn = kvcompose_scheduler(TWO.format(a=0, b=32)).connector
+    sched = kvcompose_scheduler(TWO.format(a=0, b=32))
     types = {Counter: C, Gauge: Gauge, Histogram: Histogram}
-    metrics = ChildLoadPromMetrics(conn._vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]})  # type: ignore[arg-type]
+    metrics = ChildLoadPromMetrics(sched.vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]})  # type: ignore[arg-type]
     metrics.observe({"lookups": 3, "loads": {"b": 2}, "tokens": {"b": 64}})
     assert registry.get_sample_value("vllm:kvcompose_lookups_total", {"model_name": "m", "engine": "0"}) == 3
     assert registry.get_sample_value("vllm:kvcompose_loads_total",

@@ -107,10 +107,10 @@ def test_store_to_all_then_the_cpu_tier_wins_a_repeated_prompt(fake_nixl: FakeNi
 
 
 def test_plain_request_finishes_with_no_async_save(kvcompose_scheduler: Factory) -> None:
-    conn = kvcompose_scheduler(composition("consumer"), sliding_window=128).connector
+    sched = kvcompose_scheduler(composition("consumer"), sliding_window=128)
     req = make_request(40)
-    assert conn.request_finished_all_groups(req, ([1, 2, 3], [1, 2, 3])) == (False, None)
-    assert conn._new_saves == {}
+    assert sched.connector.request_finished_all_groups(req, ([1, 2, 3], [1, 2, 3])) == (False, None)
+    assert sched.schedule().kv_connector_metadata.saves_owed == {}  # no child delays the free
 
 
 def test_prefill_side_returns_nixl_params_with_blocks_held(fake_nixl: FakeNixl) -> None:

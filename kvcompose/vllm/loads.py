@@ -1,0 +1,89 @@
+"""The scheduler half's per-request load state, kept between vLLM's calls.
+
+The load rule decides; this records what it decided for each request until the request
+finishes, what the workers must be told in the next step's metadata, and which child served
+each load (the ``vllm:kvcompose_*`` counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcompose.rules.contract import Contribution, LoadRule, Selection
+from kvcompose.vllm.loadstats import ChildLoadStats
+
+
+class RequestLoads:
+    """Per request: the load rule's selection, what ``update_state_after_alloc`` gave each
+    contributor, and whether vLLM waits for the load (``WAITING_FOR_REMOTE_KVS``)."""
+
+    def __init__(self, rule: LoadRule, names: Sequence[str]) -> None:
+        self._rule = rule
+        self._names = tuple(names)
+        self._selected: dict[str, Selection] = {}
+        self._loading: dict[str, tuple[Contribution, ...]] = {}
+        self._looked_up: set[str] = set()
+        #: Requests whose async load vLLM waits for; left only when the load's report arrives
+        #: (vLLM frees a request that finished mid-load only on that report).
+        self.waiting: set[str] = set()
+        #: For the workers, in the next step's metadata: loads started (request -> the children
+        #: the load awaits) and delayed frees announced (request -> the children that delay it).
+        self.new_loads: dict[str, tuple[int, ...]] = {}
+        self.new_saves: dict[str, tuple[int, ...]] = {}
+        self.stats = ChildLoadStats()
+
+    def selected(self, request_id: str, selection: Selection) -> None:
+        """A lookup's answer (never a ``NOT_READY``); a re-lookup replaces the earlier one."""
+        if request_id not in self._looked_up:
+            self._looked_up.add(request_id)
+            self.stats.lookup()
+        if selection.contributions:
+            self._selected[request_id] = selection
+        else:
+            self._selected.pop(request_id, None)
+
+    def allocate(self, request_id: str, num_external_tokens: int) -> tuple[Contribution, ...]:
+        """The load rule's split of what vLLM allocated; records it and what vLLM now waits for."""
+        sel = self._selected.get(request_id)
+        contribs = self._rule.allocate(sel, num_external_tokens) if sel is not None else ()
+        if contribs:
+            self._loading[request_id] = contribs
+            for c in contribs:
+                self.stats.load(self._names[c.child], c.tokens)
+            awaited = self._rule.awaited(contribs)
+            if awaited:
+                self.waiting.add(request_id)
+                self.new_loads[request_id] = awaited
+        return contribs
+
+    def contributions(self, request_id: str, num_external_tokens: int | None = None) -> tuple[Contribution, ...]:
+        """Who loads the request: the rule's split of ``num_external_tokens`` when given, else as
+        allocated (or, asked before allocation, as selected)."""
+        sel = self._selected.get(request_id)
+        if sel is not None and num_external_tokens is not None:
+            return self._rule.allocate(sel, num_external_tokens)
+        contribs = self._loading.get(request_id)
+        if contribs is None:
+            contribs = sel.contributions if sel is not None else ()
+        return contribs
+
+    def finished(self, request_id: str, delaying: tuple[int, ...]) -> None:
+        """The request finished; ``delaying`` children hold its blocks until they report."""
+        self._selected.pop(request_id, None)
+        self._loading.pop(request_id, None)
+        self._looked_up.discard(request_id)
+        if delaying:
+            self.new_saves[request_id] = delaying
+
+    def take_stats(self) -> ChildLoadStats | None:
+        """The load counters since the last call, if any."""
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, ChildLoadStats()
+        return stats
+
+    def take_announcements(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """``(new_loads, new_saves)`` for this step's metadata, cleared for the next."""
+        out = self.new_loads, self.new_saves
+        self.new_loads, self.new_saves = {}, {}
+        return out
