@@ -7,6 +7,9 @@ group; kvcompose's own rules and checks are plugins registered the same way.
 Every hook here runs when a composition is *built* (``kvcompose check``, ``vllm-args``, or
 engine start-up), never per request: what a hook returns is resolved once into a call plan, and
 the engine's per-step calls go straight to the resolved objects.
+
+kvcompose calls every hook through pluggy's hook caller, so ``KVCOMPOSE_TRACE=1`` logs each call
+(logger ``kvcompose.trace``). Each docstring below says how the implementations' results combine.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ hookspec = pluggy.HookspecMarker(NAME)
 
 
 # -------------------------------------------------------------------------------------------
-# Registration hooks: what a plugin contributes. Called once per plugin manager.
+# Registration hooks: what a plugin contributes. Called once per plugin manager (again after a
+# plugin is registered or unregistered at run time), and then once per implementing plugin (a
+# pluggy subset hook caller holding only that plugin), so that every result is credited to the
+# plugin that returned it. A wrapper implementation wraps only its own plugin's call.
 # -------------------------------------------------------------------------------------------
 
 
@@ -34,8 +40,12 @@ hookspec = pluggy.HookspecMarker(NAME)
 def kvcompose_connector_types() -> Iterable[ConnectorType]:
     """Contribute connector types: the values a composition may give as ``type:``.
 
-    :return: :class:`kvcompose.catalog.ConnectorType` instances. Two plugins offering the same
-        name is an error that names both plugins.
+    :return: :class:`kvcompose.catalog.ConnectorType` instances.
+
+    Results combine by concatenation, plugin by plugin in registration order (built-ins, then
+    entry points, then plugins registered at run time); each type is listed under its plugin by
+    ``kvcompose plugins``. Two plugins offering the same name is an error that names both
+    plugins; so is returning something other than an iterable of ``ConnectorType``, or raising.
 
     Example::
 
@@ -52,6 +62,10 @@ def kvcompose_rules() -> Iterable[Rule]:
 
     :return: :class:`kvcompose.catalog.Rule` objects. A composition selects one rule per kind
         by name under ``rules:``; the rule's ``build`` runs once per composition.
+
+    Results combine as for :func:`kvcompose_connector_types`: concatenated plugin by plugin, each
+    rule credited to its plugin. Two plugins offering the same ``(kind, name)`` is an error that
+    names both plugins; so is a rule of an unknown kind.
     """
 
 
@@ -71,4 +85,8 @@ def kvcompose_check(plan: Plan) -> Iterable[Problem] | None:
     :param plan: the call plan, read-only.
     :return: :class:`kvcompose.errors.Problem` objects, each with the document path it is
         about, so the user sees ``FILE:LINE:COL``. Return nothing when all is well.
+
+    Results combine by concatenation: one hook call runs every implementation (pluggy's order,
+    the most recently registered first) and all their problems are reported together; any
+    problem fails the composition.
     """

@@ -1,13 +1,22 @@
 """The plugin manager: built-in plugins and third-party entry points, registered the same way.
 
+Every hook is called through pluggy's hook caller, never by calling an implementation directly,
+so pluggy's tracing (and any other hook-call monitoring) sees every call. The registration hooks
+(``kvcompose_connector_types``, ``kvcompose_rules``) are called once per implementing plugin,
+through :meth:`pluggy.PluginManager.subset_hook_caller`, so that each connector type and rule is
+credited to the plugin that returned it (``kvcompose plugins``; duplicate-name errors name both).
+
 Environment:
 
 ``KVCOMPOSE_PLUGINS``
     Comma-separated entry-point names. A plain name selects (when any plain name is given, only
     the selected third-party plugins load); ``-name`` blocks that plugin. Built-ins always load.
 ``KVCOMPOSE_TRACE``
-    Set to ``1`` to log every hook call (pluggy tracing) and every child call the composed
-    connector forwards, at INFO level on the ``kvcompose.trace`` logger.
+    Set to ``1`` to log, at INFO level on the ``kvcompose.trace`` logger, every hook call
+    (pluggy tracing: registration hooks, each preceded by a line naming the plugin called, and
+    ``kvcompose_check``) and every child call the composed connector forwards
+    (:mod:`kvcompose.vllm.calls`). Read from the process environment when a :class:`Plugins` is
+    built (hooks) and when a composition is resolved (child calls).
 """
 
 from __future__ import annotations
@@ -67,9 +76,15 @@ class Plugins:
     def __init__(
         self, *, entry_points: bool = True, extra: Iterable[object] = (), env: dict[str, str] | None = None
     ) -> None:
+        """``env`` is where ``KVCOMPOSE_PLUGINS`` is read (default: the process environment).
+
+        ``KVCOMPOSE_TRACE`` is always read from the process environment, as the composition reads
+        it for child-call tracing, so that hook and child-call tracing are on together.
+        """
         env = dict(os.environ) if env is None else env
         self.pm = pluggy.PluginManager(NAME)
         self.pm.add_hookspecs(hookspecs)
+        self._trace = self.pm.trace.root.get("provider")
         self._providers: dict[int, str] = {}
         for modname in BUILTIN_PLUGINS:
             module = importlib.import_module(modname)
@@ -119,12 +134,34 @@ class Plugins:
         self.__dict__.pop("_provided", None)
 
     def _collect(self, hook_name: str) -> list[tuple[object, object]]:
-        """(item, plugin) pairs from every implementation of a registration hook."""
+        """(item, plugin) pairs from every implementation of a registration hook.
+
+        One hook call per implementing plugin, in registration order: pluggy's result list does
+        not say which plugin returned what, and a subset caller holding one plugin does.
+        """
+        caller: pluggy.HookCaller = getattr(self.pm.hook, hook_name)
+        plugins = list(dict.fromkeys(impl.plugin for impl in caller.get_hookimpls()))
         out: list[tuple[object, object]] = []
-        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            for item in impl.function() or ():
-                out.append((item, impl.plugin))
+        for plugin in plugins:
+            provider = self._provider(plugin)
+            # Goes to pluggy's trace writer only when tracing is on; without it the identical
+            # per-plugin hook lines could not be told apart.
+            self._trace(hook_name, "from plugin", self.pm.get_name(plugin), f"({provider})")
+            only = self.pm.subset_hook_caller(hook_name, [p for p in plugins if p is not plugin])
+            try:
+                for result in only():
+                    if not isinstance(result, Iterable):
+                        raise PluginError(f"{provider} returned {result!r} from {hook_name}; expected an iterable")
+                    # Inside the try: a generator implementation runs its body only here.
+                    out.extend((item, plugin) for item in list(result))
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"{provider} failed in {hook_name}: {type(exc).__name__}: {exc}") from exc
         return out
+
+    def _provider(self, plugin: object) -> str:
+        return self._providers.get(id(plugin), str(plugin))
 
     @cached_property
     def _provided(self) -> tuple[dict[str, ConnectorType], dict[tuple[str, str], Rule], list[Provided]]:
@@ -133,9 +170,11 @@ class Plugins:
         rows: list[Provided] = []
         owner: dict[tuple[str, str], str] = {}
         for item, plugin in self._collect("kvcompose_connector_types"):
-            provider = self._providers.get(id(plugin), str(plugin))
+            provider = self._provider(plugin)
             if not isinstance(item, ConnectorType):
-                raise PluginError(f"{provider} returned {item!r} from kvcompose_connector_types; expected a ConnectorType")
+                raise PluginError(
+                    f"{provider} returned {item!r} from kvcompose_connector_types; expected a ConnectorType"
+                )
             key = ("type", item.name)
             if key in owner:
                 raise PluginError(f"connector type {item.name!r} is provided twice: by {owner[key]} and by {provider}")
@@ -143,14 +182,16 @@ class Plugins:
             types[item.name] = item
             rows.append(Provided("type", item.name, item.summary, provider))
         for item, plugin in self._collect("kvcompose_rules"):
-            provider = self._providers.get(id(plugin), str(plugin))
+            provider = self._provider(plugin)
             if not isinstance(item, Rule):
                 raise PluginError(f"{provider} returned {item!r} from kvcompose_rules; expected a Rule")
             if item.kind not in RULE_KINDS:
                 raise PluginError(f"{provider} offers rule {item.name!r} of unknown kind {item.kind!r}")
             key = (item.kind, item.name)
             if key in owner:
-                raise PluginError(f"{item.kind} rule {item.name!r} is provided twice: by {owner[key]} and by {provider}")
+                raise PluginError(
+                    f"{item.kind} rule {item.name!r} is provided twice: by {owner[key]} and by {provider}"
+                )
             owner[key] = provider
             rules[key] = item
             rows.append(Provided(item.kind, item.name, item.summary, provider))
@@ -168,7 +209,7 @@ class Plugins:
         """Every connector type and rule, with the distribution that provides it."""
         return list(self._provided[2])
 
-    def check(self, plan: "Plan") -> list[Problem]:
+    def check(self, plan: Plan) -> list[Problem]:
         problems: list[Problem] = []
         for result in self.pm.hook.kvcompose_check(plan=plan):
             problems.extend(result or ())

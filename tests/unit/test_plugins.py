@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from vllm.distributed.kv_events import BlockRemoved, KVConnectorKVEvents, KVEventAggregator
 
 from kvcompose import hookimpl
 from kvcompose.catalog import ConnectorType
+from kvcompose.compose import loads
 from kvcompose.plugins import PluginError, Plugins
+from kvcompose.testing.harness import make_request
 from kvcompose.vllm.metadata import ComposedKVEvents
 
 
@@ -43,40 +47,127 @@ def test_two_plugins_offering_one_type_name_is_an_error() -> None:
         def kvcompose_connector_types(self) -> list[ConnectorType]:
             return [Dup()]
 
-    with pytest.raises(PluginError, match="connector type 'nixl' is provided twice: by kvcompose-nixl .* and by dup-plugin"):
-        Plugins(env={}, extra=[Plugin()]).connector_types
+    match = "connector type 'nixl' is provided twice: by kvcompose-nixl .* and by dup-plugin"
+    with pytest.raises(PluginError, match=match):
+        Plugins(env={}, extra=[Plugin()]).connector_types  # noqa: B018
 
 
-def test_trace_logs_hook_calls(caplog: pytest.LogCaptureFixture) -> None:
-    import os
+ONE_CHILD = "version: 1\nconnectors: [{name: host, type: cpu-offload}]\n"
+TRACE = "kvcompose.trace"
 
-    os.environ["KVCOMPOSE_TRACE"] = "1"
-    try:
-        plugins = Plugins(env={})
-        with caplog.at_level(logging.INFO, logger="kvcompose.trace"):
-            plugins.connector_types  # noqa: B018
-            from kvcompose.compose import loads
 
-            loads("version: 1\nconnectors: [{name: host, type: cpu-offload}]\n", plugins)
-    finally:
-        del os.environ["KVCOMPOSE_TRACE"]
-    assert "kvcompose_check" in caplog.text
+def _trace_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == TRACE]
+
+
+def test_a_plugin_is_credited_with_what_it_provides() -> None:
+    class Mine(ConnectorType):
+        name = "mine"
+        summary = "a test type"
+
+    class Plugin:
+        __name__ = "my-plugin"
+
+        @hookimpl
+        def kvcompose_connector_types(self) -> list[ConnectorType]:
+            return [Mine()]
+
+    rows = {(r.kind, r.name): r.provider for r in Plugins(env={}, extra=[Plugin()]).provided()}
+    assert rows[("type", "mine")] == "my-plugin"
+    assert rows[("type", "nixl")].startswith("kvcompose-nixl ")
+    assert rows[("load", "first-wins")] == "kvcompose (built-in)"
+
+
+def test_a_registration_hook_that_raises_is_an_error_naming_the_plugin() -> None:
+    class Plugin:
+        __name__ = "broken-plugin"
+
+        @hookimpl
+        def kvcompose_rules(self) -> list[object]:
+            raise ValueError("boom")
+
+    with pytest.raises(PluginError, match="broken-plugin failed in kvcompose_rules: ValueError: boom"):
+        Plugins(env={}, extra=[Plugin()]).rules  # noqa: B018
+
+
+def test_a_registration_hook_returning_a_non_iterable_is_an_error_naming_the_plugin() -> None:
+    class Plugin:
+        __name__ = "scalar-plugin"
+
+        @hookimpl
+        def kvcompose_connector_types(self) -> object:
+            return 42
+
+    with pytest.raises(PluginError, match="scalar-plugin returned 42 from kvcompose_connector_types"):
+        Plugins(env={}, extra=[Plugin()]).connector_types  # noqa: B018
+
+
+def test_trace_logs_every_hook_call(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("KVCOMPOSE_TRACE", "1")
+    with caplog.at_level(logging.INFO, logger=TRACE):
+        loads(ONE_CHILD, Plugins(env={}))
+    text = "\n".join(_trace_lines(caplog))
+    # pluggy's own trace lines: the hook calls went through its hook caller.
+    for hook in ("kvcompose_connector_types", "kvcompose_rules", "kvcompose_check"):
+        assert f"{hook} [hook]" in text and f"finish {hook} -->" in text
+    # Each registration-hook call is announced with the plugin it asks.
+    assert "kvcompose_connector_types from plugin nixl (kvcompose-nixl " in text
+    assert "kvcompose_rules from plugin kvcompose.rules.load (kvcompose (built-in))" in text
+
+
+def test_no_trace_without_the_variable(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("KVCOMPOSE_TRACE", raising=False)
+    with caplog.at_level(logging.DEBUG, logger=TRACE):
+        loads(ONE_CHILD, Plugins(env={}))
+    assert _trace_lines(caplog) == []
+
+
+RECORD_TWO = """
+version: 1
+connectors:
+  - {name: a, type: record, options: {matched_tokens: 32, is_async: true}}
+  - {name: b, type: record, options: {matched_tokens: 0}}
+"""
+
+
+def test_trace_logs_the_composed_connectors_child_calls(
+    kvcompose_scheduler: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Set after the fixture made the process-wide plugin manager, so tracing does not outlive
+    # this test there; the composition reads the variable when it is resolved, below.
+    monkeypatch.setenv("KVCOMPOSE_TRACE", "1")
+    with caplog.at_level(logging.INFO, logger=TRACE):
+        conn = kvcompose_scheduler(RECORD_TWO).connector
+        assert conn.get_num_new_matched_tokens(make_request(64), 0) == (32, True)
+    assert "a.get_num_new_matched_tokens -> (32, True)" in _trace_lines(caplog)
 
 
 def test_worker_kv_events_are_kept_per_child_and_aggregated() -> None:
     a, b = KVEventAggregator(1), KVEventAggregator(1)
     a.add_events([BlockRemoved(block_hashes=[1], medium="CPU")])
     b.add_events([BlockRemoved(block_hashes=[2], medium="CPU")])
+
     class Box(KVConnectorKVEvents):
         def __init__(self, agg: KVEventAggregator) -> None:
             self.agg = agg
 
-        def add_events(self, events): self.agg.add_events(events)  # noqa: E704
-        def aggregate(self): return self  # noqa: E704
-        def increment_workers(self, count=1): self.agg.increment_workers(count)  # noqa: E704
-        def get_all_events(self): return self.agg.get_all_events()  # noqa: E704
-        def get_number_of_workers(self): return self.agg.get_number_of_workers()  # noqa: E704
-        def clear_events(self): self.agg.clear_events()  # noqa: E704
+        def add_events(self, events: list[Any]) -> None:
+            self.agg.add_events(events)
+
+        def aggregate(self) -> Box:
+            return self
+
+        def increment_workers(self, count: int = 1) -> None:
+            self.agg.increment_workers(count)
+
+        def get_all_events(self) -> list[Any]:
+            return self.agg.get_all_events()
+
+        def get_number_of_workers(self) -> int:
+            return self.agg.get_number_of_workers()
+
+        def clear_events(self) -> None:
+            self.agg.clear_events()
 
     x = ComposedKVEvents({"host": Box(a)})
     y = ComposedKVEvents({"host": Box(b), "pd": Box(KVEventAggregator(1))})
