@@ -25,8 +25,13 @@ def _rule_choice(kind: str, value: Any) -> tuple[str, dict[str, Any]]:
     rest = dict(value)
     name = rest.pop("use", None)
     if not isinstance(name, str):
-        raise CompositionError([Problem("a rule with parameters needs `use: <rule name>`", (),
-                                        f"for example `{kind}: {{use: <name>, ...}}`")])
+        raise CompositionError(
+            [
+                Problem(
+                    "a rule with parameters needs `use: <rule name>`", (), f"for example `{kind}: {{use: <name>, ...}}`"
+                )
+            ]
+        )
     return name, rest
 
 
@@ -40,8 +45,11 @@ def build(source: Source, plugins: Plugins | None = None) -> Plan:
     for i, spec in enumerate(comp.connectors):
         ctype = types.get(spec.type)
         if ctype is None:
-            problems.append(Problem(f"unknown connector type {spec.type!r}", ("connectors", i, "type"),
-                                    did_you_mean(spec.type, types)))
+            problems.append(
+                Problem(
+                    f"unknown connector type {spec.type!r}", ("connectors", i, "type"), did_you_mean(spec.type, types)
+                )
+            )
             continue
         try:
             options = msgspec.convert(spec.options, type=ctype.options, dec_hook=dec_hook)
@@ -59,11 +67,15 @@ def build(source: Source, plugins: Plugins | None = None) -> Plan:
                 rule = plugins.rules.get((kind, name))
                 if rule is None:
                     names = [n for k, n in plugins.rules if k == kind]
-                    problems.append(Problem(f"unknown {kind} rule {name!r}", ("rules", kind), did_you_mean(name, names)))
+                    problems.append(
+                        Problem(f"unknown {kind} rule {name!r}", ("rules", kind), did_you_mean(name, names))
+                    )
                     continue
                 if rule.params is None:
                     if raw:
-                        problems.append(Problem(f"{kind} rule {name!r} takes no parameters", ("rules", kind, next(iter(raw)))))
+                        problems.append(
+                            Problem(f"{kind} rule {name!r} takes no parameters", ("rules", kind, next(iter(raw))))
+                        )
                         continue
                     p = None
                 else:
@@ -75,10 +87,14 @@ def build(source: Source, plugins: Plugins | None = None) -> Plan:
                 obj = rule.build(tuple(children), p)
                 protocol = PROTOCOLS[kind]
                 if not isinstance(obj, protocol):
-                    problems.append(Problem(
-                        f"{kind} rule {name!r} built {type(obj).__name__}, which does not implement "
-                        f"{protocol.__name__} (kvcompose.rules.contract)", ("rules", kind),
-                        "the rule's plugin is broken; report it to its author"))
+                    problems.append(
+                        Problem(
+                            f"{kind} rule {name!r} built {type(obj).__name__}, which does not implement "
+                            f"{protocol.__name__} (kvcompose.rules.contract)",
+                            ("rules", kind),
+                            "the rule's plugin is broken; report it to its author",
+                        )
+                    )
                     continue
                 chosen[kind], params[kind], built[kind] = rule, p, obj
             except CompositionError as exc:

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from kvcompose.errors import CompositionError, Locator, Path as DocPath, Problem, did_you_mean
+from kvcompose.errors import CompositionError, Locator, Problem, did_you_mean
+from kvcompose.errors import Path as DocPath
 from kvcompose.rules.contract import RULE_KINDS, RuleKind
 from kvcompose.units import ByteSize
 
@@ -48,14 +49,20 @@ class ChildSpec(Spec):
 
 #: The built-in rule each kind uses when ``rules:`` leaves it out.
 DEFAULT_RULES: dict[RuleKind, str] = {
-    "load": "first-wins", "store": "all", "metadata": "merge", "params": "owners", "completion": "owner",
+    "load": "first-wins",
+    "store": "all",
+    "metadata": "merge",
+    "params": "owners",
+    "completion": "owner",
     "faults": "fail",
 }
 
 #: ``rules:``: one field per rule kind (:data:`kvcompose.rules.contract.RULE_KINDS`).
 RulesSpec = msgspec.defstruct(
-    "RulesSpec", [(kind, RuleChoice, DEFAULT_RULES[kind]) for kind in RULE_KINDS],
-    bases=(Spec,), module=__name__,
+    "RulesSpec",
+    [(kind, RuleChoice, DEFAULT_RULES[kind]) for kind in RULE_KINDS],
+    bases=(Spec,),
+    module=__name__,
 )
 
 
@@ -96,8 +103,9 @@ def schema_hook(type_: type) -> dict[str, Any]:
 # ------------------------------------------------------------------ YAML with locations
 
 
-def _walk(node: yaml.Node, path: DocPath, marks: dict[DocPath, tuple[int, int]], budget: list[int],
-          memo: dict[int, int]) -> None:
+def _walk(
+    node: yaml.Node, path: DocPath, marks: dict[DocPath, tuple[int, int]], budget: list[int], memo: dict[int, int]
+) -> None:
     """Record each path's line and column; count expanded nodes to stop alias bombs."""
     marks.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
     size = memo.get(id(node))
@@ -131,21 +139,32 @@ class _TooBig(Exception):
 def parse_yaml(text: str, filename: str = "<composition>") -> tuple[Any, Locator]:
     """Safe-load one YAML document; return its data and a locator for its paths."""
     if len(text.encode("utf-8", "replace")) > MAX_BYTES:
-        raise CompositionError([Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines",
-                                        line=1, column=1)], filename)
+        raise CompositionError(
+            [Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines", line=1, column=1)],
+            filename,
+        )
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
-            raise CompositionError([Problem("the file is empty", hint="start with `version: 1` and a `connectors:` list")], filename)
+            raise CompositionError(
+                [Problem("the file is empty", hint="start with `version: 1` and a `connectors:` list")], filename
+            )
         marks: dict[DocPath, tuple[int, int]] = {}
         try:
             _walk(node, (), marks, [MAX_NODES], {})
         except _TooBig as big:
-            raise CompositionError([Problem(
-                f"the document expands to more than {MAX_NODES} nodes (an alias bomb?)",
-                hint="write the composition out without nested aliases",
-                line=big.mark.line + 1, column=big.mark.column + 1)], filename) from None
+            raise CompositionError(
+                [
+                    Problem(
+                        f"the document expands to more than {MAX_NODES} nodes (an alias bomb?)",
+                        hint="write the composition out without nested aliases",
+                        line=big.mark.line + 1,
+                        column=big.mark.column + 1,
+                    )
+                ],
+                filename,
+            ) from None
         data = loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -208,7 +227,11 @@ def _struct_at(struct: Any, parts: list[str | int]) -> Any:
 def _unwrap(t: Any) -> Any:
     while typing.get_origin(t) is Annotated:
         t = typing.get_args(t)[0]
-    args = [a for a in typing.get_args(t) if a is not type(None)] if typing.get_origin(t) in (typing.Union, types.UnionType) else None
+    args = (
+        [a for a in typing.get_args(t) if a is not type(None)]
+        if typing.get_origin(t) in (typing.Union, types.UnionType)
+        else None
+    )
     if args and len(args) == 1:
         return _unwrap(args[0])
     return t
@@ -243,8 +266,9 @@ def load_text(text: str, filename: str = "<composition>") -> Source:
     """Parse and structurally validate a composition (types and options are checked later)."""
     data, locator = parse_yaml(text, filename)
     if not isinstance(data, dict):
-        raise CompositionError([Problem("a composition is a mapping with `version:` and `connectors:`",
-                                        line=1, column=1)], filename)
+        raise CompositionError(
+            [Problem("a composition is a mapping with `version:` and `connectors:`", line=1, column=1)], filename
+        )
     try:
         comp = msgspec.convert(data, type=Composition, dec_hook=dec_hook)
     except msgspec.ValidationError as exc:
@@ -253,8 +277,11 @@ def load_text(text: str, filename: str = "<composition>") -> Source:
             problem = Problem(problem.message, problem.path, "this file format is version 1: add `version: 1`")
         raise CompositionError([problem], filename).located(filename, locator) from None
     names = [c.name for c in comp.connectors]
-    dup = [Problem(f"connector name {n!r} is used twice", ("connectors", i, "name"), "names must be unique")
-           for i, n in enumerate(names) if n in names[:i]]
+    dup = [
+        Problem(f"connector name {n!r} is used twice", ("connectors", i, "name"), "names must be unique")
+        for i, n in enumerate(names)
+        if n in names[:i]
+    ]
     if dup:
         raise CompositionError(dup, filename).located(filename, locator)
     return Source(comp, filename, locator)
@@ -267,11 +294,15 @@ def load_file(path: str | Path) -> Source:
     except OSError as exc:
         raise CompositionError([Problem(f"cannot read the file: {exc.strerror}")], str(p)) from None
     if len(raw) > MAX_BYTES:
-        raise CompositionError([Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines")], str(p))
+        raise CompositionError(
+            [Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines")], str(p)
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CompositionError([Problem(f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})")], str(p)) from None
+        raise CompositionError(
+            [Problem(f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})")], str(p)
+        ) from None
     return load_text(text, str(p))
 
 

@@ -54,13 +54,20 @@ CONSTANT_IN_BASE = frozenset(
 )
 
 
+#: Calls vLLM makes once per layer per step.
+PER_LAYER = ("wait_for_layer_load", "save_kv_layer")
+
+
 class ChildFailed(RuntimeError):
     """A child connector raised; names the child and the engine call."""
 
 
-class CallTable:
+class CallTable(dict[str, list[Entry]]):
     """``table[method]``: ``[(child index, callable), ...]`` in YAML order, for the active children
     that get ``method``.
+
+    A dict filled on first use of each method (``__missing__``), so a forwarded call costs one
+    dict subscription (docs/performance.md: worker step, before/after).
 
     :param only: per method, the children that get it (the store rule's targets for the save
         hooks, the host-buffer owner for ``set_host_xfer_buffer_ops``); every active child
@@ -78,6 +85,7 @@ class CallTable:
         only: Mapping[str, Sequence[int]],
         on_fault: Callable[[int, str], None],
     ) -> None:
+        super().__init__()
         self._children = list(children)
         self._names = tuple(names)
         self._faults = faults
@@ -85,17 +93,18 @@ class CallTable:
         self._only = dict(only)
         self._on_fault = on_fault
         self.disabled: set[int] = set()
-        self._resolved: dict[str, list[Entry]] = {}
         self._by_child: dict[str, dict[int, Callable[..., Any]]] = {}
+        #: The calls made per layer, as a plain dict of callables without their child index:
+        #: CPython specialises subscription of an exact dict only (docs/performance.md: worker
+        #: step, before/after).
+        self.per_layer: dict[str, list[Callable[..., Any]]] = {}
+        self._fill_per_layer()
         #: The active children, in YAML order.
         self.active: tuple[int, ...] = tuple(range(len(self._children)))
 
-    def __getitem__(self, method: str) -> list[Entry]:
-        try:
-            return self._resolved[method]
-        except KeyError:
-            entries = self._resolved[method] = self._resolve(method, self.active)
-            return entries
+    def __missing__(self, method: str) -> list[Entry]:
+        entries = self[method] = self._resolve(method, self.active)
+        return entries
 
     def by_child(self, method: str) -> dict[int, Callable[..., Any]]:
         """``method``'s callables keyed by child index (for rules that ask children by index)."""
@@ -122,8 +131,13 @@ class CallTable:
         """Stop calling ``child``: every method is resolved again without it."""
         self.disabled.add(child)
         self.active = tuple(i for i in range(len(self._children)) if i not in self.disabled)
-        self._resolved.clear()
+        self.clear()
         self._by_child.clear()
+        self._fill_per_layer()
+
+    def _fill_per_layer(self) -> None:
+        for method in PER_LAYER:
+            self.per_layer[method] = [fn for _, fn in self._resolve(method, self.active)]
 
     def _resolve(self, method: str, among: Sequence[int]) -> list[Entry]:
         only = self._only.get(method)

@@ -16,7 +16,7 @@ to the plan's rules (:mod:`kvcompose.rules.contract`), which decide everything.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +96,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self.names: tuple[str, ...] = plan.names
         self._all_hma = all(supports_hma(c) for c in self._connectors)
         self._classes = {n: qualname(type(c)) for n, c in zip(self.names, self._connectors, strict=True)}
+        self._classes[STATS_KEY] = qualname(ChildLoadStats)
         host = plan.host_buffer_owner
         self.calls = CallTable(
             self._connectors,
@@ -109,7 +110,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             },
             on_fault=self._child_failed,
         )
+        self._per_layer = self.calls.per_layer
         self._completion = plan.completion.tracker()
+        self._abandoned = False  # loads of a disabled child to settle as failed
         #: Reports withheld from vLLM (not from a loader, duplicate or late), for tests and logs.
         self.dropped_completions = 0
         self._loads = RequestLoads(plan.load, self.names)  # scheduler side
@@ -117,6 +120,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def _child_failed(self, child: int, method: str) -> None:
         """A contained child raised and is disabled: what it owed is reported failed."""
         self._completion.abandon(child, self.plan.faults.owed(child, self._completion))
+        self._abandoned = True
 
     @property
     def sub_connectors(self) -> list[KVConnectorBase_V1]:
@@ -159,21 +163,23 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"children {list(found)} each provide a KV cache memory pool; at most one may")
         return next(iter(found.values()), None)
 
-    def _metas(self, metadata: KVConnectorMetadata) -> list[Any]:
+    def _metas(self, metadata: KVConnectorMetadata) -> Sequence[Any]:
         if not isinstance(metadata, ComposedMetadata):
             raise TypeError(
                 f"expected kvcompose metadata, got {type(metadata).__name__}; "
                 "were the scheduler and workers started from different configs?"
             )
-        return list(self.plan.metadata.unpack(metadata.children))
+        return self.plan.metadata.unpack(metadata.children)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         metas = self._metas(connector_metadata)
         assert isinstance(connector_metadata, ComposedMetadata)
-        for req, children in connector_metadata.loads_awaited.items():
-            self._completion.expect_load(req, children)
-        for req, children in connector_metadata.saves_owed.items():
-            self._completion.expect_saves(req, children)
+        if connector_metadata.loads_awaited:  # most steps start no load and end no request
+            for req, children in connector_metadata.loads_awaited.items():
+                self._completion.expect_load(req, children)
+        if connector_metadata.saves_owed:
+            for req, children in connector_metadata.saves_owed.items():
+                self._completion.expect_saves(req, children)
         for i, fn in self.calls["bind_connector_metadata"]:
             fn(metas[i])
         self._connector_metadata = connector_metadata  # what the base class's bind does
@@ -192,15 +198,21 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         for _, fn in self.calls["start_load_kv"]:
             fn(forward_context, **kwargs)
 
+    # Per layer: callables without their index, and no ``**{}`` when vLLM passes no keyword
+    # (docs/performance.md: worker step, before/after).
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for _, fn in self.calls["wait_for_layer_load"]:
+        for fn in self._per_layer["wait_for_layer_load"]:
             fn(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        for _, fn in self.calls["save_kv_layer"]:
-            fn(layer_name, kv_layer, attn_metadata, **kwargs)
+        if kwargs:
+            for fn in self._per_layer["save_kv_layer"]:
+                fn(layer_name, kv_layer, attn_metadata, **kwargs)
+        else:
+            for fn in self._per_layer["save_kv_layer"]:
+                fn(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
         for _, fn in self.calls["wait_for_save"]:
@@ -220,8 +232,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         reports: list[TransferResults | None] = [None] * len(self._connectors)
+        some, self._abandoned = self._abandoned, False
         for i, fn in self.calls["get_transfer_results"]:
-            reports[i] = from_vllm_results(fn(finished_req_ids))
+            report = reports[i] = from_vllm_results(fn(finished_req_ids))
+            some = some or report is not None
+        if not some:  # most steps: nothing finished anywhere
+            return KVConnectorTransferResults()
         out, dropped = self._completion.settle(reports)
         self.dropped_completions += dropped
         return to_vllm_results(out)
@@ -234,11 +250,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self.calls.named("get_kv_connector_stats")
-        classes = {name: self._classes[name] for name in data}
         loads = self._loads.take_stats()
         if loads is not None:
-            data[STATS_KEY], classes[STATS_KEY] = loads, qualname(ChildLoadStats)
-        return ComposedStats(data=data, connector_classes=classes) if data else None
+            data[STATS_KEY] = loads
+        if not data:
+            return None
+        return ComposedStats(data=data, connector_classes={name: self._classes[name] for name in data})
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         children = self.calls.named("get_kv_connector_kv_cache_events")

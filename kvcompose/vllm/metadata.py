@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,14 +29,18 @@ if _missing:
 
 
 def from_vllm_results(results: KVConnectorTransferResults | None) -> TransferResults | None:
-    """A child's report as the completion rule reads it (copies: the rule may change them)."""
+    """A child's report as the completion rule reads it (copies: the rule may change them);
+    ``None`` for a report of nothing, the usual step."""
     if results is None:
         return None
-    return TransferResults(**{f: set(getattr(results, f)) for f in RESULT_FIELDS})
+    values = [getattr(results, f) for f in RESULT_FIELDS]
+    if not any(values):
+        return None
+    return TransferResults(**{f: set(v) for f, v in zip(RESULT_FIELDS, values, strict=True)})
 
 
 def to_vllm_results(results: TransferResults) -> KVConnectorTransferResults:
-    return KVConnectorTransferResults(**{f: getattr(results, f) for f in RESULT_FIELDS})
+    return KVConnectorTransferResults(*[getattr(results, f) for f in RESULT_FIELDS])
 
 
 @dataclass
@@ -75,9 +78,8 @@ class ComposedHandshakeMetadata(KVConnectorHandshakeMetadata):
     children: dict[str, KVConnectorHandshakeMetadata]
 
 
-@functools.cache
 def qualname(obj: type) -> str:
-    # Cached: ComposedStats.to_dict runs on every scheduler step.
+    """``module:Class``, importable again by the front end."""
     return f"{obj.__module__}:{obj.__qualname__}"
 
 
@@ -98,12 +100,10 @@ class ComposedStats(KVConnectorStats):
     connector_classes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        # A plain loop rather than a comprehension (one frame fewer): vLLM calls this every step.
-        out: dict[str, Any] = {}
-        classes = self.connector_classes
-        for name, s in self.data.items():
-            out[name] = {"class": qualname(type(s)), "connector": classes.get(name, ""), "data": s.to_dict()}
-        return out
+        return {
+            name: {"class": qualname(type(s)), "connector": self.connector_classes.get(name, ""), "data": s.to_dict()}
+            for name, s in self.data.items()
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ComposedStats:
@@ -133,10 +133,7 @@ class ComposedStats(KVConnectorStats):
         return {f"{name}.{k}": v for name, s in self.data.items() for k, v in s.reduce().items()}
 
     def is_empty(self) -> bool:
-        for s in self.data.values():  # no generator: vLLM asks every step
-            if not s.is_empty():
-                return False
-        return True
+        return all(s.is_empty() for s in self.data.values())
 
 
 class ComposedKVEvents(KVConnectorKVEvents):
