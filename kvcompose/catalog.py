@@ -8,11 +8,13 @@ connector type describes the vLLM child it stands for as a plain ``KVTransferCon
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
+import msgspec.structs
 
 from kvcompose.config import VLLM_ROLES, Composition, Role, Source
 from kvcompose.errors import Problem
@@ -30,19 +32,68 @@ from kvcompose.rules.contract import (
 
 
 class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Base class for a connector type's options: unknown keys are errors, not silently ignored."""
+    """Base class for a connector type's options: unknown keys are errors, not silently ignored.
+
+    Describe each field with ``Annotated[..., msgspec.Meta(description=...)]``: that is what
+    ``kvcompose schema`` shows editors, so a ``#:`` comment alone never reaches a user.
+    """
 
 
 class NoOptions(Options):
     """For types that take no options."""
 
 
+def given_options(options: Options) -> dict[str, Any]:
+    """The fields whose value differs from the field's default, by name, in declaration order.
+
+    Only these are rendered for vLLM: declare a default equal to vLLM's own (or None for "vLLM
+    decides") and a value the user did not change never reaches vLLM's arguments, which keeps
+    them minimal and lets vLLM's defaults evolve. A required field is always given.
+    """
+    given: dict[str, Any] = {}
+    for f in msgspec.structs.fields(options):
+        value = getattr(options, f.name)
+        if f.default is not msgspec.NODEFAULT:
+            default = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        else:
+            given[f.name] = value
+            continue
+        if value != default:
+            given[f.name] = value
+    return given
+
+
+def vllm_value(value: Any) -> Any:
+    """An option value as plain builtins: lists for sequences, ``int`` for ``ByteSize`` and the like.
+
+    The rendered config becomes JSON on vLLM's command line, and vLLM compares values against
+    builtins, so subclasses and tuples must not leak through.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    for plain in (int, float, str):
+        if isinstance(value, plain):
+            return plain(value)
+    if isinstance(value, msgspec.Struct):
+        return vllm_value(msgspec.structs.asdict(value))
+    if isinstance(value, Mapping):
+        return {str(k): vllm_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [vllm_value(v) for v in value]
+    return value
+
+
 class ConnectorType:
     """A kind of child connector, as a plugin describes it to kvcompose.
 
-    Subclass it, set the class attributes, and implement :meth:`vllm_config`. The composed
-    connector instantiates the vLLM class that the returned config names, so the type never has to
-    import vLLM at description time.
+    Subclass it and set the class attributes: :attr:`vllm_connector`, :attr:`vllm_module_path`
+    and the two key maps are enough for the default :meth:`vllm_config`, which renders only the
+    options the user set. Override :meth:`connector_name` when an option picks the vLLM class,
+    and :meth:`vllm_config` only for a config the maps cannot express. The composed connector
+    instantiates the vLLM class that the config names, so the type never has to import vLLM at
+    description time.
     """
 
     #: The ``type:`` value in a composition file.
@@ -61,10 +112,42 @@ class ConnectorType:
     #: The ``kv_transfer_params`` keys this type reads and returns (the ``owners`` params rule
     #: gives each key to the type that declares it).
     param_keys: ClassVar[frozenset[str]] = frozenset()
+    #: The vLLM connector class name (``kv_connector``). Keep the name vLLM knows, even for a
+    #: subclass: vLLM looks connectors up by that literal name in several places.
+    vllm_connector: ClassVar[str]
+    #: The module vLLM imports that class from (``kv_connector_module_path``): point it at your
+    #: subclass. None: vLLM's own registry resolves the name.
+    vllm_module_path: ClassVar[str | None] = None
+    #: Option field -> the ``kv_connector_extra_config`` key it is rendered as.
+    extra_config_keys: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    #: Option field -> the top-level ``KVTransferConfig`` field it is rendered as.
+    top_level_keys: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+    def connector_name(self, child: Child) -> str:
+        """The ``kv_connector`` for this child: :attr:`vllm_connector`, unless an option picks the class."""
+        name = getattr(self, "vllm_connector", None)
+        if not name:
+            raise NotImplementedError(f"{type(self).__name__} sets neither vllm_connector nor vllm_config()")
+        return name
 
     def vllm_config(self, child: Child) -> dict[str, Any]:
-        """The child's ``KVTransferConfig`` keyword arguments, ``kv_role`` excluded (kvcompose sets it)."""
-        raise NotImplementedError
+        """The child's ``KVTransferConfig`` keyword arguments, ``kv_role`` excluded (kvcompose sets it).
+
+        The connector name and module path, then each option the user set (see
+        :func:`given_options`) under the key the two maps give it. An option in neither map is
+        not rendered: the type reads it itself (``describe``, ``check``, ``connector_name``).
+        """
+        cfg: dict[str, Any] = {"kv_connector": self.connector_name(child)}
+        if self.vllm_module_path is not None:
+            cfg["kv_connector_module_path"] = self.vllm_module_path
+        given = given_options(child.options)
+        for option, key in self.top_level_keys.items():
+            if option in given:
+                cfg[key] = vllm_value(given[option])
+        cfg["kv_connector_extra_config"] = {
+            key: vllm_value(given[option]) for option, key in self.extra_config_keys.items() if option in given
+        }
+        return cfg
 
     def describe(self, child: Child) -> str:
         """One sentence, in plain words, of what this child does in the composition."""

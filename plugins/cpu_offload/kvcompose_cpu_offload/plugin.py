@@ -15,24 +15,18 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta
 
 from kvcompose import hookimpl
-from kvcompose.catalog import ConnectorType, Options
+from kvcompose.catalog import ConnectorType, Options, given_options
 from kvcompose.errors import Problem
 from kvcompose.units import ByteSize, format_size
 
 if TYPE_CHECKING:
     from kvcompose.catalog import Child, Plan
-
-#: The class name vLLM is given. It must stay the literal upstream name: vLLM looks the
-#: connector up by name (``KVTransferConfig.has_connector("SimpleCPUOffloadConnector")``) to
-#: align its block counts, and the module path below makes it resolve to our subclass.
-VLLM_CONNECTOR = "SimpleCPUOffloadConnector"
-VLLM_MODULE_PATH = "kvcompose_cpu_offload.connector"
 
 PositiveInt = Annotated[int, Meta(gt=0)]
 
@@ -49,66 +43,51 @@ class CpuOffloadOptions(Options):
     same value). Sizes take units (``32GiB``, ``512MiB``) or a number of bytes.
     """
 
-    #: Where evicted blocks live: host memory, or a file (``kv_offload_backend``).
-    backend: Literal["cpu", "disk"] = "cpu"
-    #: Host pool for the whole server, split evenly across ranks (``cpu_bytes_to_use``;
-    #: vLLM's default is 8GiB).
-    cpu_bytes: ByteSize | None = None
-    #: Host pool per rank; overrides ``cpu_bytes`` (``cpu_bytes_to_use_per_rank``).
-    cpu_bytes_per_rank: ByteSize | None = None
-    #: Host pool as a number of KV blocks per rank; overrides both sizes (``num_cpu_blocks``).
-    num_cpu_blocks: PositiveInt | None = None
-    #: Copy blocks out only when they are about to be evicted, instead of as soon as they are
-    #: computed (``lazy_offload``).
-    lazy: bool = False
-    #: Disk backend: path of the backing file; each rank appends ``.rank_<n>`` (``disk_path``).
-    disk_path: str | None = None
-    #: Disk backend: file size per rank (``disk_capacity_bytes``; vLLM's default is 100GiB).
-    disk_capacity: ByteSize | None = None
-    #: Disk backend: staging slots per direction (``disk_buffer_slots``; vLLM's default is 2).
-    disk_buffer_slots: PositiveInt | None = None
-    #: Disk backend: buffered I/O through the page cache instead of ``O_DIRECT``
-    #: (``use_page_cache``; vLLM's default is false).
-    use_page_cache: bool | None = None
+    backend: Annotated[
+        Literal["cpu", "disk"],
+        Meta(description="where evicted blocks live: host memory, or a file (kv_offload_backend)"),
+    ] = "cpu"
+    cpu_bytes: Annotated[
+        ByteSize | None,
+        Meta(description="host pool for the whole server, split evenly across ranks "
+             "(cpu_bytes_to_use; vLLM's default is 8GiB)"),
+    ] = None
+    cpu_bytes_per_rank: Annotated[
+        ByteSize | None,
+        Meta(description="host pool per rank; overrides cpu_bytes (cpu_bytes_to_use_per_rank)"),
+    ] = None
+    num_cpu_blocks: Annotated[
+        PositiveInt | None,
+        Meta(description="host pool as a number of KV blocks per rank; overrides both sizes (num_cpu_blocks)"),
+    ] = None
+    lazy: Annotated[
+        bool,
+        Meta(description="copy blocks out only when they are about to be evicted, instead of as soon "
+             "as they are computed (lazy_offload)"),
+    ] = False
+    disk_path: Annotated[
+        str | None,
+        Meta(description="disk backend: path of the backing file; each rank appends .rank_<n> (disk_path)"),
+    ] = None
+    disk_capacity: Annotated[
+        ByteSize | None,
+        Meta(description="disk backend: file size per rank (disk_capacity_bytes; vLLM's default is 100GiB)"),
+    ] = None
+    disk_buffer_slots: Annotated[
+        PositiveInt | None,
+        Meta(description="disk backend: staging slots per direction (disk_buffer_slots; vLLM's default is 2)"),
+    ] = None
+    use_page_cache: Annotated[
+        bool | None,
+        Meta(description="disk backend: buffered I/O through the page cache instead of O_DIRECT "
+             "(use_page_cache; vLLM's default is false)"),
+    ] = None
 
-
-#: Option field -> vLLM extra-config key.
-VLLM_KEYS: dict[str, str] = {
-    "backend": "kv_offload_backend",
-    "cpu_bytes": "cpu_bytes_to_use",
-    "cpu_bytes_per_rank": "cpu_bytes_to_use_per_rank",
-    "num_cpu_blocks": "num_cpu_blocks",
-    "lazy": "lazy_offload",
-    "disk_path": "disk_path",
-    "disk_capacity": "disk_capacity_bytes",
-    "disk_buffer_slots": "disk_buffer_slots",
-    "use_page_cache": "use_page_cache",
-}
 
 #: Options that only mean something under one backend (vLLM warns and ignores them otherwise).
 DISK_ONLY = ("disk_path", "disk_capacity", "disk_buffer_slots", "use_page_cache")
 CPU_ONLY = ("cpu_bytes", "cpu_bytes_per_rank", "num_cpu_blocks")
 SIZES = ("cpu_bytes", "cpu_bytes_per_rank", "disk_capacity")
-
-_DEFAULTS: dict[str, Any] = {"backend": "cpu", "lazy": False}
-
-
-def _given(options: CpuOffloadOptions) -> dict[str, Any]:
-    """The options the user set: not None, and not equal to a non-None default."""
-    given = {}
-    for name in VLLM_KEYS:
-        value = getattr(options, name)
-        if value is None or (name in _DEFAULTS and value == _DEFAULTS[name]):
-            continue
-        given[name] = value
-    return given
-
-
-def _vllm_value(value: Any) -> Any:
-    # ByteSize is an int subclass; vLLM and JSON rendering want a plain int.
-    if isinstance(value, bool) or not isinstance(value, int):
-        return value
-    return int(value)
 
 
 class CpuOffloadType(ConnectorType):
@@ -124,20 +103,37 @@ class CpuOffloadType(ConnectorType):
         "prefix-cache tier in host memory or on disk (vLLM SimpleCPUOffloadConnector)"
     )
     options: ClassVar[type[Options]] = CpuOffloadOptions
+    # The literal upstream name: vLLM looks the connector up by name
+    # (``KVTransferConfig.has_connector("SimpleCPUOffloadConnector")``) to align its block
+    # counts, and the module path makes that name resolve to our subclass.
+    vllm_connector: ClassVar[str] = "SimpleCPUOffloadConnector"
+    vllm_module_path: ClassVar[str | None] = "kvcompose_cpu_offload.connector"
+    extra_config_keys: ClassVar[Mapping[str, str]] = {
+        "backend": "kv_offload_backend",
+        "cpu_bytes": "cpu_bytes_to_use",
+        "cpu_bytes_per_rank": "cpu_bytes_to_use_per_rank",
+        "num_cpu_blocks": "num_cpu_blocks",
+        "lazy": "lazy_offload",
+        "disk_path": "disk_path",
+        "disk_capacity": "disk_capacity_bytes",
+        "disk_buffer_slots": "disk_buffer_slots",
+        "use_page_cache": "use_page_cache",
+    }
 
-    def vllm_config(self, child: Child) -> dict[str, Any]:
-        """``KVTransferConfig`` kwargs: our module path, and only the keys the user set."""
-        opts = _options(child)
-        extra = {VLLM_KEYS[k]: _vllm_value(v) for k, v in _given(opts).items()}
-        return {
-            "kv_connector": VLLM_CONNECTOR,
-            "kv_connector_module_path": VLLM_MODULE_PATH,
-            "kv_connector_extra_config": extra,
-        }
+    def copy_backend(self) -> Any:
+        """A new host-memory copy backend of the portable worker (vLLM's ``launch_copy`` contract).
+
+        ``kvcompose bench cpu-copy`` measures it through this type, because the core never imports
+        a plugin package. Imported on call: it needs torch and vLLM, and describing a composition
+        must work without them.
+        """
+        from kvcompose_cpu_offload.portable_worker import TorchCopyBackend
+
+        return TorchCopyBackend()
 
     def describe(self, child: Child) -> str:
         """What the child does, in one sentence (``kvcompose check`` / ``explain``)."""
-        opts = _options(child)
+        opts = child.options_as(CpuOffloadOptions)
         mode = "lazy offload" if opts.lazy else "eager offload"
         if opts.backend == "disk":
             cap = format_size(int(opts.disk_capacity or VLLM_DEFAULT_DISK_CAPACITY))
@@ -154,8 +150,8 @@ class CpuOffloadType(ConnectorType):
 
     def check(self, child: Child, plan: Plan) -> Iterator[Problem]:
         """Contradictory or incomplete options, each located at the key to change."""
-        opts = _options(child)
-        given = _given(opts)
+        opts = child.options_as(CpuOffloadOptions)
+        given = given_options(opts)
 
         def at(key: str) -> tuple[str | int, ...]:
             return ("connectors", child.index, "options", key)
@@ -201,13 +197,6 @@ class CpuOffloadType(ConnectorType):
                     path=at("cpu_bytes"),
                     hint="give cpu_bytes (whole server) or cpu_bytes_per_rank, not both",
                 )
-
-
-def _options(child: Child) -> CpuOffloadOptions:
-    opts = child.options
-    if not isinstance(opts, CpuOffloadOptions):
-        raise TypeError(f"cpu-offload child {child.name!r} has options of type {type(opts)!r}")
-    return opts
 
 
 def _host_size(opts: CpuOffloadOptions) -> str:

@@ -9,7 +9,6 @@ from typing import Any
 import msgspec
 import pluggy
 import pytest
-from kvcompose_cpu_offload import plugin
 from kvcompose_cpu_offload.plugin import CpuOffloadOptions, CpuOffloadType
 
 from kvcompose import NAME, hookspecs
@@ -79,7 +78,7 @@ def test_each_option_maps_to_its_vllm_key(options: dict[str, Any], extra: dict[s
 
 
 def test_every_field_has_a_vllm_key() -> None:
-    assert set(CpuOffloadOptions.__struct_fields__) == set(plugin.VLLM_KEYS)
+    assert set(CpuOffloadOptions.__struct_fields__) == set(CpuOffloadType.extra_config_keys)
 
 
 def test_vllm_resolves_the_rendered_config_to_our_connector() -> None:

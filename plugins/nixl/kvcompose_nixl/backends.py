@@ -89,11 +89,3 @@ def installed_backends() -> frozenset[str]:
 def backend_names() -> tuple[str, ...]:
     """Every name a composition may list under ``backends``, sorted."""
     return tuple(sorted(KNOWN_BACKENDS | installed_backends()))
-
-
-def close_backend(name: str) -> str | None:
-    """The accepted name that differs from ``name`` only in case (``MOONCAKE`` -> ``Mooncake``)."""
-    for known in backend_names():
-        if known.lower() == name.lower():
-            return known
-    return None

@@ -16,8 +16,8 @@ that has neither. The facts about vLLM below are from vLLM 0.32's ``kv_connector
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -43,25 +43,6 @@ DEFAULT_SIDE_CHANNEL_PORT = 5600
 #: The vLLM class per mode. The names must stay vLLM's: vLLM looks for the literal
 #: "NixlConnector" with ``KVTransferConfig.has_connector`` (config/vllm.py, platforms/cpu.py).
 CONNECTOR_CLASS: dict[str, str] = {"pull": "NixlConnector", "push": "NixlPushConnector"}
-
-#: Option name -> ``kv_connector_extra_config`` key it is rendered as.
-EXTRA_CONFIG_KEYS: dict[str, str] = {
-    "backends": "backends",
-    "lease_seconds": "kv_lease_duration",
-    "recompute_threshold": "kv_recompute_threshold",
-    "num_threads": "num_threads",
-    "enforce_handshake_compat": "enforce_handshake_compat",
-    "bidirectional": "bidirectional_kv_xfer",
-    "decoder_blocks_ttl": "decoder_kv_blocks_ttl",
-    "engine_ttl": "engine_ttl",
-    "push_registration_timeout": "push_registration_timeout",
-    "side_channel_host": SIDE_CHANNEL_HOST_KEY,
-    "side_channel_port": SIDE_CHANNEL_PORT_KEY,
-    "progress_delay_us": PROGRESS_DELAY_KEY,
-}
-
-#: Option name -> top-level ``KVTransferConfig`` field it is rendered as.
-TOP_LEVEL_KEYS: dict[str, str] = {"buffer_device": "kv_buffer_device", "engine_id": "engine_id"}
 
 #: ``kv_transfer_params`` keys NixlConnector reads or returns, in pull and push mode.
 PARAM_KEYS: frozenset[str] = frozenset(
@@ -206,34 +187,32 @@ class NixlType(ConnectorType):
     owns_host_buffer_ops: ClassVar[bool] = True
     pd_transport: ClassVar[bool] = True
     param_keys: ClassVar[frozenset[str]] = PARAM_KEYS
+    vllm_connector: ClassVar[str] = CONNECTOR_CLASS["pull"]
+    vllm_module_path: ClassVar[str | None] = CONNECTOR_MODULE
+    # ``backends`` defaults to vLLM's own ["UCX"], so like every unset option it is not rendered.
+    extra_config_keys: ClassVar[Mapping[str, str]] = {
+        "backends": "backends",
+        "lease_seconds": "kv_lease_duration",
+        "recompute_threshold": "kv_recompute_threshold",
+        "num_threads": "num_threads",
+        "enforce_handshake_compat": "enforce_handshake_compat",
+        "bidirectional": "bidirectional_kv_xfer",
+        "decoder_blocks_ttl": "decoder_kv_blocks_ttl",
+        "engine_ttl": "engine_ttl",
+        "push_registration_timeout": "push_registration_timeout",
+        "side_channel_host": SIDE_CHANNEL_HOST_KEY,
+        "side_channel_port": SIDE_CHANNEL_PORT_KEY,
+        "progress_delay_us": PROGRESS_DELAY_KEY,
+    }
+    top_level_keys: ClassVar[Mapping[str, str]] = {"buffer_device": "kv_buffer_device", "engine_id": "engine_id"}
 
-    def vllm_config(self, child: Child) -> dict[str, Any]:
-        """The child's ``KVTransferConfig`` kwargs; extra config holds only what the user set."""
-        o = _options(child)
-        cfg: dict[str, Any] = {
-            "kv_connector": CONNECTOR_CLASS[o.mode],
-            "kv_connector_module_path": CONNECTOR_MODULE,
-        }
-        for opt, key in TOP_LEVEL_KEYS.items():
-            value = getattr(o, opt)
-            if value is not None:
-                cfg[key] = value
-        extra: dict[str, Any] = {}
-        for opt, key in EXTRA_CONFIG_KEYS.items():
-            value = getattr(o, opt)
-            if value is None:
-                continue
-            if opt == "backends":
-                if tuple(value) == DEFAULT_BACKENDS:
-                    continue  # vLLM's own default: keep the rendered arguments minimal
-                value = list(value)
-            extra[key] = value
-        cfg["kv_connector_extra_config"] = extra
-        return cfg
+    def connector_name(self, child: Child) -> str:
+        """``mode`` picks the class: pull is NixlConnector, push is NixlPushConnector."""
+        return CONNECTOR_CLASS[child.options_as(NixlOptions).mode]
 
     def describe(self, child: Child) -> str:
         """What the child does for its role, in one or two plain sentences."""
-        o = _options(child)
+        o = child.options_as(NixlOptions)
         lease = o.lease_seconds or DEFAULT_LEASE_SECONDS
         if o.mode == "pull":
             consume = (f"pulls prompt KV from the prefill instance {_transport(o)}, {_into(o)}; "
@@ -259,7 +238,7 @@ class NixlType(ConnectorType):
 
     def check(self, child: Child, plan: Plan) -> Iterator[Problem]:
         """What vLLM would refuse, or silently ignore, in this child's options."""
-        o = _options(child)
+        o = child.options_as(NixlOptions)
         at = ("connectors", child.index, "options")
         if o.mode == "push" and o.bidirectional:
             yield Problem(
@@ -291,7 +270,7 @@ class NixlType(ConnectorType):
         An unset host or port is the same environment variable for every child of the engine,
         so two children that both leave the port unset collide too.
         """
-        o = _options(child)
+        o = child.options_as(NixlOptions)
         mine = (o.side_channel_host, o.side_channel_port)
         for other in plan.children:
             if other.index >= child.index or not isinstance(other.options, NixlOptions):
@@ -324,11 +303,6 @@ def _same_listener(a: tuple[str | None, int | None], b: tuple[str | None, int | 
     # Different explicit hosts can share a port (different interfaces); an unset host is the
     # environment's, which may be either, so treat it as the same.
     return host_a is None or host_b is None or host_a == host_b
-
-
-def _options(child: Child) -> NixlOptions:
-    assert isinstance(child.options, NixlOptions), f"{child.name}: not a nixl child"
-    return child.options
 
 
 @hookimpl

@@ -15,7 +15,6 @@ from kvcompose.errors import CompositionError
 from kvcompose.plugins import Plugins
 from kvcompose_nixl import backends as nixl_backends
 from kvcompose_nixl.plugin import (
-    EXTRA_CONFIG_KEYS,
     INTERNAL_PARAM_KEYS,
     PARAM_KEYS,
     NixlOptions,
@@ -114,9 +113,21 @@ def test_defaults_render_minimal_vllm_config() -> None:
 def test_each_option_maps_to_its_extra_config_key(
     option: str, value: Any, key: str, rendered: Any
 ) -> None:
-    assert EXTRA_CONFIG_KEYS[option] == key
+    assert NixlType.extra_config_keys[option] == key
     extra = child(**{option: value}).vllm_config()["kv_connector_extra_config"]
     assert extra == {key: rendered}
+
+
+def test_backends_equal_to_vllms_default_are_not_rendered() -> None:
+    """The field's default is vLLM's ["UCX"]: saying it again changes nothing, so nothing is passed."""
+    assert child(backends=["UCX"]).vllm_config()["kv_connector_extra_config"] == {}
+    assert child(backends=["GDS", "UCX"]).vllm_config()["kv_connector_extra_config"] == {"backends": ["GDS", "UCX"]}
+
+
+def test_every_option_is_rendered_or_picks_the_class() -> None:
+    rendered = set(NixlType.extra_config_keys) | set(NixlType.top_level_keys)
+    assert set(NixlOptions.__struct_fields__) - rendered == {"mode"}
+    assert not set(NixlType.extra_config_keys) & set(NixlType.top_level_keys)
 
 
 def test_push_registration_timeout_maps_in_push_mode() -> None:
@@ -146,7 +157,7 @@ def test_extra_config_keys_are_the_ones_vllm_and_the_connector_read() -> None:
 
     src = "".join(inspect.getsource(m) for m in (base_scheduler, base_worker, vllm_connector, push_scheduler))
     read = set(re.findall(r"""get_from_extra_config\(\s*["']([a-z_]+)["']""", src))
-    for option, key in EXTRA_CONFIG_KEYS.items():
+    for option, key in NixlType.extra_config_keys.items():
         if key.startswith("kvcompose_"):
             assert key in {ours.SIDE_CHANNEL_HOST_KEY, ours.SIDE_CHANNEL_PORT_KEY, ours.PROGRESS_DELAY_KEY}, option
         else:
@@ -198,7 +209,6 @@ def test_installed_nixl_plugins_are_found() -> None:
     pytest.importorskip("nixl_cu12")
     assert "UCX" in nixl_backends.installed_backends()
     assert set(nixl_backends.installed_backends()) <= set(nixl_backends.backend_names())
-    assert nixl_backends.close_backend("mooncake") == "Mooncake"
 
 
 def test_bad_backend_error_points_at_the_line(plugins: Plugins) -> None:
