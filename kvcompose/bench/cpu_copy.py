@@ -5,6 +5,9 @@ runs for every store and load), over a ``[num_blocks, block_bytes]`` KV region a
 of the same shape, as vLLM's worker lays them out. Baseline: ``index_select`` + ``index_copy_``
 of the same blocks with index tensors built beforehand (the bound on one thread here).
 
+The backend comes from the installed ``cpu-offload`` connector type (its ``copy_backend()``),
+not from an import: the core reaches plugins only through what they register.
+
 Two block-id patterns: ``scattered`` (a random permutation: a fragmented pool) and ``runs``
 (consecutive ids, what a fresh pool hands out; the backend copies each run as one slice).
 """
@@ -36,6 +39,17 @@ def _ids(pattern: str, n: int, pool: int, gen: torch.Generator) -> list[int]:
     return list(range(start, start + n))
 
 
+def copy_backend() -> Any:
+    """A new copy backend from the installed ``cpu-offload`` type; a clear error without the plugin."""
+    from kvcompose.plugins import get_plugins
+
+    make = getattr(get_plugins().connector_types.get("cpu-offload"), "copy_backend", None)
+    if make is None:
+        raise RuntimeError("cpu_copy measures the cpu-offload plugin's copy backend: install kvcompose-cpu-offload "
+                           "(plugins/cpu_offload) and leave it enabled in KVCOMPOSE_PLUGINS")
+    return make()
+
+
 def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int | None = None,
         bytes_per_copy: int | None = None) -> Result:
     """Store and load throughput per block size and pattern; ratio portable / torch gather-scatter."""
@@ -60,8 +74,6 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
 
 
 def _sweep(sizes: tuple[int, ...], per_copy: int, reps: int, gen: torch.Generator) -> tuple[list[Case], list[Any]]:
-    from kvcompose_cpu_offload.portable_worker import TorchCopyBackend
-
     cases: list[Case] = []
     ratios = []
     for size in sizes:
@@ -69,7 +81,7 @@ def _sweep(sizes: tuple[int, ...], per_copy: int, reps: int, gen: torch.Generato
         pool = 2 * n  # room for the ids to scatter
         device = torch.randint(0, 255, (pool, size), dtype=torch.uint8, generator=gen)
         host = torch.zeros((pool, size), dtype=torch.uint8)
-        backend = TorchCopyBackend()
+        backend = copy_backend()
         backend.init({"kv": device}, {"kv": host})
         for pattern in PATTERNS:
             dev_ids, host_ids = _ids(pattern, n, pool, gen), _ids(pattern, n, pool, gen)

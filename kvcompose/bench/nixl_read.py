@@ -6,7 +6,7 @@ decode instance pulls a prompt's scattered blocks, and checks every byte it read
 one-thread ``torch.index_select`` gather of the same bytes in the same pattern, in this process.
 
 Agents run without a progress thread and with ``ucx_error_handling_mode=none``
-(reference/nixl_on_cpu.md: NIXL's default progress thread busy-spins a core, and with errmode
+(NIXL's default progress thread busy-spins a core, and with errmode
 ``none`` notifications use shared memory and no target progress is needed). Block sizes: the
 per-layer K or V block of common models at vLLM's block size 16 (16 KiB: 8 KV heads x 64 dims
 fp16; 32 KiB: 8 x 128, Llama-3-8B; 64 KiB: 16 x 128) and the larger blocks of MLA/HND layouts.
@@ -133,7 +133,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
     return Result(
         "nixl_read", "P/D data path: NIXL READ between two processes (DRAM, UCX) vs memcpy gather", "GB/s", 1e-9,
         cases, ratios, None, reps, quick,
-        ["agents: no progress thread, UCX ucx_error_handling_mode=none (reference/nixl_on_cpu.md G1-G3); "
+        ["agents: no progress thread, UCX ucx_error_handling_mode=none; "
          "UCX moves DRAM with CMA (process_vm_readv), one syscall per block",
          "remote blocks are a random permutation of the target's pool (no descriptor merging), every byte checked",
          "no GPU here: the VRAM figures were not taken (see docs/performance.md)"],

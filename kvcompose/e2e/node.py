@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 #: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
-#: Environment every engine gets (reference/e2e_on_cpu.md §0): a 1 GiB KV budget, and one
+#: Environment every engine gets: a 1 GiB KV budget, and one
 #: reserved core so the worker's OMP thread count, and thus float rounding, does not change with
 #: the connector (otherwise logprobs drift from the baseline at ~1e-6 on 2 cores). UCX gets the
 #: transports it picks anyway on one host (CMA for the reads, tcp for its messages): left to

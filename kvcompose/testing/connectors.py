@@ -19,9 +19,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-#: Every RecordConnector instance, newest last, so a test can find the children it composed.
-INSTANCES: list["RecordConnector"] = []
-
 
 class FaultInjected(RuntimeError):
     """Raised by a ``faulty`` connector where the test asked for it."""
@@ -57,7 +54,6 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
         self._new_loads: dict[str, list[int]] = {}
         #: Worker side: loads bound from metadata and not yet reported.
         self.loading: dict[str, list[int]] = {}
-        INSTANCES.append(self)
 
     def _rec(self, method: str, *args: Any) -> None:
         self.calls.append((method, args))

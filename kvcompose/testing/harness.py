@@ -12,14 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -31,63 +24,18 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvcompose.compose import load, loads
 from kvcompose.plugins import Plugins
+
+# The engine config lives with the KV cache builders, which need it and sit below this module;
+# it stays importable from here, where tests have always found it.
+from kvcompose.testing.kv import TINY_MODEL as TINY_MODEL
 from kvcompose.testing.kv import make_engine_kv
+from kvcompose.testing.kv import make_vllm_config as make_vllm_config
 from kvcompose.vllm.args import kv_transfer_config
 
-TINY_MODEL = Path(__file__).parent / "data" / "tiny-llama"
 EOS_TOKEN_ID = 2
 
 _ids = itertools.count()
 _hash_ready = False
-
-
-def make_vllm_config(
-    kv_transfer_config: dict[str, Any] | KVTransferConfig | None,
-    *,
-    block_size: int = 16,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 1024,
-    max_model_len: int = 2048,
-    disable_hybrid_kv_cache_manager: bool | None = None,
-    model: str | Path = TINY_MODEL,
-    data_parallel_index: int = 0,
-) -> VllmConfig:
-    """A ``VllmConfig`` for the CPU platform around a local model config (no download).
-
-    ``data_parallel_index`` is the data-parallel rank this engine is (connectors offset their
-    ports by it), set as the engine core sets it before it builds the scheduler.
-    """
-    ktc = (
-        KVTransferConfig(**kv_transfer_config)
-        if isinstance(kv_transfer_config, dict)
-        else kv_transfer_config
-    )
-    model_config = ModelConfig(
-        model=str(model),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        seed=0,
-        max_model_len=max_model_len,
-    )
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=False,
-        disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
-    )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
-    cache_config.num_gpu_blocks = 0
-    config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.parallel_config.data_parallel_index = data_parallel_index
-    return config
 
 
 def make_kv_cache_config(

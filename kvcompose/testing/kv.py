@@ -1,4 +1,4 @@
-"""Engine-shaped KV caches on CPU: the one KV-cache-config and KV-tensor builder of the kit.
+"""Engine-shaped configs and KV caches on CPU: the kit's one vLLM-config, KV-cache-config and KV-tensor builder.
 
 vLLM's own code does the work: ``get_kv_cache_config_from_groups`` places the layers in one
 backing allocation and ``allocate_kv_cache`` makes the per-layer views the model runner hands to
@@ -12,13 +12,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: The kit's model: a tiny Llama ``config.json`` only (no weights, no tokenizer, no download).
+TINY_MODEL = Path(__file__).parent / "data" / "tiny-llama"
 
 #: The layout vLLM's CPU attention backend supports (``CPUAttentionBackend.supported_kv_cache_layouts``).
 CPU_LAYOUT = "LBHNC"
@@ -57,6 +61,57 @@ class EngineKV:
         return {name: view.clone() for name, view in self.kv_caches.items()}
 
 
+def make_vllm_config(
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None,
+    *,
+    block_size: int = 16,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 1024,
+    max_model_len: int = 2048,
+    disable_hybrid_kv_cache_manager: bool | None = None,
+    model: str | Path = TINY_MODEL,
+    data_parallel_index: int = 0,
+) -> VllmConfig:
+    """A ``VllmConfig`` for the CPU platform around a local model config (no download).
+
+    ``data_parallel_index`` is the data-parallel rank this engine is (connectors offset their
+    ports by it), set as the engine core sets it before it builds the scheduler.
+    """
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    ktc = (
+        KVTransferConfig(**kv_transfer_config)
+        if isinstance(kv_transfer_config, dict)
+        else kv_transfer_config
+    )
+    model_config = ModelConfig(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+    )
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config.num_gpu_blocks = 0
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.parallel_config.data_parallel_index = data_parallel_index
+    return config
+
+
 def make_engine_kv(
     *,
     num_layers: int = 2,
@@ -82,8 +137,6 @@ def make_engine_kv(
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
-
-    from kvcompose.testing.harness import make_vllm_config
 
     if num_layers < 1 or num_blocks < 2:
         raise ValueError(f"make_engine_kv: need num_layers >= 1 and num_blocks >= 2 "

@@ -1,4 +1,4 @@
-"""Stop NIXL's progress thread from busy-spinning a core (reference/nixl_on_cpu.md, G1).
+"""Stop NIXL's progress thread from busy-spinning a core.
 
 ``nixl._api.nixl_agent`` hard-codes ``pthrDelay = 0`` in the agent config, so each agent's
 progress thread polls without sleeping: one idle engine burns about a core, and two engines on
