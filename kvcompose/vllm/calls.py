@@ -98,9 +98,9 @@ class CallTable(dict[str, list[Entry]]):
         #: CPython specialises subscription of an exact dict only (docs/performance.md: worker
         #: step, before/after).
         self.per_layer: dict[str, list[Callable[..., Any]]] = {}
-        self._fill_per_layer()
         #: The active children, in YAML order.
         self.active: tuple[int, ...] = tuple(range(len(self._children)))
+        self._fill_per_layer()
 
     def __missing__(self, method: str) -> list[Entry]:
         entries = self[method] = self._resolve(method, self.active)
