@@ -162,7 +162,7 @@ class ConnectorType:
         return None
 
 
-O = TypeVar("O", bound=Options)
+OptionsT = TypeVar("OptionsT", bound=Options)
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class Child:
     def vllm_role(self) -> str:
         return VLLM_ROLES[self.role]
 
-    def options_as(self, cls: type[O]) -> O:
+    def options_as(self, cls: type[OptionsT]) -> OptionsT:
         """The options, typed: ``child.options_as(NixlOptions)``; raises for another type's child."""
         if not isinstance(self.options, cls):
             raise TypeError(f"{self.name} is a {self.type.name} child; its options are not {cls.__name__}")
@@ -276,8 +276,14 @@ class Plan:
             text = rule.explain(self.children, self.rule_params[kind]) if rule.explain else f"{kind}: {rule.name}"
             lines.append(text)
         owners = [self.children[i].name for i in self.handshake_children]
-        lines.append("handshake: " + (", ".join(owners) + " exchange their own handshake metadata, kept apart per child"
-                                      if owners else "no child uses a handshake"))
+        lines.append(
+            "handshake: "
+            + (
+                ", ".join(owners) + " exchange their own handshake metadata, kept apart per child"
+                if owners
+                else "no child uses a handshake"
+            )
+        )
         pd = self.pd_transport
         lines.append("P/D kv_transfer_params: " + (pd.name if pd else "none (no P/D transport)"))
         owner = self.host_buffer_owner

@@ -99,19 +99,33 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_schema)
     s = sub.add_parser("vllm-args", help="the --kv-transfer-config value that makes vLLM load the composition")
     s.add_argument("file")
-    s.add_argument("--style", choices=["json", "shell"], default="json",
-                   help="json: the value alone (default); shell: the whole flag, quoted")
+    s.add_argument(
+        "--style",
+        choices=["json", "shell"],
+        default="json",
+        help="json: the value alone (default); shell: the whole flag, quoted",
+    )
     s.set_defaults(func=cmd_vllm_args)
-    s = sub.add_parser("demo", help="P/D over NIXL plus the CPU tier between two real vLLM engines, "
-                       "checked against a single-engine baseline (the main job)")
-    s.add_argument("--http", action="store_true",
-                   help="prefill and decode as vLLM's OpenAI-compatible HTTP servers (kv_transfer_params "
-                   "in the request bodies, counters from /metrics) instead of offline engines")
+    s = sub.add_parser(
+        "demo",
+        help="P/D over NIXL plus the CPU tier between two real vLLM engines, "
+        "checked against a single-engine baseline (the main job)",
+    )
+    s.add_argument(
+        "--http",
+        action="store_true",
+        help="prefill and decode as vLLM's OpenAI-compatible HTTP servers (kv_transfer_params "
+        "in the request bodies, counters from /metrics) instead of offline engines",
+    )
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("bench", help="benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)")
     s.add_argument("--quick", action="store_true", help="fewer sizes and repeats, no engine run (under 2 minutes)")
-    s.add_argument("--only", action="append", metavar="NAME",
-                   help="run only this benchmark (repeatable): scheduler, worker, dispatch, cpu-copy, nixl-read, pd-ttft")
+    s.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="run only this benchmark (repeatable): scheduler, worker, dispatch, cpu-copy, nixl-read, pd-ttft",
+    )
     s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
     s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
     s.set_defaults(func=cmd_bench)

@@ -68,7 +68,7 @@ class CompositionError(ValueError):
     def __str__(self) -> str:
         return "\n".join(p.render(self.filename) for p in self.problems)
 
-    def located(self, filename: str, locate: "Locator") -> "CompositionError":
+    def located(self, filename: str, locate: Locator) -> CompositionError:
         """The same problems with line and column taken from the source document."""
         problems = []
         for p in self.problems:
@@ -83,7 +83,7 @@ class Locator:
     def __init__(self, marks: dict[Path, tuple[int, int]]) -> None:
         self._marks = marks
 
-    def __call__(self, path: Sequence["str | int"]) -> tuple[int | None, int | None]:
+    def __call__(self, path: Sequence[str | int]) -> tuple[int | None, int | None]:
         path = tuple(path)
         while True:
             if path in self._marks:

@@ -5,10 +5,20 @@ from __future__ import annotations
 import re
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -17,7 +27,7 @@ class ByteSize(int):
     """An ``int`` of bytes that option structs use for sizes; decoded from ``int`` or ``"32GiB"``."""
 
     @classmethod
-    def parse(cls, value: object) -> "ByteSize":
+    def parse(cls, value: object) -> ByteSize:
         if isinstance(value, bool):
             raise ValueError(f"expected a size such as 32GiB, got {value!r}")
         if isinstance(value, int):
@@ -28,9 +38,7 @@ class ByteSize(int):
             m = _SIZE.match(value)
             if m and m.group(2).lower() in _UNITS:
                 return cls(int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
-        raise ValueError(
-            f"expected a size such as 32GiB, 512MiB, 8GB or a number of bytes, got {value!r}"
-        )
+        raise ValueError(f"expected a size such as 32GiB, 512MiB, 8GB or a number of bytes, got {value!r}")
 
     def __repr__(self) -> str:
         return f"ByteSize({format_size(self)})"

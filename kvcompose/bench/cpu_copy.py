@@ -45,13 +45,19 @@ def copy_backend() -> Any:
 
     make = getattr(get_plugins().connector_types.get("cpu-offload"), "copy_backend", None)
     if make is None:
-        raise RuntimeError("cpu_copy measures the cpu-offload plugin's copy backend: install kvcompose-cpu-offload "
-                           "(plugins/cpu_offload) and leave it enabled in KVCOMPOSE_PLUGINS")
+        raise RuntimeError(
+            "cpu_copy measures the cpu-offload plugin's copy backend: install kvcompose-cpu-offload "
+            "(plugins/cpu_offload) and leave it enabled in KVCOMPOSE_PLUGINS"
+        )
     return make()
 
 
-def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int | None = None,
-        bytes_per_copy: int | None = None) -> Result:
+def run(
+    quick: bool = False,
+    sizes: tuple[int, ...] | None = None,
+    repeats: int | None = None,
+    bytes_per_copy: int | None = None,
+) -> Result:
     """Store and load throughput per block size and pattern; ratio portable / torch gather-scatter."""
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
     per_copy = bytes_per_copy or (8 if quick else 64) * 1024 * KIB
@@ -64,13 +70,22 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
     finally:
         torch.set_num_threads(threads)
     return Result(
-        "cpu_copy", "CPU tier copy path: portable worker vs torch gather/scatter", "GB/s", 1e-9,
-        cases, ratios, Target(">=", 0.8, "portable worker", "torch gather/scatter"), reps, quick,
-        ["one torch thread (the copy runs in the worker's thread); the baseline's index tensors are built "
-         "beforehand, the portable worker builds its own from the block lists on every call",
-         "'runs' = consecutive block ids: the portable worker copies each run as one slice, "
-         "which beats a gather"],
-        {"bytes_per_copy": per_copy, "sizes": list(sizes), "threads": 1})
+        "cpu_copy",
+        "CPU tier copy path: portable worker vs torch gather/scatter",
+        "GB/s",
+        1e-9,
+        cases,
+        ratios,
+        Target(">=", 0.8, "portable worker", "torch gather/scatter"),
+        reps,
+        quick,
+        [
+            "one torch thread (the copy runs in the worker's thread); the baseline's index tensors are built "
+            "beforehand, the portable worker builds its own from the block lists on every call",
+            "'runs' = consecutive block ids: the portable worker copies each run as one slice, which beats a gather",
+        ],
+        {"bytes_per_copy": per_copy, "sizes": list(sizes), "threads": 1},
+    )
 
 
 def _sweep(sizes: tuple[int, ...], per_copy: int, reps: int, gen: torch.Generator) -> tuple[list[Case], list[Any]]:
@@ -99,8 +114,13 @@ def _sweep(sizes: tuple[int, ...], per_copy: int, reps: int, gen: torch.Generato
                     backend.launch_copy(src, dst, is_store, 0, events)
                     return n * size / (time.perf_counter() - t0)
 
-                def gather(_r: int, a: torch.Tensor = a, b: torch.Tensor = b, s_idx: torch.Tensor = s_idx,
-                           d_idx: torch.Tensor = d_idx) -> float:
+                def gather(
+                    _r: int,
+                    a: torch.Tensor = a,
+                    b: torch.Tensor = b,
+                    s_idx: torch.Tensor = s_idx,
+                    d_idx: torch.Tensor = d_idx,
+                ) -> float:
                     t0 = time.perf_counter()
                     b.index_copy_(0, d_idx, a.index_select(0, s_idx))
                     return n * size / (time.perf_counter() - t0)
@@ -108,10 +128,10 @@ def _sweep(sizes: tuple[int, ...], per_copy: int, reps: int, gen: torch.Generato
                 portable(0), gather(0)  # first touch of the pages
                 samples = interleave({"torch gather/scatter": gather, "portable worker": portable}, reps)
                 label = f"{direction} {_label(size)} {pattern}"
-                cases.append(Case(label, samples, {"block_bytes": size, "blocks": n, "pattern": pattern,
-                                                   "direction": direction}))
-                ratios.append(ratio(label, samples, "portable worker", "torch gather/scatter",
-                                    higher_is_better=True))
+                cases.append(
+                    Case(label, samples, {"block_bytes": size, "blocks": n, "pattern": pattern, "direction": direction})
+                )
+                ratios.append(ratio(label, samples, "portable worker", "torch gather/scatter", higher_is_better=True))
             # What was timed really copied: the pool holds the device blocks it stored.
             if not torch.equal(host[torch.tensor(host_ids)], device[torch.tensor(dev_ids)]):
                 raise RuntimeError(f"cpu_copy: the pool does not hold the stored blocks ({_label(size)}, {pattern})")

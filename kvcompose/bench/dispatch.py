@@ -97,17 +97,26 @@ def run(quick: bool = False, repeats: int | None = None) -> Result:
 
     reps = repeats or repeats_for(quick, full=9)
     try:
-        samples = interleave({"direct loop": timed(direct), "call plan": timed(plan), "pluggy": timed(via_pluggy)},
-                             reps)
+        samples = interleave(
+            {"direct loop": timed(direct), "call plan": timed(plan), "pluggy": timed(via_pluggy)}, reps
+        )
     finally:
         h.shutdown()
     label = "save_kv_layer, 2 children"
     return Result(
-        "dispatch", "Dispatch to two children, per call", "ns/call", 1e9,
+        "dispatch",
+        "Dispatch to two children, per call",
+        "ns/call",
+        1e9,
         [Case(label, samples, {"calls_per_repeat": calls})],
         [ratio(label, samples, "call plan", "direct loop"), ratio(label, samples, "pluggy", "direct loop")],
-        None, reps, quick,
-        ["the composed connector resolves hooks to plain callables at build time; pluggy dispatch is kept "
-         "for registration, discovery and tracing, never per call",
-         "each child's save_kv_layer appends one tuple to a list (the same work under all three)"],
-        {"children": 2})
+        None,
+        reps,
+        quick,
+        [
+            "the composed connector resolves hooks to plain callables at build time; pluggy dispatch is kept "
+            "for registration, discovery and tracing, never per call",
+            "each child's save_kv_layer appends one tuple to a list (the same work under all three)",
+        ],
+        {"children": 2},
+    )

@@ -125,13 +125,19 @@ class Ratio:
     higher_is_better: bool
 
     def to_json(self) -> dict[str, Any]:
-        return {"case": self.case, "subject": self.subject, "baseline": self.baseline,
-                "by_min": self.by_min, "by_median": self.by_median,
-                "higher_is_better": self.higher_is_better}
+        return {
+            "case": self.case,
+            "subject": self.subject,
+            "baseline": self.baseline,
+            "by_min": self.by_min,
+            "by_median": self.by_median,
+            "higher_is_better": self.higher_is_better,
+        }
 
 
-def ratio(case: str, samples: Mapping[str, Samples], subject: str, baseline: str,
-          *, higher_is_better: bool = False) -> Ratio:
+def ratio(
+    case: str, samples: Mapping[str, Samples], subject: str, baseline: str, *, higher_is_better: bool = False
+) -> Ratio:
     """The ratio of the best and of the median sample of ``subject`` to those of ``baseline``.
 
     For times (lower is better) the best sample is the minimum; for throughputs the maximum.

@@ -55,9 +55,12 @@ def _target(conn: Connection, pool_bytes: int, sizes: list[int]) -> None:
     agent = _agent("kvcompose-bench-target")
     buf = _pattern(pool_bytes)
     agent.register_memory(buf)
-    descs = {size: agent.get_serialized_descs(agent.get_xfer_descs(_blocks(buf.data_ptr(), size, pool_bytes // size),
-                                                                   "DRAM"))
-             for size in sizes}
+    descs = {
+        size: agent.get_serialized_descs(
+            agent.get_xfer_descs(_blocks(buf.data_ptr(), size, pool_bytes // size), "DRAM")
+        )
+        for size in sizes
+    }
     conn.send((agent.get_agent_metadata(), descs))
     agent.add_remote_agent(conn.recv())
     conn.recv()  # "stop"
@@ -131,10 +134,20 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
         if proc.is_alive():
             proc.kill()
     return Result(
-        "nixl_read", "P/D data path: NIXL READ between two processes (DRAM, UCX) vs memcpy gather", "GB/s", 1e-9,
-        cases, ratios, None, reps, quick,
-        ["agents: no progress thread, UCX ucx_error_handling_mode=none; "
-         "UCX moves DRAM with CMA (process_vm_readv), one syscall per block",
-         "remote blocks are a random permutation of the target's pool (no descriptor merging), every byte checked",
-         "no GPU here: the VRAM figures were not taken (see docs/performance.md)"],
-        {"pool_bytes": pool_bytes, "bytes_per_read": per_read, "sizes": list(sizes)})
+        "nixl_read",
+        "P/D data path: NIXL READ between two processes (DRAM, UCX) vs memcpy gather",
+        "GB/s",
+        1e-9,
+        cases,
+        ratios,
+        None,
+        reps,
+        quick,
+        [
+            "agents: no progress thread, UCX ucx_error_handling_mode=none; "
+            "UCX moves DRAM with CMA (process_vm_readv), one syscall per block",
+            "remote blocks are a random permutation of the target's pool (no descriptor merging), every byte checked",
+            "no GPU here: the VRAM figures were not taken (see docs/performance.md)",
+        ],
+        {"pool_bytes": pool_bytes, "bytes_per_read": per_read, "sizes": list(sizes)},
+    )

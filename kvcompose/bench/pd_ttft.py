@@ -150,8 +150,9 @@ def engine_spec(side: str, model: str, directory: Path, port: int) -> EngineSpec
     raise ValueError(f"unknown side {side!r}")
 
 
-def measure_pair(sides: tuple[str, str], reps: int, model: str, logs: Path, seed: Iterator[int]
-                 ) -> tuple[dict[str, Samples], dict[str, dict[str, int]], float]:
+def measure_pair(
+    sides: tuple[str, str], reps: int, model: str, logs: Path, seed: Iterator[int]
+) -> tuple[dict[str, Samples], dict[str, dict[str, int]], float]:
     """Start one engine per side, then time ``reps`` decodes on each, alternating request by request.
 
     Returns the TTFT samples, the work done per side (requests, NIXL bytes, computed tokens) and
@@ -159,8 +160,10 @@ def measure_pair(sides: tuple[str, str], reps: int, model: str, logs: Path, seed
     """
     from kvcompose.e2e.flow import decode_request, token_prompt
 
-    nodes = {side: EngineNode(engine_spec(side, model, logs, port), logs)
-             for side, port in zip(sides, free_ports(len(sides)))}
+    nodes = {
+        side: EngineNode(engine_spec(side, model, logs, port), logs)
+        for side, port in zip(sides, free_ports(len(sides)))
+    }
     work_done: dict[str, Counter[str]] = {s: Counter() for s in sides}
     try:
         t0 = time.monotonic()
@@ -174,8 +177,10 @@ def measure_pair(sides: tuple[str, str], reps: int, model: str, logs: Path, seed
             (p,) = other.generate([prompt], 1, [{"do_remote_decode": True}])
             d = decode_request(nodes[side], prompt, 1, p["kv_transfer_params"])
             if d.nixl_bytes <= 0 or d.computed_tokens >= PROMPT_TOKENS:
-                raise RuntimeError(f"{side}: the prompt's KV was not pulled over NIXL (bytes "
-                                   f"{d.nixl_bytes}, computed {d.computed_tokens}); see {nodes[side].log_path}")
+                raise RuntimeError(
+                    f"{side}: the prompt's KV was not pulled over NIXL (bytes "
+                    f"{d.nixl_bytes}, computed {d.computed_tokens}); see {nodes[side].log_path}"
+                )
             work_done[side]["requests"] += 1
             work_done[side]["nixl_bytes"] += d.nixl_bytes
             work_done[side]["computed_tokens"] += d.computed_tokens
@@ -191,8 +196,13 @@ def measure_pair(sides: tuple[str, str], reps: int, model: str, logs: Path, seed
     return samples, {s: dict(c) for s, c in work_done.items()}, started_s
 
 
-def run(quick: bool = False, repeats: int | None = None, echo: Callable[[str], None] = print,
-        work: Path | None = None, pairs: tuple[tuple[str, str], ...] = PAIRS) -> Result:
+def run(
+    quick: bool = False,
+    repeats: int | None = None,
+    echo: Callable[[str], None] = print,
+    work: Path | None = None,
+    pairs: tuple[tuple[str, str], ...] = PAIRS,
+) -> Result:
     """Decode TTFT, one engine pair after the other (:data:`PAIRS`); each pair's ratio."""
     from kvcompose.e2e.model import make_model
 
@@ -205,22 +215,33 @@ def run(quick: bool = False, repeats: int | None = None, echo: Callable[[str], N
         for sides in pairs:
             samples, work_done, started_s = measure_pair(sides, reps, model, logs, seed)
             label = f"{PROMPT_TOKENS}-token prompt: {sides[1]}"
-            echo(f"   {label}, TTFT ms: " + "; ".join(
-                f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in sides))
+            echo(
+                f"   {label}, TTFT ms: "
+                + "; ".join(f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in sides)
+            )
             cases.append(Case(label, samples, {"work": work_done, "engines_start_s": round(started_s, 1)}))
             ratios.append(ratio(label, samples, sides[1], sides[0]))
     return Result(
-        "pd_ttft", "Decode time to first token over NIXL: kvcompose vs a bare NixlConnector", "ms", 1e3,
-        cases, ratios, Target("<=", 1.02, "kvcompose", "NixlConnector"), reps, quick,
-        ["per pair: two engines, both kv_both, each prefilling for the other; a sample is one request's TTFT "
-         "inside the decode engine (arrival to first token: NIXL pull, scheduling, connector hooks); the sides "
-         "alternate request by request",
-         "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
-         "kvcompose-pd-only: the same composite with the NIXL child alone (the composite's own cost, without "
-         "the host tier's lookups and stores); NixlConnector: the NIXL child with no composite (vLLM's "
-         "NixlConnector via the nixl plugin, same options: its NIXL agent sleeps between polls; vLLM's own "
-         "busy-spins a core here)",
-         f"every prompt new ({PROMPT_TOKENS} tokens); one request each way before timing (NIXL handshakes); "
-         "'work' in the JSON: NIXL bytes and computed tokens per side (equal)"],
-        {"prompt_tokens": PROMPT_TOKENS, "pairs": [list(p) for p in pairs], "engine_logs": str(logs)})
-
+        "pd_ttft",
+        "Decode time to first token over NIXL: kvcompose vs a bare NixlConnector",
+        "ms",
+        1e3,
+        cases,
+        ratios,
+        Target("<=", 1.02, "kvcompose", "NixlConnector"),
+        reps,
+        quick,
+        [
+            "per pair: two engines, both kv_both, each prefilling for the other; a sample is one request's TTFT "
+            "inside the decode engine (arrival to first token: NIXL pull, scheduling, connector hooks); the sides "
+            "alternate request by request",
+            "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
+            "kvcompose-pd-only: the same composite with the NIXL child alone (the composite's own cost, without "
+            "the host tier's lookups and stores); NixlConnector: the NIXL child with no composite (vLLM's "
+            "NixlConnector via the nixl plugin, same options: its NIXL agent sleeps between polls; vLLM's own "
+            "busy-spins a core here)",
+            f"every prompt new ({PROMPT_TOKENS} tokens); one request each way before timing (NIXL handshakes); "
+            "'work' in the JSON: NIXL bytes and computed tokens per side (equal)",
+        ],
+        {"prompt_tokens": PROMPT_TOKENS, "pairs": [list(p) for p in pairs], "engine_logs": str(logs)},
+    )

@@ -16,8 +16,10 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise PlotUnavailable("--png needs matplotlib, which is not installed; install it with "
-                              "`pip install 'kvcompose[bench]'` (or `pip install matplotlib`)") from exc
+        raise PlotUnavailable(
+            "--png needs matplotlib, which is not installed; install it with "
+            "`pip install 'kvcompose[bench]'` (or `pip install matplotlib`)"
+        ) from exc
 
 
 def draw(result: Result, directory: Path) -> Path:
@@ -29,22 +31,26 @@ def draw(result: Result, directory: Path) -> Path:
     import matplotlib.pyplot as plt
 
     ratios = result.ratios
-    labels = [f"{r.case}\n{r.subject} / {r.baseline}" if len({(q.subject, q.baseline) for q in ratios}) > 1
-              else r.case for r in ratios]
+    labels = [
+        f"{r.case}\n{r.subject} / {r.baseline}" if len({(q.subject, q.baseline) for q in ratios}) > 1 else r.case
+        for r in ratios
+    ]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(ratios) + 1.6))
     ys = range(len(ratios))
     ax.barh(list(ys), [r.by_median for r in ratios], color="#4c72b0", label="median ratio")
-    ax.scatter([r.by_min for r in ratios], list(ys), color="black", marker="|", s=200, zorder=3,
-               label="best-sample ratio")
+    ax.scatter(
+        [r.by_min for r in ratios], list(ys), color="black", marker="|", s=200, zorder=3, label="best-sample ratio"
+    )
     if result.target is not None:
-        ax.axvline(result.target.value, color="#c44e52", linestyle="--",
-                   label=f"target {result.target}")
+        ax.axvline(result.target.value, color="#c44e52", linestyle="--", label=f"target {result.target}")
     ax.set_yticks(list(ys), labels, fontsize=8)
     ax.invert_yaxis()
     m = result.machine
     ax.set_xlabel(f"ratio ({'higher' if any(r.higher_is_better for r in ratios) else 'lower'} is better)")
-    ax.set_title(f"{result.title}\n{m['cores']} cores, {result.repeats} interleaved repeats"
-                 f"{' (quick)' if result.quick else ''}", fontsize=9)
+    ax.set_title(
+        f"{result.title}\n{m['cores']} cores, {result.repeats} interleaved repeats{' (quick)' if result.quick else ''}",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     directory.mkdir(parents=True, exist_ok=True)

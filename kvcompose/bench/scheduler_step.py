@@ -73,13 +73,19 @@ def arrivals(seed: int, repeat_gap: int) -> Iterator[Arrival]:
 def kv_config(side: str, cpu_bytes: int) -> dict[str, Any]:
     """The decode instance's ``KVTransferConfig`` kwargs for one side."""
     nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
-    cpu = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+    cpu = {
+        "kv_connector": "SimpleCPUOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
+    }
     if side == "nixl":
         return nixl
     if side == "MultiConnector":
-        return {"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
-                "kv_connector_extra_config": {"connectors": [nixl, cpu]}}
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"connectors": [nixl, cpu]},
+        }
     if side == "kvcompose":
         from kvcompose.compose import loads
         from kvcompose.vllm.args import kv_transfer_config
@@ -131,8 +137,13 @@ class Driver:
         num_blocks = (blocks_per_req + 1) * n + 64
         page = 2 * BLOCK * 16 * 2  # K and V, one head of 16, fp16 (make_kv_cache_config's shape)
         cpu_bytes = 4 * num_blocks * page * 2  # the host pool holds 4x the device pool
-        cfg = make_vllm_config(kv_config(side, cpu_bytes), block_size=BLOCK, max_num_seqs=n,
-                               max_num_batched_tokens=n + 2048, max_model_len=1024)
+        cfg = make_vllm_config(
+            kv_config(side, cpu_bytes),
+            block_size=BLOCK,
+            max_num_seqs=n,
+            max_num_batched_tokens=n + 2048,
+            max_model_len=1024,
+        )
         self.sched = make_scheduler(cfg, make_kv_cache_config(num_blocks, block_size=BLOCK))
         # Old enough to have been pushed out of the device prefix cache by newer prompts.
         self.stream = arrivals(seed, repeat_gap=n + num_blocks // (PROMPT_TOKENS // BLOCK))
@@ -144,11 +155,13 @@ class Driver:
         from kvcompose.testing.harness import decode_request, make_request
 
         if a.kind == "remote":
-            req = decode_request(len(a.prompt), block_size=BLOCK, request_id=a.rid, prompt=a.prompt,
-                                 max_tokens=a.max_tokens)
+            req = decode_request(
+                len(a.prompt), block_size=BLOCK, request_id=a.rid, prompt=a.prompt, max_tokens=a.max_tokens
+            )
         else:
-            req = make_request(len(a.prompt), block_size=BLOCK, request_id=a.rid, prompt=a.prompt,
-                               max_tokens=a.max_tokens)
+            req = make_request(
+                len(a.prompt), block_size=BLOCK, request_id=a.rid, prompt=a.prompt, max_tokens=a.max_tokens
+            )
         self.kinds[a.rid] = a.kind
         self.counts["arrived:" + a.kind] += 1
         self.sched.add_request(req)
@@ -166,15 +179,19 @@ class Driver:
         out = sched.schedule()
         t1 = time.perf_counter()
         # The worker finishes every load it was given this step (a fast worker).
-        loaded = {r for r, req in sched.requests.items()
-                  if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r not in self.reported}
+        loaded = {
+            r
+            for r, req in sched.requests.items()
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r not in self.reported
+        }
         for r in loaded:
             self.counts["loaded:" + ("nixl" if self.kinds[r] == "remote" else "cpu")] += 1
         self.reported |= loaded
         running = [sched.requests[r] for r in out.num_scheduled_tokens]
         self.counts["scheduled_tokens"] += out.total_num_scheduled_tokens
-        mro = model_runner_output(running, finished_recving=loaded or None,
-                                  worker_meta=_store_ack(self.side, out.kv_connector_metadata))
+        mro = model_runner_output(
+            running, finished_recving=loaded or None, worker_meta=_store_ack(self.side, out.kv_connector_metadata)
+        )
         t2 = time.perf_counter()
         eco = sched.update_from_output(out, mro)
         t3 = time.perf_counter()
@@ -197,8 +214,12 @@ def warmup_steps(quick: bool) -> int:
     return 48 if quick else 96
 
 
-def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int | None = None,
-        sides: tuple[str, ...] = ("nixl", "MultiConnector", "kvcompose")) -> Result:
+def run(
+    quick: bool = False,
+    sizes: tuple[int, ...] | None = None,
+    repeats: int | None = None,
+    sides: tuple[str, ...] = ("nixl", "MultiConnector", "kvcompose"),
+) -> Result:
     """Time a step at each size for every side, interleaved; ratio kvcompose / MultiConnector."""
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
     reps = repeats or repeats_for(quick, full=7)
@@ -227,6 +248,16 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
         "(the CPU tier is not probed for a remote prefill), so its ratio can be below 1",
         "'work' in the JSON counts loads per tier and scheduled tokens: equal for the two composites",
     ]
-    return Result("scheduler_step", "Scheduler step (schedule + update_from_output), decode instance",
-                  "us/step", 1e6, cases, ratios, Target("<=", 1.0, "kvcompose", "MultiConnector"), reps, quick, notes,
-                  {"sizes": list(sizes), "prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK, "mix": list(MIX)})
+    return Result(
+        "scheduler_step",
+        "Scheduler step (schedule + update_from_output), decode instance",
+        "us/step",
+        1e6,
+        cases,
+        ratios,
+        Target("<=", 1.0, "kvcompose", "MultiConnector"),
+        reps,
+        quick,
+        notes,
+        {"sizes": list(sizes), "prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK, "mix": list(MIX)},
+    )

@@ -40,8 +40,11 @@ def kv_configs() -> dict[str, dict[str, Any]]:
 
     composed = kv_transfer_config(loads(COMPOSITION, filename="<bench>"))
     children = composed["kv_connector_extra_config"]["connectors"]
-    multi = {"kv_connector": "MultiConnector", "kv_role": composed["kv_role"],
-             "kv_connector_extra_config": {"connectors": children}}
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": composed["kv_role"],
+        "kv_connector_extra_config": {"connectors": children},
+    }
     return {"MultiConnector": multi, "kvcompose": composed}
 
 
@@ -51,8 +54,10 @@ def run(quick: bool = False, repeats: int | None = None, layers: int = LAYERS) -
 
     reps = repeats or repeats_for(quick, full=9)
     per_repeat = 50 if quick else 200
-    harnesses = {name: WorkerHarness(cfg, num_layers=layers, block_size=BLOCK, num_blocks=64)
-                 for name, cfg in kv_configs().items()}
+    harnesses = {
+        name: WorkerHarness(cfg, num_layers=layers, block_size=BLOCK, num_blocks=64)
+        for name, cfg in kv_configs().items()
+    }
     try:
         metas = {name: h.idle_metadata() for name, h in harnesses.items()}
 
@@ -77,12 +82,20 @@ def run(quick: bool = False, repeats: int | None = None, layers: int = LAYERS) -
 
     label = f"{layers} layers"
     return Result(
-        "worker_hooks", "Worker step: the connector hooks of one model-runner step", "us/step", 1e6,
+        "worker_hooks",
+        "Worker step: the connector hooks of one model-runner step",
+        "us/step",
+        1e6,
         [Case(label, samples, {"steps_per_repeat": per_repeat})],
         [ratio(label, samples, "kvcompose", "MultiConnector")],
-        Target("<=", 1.0, "kvcompose", "MultiConnector"), reps, quick,
-        ["both sides run the same children (vLLM's NIXL worker via the nixl plugin, the cpu-offload plugin's "
-         "portable worker) through the test kit's WorkerHarness; only the composite differs",
-         "a step: bind, start_load_kv, per layer wait_for_layer_load + save_kv_layer, wait_for_save, "
-         "get_transfer_results, load errors, stats, KV events, worker metadata, clear (no transfer queued)"],
-        {"layers": layers, "block_size": BLOCK})
+        Target("<=", 1.0, "kvcompose", "MultiConnector"),
+        reps,
+        quick,
+        [
+            "both sides run the same children (vLLM's NIXL worker via the nixl plugin, the cpu-offload plugin's "
+            "portable worker) through the test kit's WorkerHarness; only the composite differs",
+            "a step: bind, start_load_kv, per layer wait_for_layer_load + save_kv_layer, wait_for_save, "
+            "get_transfer_results, load errors, stats, KV events, worker metadata, clear (no transfer queued)",
+        ],
+        {"layers": layers, "block_size": BLOCK},
+    )

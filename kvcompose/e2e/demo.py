@@ -40,19 +40,29 @@ def _progress(out: TextIO) -> Any:
     def show(nodes: list[Any], elapsed: float) -> None:
         states = ", ".join(f"{n.spec.name}: {n.stage}" for n in nodes)
         print(f"  ... {elapsed:4.0f} s  {states}", file=out, flush=True)
+
     return show
 
 
 def _row(s: Served, ok: bool) -> str:
-    moved = f"{s.nixl_bytes:,} B over NIXL" if s.nixl_bytes else (
-        f"{s.host_blocks} blocks from host" if s.host_blocks else "-")
-    return (f"  {s.label:<10} {s.child or 'none':<6} loaded {s.loaded_tokens:>4}  computed {s.computed_tokens:>4}  "
-            f"{moved:<24} TTFT {s.ttft_s * 1000:7.1f} ms  {'equal' if ok else 'MISMATCH'}")
+    moved = (
+        f"{s.nixl_bytes:,} B over NIXL"
+        if s.nixl_bytes
+        else (f"{s.host_blocks} blocks from host" if s.host_blocks else "-")
+    )
+    return (
+        f"  {s.label:<10} {s.child or 'none':<6} loaded {s.loaded_tokens:>4}  computed {s.computed_tokens:>4}  "
+        f"{moved:<24} TTFT {s.ttft_s * 1000:7.1f} ms  {'equal' if ok else 'MISMATCH'}"
+    )
 
 
-def run(work: Path | None = None, out: TextIO = sys.stdout,
-        prefill_yaml: Path = EXAMPLES / "pd-prefill.yaml", decode_yaml: Path = EXAMPLES / "pd-decode.yaml",
-        http: bool = False) -> int:
+def run(
+    work: Path | None = None,
+    out: TextIO = sys.stdout,
+    prefill_yaml: Path = EXAMPLES / "pd-prefill.yaml",
+    decode_yaml: Path = EXAMPLES / "pd-decode.yaml",
+    http: bool = False,
+) -> int:
     """Run the demo; 0 when every decode output equals the baseline, 1 otherwise. ``http``:
     prefill and decode are vLLM API servers, else offline engines (the baseline is offline)."""
     started = time.monotonic()
@@ -78,10 +88,12 @@ def run(work: Path | None = None, out: TextIO = sys.stdout,
         decode = Node(EngineSpec("decode", str(model), str(decode_yaml), d_port), logs)
         nodes.append(decode)
         wait_all_ready([decode], progress=_progress(out))
-        via = (f"HTTP: prefill {prefill.url}, decode {decode.url}" if http else "offline engines")
-        print(f"engines ready after {time.monotonic() - started:.0f} s "
-              f"({via}; NIXL side channels: prefill :{p_port}, decode :{d_port})\n",
-              file=out)
+        via = f"HTTP: prefill {prefill.url}, decode {decode.url}" if http else "offline engines"
+        print(
+            f"engines ready after {time.monotonic() - started:.0f} s "
+            f"({via}; NIXL side channels: prefill :{p_port}, decode :{d_port})\n",
+            file=out,
+        )
 
         before = decode.metrics()
         served: list[tuple[Served, bool]] = []
@@ -109,8 +121,11 @@ def run(work: Path | None = None, out: TextIO = sys.stdout,
     nixl = sum(s.nixl_bytes for s, _ in served)
     host = sum(s.host_blocks for s, _ in served)
     print(f"  moved: {nixl:,} B over NIXL, {host} blocks ({BLOCK_SIZE} tokens each) from host memory", file=out)
-    print(f"  outputs equal to the single-engine baseline (token ids and logprobs): "
-          f"{len(served) - len(bad)}/{len(served)}", file=out)
+    print(
+        f"  outputs equal to the single-engine baseline (token ids and logprobs): "
+        f"{len(served) - len(bad)}/{len(served)}",
+        file=out,
+    )
     print(f"  wall time: {time.monotonic() - started:.0f} s", file=out)
     if bad:
         print(f"MISMATCH in {', '.join(bad)}", file=out)

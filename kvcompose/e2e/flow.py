@@ -38,9 +38,13 @@ class Engine(Protocol):
     """What the flow needs from an engine: an offline node (``node.EngineNode``) or an HTTP
     server (``server.ServerNode``)."""
 
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 kv_transfer_params: list[dict[str, Any] | None] | None = None,
-                 timeout: float = ...) -> list[dict[str, Any]]: ...
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        kv_transfer_params: list[dict[str, Any] | None] | None = None,
+        timeout: float = ...,
+    ) -> list[dict[str, Any]]: ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -78,8 +82,14 @@ class Served:
     counters: dict[str, float] = field(default_factory=dict)
 
 
-def pd_request(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int,
-               label: str = "", children: tuple[str, ...] = ("host", "pd")) -> Served:
+def pd_request(
+    prefill: Engine,
+    decode: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    label: str = "",
+    children: tuple[str, ...] = ("host", "pd"),
+) -> Served:
     """Prefill (``max_tokens=1``, ``do_remote_decode``), then decode with prefill's params."""
     t0 = time.perf_counter()
     (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
@@ -87,9 +97,16 @@ def pd_request(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: i
     return decode_request(decode, prompt, max_tokens, p["kv_transfer_params"], label, children, prefill_s)
 
 
-def decode_request(decode: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any] | None,
-                   label: str = "", children: tuple[str, ...] = ("host", "pd"),
-                   prefill_s: float = 0.0, timeout_s: float = 120.0) -> Served:
+def decode_request(
+    decode: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    params: dict[str, Any] | None,
+    label: str = "",
+    children: tuple[str, ...] = ("host", "pd"),
+    prefill_s: float = 0.0,
+    timeout_s: float = 120.0,
+) -> Served:
     """One decode request (with ``params`` from a prefill, or None for a local one) and its counters."""
     before = decode.metrics()
     t0 = time.perf_counter()
@@ -103,7 +120,10 @@ def decode_request(decode: Engine, prompt: list[int], max_tokens: int, params: d
     if ttft is None and TTFT_SUM in moved:
         ttft = moved[TTFT_SUM]
     return Served(
-        label=label, prompt_tokens=len(prompt), token_ids=d["token_ids"], logprobs=d["logprobs"],
+        label=label,
+        prompt_tokens=len(prompt),
+        token_ids=d["token_ids"],
+        logprobs=d["logprobs"],
         finish_reason=d.get("finish_reason"),
         child=served_by[0] if served_by else None,
         loaded_tokens=int(sum(moved.get(tokens_key(c), 0) for c in children)),
@@ -112,11 +132,14 @@ def decode_request(decode: Engine, prompt: list[int], max_tokens: int, params: d
         host_blocks=int(moved.get(HOST_LOADED_BLOCKS, 0)),
         failed_transfers=int(moved.get(NIXL_FAILED, 0)),
         ttft_s=prefill_s + (ttft if ttft is not None else wall),
-        prefill_params=params, counters=moved,
+        prefill_params=params,
+        counters=moved,
     )
 
 
-def hit_rates(before: dict[str, float], after: dict[str, float], children: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+def hit_rates(
+    before: dict[str, float], after: dict[str, float], children: tuple[str, ...]
+) -> dict[str, tuple[int, int]]:
     """child -> (requests it loaded, requests looked up) between two metric snapshots."""
     moved = delta(before, after)
     lookups = int(moved.get(LOOKUPS, 0))

@@ -13,6 +13,7 @@ prefill engine outright.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -91,8 +92,9 @@ class EngineSpec:
             return dict(self.kv_config)
         if self.composition is None:
             return None
-        return composed_kv_transfer_config(Path(self.composition), self.side_channel_port,
-                                           self.nixl_options, self.kv_load_failure_policy)
+        return composed_kv_transfer_config(
+            Path(self.composition), self.side_channel_port, self.nixl_options, self.kv_load_failure_policy
+        )
 
     def llm_kwargs(self) -> dict[str, Any]:
         """``vllm.LLM`` keyword arguments (the same engine settings the HTTP servers get)."""
@@ -110,19 +112,24 @@ class EngineSpec:
         }
 
 
-def composed_kv_transfer_config(composition: Path, side_channel_port: int | None = None,
-                                nixl_options: dict[str, Any] | None = None,
-                                kv_load_failure_policy: str | None = None) -> dict[str, Any]:
+def composed_kv_transfer_config(
+    composition: Path,
+    side_channel_port: int | None = None,
+    nixl_options: dict[str, Any] | None = None,
+    kv_load_failure_policy: str | None = None,
+) -> dict[str, Any]:
     """What ``kvcompose vllm-args`` renders for ``composition``, with nixl option overrides."""
     from kvcompose.vllm.args import kv_transfer_config
 
-    return kv_transfer_config(composed_plan(composition, side_channel_port, nixl_options,
-                                            kv_load_failure_policy))
+    return kv_transfer_config(composed_plan(composition, side_channel_port, nixl_options, kv_load_failure_policy))
 
 
-def composed_plan(composition: Path, side_channel_port: int | None = None,
-                  nixl_options: dict[str, Any] | None = None,
-                  load_failure: str | None = None) -> Plan:
+def composed_plan(
+    composition: Path,
+    side_channel_port: int | None = None,
+    nixl_options: dict[str, Any] | None = None,
+    load_failure: str | None = None,
+) -> Plan:
     """The composition's :class:`~kvcompose.compose.Plan`, its ``nixl`` children's options
     overridden (a free side-channel port, the handshake check off, ...) and, when given, its
     ``load_failure`` (vLLM's ``kv_load_failure_policy``)."""
@@ -161,8 +168,13 @@ class EngineNode:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcompose.e2e.node", json.dumps(asdict(spec))],
-            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            pass_fds=(write_fd,), start_new_session=True, text=True,
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+            text=True,
         )
         os.close(write_fd)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -183,11 +195,12 @@ class EngineNode:
                 msg = self._replies.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() >= deadline:
-                    raise NodeError(f"{self.spec.name}: no answer to {what} in time\n{self.log_tail()}")
+                    raise NodeError(f"{self.spec.name}: no answer to {what} in time\n{self.log_tail()}") from None
                 continue
             if msg is None:
-                raise NodeError(f"{self.spec.name}: process exited (rc={self.proc.wait(5)}) "
-                                f"during {what}\n{self.log_tail()}")
+                raise NodeError(
+                    f"{self.spec.name}: process exited (rc={self.proc.wait(5)}) during {what}\n{self.log_tail()}"
+                )
             if msg.get("event") == "stage":
                 self.stage = msg["stage"]
                 continue
@@ -221,12 +234,17 @@ class EngineNode:
             raise NodeError(f"{self.spec.name}: {op} failed: {msg['error']}")
         return msg["result"]
 
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 kv_transfer_params: list[dict[str, Any] | None] | None = None,
-                 timeout: float = CALL_TIMEOUT_S) -> list[dict[str, Any]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        kv_transfer_params: list[dict[str, Any] | None] | None = None,
+        timeout: float = CALL_TIMEOUT_S,
+    ) -> list[dict[str, Any]]:
         """Greedy generation with 1 logprob per token; one dict per prompt (see ``_generate``)."""
-        return self.call("generate", timeout=timeout, prompts=prompts, max_tokens=max_tokens,
-                         kv_transfer_params=kv_transfer_params)
+        return self.call(
+            "generate", timeout=timeout, prompts=prompts, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params
+        )
 
     def metrics(self) -> dict[str, float]:
         """The engine's Prometheus counters, flattened (see :func:`flatten_metrics`)."""
@@ -267,9 +285,12 @@ class EngineNode:
         self._log.close()
 
 
-def wait_all_ready(nodes: list[EngineNode], timeout: float = START_TIMEOUT_S,
-                   progress: Callable[[list[EngineNode], float], None] | None = None,
-                   every_s: float = 5.0) -> None:
+def wait_all_ready(
+    nodes: list[EngineNode],
+    timeout: float = START_TIMEOUT_S,
+    progress: Callable[[list[EngineNode], float], None] | None = None,
+    every_s: float = 5.0,
+) -> None:
     """Wait until every node is up, calling ``progress(nodes, elapsed)`` every ``every_s``."""
     start = time.monotonic()
     last = start
@@ -279,9 +300,12 @@ def wait_all_ready(nodes: list[EngineNode], timeout: float = START_TIMEOUT_S,
         if not pending:
             return
         if elapsed > timeout:
-            raise NodeError(f"engines not ready after {timeout:.0f} s: "
-                            + ", ".join(f"{n.spec.name} ({n.stage})" for n in pending)
-                            + "\n" + pending[0].log_tail())
+            raise NodeError(
+                f"engines not ready after {timeout:.0f} s: "
+                + ", ".join(f"{n.spec.name} ({n.stage})" for n in pending)
+                + "\n"
+                + pending[0].log_tail()
+            )
         if progress is not None and time.monotonic() - last >= every_s:
             last = time.monotonic()
             progress(nodes, elapsed)
@@ -312,16 +336,24 @@ def metric_key(name: str, labels: dict[str, str]) -> str:
 # ---------------------------------------------------------------------------- child side
 
 
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: int,
-              kv_transfer_params: list[dict[str, Any] | None] | None) -> list[dict[str, Any]]:
+def _generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int, kv_transfer_params: list[dict[str, Any] | None] | None
+) -> list[dict[str, Any]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = []
     for i in range(len(prompts)):
         kv = kv_transfer_params[i] if kv_transfer_params else None
-        params.append(SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, logprobs=1,
-                                     extra_args={"kv_transfer_params": kv} if kv is not None else None))
+        params.append(
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0,
+                detokenize=False,
+                logprobs=1,
+                extra_args={"kv_transfer_params": kv} if kv is not None else None,
+            )
+        )
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -330,15 +362,17 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int,
         comp = o.outputs[0]
         logprobs = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs or [])]
         stats = getattr(o, "metrics", None)
-        results.append({
-            "token_ids": list(comp.token_ids),
-            "logprobs": logprobs,
-            "finish_reason": comp.finish_reason,
-            "kv_transfer_params": o.kv_transfer_params,
-            # From arrival in this engine to its first token (RequestStateStats).
-            "ttft_s": getattr(stats, "first_token_latency", None),
-            "wall_s": wall,
-        })
+        results.append(
+            {
+                "token_ids": list(comp.token_ids),
+                "logprobs": logprobs,
+                "finish_reason": comp.finish_reason,
+                "kv_transfer_params": o.kv_transfer_params,
+                # From arrival in this engine to its first token (RequestStateStats).
+                "ttft_s": getattr(stats, "first_token_latency", None),
+                "wall_s": wall,
+            }
+        )
     return results
 
 
@@ -356,8 +390,7 @@ def _serve(spec: EngineSpec, reply: Callable[[dict[str, Any]], None]) -> None:
     llm = LLM(**kwargs)
     reply({"event": "ready", "start_s": round(time.monotonic() - t0, 1), "pid": os.getpid()})
     ops: dict[str, Callable[..., Any]] = {
-        "generate": lambda prompts, max_tokens, kv_transfer_params=None:
-            _generate(llm, prompts, max_tokens, kv_transfer_params),
+        "generate": functools.partial(_generate, llm),
         "metrics": lambda: flatten_metrics(llm.get_metrics()),
         "reset_prefix_cache": lambda: bool(llm.reset_prefix_cache()),
     }
@@ -370,7 +403,6 @@ def _serve(spec: EngineSpec, reply: Callable[[dict[str, Any]], None]) -> None:
             reply({"result": ops[op](**cmd)})
         except Exception as exc:  # reported to the parent, which decides
             reply({"error": f"{type(exc).__name__}: {exc}"})
-    del llm
 
 
 def main(argv: list[str]) -> int:
@@ -391,7 +423,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-
 def free_ports(n: int) -> list[int]:
     """``n`` TCP ports on 127.0.0.1 that are free now (bound to port 0, then released)."""
     import socket
@@ -407,9 +438,14 @@ def free_ports(n: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def pd_pair(prefill_composition: str | Path, decode_composition: str | Path, model: str | Path,
-            log_dir: Path, progress: Callable[[list[EngineNode], float], None] | None = None,
-            **decode_overrides: Any) -> Iterator[tuple[EngineNode, EngineNode]]:
+def pd_pair(
+    prefill_composition: str | Path,
+    decode_composition: str | Path,
+    model: str | Path,
+    log_dir: Path,
+    progress: Callable[[list[EngineNode], float], None] | None = None,
+    **decode_overrides: Any,
+) -> Iterator[tuple[EngineNode, EngineNode]]:
     """A prefill and a decode engine from two composition files, started in parallel, each with
     its own free side-channel port; both are killed on exit. ``decode_overrides`` go to the
     decode :class:`EngineSpec` (e.g. ``kv_load_failure_policy="recompute"``)."""
@@ -417,8 +453,9 @@ def pd_pair(prefill_composition: str | Path, decode_composition: str | Path, mod
     nodes: list[EngineNode] = []
     try:
         nodes.append(EngineNode(EngineSpec("prefill", str(model), str(prefill_composition), p_port), log_dir))
-        nodes.append(EngineNode(EngineSpec("decode", str(model), str(decode_composition), d_port,
-                                           **decode_overrides), log_dir))
+        nodes.append(
+            EngineNode(EngineSpec("decode", str(model), str(decode_composition), d_port, **decode_overrides), log_dir)
+        )
         wait_all_ready(nodes, progress=progress)
         yield nodes[0], nodes[1]
     finally:

@@ -40,8 +40,12 @@ HOST = "127.0.0.1"
 #: trail the HTTP answer by a moment: :meth:`ServerNode.metrics` waits this long for them.
 SETTLE_TIMEOUT_S = 10.0
 #: Log lines that mark how far a server has got, for the progress line (last match wins).
-STAGES = (("non-default args", "building engine"), ("Loading weights took", "loading weights"),
-          ("init engine", "engine up, starting API server"), ("Starting vLLM server", "waiting for /health"))
+STAGES = (
+    ("non-default args", "building engine"),
+    ("Loading weights took", "loading weights"),
+    ("init engine", "engine up, starting API server"),
+    ("Starting vLLM server", "waiting for /health"),
+)
 SUCCESS = "vllm:request_success"
 
 
@@ -51,8 +55,9 @@ def kv_transfer_value(spec: EngineSpec) -> str:
     from kvcompose.vllm.args import render
 
     assert spec.composition is not None
-    return render(composed_plan(Path(spec.composition), spec.side_channel_port, spec.nixl_options,
-                                spec.kv_load_failure_policy))
+    return render(
+        composed_plan(Path(spec.composition), spec.side_channel_port, spec.nixl_options, spec.kv_load_failure_policy)
+    )
 
 
 def server_argv(spec: EngineSpec, port: int) -> list[str]:
@@ -100,8 +105,9 @@ def parse_metrics(text: str) -> dict[str, float]:
 class ServerNode:
     """One vLLM API server process; the same calls as :class:`~kvcompose.e2e.node.EngineNode`."""
 
-    def __init__(self, spec: EngineSpec, log_dir: Path, port: int | None = None,
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, spec: EngineSpec, log_dir: Path, port: int | None = None, extra_env: dict[str, str] | None = None
+    ) -> None:
         self.spec = spec
         self.port = port if port is not None else free_ports(1)[0]
         self.url = f"http://{HOST}:{self.port}"
@@ -111,8 +117,14 @@ class ServerNode:
         env = engine_env({"VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})})
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(server_argv(spec, self.port), stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            server_argv(spec, self.port),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         # Never through a proxy from the environment: everything is on 127.0.0.1.
         self._http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self.stage = "importing vllm"
@@ -122,11 +134,13 @@ class ServerNode:
 
     # ------------------------------------------------------------------ HTTP
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
-                 timeout: float = CALL_TIMEOUT_S) -> bytes:
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = CALL_TIMEOUT_S
+    ) -> bytes:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data else {})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"} if data else {}
+        )
         try:
             with self._http.open(req, timeout=timeout) as resp:
                 return resp.read()
@@ -135,8 +149,9 @@ class ServerNode:
             raise NodeError(f"{self.spec.name}: {method} {path} -> HTTP {exc.code}: {detail}") from exc
         except (urllib.error.URLError, OSError) as exc:
             state = "exited" if self.proc.poll() is not None else "running"
-            raise NodeError(f"{self.spec.name}: {method} {path} failed ({exc}); server {state}\n"
-                            f"{self.log_tail()}") from exc
+            raise NodeError(
+                f"{self.spec.name}: {method} {path} failed ({exc}); server {state}\n{self.log_tail()}"
+            ) from exc
 
     def poll_ready(self, timeout: float = 0.0) -> bool:
         """True once ``/health`` answers 200; raises :class:`NodeError` if the server died."""
@@ -144,14 +159,18 @@ class ServerNode:
             return True
         deadline = time.monotonic() + timeout
         if self.proc.poll() is not None:
-            raise NodeError(f"{self.spec.name}: server exited (rc={self.proc.returncode}) while starting\n"
-                            f"{self.log_tail()}")
+            raise NodeError(
+                f"{self.spec.name}: server exited (rc={self.proc.returncode}) while starting\n{self.log_tail()}"
+            )
         self._update_stage()
         try:
             with self._http.open(self.url + "/health", timeout=max(0.5, timeout)) as resp:
                 if resp.status == 200:
-                    self.ready_info = {"start_s": round(time.monotonic() - self.started_at, 1),
-                                       "pid": self.proc.pid, "url": self.url}
+                    self.ready_info = {
+                        "start_s": round(time.monotonic() - self.started_at, 1),
+                        "pid": self.proc.pid,
+                        "url": self.url,
+                    }
                     self.stage = "ready"
                     return True
         except (urllib.error.URLError, OSError):
@@ -165,18 +184,27 @@ class ServerNode:
             if marker in text:
                 self.stage = stage
 
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 kv_transfer_params: list[dict[str, Any] | None] | None = None,
-                 timeout: float = CALL_TIMEOUT_S) -> list[dict[str, Any]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        kv_transfer_params: list[dict[str, Any] | None] | None = None,
+        timeout: float = CALL_TIMEOUT_S,
+    ) -> list[dict[str, Any]]:
         """One ``/v1/completions`` request per prompt (greedy, 1 logprob per token, token ids
         back); dicts shaped like the offline node's, ``ttft_s`` None (flow reads it from
         ``/metrics``)."""
         results = []
         for i, prompt in enumerate(prompts):
             body: dict[str, Any] = {
-                "model": self.spec.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "model": self.spec.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
                 # Token ids instead of strings: the server has no tokenizer (skip_tokenizer_init).
-                "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+                "return_token_ids": True,
             }
             kv = kv_transfer_params[i] if kv_transfer_params else None
             if kv is not None:
@@ -186,14 +214,16 @@ class ServerNode:
             wall = time.perf_counter() - t0
             self._answered += 1
             choice = answer["choices"][0]
-            results.append({
-                "token_ids": list(choice["token_ids"]),
-                "logprobs": list((choice.get("logprobs") or {}).get("token_logprobs") or []),
-                "finish_reason": choice.get("finish_reason"),
-                "kv_transfer_params": answer.get("kv_transfer_params"),
-                "ttft_s": None,
-                "wall_s": wall,
-            })
+            results.append(
+                {
+                    "token_ids": list(choice["token_ids"]),
+                    "logprobs": list((choice.get("logprobs") or {}).get("token_logprobs") or []),
+                    "finish_reason": choice.get("finish_reason"),
+                    "kv_transfer_params": answer.get("kv_transfer_params"),
+                    "ttft_s": None,
+                    "wall_s": wall,
+                }
+            )
         return results
 
     def metrics(self) -> dict[str, float]:

@@ -18,7 +18,8 @@ def indices(children: tuple[Any, ...], names: list[str]) -> tuple[int, ...]:
     by_name = {c.name: c.index for c in children}
     problems = [
         Problem(f"no connector is named {n!r}", ("children", i), did_you_mean(n, by_name))
-        for i, n in enumerate(names) if n not in by_name
+        for i, n in enumerate(names)
+        if n not in by_name
     ]
     if problems:
         raise CompositionError(problems)

@@ -25,23 +25,30 @@ def layout_conflict(layouts: Mapping[str, str | None]) -> str | None:
 def kvcompose_check(plan: Plan) -> list[Problem]:
     problems: list[Problem] = []
     for attr, what, fix in (
-        ("owns_host_buffer_ops", "want vLLM's host-buffer copy op; only one child can own it",
-         "keep one host-buffer transport per composition"),
+        (
+            "owns_host_buffer_ops",
+            "want vLLM's host-buffer copy op; only one child can own it",
+            "keep one host-buffer transport per composition",
+        ),
         ("pd_transport", "are P/D transports; an instance has one", "compose at most one P/D transport"),
     ):
         claimants = [c for c in plan.children if getattr(c.type, attr)]
         for c in claimants[1:]:
-            problems.append(Problem(f"{c.name} and {claimants[0].name} both {what}",
-                                    ("connectors", c.index, "type"), fix))
+            problems.append(
+                Problem(f"{c.name} and {claimants[0].name} both {what}", ("connectors", c.index, "type"), fix)
+            )
     if plan.rules["params"].name == "owners":
         owner: dict[str, str] = {}
         for c in plan.children:
             for key in sorted(c.type.param_keys):
                 if key in owner:
-                    problems.append(Problem(
-                        f"kv_transfer_params key {key!r} is owned by both {owner[key]} and {c.name}",
-                        ("connectors", c.index, "type"),
-                        "compose at most one P/D transport, or use `params: strict` and distinct keys"))
+                    problems.append(
+                        Problem(
+                            f"kv_transfer_params key {key!r} is owned by both {owner[key]} and {c.name}",
+                            ("connectors", c.index, "type"),
+                            "compose at most one P/D transport, or use `params: strict` and distinct keys",
+                        )
+                    )
                     break
                 owner[key] = c.name
     conflict = layout_conflict({c.name: c.type.kv_layout(c) for c in plan.children})

@@ -73,8 +73,12 @@ class OwnerAccounting(CompletionTracker):
                 load = self.loads.get(req)
                 if load is None or child not in load.awaited:
                     dropped += 1
-                    log.debug("finished_recving of %s from %s withheld: %s", req, self.names[child],
-                              "duplicate or late" if load is None else "it is not one of the request's loaders")
+                    log.debug(
+                        "finished_recving of %s from %s withheld: %s",
+                        req,
+                        self.names[child],
+                        "duplicate or late" if load is None else "it is not one of the request's loaders",
+                    )
                     continue
                 load.awaited.discard(child)
                 load.failed = load.failed or req in res.failed_recving
@@ -117,7 +121,15 @@ def _owner(children: tuple[Child, ...], params: None) -> Owner:
 @hookimpl
 def kvcompose_rules() -> list[Rule[Any]]:
     return [
-        Rule("completion", "owner", "only the loading children's finished_recving is forwarded, once, when the last of them reported; a delayed free ends when every saving child reported",
-             _owner,
-             explain=lambda ch, p: "completion: a load's completion is taken only from the children that load it, each once; blocks held by several children are freed when the last one is done"),
+        Rule(
+            "completion",
+            "owner",
+            "only the loading children's finished_recving is forwarded, once, when the last of them reported; "
+            "a delayed free ends when every saving child reported",
+            _owner,
+            explain=lambda ch, p: (
+                "completion: a load's completion is taken only from the children that load it, each once; "
+                "blocks held by several children are freed when the last one is done"
+            ),
+        ),
     ]

@@ -29,10 +29,23 @@ def _isolate(children: tuple[Child, ...], params: ChildrenParams) -> Contain:
 @hookimpl
 def kvcompose_rules() -> list[Rule[Any]]:
     return [
-        Rule("faults", "fail", "an exception in any child propagates (vLLM's behaviour)",
-             lambda children, params: Contain(frozenset()),
-             explain=lambda ch, p: "faults: an error in any child stops the engine"),
-        Rule("faults", "isolate", "the listed best-effort children are disabled on error; their requests recompute",
-             _isolate, params=ChildrenParams,
-             explain=lambda ch, p: "faults: " + ", ".join(p.children) + " are best-effort: on error they are disabled and their loads recompute"),
+        Rule(
+            "faults",
+            "fail",
+            "an exception in any child propagates (vLLM's behaviour)",
+            lambda children, params: Contain(frozenset()),
+            explain=lambda ch, p: "faults: an error in any child stops the engine",
+        ),
+        Rule(
+            "faults",
+            "isolate",
+            "the listed best-effort children are disabled on error; their requests recompute",
+            _isolate,
+            params=ChildrenParams,
+            explain=lambda ch, p: (
+                "faults: "
+                + ", ".join(p.children)
+                + " are best-effort: on error they are disabled and their loads recompute"
+            ),
+        ),
     ]

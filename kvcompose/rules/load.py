@@ -69,8 +69,19 @@ def _explain_longest(children: tuple[Any, ...], _: Any) -> str:
 @hookimpl
 def kvcompose_rules() -> list[Rule[Any]]:
     return [
-        Rule("load", "first-wins", "first child in YAML order with a hit loads (vLLM MultiConnector's rule, without its None and probing defects)",
-             lambda children, params: FirstWins(), explain=_explain_first),
-        Rule("load", "longest-hit", "every child is asked; the most matched tokens wins",
-             lambda children, params: LongestHit(), explain=_explain_longest),
+        Rule(
+            "load",
+            "first-wins",
+            "first child in YAML order with a hit loads "
+            "(vLLM MultiConnector's rule, without its None and probing defects)",
+            lambda children, params: FirstWins(),
+            explain=_explain_first,
+        ),
+        Rule(
+            "load",
+            "longest-hit",
+            "every child is asked; the most matched tokens wins",
+            lambda children, params: LongestHit(),
+            explain=_explain_longest,
+        ),
     ]

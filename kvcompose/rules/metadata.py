@@ -44,7 +44,15 @@ class Merge(MetadataRule):
 @hookimpl
 def kvcompose_rules() -> list[Rule[Any]]:
     return [
-        Rule("metadata", "merge", "one named metadata entry per child, checked on arrival",
-             lambda children, params: Merge([c.name for c in children]),
-             explain=lambda ch, p: "metadata: one entry per child by name (" + ", ".join(c.name for c in ch) + "), checked by name on every worker"),
+        Rule(
+            "metadata",
+            "merge",
+            "one named metadata entry per child, checked on arrival",
+            lambda children, params: Merge([c.name for c in children]),
+            explain=lambda ch, p: (
+                "metadata: one entry per child by name ("
+                + ", ".join(c.name for c in ch)
+                + "), checked by name on every worker"
+            ),
+        ),
     ]

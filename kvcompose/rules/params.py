@@ -76,17 +76,29 @@ class Strict(ParamsRule):
 
 
 def _explain_owners(children: tuple[Child, ...], _: Any) -> str:
-    owners = [f"{c.name} owns {'the P/D params' if c.type.pd_transport else 'its params'} ({len(c.type.param_keys)} keys)"
-              for c in children if c.type.param_keys]
+    owners = [
+        f"{c.name} owns {'the P/D params' if c.type.pd_transport else 'its params'} ({len(c.type.param_keys)} keys)"
+        for c in children
+        if c.type.param_keys
+    ]
     return "params: kv_transfer_params merged by declared owner; " + ("; ".join(owners) or "no child declares keys")
 
 
 @hookimpl
 def kvcompose_rules() -> list[Rule[Any]]:
     return [
-        Rule("params", "owners", "each kv_transfer_params key comes from the child that declares it",
-             lambda children, params: Owners(children), explain=_explain_owners),
-        Rule("params", "strict", "a key returned by two children is an error (MultiConnector's rule)",
-             lambda children, params: Strict(children),
-             explain=lambda ch, p: "params: kv_transfer_params merged; a key returned twice is an error"),
+        Rule(
+            "params",
+            "owners",
+            "each kv_transfer_params key comes from the child that declares it",
+            lambda children, params: Owners(children),
+            explain=_explain_owners,
+        ),
+        Rule(
+            "params",
+            "strict",
+            "a key returned by two children is an error (MultiConnector's rule)",
+            lambda children, params: Strict(children),
+            explain=lambda ch, p: "params: kv_transfer_params merged; a key returned twice is an error",
+        ),
     ]

@@ -32,8 +32,19 @@ def _only(children: tuple[Child, ...], params: ChildrenParams) -> StoreTo:
 @hookimpl
 def kvcompose_rules() -> list[Rule[Any]]:
     return [
-        Rule("store", "all", "every child gets every save hook (store-to-all)", _all,
-             explain=lambda ch, p: "store: every child may store (" + ", ".join(c.name for c in ch) + ")"),
-        Rule("store", "only", "only the listed children get save hooks", _only, params=ChildrenParams,
-             explain=lambda ch, p: "store: only " + ", ".join(p.children) + " get save hooks"),
+        Rule(
+            "store",
+            "all",
+            "every child gets every save hook (store-to-all)",
+            _all,
+            explain=lambda ch, p: "store: every child may store (" + ", ".join(c.name for c in ch) + ")",
+        ),
+        Rule(
+            "store",
+            "only",
+            "only the listed children get save hooks",
+            _only,
+            params=ChildrenParams,
+            explain=lambda ch, p: "store: only " + ", ".join(p.children) + " get save hooks",
+        ),
     ]

@@ -45,26 +45,25 @@ class Subject:
     """The connector under test, inside vLLM's scheduler."""
 
     type_name: str
-    scheduler: "Scheduler"
+    scheduler: Scheduler
     #: The worker role on the same configs, for contracts that need the whole step.
-    worker: "WorkerHarness | None" = None
+    worker: WorkerHarness | None = None
     block_size: int = 16
 
     @property
-    def connector(self) -> "KVConnectorBase_V1":
+    def connector(self) -> KVConnectorBase_V1:
         from kvcompose.vllm.connector import KVComposeConnector
 
         composed = self.scheduler.connector
         assert isinstance(composed, KVComposeConnector)
         return composed.child(CHILD)
 
-    def fresh_request(self, num_tokens: int = 64) -> "Request":
+    def fresh_request(self, num_tokens: int = 64) -> Request:
         """A plain request whose prompt no cache has seen (a distinct token sequence each time)."""
         from kvcompose.testing.harness import make_request
 
         base = next(_prompts) * 997
-        return make_request(prompt=[3 + (base + i * 13) % 500 for i in range(num_tokens)],
-                            block_size=self.block_size)
+        return make_request(prompt=[3 + (base + i * 13) % 500 for i in range(num_tokens)], block_size=self.block_size)
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -72,7 +71,8 @@ class Subject:
     def violation(self, contract: str, call: str, expected: str, got: Any) -> ContractViolation:
         return ContractViolation(
             f"connector type {self.type_name!r} ({type(self.connector).__qualname__}) breaks the contract "
-            f"[{contract}]\n  call:     {call}\n  expected: {expected}\n  got:      {got!r}")
+            f"[{contract}]\n  call:     {call}\n  expected: {expected}\n  got:      {got!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Contract:
     needs_worker: bool = False
 
 
-def _lookup(s: Subject, req: "Request", n: int = 0) -> tuple[int | None, bool]:
+def _lookup(s: Subject, req: Request, n: int = 0) -> tuple[int | None, bool]:
     return s.connector.get_num_new_matched_tokens(req, n)
 
 
@@ -98,8 +98,9 @@ def lookup_is_side_effect_free(s: Subject) -> None:
     if first != second:
         raise s.violation("lookup-is-side-effect-free", call, "the same answer both times", (first, second))
     if s.free_blocks() != before:
-        raise s.violation("lookup-is-side-effect-free", call, f"{before} free blocks left untouched",
-                          f"{s.free_blocks()} free blocks")
+        raise s.violation(
+            "lookup-is-side-effect-free", call, f"{before} free blocks left untouched", f"{s.free_blocks()} free blocks"
+        )
 
 
 def nothing_matches_is_zero(s: Subject) -> None:
@@ -107,8 +108,12 @@ def nothing_matches_is_zero(s: Subject) -> None:
     s.scheduler.add_request(req)
     got = _lookup(s, req)
     if got != (0, False):
-        raise s.violation("nothing-matches-is-zero", f"get_num_new_matched_tokens(<new prompt {req.request_id}>, 0)",
-                          "(0, False) for a prompt no tier holds", got)
+        raise s.violation(
+            "nothing-matches-is-zero",
+            f"get_num_new_matched_tokens(<new prompt {req.request_id}>, 0)",
+            "(0, False) for a prompt no tier holds",
+            got,
+        )
 
 
 def async_only_with_tokens(s: Subject) -> None:
@@ -117,12 +122,20 @@ def async_only_with_tokens(s: Subject) -> None:
         s.scheduler.add_request(req)
         got = _lookup(s, req, computed)
         if not (isinstance(got, tuple) and len(got) == 2):
-            raise s.violation("async-only-with-tokens", f"get_num_new_matched_tokens(req, {computed})",
-                              "a (tokens, is_async) pair", got)
+            raise s.violation(
+                "async-only-with-tokens",
+                f"get_num_new_matched_tokens(req, {computed})",
+                "a (tokens, is_async) pair",
+                got,
+            )
         tokens, is_async = got
         if (tokens is None or tokens == 0) and is_async:
-            raise s.violation("async-only-with-tokens", f"get_num_new_matched_tokens(req, {computed})",
-                              "is_async False when there is nothing to load", got)
+            raise s.violation(
+                "async-only-with-tokens",
+                f"get_num_new_matched_tokens(req, {computed})",
+                "is_async False when there is nothing to load",
+                got,
+            )
 
 
 def zero_tokens_after_alloc(s: Subject) -> None:
@@ -133,8 +146,12 @@ def zero_tokens_after_alloc(s: Subject) -> None:
     try:
         s.connector.update_state_after_alloc(req, blocks, 0)
     except Exception as exc:  # the contract is that this is tolerated
-        raise s.violation("zero-tokens-after-alloc", "update_state_after_alloc(req, <no blocks>, 0)",
-                          "tolerated: a composite passes 0 to every child but the loading one", exc) from exc
+        raise s.violation(
+            "zero-tokens-after-alloc",
+            "update_state_after_alloc(req, <no blocks>, 0)",
+            "tolerated: a composite passes 0 to every child but the loading one",
+            exc,
+        ) from exc
 
 
 def metadata_pickles(s: Subject) -> None:
@@ -149,8 +166,12 @@ def metadata_pickles(s: Subject) -> None:
     try:
         back = pickle.loads(pickle.dumps(meta))
     except Exception as exc:
-        raise s.violation("metadata-pickles", f"pickle.dumps({call})",
-                          "metadata that pickles (vLLM ships it to worker processes)", exc) from exc
+        raise s.violation(
+            "metadata-pickles",
+            f"pickle.dumps({call})",
+            "metadata that pickles (vLLM ships it to worker processes)",
+            exc,
+        ) from exc
     if type(back) is not type(meta):
         raise s.violation("metadata-pickles", "pickle round trip", type(meta).__name__, type(back).__name__)
 
@@ -175,15 +196,24 @@ def finish_is_idempotent(s: Subject) -> None:
         try:
             answers.append(finish())
         except Exception as exc:
-            raise s.violation("finish-is-idempotent", f"{call}, called {len(answers) + 1}x",
-                              "a second call for the same request is harmless", exc) from exc
+            raise s.violation(
+                "finish-is-idempotent",
+                f"{call}, called {len(answers) + 1}x",
+                "a second call for the same request is harmless",
+                exc,
+            ) from exc
     for a in answers:
-        if not (isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], bool)
-                and (a[1] is None or isinstance(a[1], dict))):
+        if not (
+            isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], bool) and (a[1] is None or isinstance(a[1], dict))
+        ):
             raise s.violation("finish-is-idempotent", call, "(delay_free: bool, kv_transfer_params: dict | None)", a)
     if answers[0][0] is False and answers[1][0] is True:
-        raise s.violation("finish-is-idempotent", f"{call}, twice",
-                          "no delayed free on the repeat when the first call freed at once", answers)
+        raise s.violation(
+            "finish-is-idempotent",
+            f"{call}, twice",
+            "no delayed free on the repeat when the first call freed at once",
+            answers,
+        )
 
 
 def empty_output_is_tolerated(s: Subject) -> None:
@@ -193,8 +223,12 @@ def empty_output_is_tolerated(s: Subject) -> None:
         s.connector.update_connector_output(KVConnectorOutput())
         list(s.connector.take_events())
     except Exception as exc:
-        raise s.violation("empty-output-is-tolerated", "update_connector_output(KVConnectorOutput()); take_events()",
-                          "a step with no KV results is a no-op", exc) from exc
+        raise s.violation(
+            "empty-output-is-tolerated",
+            "update_connector_output(KVConnectorOutput()); take_events()",
+            "a step with no KV results is a no-op",
+            exc,
+        ) from exc
 
 
 def plain_request_runs_to_completion(s: Subject) -> None:
@@ -209,8 +243,12 @@ def plain_request_runs_to_completion(s: Subject) -> None:
     try:
         assert_scheduler_empty(s.scheduler)
     except AssertionError as exc:
-        raise s.violation("plain-request-runs-to-completion", "engine steps (scheduler + worker) until EOS",
-                          "no request and no block held once a plain request finished", str(exc)) from exc
+        raise s.violation(
+            "plain-request-runs-to-completion",
+            "engine steps (scheduler + worker) until EOS",
+            "no request and no block held once a plain request finished",
+            str(exc),
+        ) from exc
 
 
 def class_answers_are_valid(s: Subject) -> None:
@@ -221,29 +259,51 @@ def class_answers_are_valid(s: Subject) -> None:
     layout = cls.get_required_kvcache_layout(s.connector._vllm_config)
     valid = {m.name for m in KVCacheLayout} | {"NHD", "HND"}
     if layout is not None and layout not in valid:
-        raise s.violation("class-answers-are-valid", f"{cls.__name__}.get_required_kvcache_layout(config)",
-                          f"None or one of {sorted(valid)}", layout)
+        raise s.violation(
+            "class-answers-are-valid",
+            f"{cls.__name__}.get_required_kvcache_layout(config)",
+            f"None or one of {sorted(valid)}",
+            layout,
+        )
     stats = cls.build_kv_connector_stats()
     if stats is not None and not isinstance(stats, KVConnectorStats):
-        raise s.violation("class-answers-are-valid", f"{cls.__name__}.build_kv_connector_stats()",
-                          "None or a KVConnectorStats", stats)
+        raise s.violation(
+            "class-answers-are-valid", f"{cls.__name__}.build_kv_connector_stats()", "None or a KVConnectorStats", stats
+        )
 
 
 CONTRACTS: tuple[Contract, ...] = (
-    Contract("lookup-is-side-effect-free", "get_num_new_matched_tokens may be called repeatedly and "
-             "should be side-effect free", lookup_is_side_effect_free),
+    Contract(
+        "lookup-is-side-effect-free",
+        "get_num_new_matched_tokens may be called repeatedly and should be side-effect free",
+        lookup_is_side_effect_free,
+    ),
     Contract("nothing-matches-is-zero", "(0, False) when no external token matches", nothing_matches_is_zero),
     Contract("async-only-with-tokens", "the async flag is False when the count is 0", async_only_with_tokens),
-    Contract("zero-tokens-after-alloc", "update_state_after_alloc decides on num_external_tokens; 0 is tolerated",
-             zero_tokens_after_alloc),
-    Contract("metadata-pickles", "build_connector_meta returns KVConnectorMetadata that crosses processes",
-             metadata_pickles),
-    Contract("finish-is-idempotent", "request_finished[_all_groups] returns (bool, dict|None); a repeat is harmless",
-             finish_is_idempotent),
-    Contract("empty-output-is-tolerated", "update_connector_output/take_events on an empty step are no-ops",
-             empty_output_is_tolerated),
-    Contract("plain-request-runs-to-completion", "a plain request leaves no request or block behind",
-             plain_request_runs_to_completion, needs_worker=True),
+    Contract(
+        "zero-tokens-after-alloc",
+        "update_state_after_alloc decides on num_external_tokens; 0 is tolerated",
+        zero_tokens_after_alloc,
+    ),
+    Contract(
+        "metadata-pickles", "build_connector_meta returns KVConnectorMetadata that crosses processes", metadata_pickles
+    ),
+    Contract(
+        "finish-is-idempotent",
+        "request_finished[_all_groups] returns (bool, dict|None); a repeat is harmless",
+        finish_is_idempotent,
+    ),
+    Contract(
+        "empty-output-is-tolerated",
+        "update_connector_output/take_events on an empty step are no-ops",
+        empty_output_is_tolerated,
+    ),
+    Contract(
+        "plain-request-runs-to-completion",
+        "a plain request leaves no request or block behind",
+        plain_request_runs_to_completion,
+        needs_worker=True,
+    ),
     Contract("class-answers-are-valid", "class-level answers are None or valid values", class_answers_are_valid),
 )
 
@@ -260,9 +320,15 @@ def composition(type_name: str, options: dict[str, Any] | None = None, role: str
     return f"version: 1\nconnectors:\n  - {json.dumps(child)}\n"  # JSON is YAML
 
 
-def conformance(type_name: str, options: dict[str, Any] | None = None, *, role: str | None = None,
-                plugin: object | None = None, num_blocks: int = 64,
-                contracts: tuple[Contract, ...] = CONTRACTS) -> Callable[..., None]:
+def conformance(
+    type_name: str,
+    options: dict[str, Any] | None = None,
+    *,
+    role: str | None = None,
+    plugin: object | None = None,
+    num_blocks: int = 64,
+    contracts: tuple[Contract, ...] = CONTRACTS,
+) -> Callable[..., None]:
     """A pytest test function, parametrised over ``contracts``, for one connector type.
 
     Assign it to a ``test_*`` name in a test module. ``options`` and ``role`` configure the
@@ -271,9 +337,8 @@ def conformance(type_name: str, options: dict[str, Any] | None = None, *, role: 
     text = composition(type_name, options, role)
 
     @pytest.mark.parametrize("contract", contracts, ids=[c.id for c in contracts])
-    def test_conformance(contract: Contract, kvcompose_plugins: "Plugins") -> None:
+    def test_conformance(contract: Contract, kvcompose_plugins: Plugins) -> None:
         from kvcompose.testing.harness import scheduler_from_yaml
-
         from kvcompose.testing.worker import WorkerHarness
 
         registered = plugin is not None and not kvcompose_plugins.pm.is_registered(plugin)
@@ -286,8 +351,9 @@ def conformance(type_name: str, options: dict[str, Any] | None = None, *, role: 
                 worker = WorkerHarness.from_yaml(text, plugins=kvcompose_plugins, block_size=32, num_blocks=num_blocks)
                 subject = Subject(type_name, worker.scheduler, worker, block_size=32)
             else:
-                subject = Subject(type_name, scheduler_from_yaml(text, plugins=kvcompose_plugins,
-                                                                 num_blocks=num_blocks))
+                subject = Subject(
+                    type_name, scheduler_from_yaml(text, plugins=kvcompose_plugins, num_blocks=num_blocks)
+                )
             try:
                 contract.check(subject)
             except ContractViolation as exc:

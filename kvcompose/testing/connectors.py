@@ -82,7 +82,9 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
         self._rec("request_finished", request.request_id)
         return self.delay_free, self.params
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._rec("request_finished_all_groups", request.request_id)
         return self.delay_free, self.params
 
@@ -144,7 +146,8 @@ class FaultyConnector(RecordConnector):
     """A record connector with the faults of its ``faults`` option (see ``kvcompose.testing.types.Fault``).
 
     Each fault wraps the named call on this instance: ``raise`` raises :class:`FaultInjected`,
-    ``none`` returns ``None`` (``(None, False)``, "ask again later", from a lookup), ``stall`` sleeps ``seconds`` then answers, ``fail-load`` makes
+    ``none`` returns ``None`` (``(None, False)``, "ask again later", from a lookup), ``stall`` sleeps
+    ``seconds`` then answers, ``fail-load`` makes
     ``get_transfer_results`` report the named requests' bound loads (all of them when no request
     is named) finished and failed, and ``get_block_ids_with_load_errors`` return their blocks.
     A fault with ``requests`` fires only for calls about those requests. ``fired`` lists
@@ -177,8 +180,10 @@ class FaultyConnector(RecordConnector):
                     return self._fail_loads(fn(*args, **kwargs), f.requests)
                 self.fired.append((call, f.action, req))
                 if f.action == "raise":
-                    raise FaultInjected(f"faulty connector {self.name!r}: injected failure in {call}"
-                                        + (f" for request {req}" if req else ""))
+                    raise FaultInjected(
+                        f"faulty connector {self.name!r}: injected failure in {call}"
+                        + (f" for request {req}" if req else "")
+                    )
                 if f.action == "none":
                     # vLLM's "no answer yet" for a lookup is (None, False); elsewhere a bare None.
                     return (None, False) if call == "get_num_new_matched_tokens" else None
@@ -192,8 +197,9 @@ class FaultyConnector(RecordConnector):
         for r in failing:
             self.fired.append(("get_transfer_results", "fail-load", r))
             self._load_errors.update(self.loading.pop(r))
-        return KVConnectorTransferResults(set(res.finished_sending), set(res.finished_recving) | set(failing),
-                                          set(res.failed_recving) | set(failing))
+        return KVConnectorTransferResults(
+            set(res.finished_sending), set(res.finished_recving) | set(failing), set(res.failed_recving) | set(failing)
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         super().get_block_ids_with_load_errors()

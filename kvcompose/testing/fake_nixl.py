@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pytest
@@ -77,9 +77,9 @@ class FakeNixl:
     """The agents of one test, and the knobs that script their transfers."""
 
     cycles_before_done: int = 0
-    agents: dict[str, "FakeNixlAgent"] = field(default_factory=dict)
+    agents: dict[str, FakeNixlAgent] = field(default_factory=dict)
     _faults: list[str] = field(default_factory=list)
-    _harnesses: list["WorkerHarness"] = field(default_factory=list)
+    _harnesses: list[WorkerHarness] = field(default_factory=list)
 
     def fail_next(self, kind: str) -> None:
         """The next transfer: ``"err"`` (state ERR), ``"raise"`` (transfer raises), ``"drop-notif"``."""
@@ -87,7 +87,7 @@ class FakeNixl:
             raise ValueError(f"fail_next: unknown kind {kind!r}; expected err, raise or drop-notif")
         self._faults.append(kind)
 
-    def agent_class(self) -> type["FakeNixlAgent"]:
+    def agent_class(self) -> type[FakeNixlAgent]:
         """A ``nixl_agent``-compatible class whose instances belong to this controller."""
         controller = self
 
@@ -97,18 +97,18 @@ class FakeNixl:
 
         return BoundFakeNixlAgent
 
-    def install(self, monkeypatch: "pytest.MonkeyPatch") -> None:
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Make vLLM's NIXL worker create fake agents (undone with the monkeypatch)."""
         monkeypatch.setattr(PATCH_TARGET, self.agent_class())
 
     def pair(
         self,
-        producer: "str | Path | dict[str, Any]" = PRODUCER,
-        consumer: "str | Path | dict[str, Any]" = CONSUMER,
+        producer: str | Path | dict[str, Any] = PRODUCER,
+        consumer: str | Path | dict[str, Any] = CONSUMER,
         *,
         block_size: int = 32,
         **kw: Any,
-    ) -> "tuple[WorkerHarness, WorkerHarness]":
+    ) -> tuple[WorkerHarness, WorkerHarness]:
         """A prefill-side and a decode-side worker harness, handshaken (consumer knows producer).
 
         Each side is a ``kv_transfer_config`` dict or a composition (YAML text or file) with a
@@ -119,9 +119,12 @@ class FakeNixl:
         """
         from kvcompose.testing.worker import WorkerHarness
 
-        def build(source: "str | Path | dict[str, Any]") -> WorkerHarness:
-            h = (WorkerHarness(source, block_size=block_size, **kw) if isinstance(source, dict)
-                 else WorkerHarness.from_yaml(source, block_size=block_size, **kw))
+        def build(source: str | Path | dict[str, Any]) -> WorkerHarness:
+            h = (
+                WorkerHarness(source, block_size=block_size, **kw)
+                if isinstance(source, dict)
+                else WorkerHarness.from_yaml(source, block_size=block_size, **kw)
+            )
             self._harnesses.append(h)
             return h
 
@@ -152,8 +155,9 @@ class FakeNixl:
         wire = msgspec.msgpack.encode(remote.xfer_handshake_metadata)
         payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(wire)
         if local.enforce_compat_hash and payload.compatibility_hash != local.compat_hash:
-            raise RuntimeError(f"NIXL compatibility hash mismatch. Local: {local.compat_hash}, "
-                               f"Remote: {payload.compatibility_hash}.")
+            raise RuntimeError(
+                f"NIXL compatibility hash mismatch. Local: {local.compat_hash}, Remote: {payload.compatibility_hash}."
+            )
         meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
         local._validate_remote_parallel_config(meta)
         name = local.add_remote_agent(meta, 0, remote.world_size, meta.dcp_size)
@@ -170,7 +174,7 @@ class FakeNixl:
             self._harnesses.pop().shutdown()
 
 
-def nixl_worker(target: Any) -> "NixlBaseConnectorWorker":
+def nixl_worker(target: Any) -> NixlBaseConnectorWorker:
     """vLLM's NIXL worker inside a worker harness or a worker-role connector.
 
     ``target`` is vLLM's NixlConnector (or a subclass, as the ``nixl`` type's), or a composed
@@ -182,8 +186,11 @@ def nixl_worker(target: Any) -> "NixlBaseConnectorWorker":
     worker = getattr(conn, "connector_worker", None)
     if isinstance(worker, NixlBaseConnectorWorker):
         return worker
-    found = [c.connector_worker for c in getattr(conn, "_connectors", [])
-             if isinstance(getattr(c, "connector_worker", None), NixlBaseConnectorWorker)]
+    found = [
+        c.connector_worker
+        for c in getattr(conn, "_connectors", [])
+        if isinstance(getattr(c, "connector_worker", None), NixlBaseConnectorWorker)
+    ]
     if len(found) != 1:
         raise ValueError(f"nixl_worker: {type(conn).__name__} has {len(found)} NIXL workers, expected one")
     return found[0]
@@ -192,8 +199,14 @@ def nixl_worker(target: Any) -> "NixlBaseConnectorWorker":
 class FakeNixlAgent:
     """The ``nixl_agent`` surface vLLM uses, over host memory."""
 
-    def __init__(self, agent_name: str, nixl_conf: Any = None, instantiate_all: bool = False,
-                 *, _controller: FakeNixl | None = None) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        nixl_conf: Any = None,
+        instantiate_all: bool = False,
+        *,
+        _controller: FakeNixl | None = None,
+    ) -> None:
         self.name = agent_name
         self.conf = nixl_conf
         self.controller = _controller or FakeNixl()
@@ -230,11 +243,15 @@ class FakeNixlAgent:
         self._rec("create_backend", backend)
         self.backends[backend] = dict(initParams)
 
-    def get_reg_descs(self, descs: Any, mem_type: Optional[str] = None) -> list[tuple[int, int, int]]:
+    def get_reg_descs(self, descs: Any, mem_type: str | None = None) -> list[tuple[int, int, int]]:
         return self._descs(descs)
 
-    def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
-                        backends: list[str] = []) -> list[tuple[int, int, int]]:  # noqa: B006
+    def register_memory(
+        self,
+        reg_list: Any,
+        mem_type: str | None = None,
+        backends: list[str] = [],  # noqa: B006
+    ) -> list[tuple[int, int, int]]:
         self._rec("register_memory", mem_type)
         regs = self._descs(reg_list)
         self.registered.append(regs)
@@ -247,11 +264,16 @@ class FakeNixlAgent:
             raise FakeNixlError(f"agent {self.name}: deregister_memory of memory that is not registered")
         self.registered.remove(regs)
 
-    def get_xfer_descs(self, descs: Any, mem_type: Optional[str] = None) -> list[tuple[int, int, int]]:
+    def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> list[tuple[int, int, int]]:
         return self._descs(descs)
 
-    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Optional[str] = None,
-                        backends: list[str] = []) -> int:  # noqa: B006
+    def prep_xfer_dlist(
+        self,
+        agent_name: str,
+        xfer_list: Any,
+        mem_type: str | None = None,
+        backends: list[str] = [],  # noqa: B006
+    ) -> int:
         self._rec("prep_xfer_dlist", agent_name, mem_type)
         if agent_name != LOCAL and agent_name not in self.remote_agents:
             raise FakeNixlError(f"agent {self.name}: prep_xfer_dlist for unknown remote agent {agent_name!r}")
@@ -285,9 +307,17 @@ class FakeNixlAgent:
 
     # ------------------------------------------------------------------ transfers
 
-    def make_prepped_xfer(self, operation: str, local_xfer_side: int, local_indices: Any, remote_xfer_side: int,
-                          remote_indices: Any, notif_msg: bytes = b"", backends: list[str] = [],  # noqa: B006
-                          skip_desc_merge: bool = False) -> int:
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: int,
+        local_indices: Any,
+        remote_xfer_side: int,
+        remote_indices: Any,
+        notif_msg: bytes = b"",
+        backends: list[str] = [],  # noqa: B006
+        skip_desc_merge: bool = False,
+    ) -> int:
         self._rec("make_prepped_xfer", operation)
         if operation not in ("READ", "WRITE"):
             raise FakeNixlError(f"agent {self.name}: operation must be READ or WRITE, got {operation!r}")
@@ -297,8 +327,14 @@ class FakeNixlAgent:
         if len(li) != len(ri):
             raise FakeNixlError(f"agent {self.name}: {len(li)} local and {len(ri)} remote descriptors")
         handle = next(self._ids)
-        self._xfers[handle] = _Xfer(operation, [local[i] for i in li], [remote[i] for i in ri], remote_agent,
-                                    bytes(notif_msg), self.controller.cycles_before_done)
+        self._xfers[handle] = _Xfer(
+            operation,
+            [local[i] for i in li],
+            [remote[i] for i in ri],
+            remote_agent,
+            bytes(notif_msg),
+            self.controller.cycles_before_done,
+        )
         return handle
 
     def transfer(self, handle: int, notif_msg: bytes = b"") -> str:
@@ -347,7 +383,7 @@ class FakeNixlAgent:
 
     # ------------------------------------------------------------------ notifications
 
-    def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: Optional[str] = None) -> None:
+    def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: str | None = None) -> None:
         self._rec("send_notif", remote_agent_name, notif_msg)
         peer = self.controller.agents.get(remote_agent_name)
         if peer is None:
@@ -357,4 +393,3 @@ class FakeNixlAgent:
     def get_new_notifs(self, backends: list[str] = []) -> dict[str, list[bytes]]:  # noqa: B006
         out, self.notifs = dict(self.notifs), defaultdict(list)
         return out
-

@@ -53,14 +53,19 @@ def make_kv_cache_config(
     A full-attention group of ``num_layers`` layers, plus an overlaid sliding-window group if
     asked; see :func:`kvcompose.testing.kv.make_engine_kv` for the tensors too.
     """
-    return make_engine_kv(num_layers=num_layers, block_size=block_size, num_blocks=num_blocks,
-                          num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
-                          sliding_window=sliding_window, allocate=False).kv_cache_config
+    return make_engine_kv(
+        num_layers=num_layers,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        sliding_window=sliding_window,
+        allocate=False,
+    ).kv_cache_config
 
 
-def make_scheduler(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None
-) -> Scheduler:
+def make_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> Scheduler:
     """vLLM's own ``Scheduler`` (scheduler role connector only: no worker, no NIXL agent)."""
     if kv_cache_config is None:
         kv_cache_config = make_kv_cache_config(block_size=vllm_config.cache_config.block_size)
@@ -74,7 +79,7 @@ def make_scheduler(
     )
 
 
-def yaml_kv_transfer_config(source: str | Path, plugins: "Plugins | None" = None) -> dict[str, Any]:
+def yaml_kv_transfer_config(source: str | Path, plugins: Plugins | None = None) -> dict[str, Any]:
     """The ``kv_transfer_config`` that ``kvcompose vllm-args`` renders for a composition.
 
     ``source`` is YAML text, or a path to a YAML file (a ``Path``, or a one-line string naming
@@ -104,8 +109,9 @@ def scheduler_for(
     ``num_blocks`` blocks, plus an overlaid sliding-window group with ``sliding_window``.
     """
     vllm_config = make_vllm_config(kv_transfer_config, block_size=block_size, **cfg)
-    return make_scheduler(vllm_config, make_kv_cache_config(num_blocks, block_size=block_size,
-                                                            sliding_window=sliding_window))
+    return make_scheduler(
+        vllm_config, make_kv_cache_config(num_blocks, block_size=block_size, sliding_window=sliding_window)
+    )
 
 
 def scheduler_from_yaml(
@@ -187,9 +193,7 @@ def decode_request(
         "remote_port": remote_port,
         "tp_size": 1,
     }
-    return make_request(
-        num_tokens, block_size=block_size, request_id=rid, kv_transfer_params=params, **kw
-    )
+    return make_request(num_tokens, block_size=block_size, request_id=rid, kv_transfer_params=params, **kw)
 
 
 def model_runner_output(
@@ -211,8 +215,15 @@ def model_runner_output(
     kv_out = None
     if any(
         x is not None
-        for x in (finished_sending, finished_recving, failed_recving, invalid_block_ids,
-                  worker_meta, kv_cache_events, stats)
+        for x in (
+            finished_sending,
+            finished_recving,
+            failed_recving,
+            invalid_block_ids,
+            worker_meta,
+            kv_cache_events,
+            stats,
+        )
     ):
         kv_out = KVConnectorOutput(
             finished_sending=finished_sending,
@@ -234,9 +245,7 @@ def model_runner_output(
     )
 
 
-def step(
-    scheduler: Scheduler, *, eos: bool = False, **kv: Any
-) -> tuple[Any, Any]:
+def step(scheduler: Scheduler, *, eos: bool = False, **kv: Any) -> tuple[Any, Any]:
     """One engine step: ``schedule()``, then the worker's output for what was scheduled."""
     out = scheduler.schedule()
     running = [scheduler.requests[r] for r in out.num_scheduled_tokens]

@@ -37,8 +37,8 @@ def layer_name(i: int) -> str:
 class EngineKV:
     """A KV cache config, its per-layer CPU tensors (empty when not allocated), and its config."""
 
-    vllm_config: "VllmConfig"
-    kv_cache_config: "KVCacheConfig"
+    vllm_config: VllmConfig
+    kv_cache_config: KVCacheConfig
     kv_caches: dict[str, torch.Tensor]
 
     @property
@@ -79,11 +79,7 @@ def make_vllm_config(
     """
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    ktc = (
-        KVTransferConfig(**kv_transfer_config)
-        if isinstance(kv_transfer_config, dict)
-        else kv_transfer_config
-    )
+    ktc = KVTransferConfig(**kv_transfer_config) if isinstance(kv_transfer_config, dict) else kv_transfer_config
     model_config = ModelConfig(
         model=str(model),
         skip_tokenizer_init=True,
@@ -122,8 +118,8 @@ def make_engine_kv(
     dtype: torch.dtype = torch.float32,
     layout: str = CPU_LAYOUT,
     sliding_window: int | None = None,
-    kv_transfer_config: "dict[str, Any] | None" = None,
-    vllm_config: "VllmConfig | None" = None,
+    kv_transfer_config: dict[str, Any] | None = None,
+    vllm_config: VllmConfig | None = None,
     allocate: bool = True,
 ) -> EngineKV:
     """Lay out (and, with ``allocate``, allocate) a KV cache as an engine does.
@@ -139,8 +135,10 @@ def make_engine_kv(
     from vllm.v1.worker.utils import allocate_kv_cache
 
     if num_layers < 1 or num_blocks < 2:
-        raise ValueError(f"make_engine_kv: need num_layers >= 1 and num_blocks >= 2 "
-                         f"(block 0 is vLLM's null block), got {num_layers} and {num_blocks}")
+        raise ValueError(
+            f"make_engine_kv: need num_layers >= 1 and num_blocks >= 2 "
+            f"(block 0 is vLLM's null block), got {num_layers} and {num_blocks}"
+        )
     if vllm_config is None:
         vllm_config = make_vllm_config(kv_transfer_config, block_size=block_size)
     cache = vllm_config.cache_config
@@ -149,8 +147,13 @@ def make_engine_kv(
     full = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     groups = [KVCacheGroupSpec([layer_name(i) for i in range(num_layers)], full)]
     if sliding_window is not None:
-        swa = SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-                                dtype=dtype, sliding_window=sliding_window)
+        swa = SlidingWindowSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=dtype,
+            sliding_window=sliding_window,
+        )
         groups.append(KVCacheGroupSpec([layer_name(num_layers + i) for i in range(num_layers)], swa))
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, 1 << 40)
     assert kv_cache_config.num_blocks == num_blocks, (kv_cache_config.num_blocks, num_blocks)
@@ -158,7 +161,8 @@ def make_engine_kv(
     cache.num_gpu_blocks = num_blocks
     kv_caches = (
         allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [block_size] * len(groups))
-        if allocate else {}
+        if allocate
+        else {}
     )
     return EngineKV(vllm_config, kv_cache_config, kv_caches)
 

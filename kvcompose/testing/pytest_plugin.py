@@ -41,7 +41,7 @@ TYPES_PLUGIN_NAME = "kvcompose.testing.types"
 
 
 @pytest.fixture
-def kvcompose_plugins() -> Iterator["Plugins"]:
+def kvcompose_plugins() -> Iterator[Plugins]:
     """The global plugin manager (the one vLLM's composed connector uses) with the test types."""
     import kvcompose.testing.types as types
     from kvcompose.plugins import get_plugins
@@ -58,26 +58,29 @@ def kvcompose_plugins() -> Iterator["Plugins"]:
 
 
 @pytest.fixture
-def kvcompose_scheduler(kvcompose_plugins: "Plugins") -> Callable[..., "Scheduler"]:
+def kvcompose_scheduler(kvcompose_plugins: Plugins) -> Callable[..., Scheduler]:
     """Factory for vLLM's real ``Scheduler`` around a composition (YAML text or file)."""
     from kvcompose.testing.harness import scheduler_from_yaml
 
-    def make(source: str | Path, **kw: Any) -> "Scheduler":
+    def make(source: str | Path, **kw: Any) -> Scheduler:
         return scheduler_from_yaml(source, plugins=kvcompose_plugins, **kw)
 
     return make
 
 
 @pytest.fixture
-def kvcompose_worker(kvcompose_plugins: "Plugins") -> Iterator[Callable[..., "WorkerHarness"]]:
+def kvcompose_worker(kvcompose_plugins: Plugins) -> Iterator[Callable[..., WorkerHarness]]:
     """Factory for worker harnesses (composition YAML text or file, or a kv_transfer_config dict)."""
     from kvcompose.testing.worker import WorkerHarness
 
     made: list[WorkerHarness] = []
 
     def make(source: str | Path | dict[str, Any], **kw: Any) -> WorkerHarness:
-        h = WorkerHarness(source, **kw) if isinstance(source, dict) else WorkerHarness.from_yaml(
-            source, plugins=kvcompose_plugins, **kw)
+        h = (
+            WorkerHarness(source, **kw)
+            if isinstance(source, dict)
+            else WorkerHarness.from_yaml(source, plugins=kvcompose_plugins, **kw)
+        )
         made.append(h)
         return h
 
@@ -87,7 +90,7 @@ def kvcompose_worker(kvcompose_plugins: "Plugins") -> Iterator[Callable[..., "Wo
 
 
 @pytest.fixture
-def fake_nixl(monkeypatch: pytest.MonkeyPatch) -> Iterator["FakeNixl"]:
+def fake_nixl(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNixl]:
     """Swap the NIXL agent vLLM's NIXL worker creates for the kit's fake, for this test."""
     from kvcompose.testing.fake_nixl import FakeNixl
 

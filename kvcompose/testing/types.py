@@ -10,8 +10,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from kvcompose import hookimpl
-from kvcompose.catalog import ConnectorType, Options
-from kvcompose.catalog import Child
+from kvcompose.catalog import Child, ConnectorType, Options
 
 
 class RecordOptions(Options):
@@ -23,18 +22,44 @@ class RecordOptions(Options):
 
 #: Every engine call a fault may name: the methods of vLLM's ``KVConnectorBase_V1`` that a
 #: composed connector forwards to a child (pinned to vLLM's class by the kit's tests).
-FAULT_CALLS: frozenset[str] = frozenset({
-    # scheduler side
-    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
-    "request_finished_all_groups", "update_connector_output", "on_new_request", "take_events",
-    "get_finished_count", "has_pending_block_frees", "reset_cache", "bind_kv_cache_manager",
-    "bind_gpu_block_pool", "get_loaded_kv_cache_group_ids", "set_xfer_handshake_metadata_pp_aware",
-    # worker side
-    "register_kv_caches", "set_host_xfer_buffer_ops", "bind_connector_metadata", "clear_connector_metadata",
-    "handle_preemptions", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
-    "get_finished", "get_transfer_results", "get_block_ids_with_load_errors", "get_kv_connector_stats",
-    "get_kv_connector_kv_cache_events", "build_connector_worker_meta", "get_handshake_metadata", "shutdown",
-})
+FAULT_CALLS: frozenset[str] = frozenset(
+    {
+        # scheduler side
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "request_finished",
+        "request_finished_all_groups",
+        "update_connector_output",
+        "on_new_request",
+        "take_events",
+        "get_finished_count",
+        "has_pending_block_frees",
+        "reset_cache",
+        "bind_kv_cache_manager",
+        "bind_gpu_block_pool",
+        "get_loaded_kv_cache_group_ids",
+        "set_xfer_handshake_metadata_pp_aware",
+        # worker side
+        "register_kv_caches",
+        "set_host_xfer_buffer_ops",
+        "bind_connector_metadata",
+        "clear_connector_metadata",
+        "handle_preemptions",
+        "start_load_kv",
+        "wait_for_layer_load",
+        "save_kv_layer",
+        "wait_for_save",
+        "get_finished",
+        "get_transfer_results",
+        "get_block_ids_with_load_errors",
+        "get_kv_connector_stats",
+        "get_kv_connector_kv_cache_events",
+        "build_connector_worker_meta",
+        "get_handshake_metadata",
+        "shutdown",
+    }
+)
 
 FaultAction = Literal["raise", "none", "stall", "fail-load"]
 
@@ -73,10 +98,19 @@ class RecordType(ConnectorType):
     def vllm_config(self, child: Child) -> dict[str, Any]:
         o = child.options
         assert isinstance(o, RecordOptions)
-        extra = {"name": child.name, **{k: v for k, v in msgspec.to_builtins(o).items()
-                                        if k in ("matched_tokens", "is_async", "delay_free", "params")}}
-        return {"kv_connector": "RecordConnector", "kv_connector_module_path": "kvcompose.testing.connectors",
-                "kv_connector_extra_config": extra}
+        extra = {
+            "name": child.name,
+            **{
+                k: v
+                for k, v in msgspec.to_builtins(o).items()
+                if k in ("matched_tokens", "is_async", "delay_free", "params")
+            },
+        }
+        return {
+            "kv_connector": "RecordConnector",
+            "kv_connector_module_path": "kvcompose.testing.connectors",
+            "kv_connector_extra_config": extra,
+        }
 
     def describe(self, child: Child) -> str:
         return f"records calls; answers {child.options.matched_tokens} matched tokens"  # type: ignore[attr-defined]
@@ -87,8 +121,9 @@ class RecordPDType(RecordType):
     summary = "test double of a P/D transport: owns the NIXL-style kv_transfer_params keys"
     owns_handshake = True
     owns_host_buffer_ops = True
-    param_keys = frozenset({"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
-                            "remote_host", "remote_port"})
+    param_keys = frozenset(
+        {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_host", "remote_port"}
+    )
 
 
 class FaultyType(RecordType):

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 LayerWrite = Callable[[str, torch.Tensor], None]
 
 
-def ensure_single_rank_distributed(vllm_config: "VllmConfig") -> None:
+def ensure_single_rank_distributed(vllm_config: VllmConfig) -> None:
     """A one-process tensor/pipeline-parallel world (gloo), as a single-GPU worker has.
 
     Workers of P/D connectors (NIXL) ask vLLM for their TP rank; outside an engine nobody has
@@ -91,8 +91,9 @@ def ensure_single_rank_distributed(vllm_config: "VllmConfig") -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+        )
         ensure_model_parallel_initialized(1, 1)
 
 
@@ -110,7 +111,7 @@ class WorkerHarness:
 
     def __init__(
         self,
-        kv_transfer_config: "dict[str, Any] | KVTransferConfig",
+        kv_transfer_config: dict[str, Any] | KVTransferConfig,
         *,
         num_layers: int = 2,
         num_blocks: int = 64,
@@ -131,9 +132,16 @@ class WorkerHarness:
         assert vllm_config.kv_transfer_config is not None
         #: The engine-shaped KV caches, their config and the ``VllmConfig`` they were made for.
         self.kv: EngineKV = make_engine_kv(
-            num_layers=num_layers, block_size=block_size, num_blocks=num_blocks, num_kv_heads=num_kv_heads,
-            head_size=head_size, dtype=dtype, layout=layout, sliding_window=sliding_window,
-            vllm_config=vllm_config)
+            num_layers=num_layers,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=dtype,
+            layout=layout,
+            sliding_window=sliding_window,
+            vllm_config=vllm_config,
+        )
         ensure_single_rank_distributed(vllm_config)
         cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
         #: The worker-role connector under test.
@@ -146,7 +154,7 @@ class WorkerHarness:
             self.register()
 
     @classmethod
-    def from_yaml(cls, source: str | Path, *, plugins: "Plugins | None" = None, **kw: Any) -> "WorkerHarness":
+    def from_yaml(cls, source: str | Path, *, plugins: Plugins | None = None, **kw: Any) -> WorkerHarness:
         """The composed connector for a composition (YAML text or file); ``kw`` as the constructor."""
         from kvcompose.testing.harness import yaml_kv_transfer_config
 
@@ -155,7 +163,7 @@ class WorkerHarness:
     # ------------------------------------------------------------------ accessors
 
     @property
-    def vllm_config(self) -> "VllmConfig":
+    def vllm_config(self) -> VllmConfig:
         return self.kv.vllm_config
 
     @property
@@ -166,7 +174,7 @@ class WorkerHarness:
     def layer_names(self) -> list[str]:
         return self.kv.layer_names
 
-    def child(self, name: str) -> "KVConnectorBase_V1":
+    def child(self, name: str) -> KVConnectorBase_V1:
         """A child connector: by composition name (kvcompose), or by class name (vLLM's MultiConnector)."""
         from kvcompose.vllm.connector import KVComposeConnector
 
@@ -179,7 +187,7 @@ class WorkerHarness:
         return found[0]
 
     @property
-    def scheduler(self) -> "Scheduler":
+    def scheduler(self) -> Scheduler:
         """vLLM's ``Scheduler`` (scheduler-role connector) on this harness's configs, built on first use."""
         if self._scheduler is None:
             from kvcompose.testing.harness import make_scheduler
@@ -196,7 +204,7 @@ class WorkerHarness:
         self.connector.register_kv_caches(self.kv.kv_caches)
         self.connector.set_host_xfer_buffer_ops(copy_kv_blocks)
 
-    def idle_metadata(self) -> "KVConnectorMetadata":
+    def idle_metadata(self) -> KVConnectorMetadata:
         """The metadata the scheduler-role connector builds for a step with no request.
 
         Built once by an engine step of :attr:`scheduler` (so it is only valid while that
@@ -212,14 +220,14 @@ class WorkerHarness:
 
     def step(
         self,
-        work: "SchedulerOutput | KVConnectorMetadata",
+        work: SchedulerOutput | KVConnectorMetadata,
         *,
         finished_req_ids: Iterable[str] = (),
         sync_loads: bool | None = None,
         write: LayerWrite | None = None,
         attn_metadata: Any = None,
         layers: bool = True,
-    ) -> "KVConnectorOutput":
+    ) -> KVConnectorOutput:
         """One model-runner step's connector calls; returns the step's ``KVConnectorOutput``.
 
         ``work`` is a ``SchedulerOutput`` (its metadata, ``finished_req_ids`` and
@@ -235,8 +243,10 @@ class WorkerHarness:
             meta, finished, sync = work, set(finished_req_ids), bool(sync_loads)
         else:
             if work.kv_connector_metadata is None:
-                raise ValueError("step: the SchedulerOutput carries no kv_connector_metadata "
-                                 "(was its scheduler built without a kv_transfer_config?)")
+                raise ValueError(
+                    "step: the SchedulerOutput carries no kv_connector_metadata "
+                    "(was its scheduler built without a kv_transfer_config?)"
+                )
             meta = work.kv_connector_metadata
             finished = set(work.finished_req_ids) | set(finished_req_ids)
             sync = work.has_sync_kv_loads if sync_loads is None else sync_loads
@@ -269,8 +279,9 @@ class WorkerHarness:
         conn.clear_connector_metadata()
         return output
 
-    def engine_step(self, *, eos: bool = False, write_blocks: bool = False,
-                    **step_kw: Any) -> "tuple[SchedulerOutput, Any]":
+    def engine_step(
+        self, *, eos: bool = False, write_blocks: bool = False, **step_kw: Any
+    ) -> tuple[SchedulerOutput, Any]:
         """One engine step: :attr:`scheduler` schedules, this worker runs its connector step,
         the scheduler takes the worker's output (one sampled token per running request).
 
@@ -282,13 +293,13 @@ class WorkerHarness:
         """
         user_write: LayerWrite | None = step_kw.pop("write", None)
 
-        def run(so: "SchedulerOutput") -> "KVConnectorOutput":
+        def run(so: SchedulerOutput) -> KVConnectorOutput:
             write = self._forward_writer(so, user_write) if write_blocks else user_write
             return self.step(so, write=write, **step_kw)
 
         return self._schedule_and_update(run, eos=eos)
 
-    def drain(self, *, max_steps: int = 5, **engine_step_kw: Any) -> "list[SchedulerOutput]":
+    def drain(self, *, max_steps: int = 5, **engine_step_kw: Any) -> list[SchedulerOutput]:
         """Engine steps until the scheduler's connector has no push work pending.
 
         Push work is what keeps vLLM's engine loop stepping with no request left
@@ -310,7 +321,7 @@ class WorkerHarness:
 
     # ------------------------------------------------------------------ block contents
 
-    def expected_block(self, prefix: "list[int] | tuple[int, ...]", layer: str) -> torch.Tensor:
+    def expected_block(self, prefix: list[int] | tuple[int, ...], layer: str) -> torch.Tensor:
         """The bytes (int8, flat) ``engine_step(write_blocks=True)`` writes into ``layer``'s
         block whose tokens end ``prefix`` (the block's tokens and every token before them).
 
@@ -324,14 +335,15 @@ class WorkerHarness:
         """A copy of one layer's block as flat bytes (int8): compares exactly, NaN patterns included."""
         return self.kv.kv_caches[layer][block_id].contiguous().view(torch.int8).reshape(-1).clone()
 
-    def holds_prefix(self, block_id: int, prefix: "list[int] | tuple[int, ...]",
-                     layers: Iterable[str] | None = None) -> bool:
+    def holds_prefix(
+        self, block_id: int, prefix: list[int] | tuple[int, ...], layers: Iterable[str] | None = None
+    ) -> bool:
         """Whether ``block_id`` holds, in every layer (or ``layers``), the bytes the stand-in
         forward writes for ``prefix``."""
         names = self.kv.layer_names if layers is None else list(layers)
         return all(torch.equal(self.block_bytes(n, block_id), self.expected_block(prefix, n)) for n in names)
 
-    def _forward_writer(self, out: "SchedulerOutput", then: LayerWrite | None) -> LayerWrite:
+    def _forward_writer(self, out: SchedulerOutput, then: LayerWrite | None) -> LayerWrite:
         """The per-layer write of :meth:`engine_step`'s ``write_blocks`` for one scheduler output.
 
         The blocks are fixed before the forward: ``schedule()`` has already advanced each
@@ -364,8 +376,9 @@ class WorkerHarness:
 
         return write
 
-    def _schedule_and_update(self, run: Callable[["SchedulerOutput"], "KVConnectorOutput"],
-                             eos: bool = False) -> "tuple[SchedulerOutput, Any]":
+    def _schedule_and_update(
+        self, run: Callable[[SchedulerOutput], KVConnectorOutput], eos: bool = False
+    ) -> tuple[SchedulerOutput, Any]:
         from kvcompose.testing.harness import model_runner_output
 
         sched = self.scheduler
@@ -382,7 +395,7 @@ class WorkerHarness:
         if self._scheduler is not None and self._scheduler.connector is not None:
             self._scheduler.connector.shutdown()
 
-    def __enter__(self) -> "WorkerHarness":
+    def __enter__(self) -> WorkerHarness:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -35,9 +35,16 @@ def test_ratio_uses_the_best_sample_in_the_right_direction() -> None:
 
 def test_result_json_and_table_name_the_target_and_its_verdict(tmp_path: Path) -> None:
     samples = {"MultiConnector": Samples([1.0] * 5), "kvcompose": Samples([1.1] * 5)}
-    r = Result("demo", "Demo", "us/step", 1e6, [Case("16 reqs", samples)],
-               [ratio("16 reqs", samples, "kvcompose", "MultiConnector")],
-               Target("<=", 1.0, "kvcompose", "MultiConnector"), 5)
+    r = Result(
+        "demo",
+        "Demo",
+        "us/step",
+        1e6,
+        [Case("16 reqs", samples)],
+        [ratio("16 reqs", samples, "kvcompose", "MultiConnector")],
+        Target("<=", 1.0, "kvcompose", "MultiConnector"),
+        5,
+    )
     data = json.loads(r.write(tmp_path).read_text())
     assert data["target"]["met"] is False and data["machine"]["cores"] >= 1
     assert data["cases"][0]["samples"]["kvcompose"]["median"] == pytest.approx(1.1)
@@ -78,6 +85,10 @@ def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
     from kvcompose.bench.cpu_copy import run
 
     r = run(quick=True, sizes=(16 * 1024,), repeats=5, bytes_per_copy=256 * 1024)
-    assert [c.label for c in r.cases] == ["store 16 KiB scattered", "load 16 KiB scattered",
-                                          "store 16 KiB runs", "load 16 KiB runs"]
+    assert [c.label for c in r.cases] == [
+        "store 16 KiB scattered",
+        "load 16 KiB scattered",
+        "store 16 KiB runs",
+        "load 16 KiB runs",
+    ]
     assert all(len(s.values) == 5 for c in r.cases for s in c.samples.values())

@@ -22,13 +22,15 @@ def test_the_baseline_is_the_composites_own_nixl_child_alone(tmp_path: Path) -> 
     assert composite == composed_kv_transfer_config(tmp_path / "kvcompose" / "pd-both.yaml")
     assert composite is not None and alone is not None
     assert alone["kv_connector"] == "NixlConnector" and alone["kv_role"] == composite["kv_role"] == "kv_both"
-    assert {**alone, "kv_role": "kv_both"} in [{**c, "kv_role": "kv_both"}
-                                               for c in composite["kv_connector_extra_config"]["connectors"]]
+    assert {**alone, "kv_role": "kv_both"} in [
+        {**c, "kv_role": "kv_both"} for c in composite["kv_connector_extra_config"]["connectors"]
+    ]
     assert alone["kv_connector_extra_config"]["kvcompose_side_channel_port"] == 4321
     assert alone["kv_connector_extra_config"]["kvcompose_progress_delay_us"] > 0  # same NIXL agent settings
     pd_only = pd_ttft.engine_spec("kvcompose-pd-only", "model", tmp_path, 4322).kv_transfer_config()
     assert pd_only is not None and [c["kv_connector"] for c in pd_only["kv_connector_extra_config"]["connectors"]] == [
-        "NixlConnector"]
+        "NixlConnector"
+    ]
     with pytest.raises(ValueError, match="unknown side"):
         pd_ttft.engine_spec("nope", "model", tmp_path, 1)
 
@@ -41,8 +43,7 @@ def test_engine_lock_is_taken_unless_the_process_already_holds_it(tmp_path: Path
     with open(lock) as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after
     # Under `flock FILE cmd` the child has the file open already and must not wait for itself.
-    code = ("from kvcompose.bench import pd_ttft\n"
-            f"with pd_ttft.engine_lock({lock!r}, echo=print): print('inside')\n")
+    code = f"from kvcompose.bench import pd_ttft\nwith pd_ttft.engine_lock({lock!r}, echo=print): print('inside')\n"
     out = subprocess.run(["flock", lock, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "inside", out.stderr
 

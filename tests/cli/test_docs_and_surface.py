@@ -41,8 +41,10 @@ NOT_OVERRIDDEN = {"role", "has_connector_metadata"}
 
 def test_composite_overrides_every_public_base_method() -> None:
     missing = [
-        name for name in dir(KVConnectorBase_V1)
-        if not name.startswith("_") and name not in NOT_OVERRIDDEN
+        name
+        for name in dir(KVConnectorBase_V1)
+        if not name.startswith("_")
+        and name not in NOT_OVERRIDDEN
         and getattr(KVComposeConnector, name) is getattr(KVConnectorBase_V1, name)
         and inspect.getattr_static(KVComposeConnector, name) is inspect.getattr_static(KVConnectorBase_V1, name)
     ]

@@ -52,8 +52,9 @@ def test_parse_metrics_gives_the_keys_flatten_metrics_gives() -> None:
     labels = ["model_name", "engine"]
     loads = Counter("vllm:kvcompose_loads", "loads", labels + ["child"], registry=reg)
     loads.labels("m", "0", "pd").inc(3)
-    Counter("vllm:prompt_tokens_by_source", "t", labels + ["source"], registry=reg) \
-        .labels("m", "0", "external_kv_transfer").inc(600)
+    Counter("vllm:prompt_tokens_by_source", "t", labels + ["source"], registry=reg).labels(
+        "m", "0", "external_kv_transfer"
+    ).inc(600)
     hist = Histogram("vllm:nixl_bytes_transferred", "b", labels, registry=reg)
     hist.labels("m", "0").observe(622592)
     Gauge("vllm:num_requests_running", "g", labels, registry=reg).labels("m", "0").set(1)

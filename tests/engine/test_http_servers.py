@@ -36,15 +36,15 @@ class Servers:
         self.nodes: list[Any] = []
         baseline = EngineNode(EngineSpec("baseline", str(self.model)), logs)
         self.nodes.append(baseline)
-        self.prefill = ServerNode(EngineSpec("prefill", str(self.model), str(EXAMPLES / "pd-prefill.yaml"),
-                                             p_port), logs)
+        self.prefill = ServerNode(
+            EngineSpec("prefill", str(self.model), str(EXAMPLES / "pd-prefill.yaml"), p_port), logs
+        )
         self.nodes.append(self.prefill)
         wait_all_ready([baseline, self.prefill])
         self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
         baseline.close()
         self.nodes.remove(baseline)
-        self.decode = ServerNode(EngineSpec("decode", str(self.model), str(EXAMPLES / "pd-decode.yaml"),
-                                            d_port), logs)
+        self.decode = ServerNode(EngineSpec("decode", str(self.model), str(EXAMPLES / "pd-decode.yaml"), d_port), logs)
         self.nodes.append(self.decode)
         wait_all_ready([self.decode])
 

@@ -24,9 +24,14 @@ pytestmark = pytest.mark.engine
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MAX_TOKENS = 16
-PROMPTS = {"pd": token_prompt(0, 600), "local": token_prompt(1, 500), "turn": token_prompt(2, 400),
-           "tamper": token_prompt(3, 600), "dead-fail": token_prompt(4, 300),
-           "dead-recompute": token_prompt(5, 300)}
+PROMPTS = {
+    "pd": token_prompt(0, 600),
+    "local": token_prompt(1, 500),
+    "turn": token_prompt(2, 400),
+    "tamper": token_prompt(3, 600),
+    "dead-fail": token_prompt(4, 300),
+    "dead-recompute": token_prompt(5, 300),
+}
 
 
 class Cluster:
@@ -50,13 +55,23 @@ class Cluster:
 
     def _decode(self, policy: str) -> EngineNode:
         # Handshake compatibility off: the tamper control pairs it with a different model.
-        return EngineNode(EngineSpec(f"decode-{policy}", self.models[0], str(EXAMPLES / "pd-decode.yaml"),
-                                     free_ports(1)[0], {"enforce_handshake_compat": False},
-                                     kv_load_failure_policy=policy), self.logs)
+        return EngineNode(
+            EngineSpec(
+                f"decode-{policy}",
+                self.models[0],
+                str(EXAMPLES / "pd-decode.yaml"),
+                free_ports(1)[0],
+                {"enforce_handshake_compat": False},
+                kv_load_failure_policy=policy,
+            ),
+            self.logs,
+        )
 
     def _start(self, seed: int, policy: str, also: list[EngineNode] | None = None) -> None:
-        prefill = EngineNode(EngineSpec(f"prefill-seed{seed}", self.models[seed],
-                                        str(EXAMPLES / "pd-prefill.yaml"), free_ports(1)[0]), self.logs)
+        prefill = EngineNode(
+            EngineSpec(f"prefill-seed{seed}", self.models[seed], str(EXAMPLES / "pd-prefill.yaml"), free_ports(1)[0]),
+            self.logs,
+        )
         self.prefill, self.key = prefill, (seed, policy)
         wait_all_ready([prefill, *(also or [])])
 
@@ -138,7 +153,9 @@ def dead_peer(cluster: Cluster, policy: str, prefill_seed: int) -> tuple[Any, di
     (p,) = prefill.generate([ids], 1, [{"do_remote_decode": True}])
     prefill.kill()  # after it answered, before decode pulls
     # A hang would end in NodeError after the call's deadline and fail the test.
-    return decode_request(decode, ids, MAX_TOKENS, p["kv_transfer_params"], timeout_s=90), cluster.expected[f"dead-{policy}"]
+    return decode_request(decode, ids, MAX_TOKENS, p["kv_transfer_params"], timeout_s=90), cluster.expected[
+        f"dead-{policy}"
+    ]
 
 
 def test_dead_prefill_with_policy_fail_ends_the_request_with_an_error(cluster: Cluster) -> None:

@@ -126,22 +126,30 @@ def test_the_kit_as_a_user_meets_it(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v")
     out = result.stdout
     # The scenarios pass, written with nothing but the kit.
-    out.fnmatch_lines(["*test_pd_cpu.py::test_nixl_wins_the_load_and_metadata_is_merged PASSED*",
-                       "*test_pd_cpu.py::test_store_to_all_then_the_cpu_tier_loads PASSED*",
-                       "*test_pd_cpu.py::test_hma_both_groups_and_no_async_save PASSED*"])
+    out.fnmatch_lines(
+        [
+            "*test_pd_cpu.py::test_nixl_wins_the_load_and_metadata_is_merged PASSED*",
+            "*test_pd_cpu.py::test_store_to_all_then_the_cpu_tier_loads PASSED*",
+            "*test_pd_cpu.py::test_hma_both_groups_and_no_async_save PASSED*",
+        ]
+    )
     # A conforming plugin type passes every contract; a run without kit fixtures sees no test type.
     good = [line for line in out.lines if line.startswith("test_good.py::")]
     assert len(good) == 9 and all(" PASSED" in line for line in good), good
     out.fnmatch_lines(["*test_plain.py::test_no_kit_fixture_no_test_type PASSED*"])
     # The broken one fails the contracts it breaks, and says which, where, what and why.
-    out.fnmatch_lines([
-        "*test_broken.py::test_broken_kv[[]nothing-matches-is-zero[]] FAILED*",
-        "*test_broken.py::test_broken_kv[[]async-only-with-tokens[]] FAILED*",
-    ])
-    out.fnmatch_lines([
-        "*connector type 'echo' (EchoConnector) breaks the contract [[]async-only-with-tokens[]]",
-        "*call:     get_num_new_matched_tokens(req, 0)",
-        "*expected: is_async False when there is nothing to load",
-        "*got:      (0, True)",
-        "*rule:     the async flag is False when the count is 0",
-    ])
+    out.fnmatch_lines(
+        [
+            "*test_broken.py::test_broken_kv[[]nothing-matches-is-zero[]] FAILED*",
+            "*test_broken.py::test_broken_kv[[]async-only-with-tokens[]] FAILED*",
+        ]
+    )
+    out.fnmatch_lines(
+        [
+            "*connector type 'echo' (EchoConnector) breaks the contract [[]async-only-with-tokens[]]",
+            "*call:     get_num_new_matched_tokens(req, 0)",
+            "*expected: is_async False when there is nothing to load",
+            "*got:      (0, True)",
+            "*rule:     the async flag is False when the count is 0",
+        ]
+    )

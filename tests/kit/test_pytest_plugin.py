@@ -16,8 +16,10 @@ def test_registered_as_a_pytest11_entry_point() -> None:
 
 
 def test_importing_the_plugin_imports_neither_vllm_nor_torch() -> None:
-    code = ("import sys, kvcompose.testing.pytest_plugin; "
-            "print(sorted(m for m in ('vllm', 'torch', 'nixl', 'kvcompose.plugins') if m in sys.modules))")
+    code = (
+        "import sys, kvcompose.testing.pytest_plugin; "
+        "print(sorted(m for m in ('vllm', 'torch', 'nixl', 'kvcompose.plugins') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

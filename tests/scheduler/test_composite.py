@@ -104,7 +104,7 @@ connectors:
   - {name: b, type: record, options: {delay_free: true}}
 """
     h = kvcompose_worker(text, register=False)
-    sched, conn, worker = h.scheduler, h.scheduler.connector, h.connector
+    sched, worker = h.scheduler, h.connector
     req = make_request(32, max_tokens=1)
     sched.add_request(req)
     step(sched)  # prefill + 1 token: finished, both children hold the blocks
@@ -142,13 +142,21 @@ connectors:
 
 
 def test_child_may_carry_its_own_engine_id() -> None:
-    from kvcompose.vllm.children import child_configs
     from vllm.config import KVTransferConfig
 
-    ktc = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id="top",
-                           kv_connector_extra_config={"connectors": [
-                               {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": "mine"},
-                               {"kv_connector": "NixlConnector", "kv_role": "kv_both"}]})
+    from kvcompose.vllm.children import child_configs
+
+    ktc = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        engine_id="top",
+        kv_connector_extra_config={
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": "mine"},
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            ]
+        },
+    )
     assert [c.engine_id for c in child_configs(ktc)] == ["mine", "top"]
 
 
@@ -167,7 +175,7 @@ def test_worker_meta_aggregates_per_child() -> None:
         def __init__(self, n: int) -> None:
             self.n = n
 
-        def aggregate(self, other: "M") -> "M":
+        def aggregate(self, other: M) -> M:
             return M(self.n + other.n)
 
     x = ComposedWorkerMetadata({"a": M(1), "b": None})  # type: ignore[dict-item]
@@ -177,12 +185,15 @@ def test_worker_meta_aggregates_per_child() -> None:
 
 
 def test_host_buffer_ops_only_to_the_owner(kvcompose_worker: Factory) -> None:
-    worker = kvcompose_worker("""
+    worker = kvcompose_worker(
+        """
 version: 1
 connectors:
   - {name: host, type: record}
   - {name: pd, type: record-pd}
-""", register=False).connector
+""",
+        register=False,
+    ).connector
     op = object()
     worker.set_host_xfer_buffer_ops(op)  # type: ignore[arg-type]
     assert worker.child("pd").called("set_host_xfer_buffer_ops") == [(op,)]
@@ -190,14 +201,17 @@ connectors:
 
 
 def test_store_only_routes_save_hooks(kvcompose_worker: Factory) -> None:
-    worker = kvcompose_worker("""
+    worker = kvcompose_worker(
+        """
 version: 1
 connectors:
   - {name: pd, type: record}
   - {name: host, type: record}
 rules:
   store: {use: only, children: [host]}
-""", register=False).connector
+""",
+        register=False,
+    ).connector
     worker.save_kv_layer("layer0", None, None)  # type: ignore[arg-type]
     worker.wait_for_save()
     assert worker.child("pd").called("save_kv_layer") == []
@@ -205,14 +219,17 @@ rules:
 
 
 def test_best_effort_child_is_disabled_and_its_load_fails_over_to_recompute(kvcompose_worker: Factory) -> None:
-    worker = kvcompose_worker("""
+    worker = kvcompose_worker(
+        """
 version: 1
 connectors:
   - {name: pd, type: record}
   - {name: host, type: record}
 rules:
   faults: {use: isolate, children: [host]}
-""", register=False).connector
+""",
+        register=False,
+    ).connector
     worker.bind_connector_metadata(ComposedMetadata({"pd": None, "host": None}, loads_awaited={"r1": (1,)}))
 
     def boom(*a: object) -> None:

@@ -40,8 +40,9 @@ def test_unknown_call_is_a_located_error(kvcompose_scheduler: Callable[..., Sche
 
 
 def test_raise_only_for_the_named_request(kvcompose_scheduler: Callable[..., Scheduler]) -> None:
-    sched = kvcompose_scheduler(FAULTY.format(
-        tokens=0, faults="[{call: get_num_new_matched_tokens, action: raise, requests: [bad]}]"))
+    sched = kvcompose_scheduler(
+        FAULTY.format(tokens=0, faults="[{call: get_num_new_matched_tokens, action: raise, requests: [bad]}]")
+    )
     assert sched.connector is not None
     assert sched.connector.get_num_new_matched_tokens(make_request(32, request_id="good"), 0) == (0, False)
     with pytest.raises(FaultInjected, match="'f': injected failure in get_num_new_matched_tokens for request bad"):
@@ -49,8 +50,9 @@ def test_raise_only_for_the_named_request(kvcompose_scheduler: Callable[..., Sch
 
 
 def test_none_and_times(kvcompose_scheduler: Callable[..., Scheduler]) -> None:
-    sched = kvcompose_scheduler(FAULTY.format(
-        tokens=16, faults="[{call: get_num_new_matched_tokens, action: none, times: 1}]"))
+    sched = kvcompose_scheduler(
+        FAULTY.format(tokens=16, faults="[{call: get_num_new_matched_tokens, action: none, times: 1}]")
+    )
     req = make_request(64)
     sched.add_request(req)
     out, _ = step(sched)  # the first lookup says "ask again later": nothing is scheduled
@@ -62,8 +64,9 @@ def test_none_and_times(kvcompose_scheduler: Callable[..., Scheduler]) -> None:
     assert child.fired == [("get_num_new_matched_tokens", "none", req.request_id)]
 
 
-def test_a_failed_load_reaches_vllm_failure_policy(kvcompose_scheduler: Callable[..., Scheduler],
-                                                    kvcompose_worker: Callable[..., WorkerHarness]) -> None:
+def test_a_failed_load_reaches_vllm_failure_policy(
+    kvcompose_scheduler: Callable[..., Scheduler], kvcompose_worker: Callable[..., WorkerHarness]
+) -> None:
     text = FAULTY.format(tokens=32, faults="[{call: get_transfer_results, action: fail-load}]")
     sched = kvcompose_scheduler(text)
     worker = kvcompose_worker(text, num_blocks=100)

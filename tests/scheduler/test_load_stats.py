@@ -75,7 +75,12 @@ def test_prometheus_counters_labelled_by_child(kvcompose_scheduler: Factory) -> 
     metrics = ChildLoadPromMetrics(sched.vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]})  # type: ignore[arg-type]
     metrics.observe({"lookups": 3, "loads": {"b": 2}, "tokens": {"b": 64}})
     assert registry.get_sample_value("vllm:kvcompose_lookups_total", {"model_name": "m", "engine": "0"}) == 3
-    assert registry.get_sample_value("vllm:kvcompose_loads_total",
-                                     {"model_name": "m", "engine": "0", "child": "b"}) == 2
-    assert registry.get_sample_value("vllm:kvcompose_loaded_tokens_total",
-                                     {"model_name": "m", "engine": "0", "child": "b"}) == 64
+    assert (
+        registry.get_sample_value("vllm:kvcompose_loads_total", {"model_name": "m", "engine": "0", "child": "b"}) == 2
+    )
+    assert (
+        registry.get_sample_value(
+            "vllm:kvcompose_loaded_tokens_total", {"model_name": "m", "engine": "0", "child": "b"}
+        )
+        == 64
+    )

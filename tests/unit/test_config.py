@@ -63,7 +63,14 @@ def test_errors_are_collected_per_child() -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("32GiB", 32 << 30), ("512MiB", 512 << 20), ("8GB", 8 * 10**9), ("1.5 KiB", 1536), (4096, 4096), ("64k", 64 << 10)],
+    [
+        ("32GiB", 32 << 30),
+        ("512MiB", 512 << 20),
+        ("8GB", 8 * 10**9),
+        ("1.5 KiB", 1536),
+        (4096, 4096),
+        ("64k", 64 << 10),
+    ],
 )
 def test_sizes_accept_units(text: object, value: int) -> None:
     assert ByteSize.parse(text) == value
@@ -76,8 +83,10 @@ def test_bad_sizes(text: object) -> None:
 
 
 def test_rule_with_parameters() -> None:
-    plan = loads("version: 1\nconnectors:\n  - {name: pd, type: record}\n  - {name: host, type: record}\n"
-                 "rules:\n  store: {use: only, children: [host]}\n  faults: {use: isolate, children: [host]}\n")
+    plan = loads(
+        "version: 1\nconnectors:\n  - {name: pd, type: record}\n  - {name: host, type: record}\n"
+        "rules:\n  store: {use: only, children: [host]}\n  faults: {use: isolate, children: [host]}\n"
+    )
     assert plan.store.targets == (1,)
     assert plan.faults.contains(1) and not plan.faults.contains(0)
 

@@ -19,8 +19,11 @@ def _vllm_nixl_calls() -> set[str]:
     called: set[str] = set()
     for path in Path(pkg.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                    and node.value.attr == "nixl_wrapper"):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "nixl_wrapper"
+            ):
                 called.add(node.attr)
     assert called, "vLLM's NIXL code no longer calls self.nixl_wrapper: update the kit's fake"
     return called
@@ -39,8 +42,11 @@ def test_fake_signatures_match_the_real_agent() -> None:
     for name in sorted(ours | {"__init__"}):
         assert hasattr(real, name), f"nixl_agent has no {name}: the fake follows a NIXL that is not installed"
         real_params = list(inspect.signature(getattr(real, name)).parameters.values())
-        fake_params = [p for p in inspect.signature(getattr(FakeNixlAgent, name)).parameters.values()
-                       if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        fake_params = [
+            p
+            for p in inspect.signature(getattr(FakeNixlAgent, name)).parameters.values()
+            if p.kind is not inspect.Parameter.KEYWORD_ONLY
+        ]
         assert [(p.name, p.default) for p in fake_params] == [(p.name, p.default) for p in real_params], name
 
 

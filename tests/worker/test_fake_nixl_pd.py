@@ -35,8 +35,7 @@ def _prefill(p: WorkerHarness) -> tuple[Any, dict[str, Any]]:
 
 def _decode_side(d: WorkerHarness, req: Any, params: dict[str, Any]) -> Any:
     """The proxy hands the prefill output's params to the decode instance with the same prompt."""
-    dreq = make_request(PROMPT, block_size=BLOCK, prompt=req.prompt_token_ids, max_tokens=3,
-                        kv_transfer_params=params)
+    dreq = make_request(PROMPT, block_size=BLOCK, prompt=req.prompt_token_ids, max_tokens=3, kv_transfer_params=params)
     d.scheduler.add_request(dreq)
     return dreq
 
@@ -74,8 +73,9 @@ def test_read_copies_the_producers_blocks_then_both_sides_finish(fake_nixl: Fake
     pulled = torch.tensor(local_blocks[: len(remote_blocks)])
     untouched = [b for b in range(d.kv.kv_cache_config.num_blocks) if b not in local_blocks]
     for layer in p.layer_names:
-        assert torch.equal(_as_bytes(d.kv_caches[layer][pulled]),
-                           _as_bytes(p.kv_caches[layer][torch.tensor(remote_blocks)])), layer
+        assert torch.equal(
+            _as_bytes(d.kv_caches[layer][pulled]), _as_bytes(p.kv_caches[layer][torch.tensor(remote_blocks)])
+        ), layer
         assert torch.equal(_as_bytes(d.kv_caches[layer][untouched]), _as_bytes(before[layer][untouched])), layer
 
     # The consumer's notification frees the producer's blocks.
@@ -158,8 +158,10 @@ connectors:
     (local_blocks,) = d.scheduler.kv_cache_manager.get_block_ids(dreq.request_id)
     (remote_blocks,) = params["remote_block_ids"]
     layer = p.layer_names[0]
-    assert torch.equal(_as_bytes(d.kv_caches[layer][torch.tensor(local_blocks[:3])]),
-                       _as_bytes(p.kv_caches[layer][torch.tensor(remote_blocks)]))
+    assert torch.equal(
+        _as_bytes(d.kv_caches[layer][torch.tensor(local_blocks[:3])]),
+        _as_bytes(p.kv_caches[layer][torch.tensor(remote_blocks)]),
+    )
     assert _until(p, "finished_sending")[1] == {req.request_id}
 
 
@@ -168,9 +170,14 @@ def test_handshake_follows_vllms_side_channel_handshake() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 
     shake = inspect.getsource(NixlBaseConnectorWorker._nixl_handshake)
-    for step in ("Decoder(NixlHandshakePayload)", "compatibility_hash != self.compat_hash",
-                 "Decoder(NixlAgentMetadata)", "_validate_remote_parallel_config(metadata)",
-                 "self.add_remote_agent(", "remote_rank_to_agent_name[remote_ranks] = remote_agent_name"):
+    for step in (
+        "Decoder(NixlHandshakePayload)",
+        "compatibility_hash != self.compat_hash",
+        "Decoder(NixlAgentMetadata)",
+        "_validate_remote_parallel_config(metadata)",
+        "self.add_remote_agent(",
+        "remote_rank_to_agent_name[remote_ranks] = remote_agent_name",
+    ):
         assert step in shake, f"vLLM's _nixl_handshake changed ({step!r}): update FakeNixl.handshake"
     done = inspect.getsource(NixlBaseConnectorWorker._ensure_handshake)
     for field in ("self._remote_agents[eid]", "self._engine_clock_offset[eid]", "self._engine_last_active[eid]"):

@@ -60,7 +60,9 @@ def prefill_then_decode(p: WorkerHarness, d: WorkerHarness, n: int = 128) -> tup
 def test_hma_iff_every_child(kvcompose_scheduler: Factory) -> None:
     sched = kvcompose_scheduler(composition("consumer"), sliding_window=128)
     assert not sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-    assert all(supports_hma(c) for c in sched.connector.sub_connectors) and len(sched.kv_cache_config.kv_cache_groups) == 2
+    assert (
+        all(supports_hma(c) for c in sched.connector.sub_connectors) and len(sched.kv_cache_config.kv_cache_groups) == 2
+    )
 
 
 def test_nixl_wins_a_remote_prefill_and_the_cpu_child_loads_nothing(fake_nixl: FakeNixl) -> None:
@@ -94,8 +96,9 @@ def test_store_to_all_then_the_cpu_tier_wins_a_repeated_prompt(fake_nixl: FakeNi
     assert out2.kv_connector_metadata.children["host"].store_event >= 0  # the cpu child stores, nixl present
     # Push A out of the device prefix cache.
     for k in range(3):
-        h.scheduler.add_request(make_request(128, block_size=BLOCK,
-                                             prompt=[7 + (i * 13 + k * 101) % 500 for i in range(128)]))
+        h.scheduler.add_request(
+            make_request(128, block_size=BLOCK, prompt=[7 + (i * 13 + k * 101) % 500 for i in range(128)])
+        )
         h.engine_step(eos=True)
         h.engine_step()
     conn = h.scheduler.connector

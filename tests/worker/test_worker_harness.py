@@ -29,8 +29,15 @@ def _per_layer(n: int) -> list[str]:
     return [c for i in range(n) for c in ("wait_for_layer_load", "save_kv_layer")]
 
 
-TAIL = ["wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors", "get_kv_connector_stats",
-        "get_kv_connector_kv_cache_events", "build_connector_worker_meta", "clear_connector_metadata"]
+TAIL = [
+    "wait_for_save",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
+]
 
 
 def test_one_step_calls_every_child_in_vllm_order() -> None:
@@ -91,10 +98,15 @@ def test_missing_composition_file_is_named(tmp_path: Path) -> None:
 
 
 def test_vllm_multiconnector_is_driven_the_same_way() -> None:
-    record = {"kv_connector": "RecordConnector", "kv_connector_module_path": "kvcompose.testing.connectors",
-              "kv_role": "kv_both"}
-    h = WorkerHarness({"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"connectors": [record]}}, num_layers=4)
+    record = {
+        "kv_connector": "RecordConnector",
+        "kv_connector_module_path": "kvcompose.testing.connectors",
+        "kv_role": "kv_both",
+    }
+    h = WorkerHarness(
+        {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [record]}},
+        num_layers=4,
+    )
     assert type(h.connector).__module__.startswith("vllm.")
     child = h.child("RecordConnector")
     child.calls.clear()  # type: ignore[attr-defined]
@@ -103,11 +115,14 @@ def test_vllm_multiconnector_is_driven_the_same_way() -> None:
 
 
 def test_engine_step_stores_a_finished_prompt_in_the_cpu_tier() -> None:
-    h = WorkerHarness.from_yaml("""
+    h = WorkerHarness.from_yaml(
+        """
 version: 1
 connectors:
   - {name: host, type: cpu-offload, options: {cpu_bytes: 4MiB}}
-""", num_blocks=32)
+""",
+        num_blocks=32,
+    )
     req = make_request(64)
     h.scheduler.add_request(req)
     metas = []
@@ -152,11 +167,14 @@ def test_write_blocks_fills_each_completed_block_with_its_prefix_bytes() -> None
 
 
 def test_drain_steps_until_stores_are_acknowledged() -> None:
-    h = WorkerHarness.from_yaml("""
+    h = WorkerHarness.from_yaml(
+        """
 version: 1
 connectors:
   - {name: host, type: cpu-offload, options: {cpu_bytes: 4MiB}}
-""", num_blocks=32)
+""",
+        num_blocks=32,
+    )
     req = make_request(64, max_tokens=1)
     h.scheduler.add_request(req)
     h.engine_step(write_blocks=True)

@@ -28,8 +28,14 @@ def test_children_with_their_own_answer_are_asked_every_step(kvcompose_worker: F
     h = kvcompose_worker(MIXED, num_layers=2)
     rec = h.connector.child("rec")
     meta = h.idle_metadata()  # runs one step itself
-    hooks = ("get_kv_connector_kv_cache_events", "get_block_ids_with_load_errors", "build_connector_worker_meta",
-             "get_kv_connector_stats", "get_transfer_results", "clear_connector_metadata")
+    hooks = (
+        "get_kv_connector_kv_cache_events",
+        "get_block_ids_with_load_errors",
+        "build_connector_worker_meta",
+        "get_kv_connector_stats",
+        "get_transfer_results",
+        "clear_connector_metadata",
+    )
     before = {hook: len(rec.called(hook)) for hook in hooks}
     for _ in range(3):
         h.step(meta)

@@ -42,9 +42,7 @@ def has_cuda_copy_engine() -> bool:
     return bool(torch.cuda.is_available() and current_platform.is_cuda_alike())
 
 
-def size_from_num_cpu_blocks(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
-) -> VllmConfig:
+def size_from_num_cpu_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> VllmConfig:
     """Honour ``num_cpu_blocks`` by turning it into ``cpu_bytes_to_use_per_rank``.
 
     vLLM sizes the host pool from bytes: the scheduler as
@@ -66,11 +64,7 @@ def size_from_num_cpu_blocks(
     if str(extra.get("kv_offload_backend", "cpu")) == "disk":
         logger.warning("num_cpu_blocks sizes the host pool; the disk backend ignores it")
         return vllm_config
-    if (
-        kv_cache_config is None
-        or not kv_cache_config.kv_cache_tensors
-        or kv_cache_config.num_blocks <= 0
-    ):
+    if kv_cache_config is None or not kv_cache_config.kv_cache_tensors or kv_cache_config.num_blocks <= 0:
         return vllm_config  # nothing to size against; vLLM's own checks report this
     bytes_per_block = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
     per_rank = num_cpu_blocks * bytes_per_block
@@ -101,9 +95,7 @@ class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ) -> None:
-        super().__init__(
-            size_from_num_cpu_blocks(vllm_config, kv_cache_config), role, kv_cache_config
-        )
+        super().__init__(size_from_num_cpu_blocks(vllm_config, kv_cache_config), role, kv_cache_config)
         # vLLM's worker constructor is plain Python (CUDA is first touched in
         # register_kv_caches), so it is safe to build it and then swap in the portable one with
         # the settings vLLM parsed: the extra-config parsing stays vLLM's.

@@ -49,8 +49,10 @@ class CpuOffloadOptions(Options):
     ] = "cpu"
     cpu_bytes: Annotated[
         ByteSize | None,
-        Meta(description="host pool for the whole server, split evenly across ranks "
-             "(cpu_bytes_to_use; vLLM's default is 8GiB)"),
+        Meta(
+            description="host pool for the whole server, split evenly across ranks "
+            "(cpu_bytes_to_use; vLLM's default is 8GiB)"
+        ),
     ] = None
     cpu_bytes_per_rank: Annotated[
         ByteSize | None,
@@ -62,8 +64,10 @@ class CpuOffloadOptions(Options):
     ] = None
     lazy: Annotated[
         bool,
-        Meta(description="copy blocks out only when they are about to be evicted, instead of as soon "
-             "as they are computed (lazy_offload)"),
+        Meta(
+            description="copy blocks out only when they are about to be evicted, instead of as soon "
+            "as they are computed (lazy_offload)"
+        ),
     ] = False
     disk_path: Annotated[
         str | None,
@@ -79,8 +83,10 @@ class CpuOffloadOptions(Options):
     ] = None
     use_page_cache: Annotated[
         bool | None,
-        Meta(description="disk backend: buffered I/O through the page cache instead of O_DIRECT "
-             "(use_page_cache; vLLM's default is false)"),
+        Meta(
+            description="disk backend: buffered I/O through the page cache instead of O_DIRECT "
+            "(use_page_cache; vLLM's default is false)"
+        ),
     ] = None
 
 
@@ -99,9 +105,7 @@ class CpuOffloadType(ConnectorType):
     """
 
     name: ClassVar[str] = "cpu-offload"
-    summary: ClassVar[str] = (
-        "prefix-cache tier in host memory or on disk (vLLM SimpleCPUOffloadConnector)"
-    )
+    summary: ClassVar[str] = "prefix-cache tier in host memory or on disk (vLLM SimpleCPUOffloadConnector)"
     options: ClassVar[type[Options]] = CpuOffloadOptions
     # The literal upstream name: vLLM looks the connector up by name
     # (``KVTransferConfig.has_connector("SimpleCPUOffloadConnector")``) to align its block
@@ -139,14 +143,8 @@ class CpuOffloadType(ConnectorType):
             cap = format_size(int(opts.disk_capacity or VLLM_DEFAULT_DISK_CAPACITY))
             where = f"a {cap} file per rank at {opts.disk_path or '(no disk_path set)'}"
             io = "page cache" if opts.use_page_cache else "O_DIRECT"
-            return (
-                f"keeps evicted prefix blocks in {where} and loads them back on a hit "
-                f"({mode}, {io} I/O)"
-            )
-        return (
-            f"keeps evicted prefix blocks in {_host_size(opts)} of host memory and loads them "
-            f"back on a hit ({mode})"
-        )
+            return f"keeps evicted prefix blocks in {where} and loads them back on a hit ({mode}, {io} I/O)"
+        return f"keeps evicted prefix blocks in {_host_size(opts)} of host memory and loads them back on a hit ({mode})"
 
     def check(self, child: Child, plan: Plan) -> Iterator[Problem]:
         """Contradictory or incomplete options, each located at the key to change."""
@@ -186,8 +184,7 @@ class CpuOffloadType(ConnectorType):
                 for key in ("cpu_bytes", "cpu_bytes_per_rank"):
                     if key in given:
                         yield Problem(
-                            f"num_cpu_blocks and {key} both size the host pool; "
-                            "num_cpu_blocks would win",
+                            f"num_cpu_blocks and {key} both size the host pool; num_cpu_blocks would win",
                             path=at(key),
                             hint="give one of them",
                         )

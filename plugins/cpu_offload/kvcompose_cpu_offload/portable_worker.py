@@ -64,9 +64,7 @@ def contiguous_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tupl
     return runs
 
 
-def copy_blocks(
-    src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]
-) -> None:
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
     """Copy rows ``src[src_ids[i]]`` to ``dst[dst_ids[i]]`` (dim 0 is the block index).
 
     Runs of consecutive blocks (the usual case: pools hand out neighbouring blocks) become one
@@ -145,9 +143,7 @@ class TorchCopyBackend:
     def __init__(self) -> None:
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def init(
-        self, device_regions: dict[str, torch.Tensor], host_regions: dict[str, torch.Tensor]
-    ) -> None:
+    def init(self, device_regions: dict[str, torch.Tensor], host_regions: dict[str, torch.Tensor]) -> None:
         """Pair each ``[num_blocks, block_bytes]`` device region with its pool region by name."""
         if device_regions.keys() != host_regions.keys():
             raise ValueError("device and host regions name different tensors")

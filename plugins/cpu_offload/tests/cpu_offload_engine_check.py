@@ -32,6 +32,7 @@ NUM_GPU_BLOCKS = 64
 NUM_EVICTORS = 4
 HOST_BYTES = 64 << 20
 
+
 def token_prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 500) for _ in range(PROMPT_LEN)]
@@ -48,9 +49,7 @@ def counters(llm: Any) -> dict[str, float]:
         if value is None:  # histograms: report their sum
             value = getattr(m, "sum", None)
         if isinstance(value, (int, float)):
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
-            )
+            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name"))
             out[m.name + (f"{{{labels}}}" if labels else "")] = float(value)
     return out
 
@@ -153,9 +152,7 @@ def main(argv: list[str]) -> int:
         "tokens_equal": list(a1.outputs[0].token_ids) == list(a2.outputs[0].token_ids),
         "logprobs_equal": logprobs(a1) == logprobs(a2),
         "a2_counter_deltas": {
-            k: after_a2[k] - before_a2.get(k, 0.0)
-            for k in after_a2
-            if after_a2[k] != before_a2.get(k, 0.0)
+            k: after_a2[k] - before_a2.get(k, 0.0) for k in after_a2 if after_a2[k] != before_a2.get(k, 0.0)
         },
         "a1_counters": after_a1,
     }
@@ -169,10 +166,7 @@ def main(argv: list[str]) -> int:
             list(a_changed.outputs[0].token_ids) != list(a1.outputs[0].token_ids)
         ),
         f"A2's hit is counted as source={source}": (
-            result["a2_counter_deltas"].get(
-                f"vllm:prompt_tokens_cached_by_source{{source={source}}}"
-            )
-            == full_blocks
+            result["a2_counter_deltas"].get(f"vllm:prompt_tokens_cached_by_source{{source={source}}}") == full_blocks
         ),
     }
     result["checks"] = checks

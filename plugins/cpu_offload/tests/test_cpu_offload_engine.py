@@ -20,9 +20,7 @@ SCRIPT = Path(__file__).with_name("cpu_offload_engine_check.py")
 
 @pytest.mark.engine
 @pytest.mark.parametrize("backend", ["cpu", "disk"])
-def test_engine_serves_a_prefix_from_the_offload_tier(
-    request: pytest.FixtureRequest, backend: str
-) -> None:
+def test_engine_serves_a_prefix_from_the_offload_tier(request: pytest.FixtureRequest, backend: str) -> None:
     selected = "engine" in (request.config.getoption("markexpr", "") or "")
     if not selected and not os.environ.get("KVCOMPOSE_ENGINE_TESTS"):
         pytest.skip("starts a vLLM engine: run with -m engine or KVCOMPOSE_ENGINE_TESTS=1")

@@ -9,12 +9,12 @@ from typing import Any
 import msgspec
 import pluggy
 import pytest
-from kvcompose_cpu_offload.plugin import CpuOffloadOptions, CpuOffloadType
 
 from kvcompose import NAME, hookspecs
 from kvcompose.catalog import Child
 from kvcompose.config import dec_hook
 from kvcompose.errors import Problem
+from kvcompose_cpu_offload.plugin import CpuOffloadOptions, CpuOffloadType
 
 GiB = 2**30
 
@@ -82,9 +82,10 @@ def test_every_field_has_a_vllm_key() -> None:
 
 
 def test_vllm_resolves_the_rendered_config_to_our_connector() -> None:
-    from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 
     ktc = KVTransferConfig(**child({"cpu_bytes": "1GiB"}).vllm_config())
     assert KVConnectorFactory.get_connector_class(ktc) is SimpleCPUOffloadConnector
@@ -115,9 +116,7 @@ def test_disk_without_path_is_a_problem() -> None:
     assert "disk" in p.message and p.hint and "disk_path" in p.hint
 
 
-@pytest.mark.parametrize(
-    "key", ["disk_path", "disk_capacity", "disk_buffer_slots", "use_page_cache"]
-)
+@pytest.mark.parametrize("key", ["disk_path", "disk_capacity", "disk_buffer_slots", "use_page_cache"])
 def test_disk_keys_under_cpu_are_problems(key: str) -> None:
     value = {
         "disk_path": "/d/kv",
@@ -167,13 +166,11 @@ def test_valid_options_have_no_problems(options: dict[str, Any]) -> None:
     [
         (
             {"cpu_bytes": "32GiB"},
-            "keeps evicted prefix blocks in 32GiB of host memory and loads them back on a hit "
-            "(eager offload)",
+            "keeps evicted prefix blocks in 32GiB of host memory and loads them back on a hit (eager offload)",
         ),
         (
             {"cpu_bytes_per_rank": "4GiB", "lazy": True},
-            "keeps evicted prefix blocks in 4GiB per rank of host memory and loads them back on a "
-            "hit (lazy offload)",
+            "keeps evicted prefix blocks in 4GiB per rank of host memory and loads them back on a hit (lazy offload)",
         ),
         ({"num_cpu_blocks": 512}, "in 512 KV blocks per rank of host memory"),
         ({}, "in 8GiB (vLLM's default) of host memory"),

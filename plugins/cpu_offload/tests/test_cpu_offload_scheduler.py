@@ -13,14 +13,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
-from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
 from kvcompose.testing.harness import assert_scheduler_empty, make_request
 from kvcompose.testing.worker import WorkerHarness
+from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
+from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 
 BLOCK = 16
 PROMPT = 4 * BLOCK + 8  # four full blocks and a partial one
@@ -28,12 +28,17 @@ PROMPT = 4 * BLOCK + 8  # four full blocks and a partial one
 
 def offload_engine(lazy: bool = False) -> WorkerHarness:
     """Scheduler and worker of the plain cpu-offload connector over a 12-block KV cache."""
-    return WorkerHarness({
-        "kv_connector": "SimpleCPUOffloadConnector",
-        "kv_connector_module_path": "kvcompose_cpu_offload.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "lazy_offload": lazy},
-    }, num_layers=2, num_blocks=12, block_size=BLOCK)
+    return WorkerHarness(
+        {
+            "kv_connector": "SimpleCPUOffloadConnector",
+            "kv_connector_module_path": "kvcompose_cpu_offload.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "lazy_offload": lazy},
+        },
+        num_layers=2,
+        num_blocks=12,
+        block_size=BLOCK,
+    )
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "lazy"])

@@ -7,6 +7,13 @@ import stat
 
 import pytest
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.simple_kv_offload.metadata import (
+    SimpleCPUOffloadMetadata,
+    SimpleCPUOffloadWorkerMetadata,
+)
+from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+
 from kvcompose.testing.kv import EngineKV, fill_random, make_engine_kv
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 from kvcompose_cpu_offload.portable_worker import (
@@ -17,12 +24,6 @@ from kvcompose_cpu_offload.portable_worker import (
     contiguous_runs,
     copy_blocks,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.simple_kv_offload.metadata import (
-    SimpleCPUOffloadMetadata,
-    SimpleCPUOffloadWorkerMetadata,
-)
-from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
 CONNECTOR = {
     "kv_connector": "SimpleCPUOffloadConnector",
@@ -47,9 +48,7 @@ def _store(worker: SimpleCPUOffloadWorker, event: int, gpu: list[int], cpu: list
     worker.wait_for_save()
 
 
-def _load(
-    worker: SimpleCPUOffloadWorker, event: int, cpu: list[int], gpu: list[int], reqs: list[str]
-) -> None:
+def _load(worker: SimpleCPUOffloadWorker, event: int, cpu: list[int], gpu: list[int], reqs: list[str]) -> None:
     worker.bind_connector_metadata(
         SimpleCPUOffloadMetadata(
             load_event=event,
@@ -62,9 +61,7 @@ def _load(
     worker.wait_for_save()
 
 
-def _assert_moved(
-    kv: EngineKV, before: dict[str, torch.Tensor], src: list[int], dst: list[int]
-) -> None:
+def _assert_moved(kv: EngineKV, before: dict[str, torch.Tensor], src: list[int], dst: list[int]) -> None:
     """Every layer's ``dst`` blocks now hold the ``src`` bytes; every other block is untouched."""
     for name, view in kv.kv_caches.items():
         for s, d in zip(src, dst):
@@ -170,12 +167,8 @@ def test_vllm_worker_fails_here_and_the_connector_swaps_it() -> None:
     small = {**CONNECTOR, "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}
     kv = make_engine_kv(num_blocks=8, kv_transfer_config=small)
     with pytest.raises(AttributeError, match="priority_range|Stream"):
-        SimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20).register_kv_caches(
-            kv.kv_caches
-        )
-    connector = SimpleCPUOffloadConnector(
-        kv.vllm_config, KVConnectorRole.WORKER, kv.kv_cache_config
-    )
+        SimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20).register_kv_caches(kv.kv_caches)
+    connector = SimpleCPUOffloadConnector(kv.vllm_config, KVConnectorRole.WORKER, kv.kv_cache_config)
     assert isinstance(connector.worker_handler, PortableSimpleCPUOffloadWorker)
     stream_cls = torch.cuda.Stream
     connector.register_kv_caches(kv.kv_caches)
@@ -187,9 +180,7 @@ def test_vllm_worker_fails_here_and_the_connector_swaps_it() -> None:
 def test_num_cpu_blocks_sizes_both_sides_alike() -> None:
     """num_cpu_blocks (ignored by vLLM 0.32) gives the scheduler N blocks and the worker >= N."""
     extra = {"num_cpu_blocks": 37}
-    kv = make_engine_kv(
-        num_blocks=10, kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra}
-    )
+    kv = make_engine_kv(num_blocks=10, kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra})
     sched = SimpleCPUOffloadConnector(kv.vllm_config, KVConnectorRole.SCHEDULER, kv.kv_cache_config)
     worker = SimpleCPUOffloadConnector(kv.vllm_config, KVConnectorRole.WORKER, kv.kv_cache_config)
     worker.register_kv_caches(kv.kv_caches)
@@ -235,9 +226,7 @@ def test_disk_round_trip(
     head_size: int,
     block_size: int,
 ) -> None:
-    kv = make_engine_kv(
-        num_layers=2, block_size=block_size, num_kv_heads=1, head_size=head_size, num_blocks=16
-    )
+    kv = make_engine_kv(num_layers=2, block_size=block_size, num_kv_heads=1, head_size=head_size, num_blocks=16)
     fill_random(kv, seed=11)
     before = _snapshot(kv)
     path = os.path.join(tmp_path, "sub", "kv.bin")

@@ -44,9 +44,7 @@ KNOWN_BACKENDS: frozenset[str] = frozenset(
 
 #: Backends that move data between engines' memories (as opposed to file/object storage
 #: plugins). P/D transfer of KV blocks needs one of them.
-NETWORK_BACKENDS: frozenset[str] = frozenset(
-    {"UCX", "UCX_MO", "LIBFABRIC", "UCCL", "GPUNETIO", "TCPXO", "Mooncake"}
-)
+NETWORK_BACKENDS: frozenset[str] = frozenset({"UCX", "UCX_MO", "LIBFABRIC", "UCCL", "GPUNETIO", "TCPXO", "Mooncake"})
 
 #: The NIXL Python packages whose wheels ship plugin libraries (see ``nixl/__init__.py``).
 _NIXL_DISTS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")

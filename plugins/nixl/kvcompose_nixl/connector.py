@@ -113,9 +113,7 @@ class _SideChannelMixin:
 
     connector_scheduler: NixlBaseConnectorScheduler | None
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         assert vllm_config.kv_transfer_config is not None
         delay = vllm_config.kv_transfer_config.get_from_extra_config(PROGRESS_DELAY_KEY, None)
         if delay is not None:  # before vLLM's worker creates its NIXL agent
@@ -136,12 +134,9 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
         if request.kv_transfer_params and _nothing_to_pull(request):
             assert self.connector_scheduler is not None
             self.connector_scheduler._stop_heartbeat(request.request_id)
-            log.debug("%s: remote prefill without remote blocks; computing it locally",
-                      request.request_id)
+            log.debug("%s: remote prefill without remote blocks; computing it locally", request.request_id)
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """No external tokens when there is nothing to pull.
 
         vLLM would answer ``(prompt tokens, True)``. With ``0`` the scheduler allocates and
@@ -155,9 +150,7 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
             return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """vLLM tells "no remote blocks" by truthiness: ``[[]]`` (one empty group, what a
         prefill instance holding nothing returns) would make it queue a notification to that
         instance, a handshake with a peer that has nothing to free. Spell it ``[]`` so vLLM
@@ -168,9 +161,7 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
             request.kv_transfer_params["remote_block_ids"] = []
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """See :meth:`request_finished_all_groups`."""
         if request.kv_transfer_params:  # most requests have none: no call then
             self._forget_unserved_prefill(request)
@@ -205,5 +196,4 @@ class NixlPushConnector(_SideChannelMixin, _VllmNixlPushConnector):
 #: vLLM registers the pull connector under both names; accept ``NixlPullConnector`` too.
 NixlPullConnector = NixlConnector
 
-__all__ = ["NixlConnector", "NixlPullConnector", "NixlPushConnector", "apply_side_channel",
-           "has_remote_blocks"]
+__all__ = ["NixlConnector", "NixlPullConnector", "NixlPushConnector", "apply_side_channel", "has_remote_blocks"]

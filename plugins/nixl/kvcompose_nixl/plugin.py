@@ -98,7 +98,9 @@ class NixlOptions(Options):
     ] = None
     side_channel_port: Annotated[
         Annotated[int, msgspec.Meta(ge=1, le=65535)] | None,
-        msgspec.Meta(description="handshake listener base port (+ data-parallel index); unset: $VLLM_NIXL_SIDE_CHANNEL_PORT"),
+        msgspec.Meta(
+            description="handshake listener base port (+ data-parallel index); unset: $VLLM_NIXL_SIDE_CHANNEL_PORT"
+        ),
     ] = None
     lease_seconds: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | None,
@@ -114,8 +116,10 @@ class NixlOptions(Options):
     ] = None
     progress_delay_us: Annotated[
         Annotated[int, msgspec.Meta(ge=0)] | None,
-        msgspec.Meta(description="microseconds NIXL's progress thread sleeps between polls; unset: NIXL's 0, "
-                     "which busy-spins a core per engine (use 100 on CPU-only hosts)"),
+        msgspec.Meta(
+            description="microseconds NIXL's progress thread sleeps between polls; unset: NIXL's 0, "
+            "which busy-spins a core per engine (use 100 on CPU-only hosts)"
+        ),
     ] = None
     enforce_handshake_compat: Annotated[
         bool | None,
@@ -127,7 +131,9 @@ class NixlOptions(Options):
     ] = None
     decoder_blocks_ttl: Annotated[
         _Seconds | None,
-        msgspec.Meta(description="seconds decode keeps blocks for a bidirectional readback (decoder_kv_blocks_ttl, 480)"),
+        msgspec.Meta(
+            description="seconds decode keeps blocks for a bidirectional readback (decoder_kv_blocks_ttl, 480)"
+        ),
     ] = None
     engine_ttl: Annotated[
         Annotated[float, msgspec.Meta(ge=0)] | None,
@@ -154,16 +160,19 @@ def _into(o: NixlOptions) -> str:
     if o.buffer_device in ("cuda", "xpu"):
         return "GPUDirect into VRAM"
     if o.buffer_device == "cpu":
-        return ("into a host buffer, then host-to-device copies on a cuda/xpu/tpu platform "
-                "(on the CPU platform the KV cache is that host memory)")
+        return (
+            "into a host buffer, then host-to-device copies on a cuda/xpu/tpu platform "
+            "(on the CPU platform the KV cache is that host memory)"
+        )
     return "into a tpu buffer (only with a platform plugin that supports one)"
 
 
 def _out_of(o: NixlOptions) -> str:
     """Where served KV is read from, in words."""
     if o.buffer_device == "cpu":
-        return (", staged by device-to-host copies into a host buffer on a cuda/xpu/tpu platform "
-                "(none on the CPU platform)")
+        return (
+            ", staged by device-to-host copies into a host buffer on a cuda/xpu/tpu platform (none on the CPU platform)"
+        )
     if o.buffer_device in ("cuda", "xpu"):
         return ", read GPUDirect from VRAM"
     return ""
@@ -215,17 +224,25 @@ class NixlType(ConnectorType):
         o = child.options_as(NixlOptions)
         lease = o.lease_seconds or DEFAULT_LEASE_SECONDS
         if o.mode == "pull":
-            consume = (f"pulls prompt KV from the prefill instance {_transport(o)}, {_into(o)}; "
-                       "a request that arrives with no remote blocks is computed locally")
-            produce = (f"serves its prompt KV to decode instances {_transport(o)}{_out_of(o)}; "
-                       "returns the P/D kv_transfer_params; holds blocks until read or the "
-                       f"{lease} s lease expires")
+            consume = (
+                f"pulls prompt KV from the prefill instance {_transport(o)}, {_into(o)}; "
+                "a request that arrives with no remote blocks is computed locally"
+            )
+            produce = (
+                f"serves its prompt KV to decode instances {_transport(o)}{_out_of(o)}; "
+                "returns the P/D kv_transfer_params; holds blocks until read or the "
+                f"{lease} s lease expires"
+            )
         else:
-            consume = ("registers its blocks with the prefill instance, which writes the prompt KV "
-                       f"into them {_transport(o)}, {_into(o)}")
-            produce = (f"writes its prompt KV into the decode instances' registered blocks {_transport(o)}"
-                       f"{_out_of(o)}; returns the P/D kv_transfer_params; holds blocks until written "
-                       f"or the {lease} s lease expires")
+            consume = (
+                "registers its blocks with the prefill instance, which writes the prompt KV "
+                f"into them {_transport(o)}, {_into(o)}"
+            )
+            produce = (
+                f"writes its prompt KV into the decode instances' registered blocks {_transport(o)}"
+                f"{_out_of(o)}; returns the P/D kv_transfer_params; holds blocks until written "
+                f"or the {lease} s lease expires"
+            )
         if child.role == "consumer":
             text = consume
         elif child.role == "producer":
@@ -244,10 +261,15 @@ class NixlType(ConnectorType):
             yield Problem(
                 "push mode does not support bidirectional KV transfer "
                 "(vLLM's NixlPushConnectorScheduler raises NotImplementedError)",
-                at + ("bidirectional",), "drop `bidirectional` or use `mode: pull`")
+                at + ("bidirectional",),
+                "drop `bidirectional` or use `mode: pull`",
+            )
         if o.mode == "pull" and o.push_registration_timeout is not None:
-            yield Problem("push_registration_timeout only applies to `mode: push`",
-                          at + ("push_registration_timeout",), "remove it, or set `mode: push`")
+            yield Problem(
+                "push_registration_timeout only applies to `mode: push`",
+                at + ("push_registration_timeout",),
+                "remove it, or set `mode: push`",
+            )
         seen: set[str] = set()
         for i, b in enumerate(o.backends):
             if b in seen:
@@ -255,13 +277,17 @@ class NixlType(ConnectorType):
             seen.add(b)
         if not seen & NETWORK_BACKENDS:
             yield Problem(
-                "no backend here moves data between engines: " + ", ".join(o.backends)
-                + " are storage plugins",
-                at + ("backends",), "add a network backend, e.g. UCX: backends: [UCX, ...]")
+                "no backend here moves data between engines: " + ", ".join(o.backends) + " are storage plugins",
+                at + ("backends",),
+                "add a network backend, e.g. UCX: backends: [UCX, ...]",
+            )
         if o.num_threads is not None and any(b != "UCX" for b in o.backends):
             # base_worker.py builds nixl_agent_config(num_threads=...) only for UCX-only agents.
-            yield Problem("num_threads only takes effect when backends is [UCX]; vLLM ignores it here",
-                          at + ("num_threads",), "remove num_threads, or use backends: [UCX]")
+            yield Problem(
+                "num_threads only takes effect when backends is [UCX]; vLLM ignores it here",
+                at + ("num_threads",),
+                "remove num_threads, or use backends: [UCX]",
+            )
         yield from self._port_clash(child, plan, at)
 
     def _port_clash(self, child: Child, plan: Plan, at: tuple[str | int, ...]) -> Iterator[Problem]:
@@ -280,7 +306,9 @@ class NixlType(ConnectorType):
                 port = o.side_channel_port or f"$VLLM_NIXL_SIDE_CHANNEL_PORT ({DEFAULT_SIDE_CHANNEL_PORT})"
                 yield Problem(
                     f"side channel port {port} is already used by {other.name}",
-                    at + ("side_channel_port",), "give each nixl child its own side_channel_port")
+                    at + ("side_channel_port",),
+                    "give each nixl child its own side_channel_port",
+                )
                 return
 
     def kv_layout(self, child: Child) -> str | None:

@@ -13,7 +13,6 @@ the parent would not reach it).
 from __future__ import annotations
 
 
-
 def calm_progress_thread(delay_us: int) -> bool:
     """Make NIXL agents created from now on in this process sleep ``delay_us`` between polls.
 

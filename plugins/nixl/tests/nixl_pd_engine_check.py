@@ -63,8 +63,10 @@ def engine(role: str, port: int, upstream: bool = False) -> Any:
     else:
         kv_transfer_config["kv_connector_module_path"] = "kvcompose_nixl.connector"
         # The progress-thread delay keeps NIXL from spinning both cores (kvcompose_nixl.progress).
-        kv_transfer_config["kv_connector_extra_config"] = {"kvcompose_side_channel_port": port,
-                                                           "kvcompose_progress_delay_us": 100}
+        kv_transfer_config["kv_connector_extra_config"] = {
+            "kvcompose_side_channel_port": port,
+            "kvcompose_progress_delay_us": 100,
+        }
     return LLM(
         model=str(make_model(0)),
         skip_tokenizer_init=True,
@@ -132,25 +134,27 @@ def run_decode(work: Path, upstream: bool = False) -> None:
         params = json.loads((work / "params.json").read_text())
         result["remote_ports"] = [p["remote_port"] for p in params]
 
-        first = llm.generate(prompt(PROMPT_LEN, 1),
-                             SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params[0]}))
+        first = llm.generate(
+            prompt(PROMPT_LEN, 1), SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params[0]})
+        )
         result["first_tokens"] = list(first[0].outputs[0].token_ids)
 
         # The upstream defect: remote prefill of a short prompt with no remote blocks.
         empty = {**params[1], "remote_block_ids": [], "remote_request_id": "never-prefilled"}
-        short = llm.generate(prompt(SHORT_LEN, 3),
-                             SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": empty}))
+        short = llm.generate(
+            prompt(SHORT_LEN, 3), SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": empty})
+        )
         result["short_tokens"] = list(short[0].outputs[0].token_ids)
 
         # The engine is still up and still pulls.
-        second = llm.generate(prompt(PROMPT_LEN, 2),
-                              SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params[1]}))
+        second = llm.generate(
+            prompt(PROMPT_LEN, 2), SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params[1]})
+        )
         result["second_tokens"] = list(second[0].outputs[0].token_ids)
     except Exception as exc:  # report, then let the driver decide
         result["error"] = f"{type(exc).__name__}: {exc}"
     try:
-        result["metrics"] = {k: v for k, v in metrics(llm).items()
-                             if "nixl" in k or "by_source" in k}
+        result["metrics"] = {k: v for k, v in metrics(llm).items() if "nixl" in k or "by_source" in k}
     except Exception as exc:
         result.setdefault("error", f"metrics: {type(exc).__name__}: {exc}")
     finally:
@@ -179,9 +183,12 @@ def drive(upstream: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="kvcompose-nixl-pd-") as tmp:
         work = Path(tmp)
         procs = {
-            role: subprocess.Popen([sys.executable, __file__, role, str(work)]
-                                   + (["--upstream"] if upstream and role == "decode" else []), env=env,
-                                   stdout=open(work / f"{role}.log", "w"), stderr=subprocess.STDOUT)
+            role: subprocess.Popen(
+                [sys.executable, __file__, role, str(work)] + (["--upstream"] if upstream and role == "decode" else []),
+                env=env,
+                stdout=open(work / f"{role}.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
             for role in ("prefill", "decode")
         }
         try:
@@ -193,8 +200,9 @@ def drive(upstream: bool = False) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        result: dict[str, Any] = (json.loads((work / "d.json").read_text())
-                                  if (work / "d.json").exists() else {"error": "decode engine died"})
+        result: dict[str, Any] = (
+            json.loads((work / "d.json").read_text()) if (work / "d.json").exists() else {"error": "decode engine died"}
+        )
         m = result.get("metrics", {})
         n_blocks = -(-PROMPT_LEN // BLOCK_SIZE)
         checks = {
@@ -202,10 +210,8 @@ def drive(upstream: bool = False) -> int:
             "bytes_transferred": m.get("vllm:nixl_bytes_transferred") == 2 * expected_bytes(n_blocks),
             "no_failed_transfers": m.get("vllm:nixl_num_failed_transfers", 0.0) == 0.0,
             # vLLM counts a pulled prompt whole as external, though it recomputes the last token.
-            "external_tokens": m.get("vllm:prompt_tokens_by_source{source=external_kv_transfer}")
-            == 2 * PROMPT_LEN,
-            "short_prompt_computed_locally": m.get("vllm:prompt_tokens_by_source{source=local_compute}")
-            == SHORT_LEN,
+            "external_tokens": m.get("vllm:prompt_tokens_by_source{source=external_kv_transfer}") == 2 * PROMPT_LEN,
+            "short_prompt_computed_locally": m.get("vllm:prompt_tokens_by_source{source=local_compute}") == SHORT_LEN,
             "short_prompt_answered": len(result.get("short_tokens", [])) == 4,
             "engine_survived": len(result.get("second_tokens", [])) == 4,
         }
@@ -213,11 +219,14 @@ def drive(upstream: bool = False) -> int:
             # Documenting vLLM's defect: the first pull works, the short request takes it down,
             # and the engine core's traceback ends in the scheduler-side assert.
             log = (work / "decode.log").read_text()
-            checks = {"first_pull_answered": len(result.get("first_tokens", [])) == 4,
-                      "short_request_failed": not checks["short_prompt_answered"],
-                      "engine_did_not_survive": not checks["engine_survived"],
-                      "engine_core_died_on_the_assert": "nixl/pull_scheduler.py" in log
-                      and "assert num_external_tokens == 0" in log and "AssertionError" in log}
+            checks = {
+                "first_pull_answered": len(result.get("first_tokens", [])) == 4,
+                "short_request_failed": not checks["short_prompt_answered"],
+                "engine_did_not_survive": not checks["engine_survived"],
+                "engine_core_died_on_the_assert": "nixl/pull_scheduler.py" in log
+                and "assert num_external_tokens == 0" in log
+                and "AssertionError" in log,
+            }
             ok = all(checks.values())
         else:
             ok = "error" not in result and all(checks.values())
@@ -225,9 +234,14 @@ def drive(upstream: bool = False) -> int:
             for role in procs:
                 print(f"--- {role} log (tail) ---")
                 print("\n".join((work / f"{role}.log").read_text().splitlines()[-40:]))
-        out = {"ok": ok, "upstream": upstream, "checks": checks,
-               "error": result.get("error"), "metrics": m,
-               "wall_s": round(time.perf_counter() - started, 1)}
+        out = {
+            "ok": ok,
+            "upstream": upstream,
+            "checks": checks,
+            "error": result.get("error"),
+            "metrics": m,
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
         print("RESULT " + json.dumps(out))
         return 0 if out["ok"] else 1
 

@@ -20,11 +20,10 @@ pytestmark = pytest.mark.engine
 
 def run_check(*args: str) -> dict[str, object]:
     pytest.importorskip("nixl")
-    proc = subprocess.run([sys.executable, str(CHECK), *args], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(CHECK), *args], capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     assert proc.returncode == (0 if result["ok"] else 1)
     return result
 

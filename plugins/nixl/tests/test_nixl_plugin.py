@@ -50,8 +50,17 @@ def test_type_flags() -> None:
     assert t.name == "nixl"
     assert t.owns_handshake and t.owns_host_buffer_ops
     assert t.options is NixlOptions
-    assert {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
-            "remote_request_id", "remote_host", "remote_port", "tp_size", "transfer_mode"} <= t.param_keys
+    assert {
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "transfer_mode",
+    } <= t.param_keys
 
 
 def test_param_keys_cover_what_vllm_reads() -> None:
@@ -65,9 +74,7 @@ def test_param_keys_cover_what_vllm_reads() -> None:
         push_scheduler,
     )
 
-    pattern = re.compile(
-        r"""(?:params|kv_transfer_params)(?:\.get\(|\[)\s*["']([A-Za-z_]+)["']"""
-    )
+    pattern = re.compile(r"""(?:params|kv_transfer_params)(?:\.get\(|\[)\s*["']([A-Za-z_]+)["']""")
     found: set[str] = set()
     for module in (base_scheduler, pull_scheduler, push_scheduler, metadata):
         found |= set(pattern.findall(inspect.getsource(module)))
@@ -110,9 +117,7 @@ def test_defaults_render_minimal_vllm_config() -> None:
         ("side_channel_port", 5700, "kvcompose_side_channel_port", 5700),
     ],
 )
-def test_each_option_maps_to_its_extra_config_key(
-    option: str, value: Any, key: str, rendered: Any
-) -> None:
+def test_each_option_maps_to_its_extra_config_key(option: str, value: Any, key: str, rendered: Any) -> None:
     assert NixlType.extra_config_keys[option] == key
     extra = child(**{option: value}).vllm_config()["kv_connector_extra_config"]
     assert extra == {key: rendered}
@@ -149,8 +154,10 @@ def test_extra_config_keys_are_the_ones_vllm_and_the_connector_read() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
         base_scheduler,
         base_worker,
-        connector as vllm_connector,
         push_scheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+        connector as vllm_connector,
     )
 
     import kvcompose_nixl.connector as ours
@@ -245,8 +252,7 @@ def test_check_push_with_bidirectional(plugins: Plugins) -> None:
 def test_check_option_vllm_would_ignore(plugins: Plugins) -> None:
     found = messages(
         plugins,
-        "  - {name: pd, type: nixl, options: {backends: [UCX, GDS], num_threads: 2,"
-        " push_registration_timeout: 5}}\n",
+        "  - {name: pd, type: nixl, options: {backends: [UCX, GDS], num_threads: 2, push_registration_timeout: 5}}\n",
     )
     assert ("connectors", 0, "options", "num_threads") in found
     assert ("connectors", 0, "options", "push_registration_timeout") in found
@@ -264,13 +270,18 @@ def test_check_storage_only_and_duplicate_backends(plugins: Plugins) -> None:
         ("{side_channel_port: 5600}", "{side_channel_port: 5600}", True),
         ("{}", "{}", True),  # both take $VLLM_NIXL_SIDE_CHANNEL_PORT
         ("{side_channel_port: 5600}", "{side_channel_port: 5601}", False),
-        ("{side_channel_host: 10.0.0.1, side_channel_port: 5600}",
-         "{side_channel_host: 10.0.0.2, side_channel_port: 5600}", False),
+        (
+            "{side_channel_host: 10.0.0.1, side_channel_port: 5600}",
+            "{side_channel_host: 10.0.0.2, side_channel_port: 5600}",
+            False,
+        ),
     ],
 )
 def test_check_side_channel_port_clash(plugins: Plugins, a: str, b: str, clash: bool) -> None:
-    connectors = (f"  - {{name: a, type: nixl, role: consumer, options: {a}}}\n"
-                  f"  - {{name: b, type: nixl, role: producer, options: {b}}}\n")
+    connectors = (
+        f"  - {{name: a, type: nixl, role: consumer, options: {a}}}\n"
+        f"  - {{name: b, type: nixl, role: producer, options: {b}}}\n"
+    )
     # Two NIXL children also trip kvcompose's own one-host-buffer-owner check; only the
     # port problem is this type's.
     found = messages(plugins, connectors)
@@ -281,8 +292,9 @@ def test_check_side_channel_port_clash(plugins: Plugins, a: str, b: str, clash: 
 
 
 def test_valid_child_has_no_problem(plugins: Plugins) -> None:
-    plan = compose(plugins, "  - {name: pd, type: nixl, role: producer,"
-                            " options: {backends: [UCX], side_channel_port: 5600}}\n")
+    plan = compose(
+        plugins, "  - {name: pd, type: nixl, role: producer, options: {backends: [UCX], side_channel_port: 5600}}\n"
+    )
     (pd,) = plan.children
     assert list(pd.type.check(pd, plan)) == []
 
@@ -315,8 +327,9 @@ def test_describe_host_buffer_and_side_channel() -> None:
 
 def test_kv_layout_is_left_to_vllm() -> None:
     """Unknown without the model: vLLM's NixlConnector needs LBHNC except for MLA models."""
-    from kvcompose.testing.harness import make_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+
+    from kvcompose.testing.harness import make_vllm_config
 
     assert NixlType().kv_layout(child()) is None
     cfg = make_vllm_config({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})

@@ -36,5 +36,7 @@ def test_zero_restores_nixls_config_class(api) -> None:  # type: ignore[no-untyp
 def test_option_renders_to_the_key_the_connector_reads() -> None:
     from kvcompose.compose import loads
 
-    plan = loads("version: 1\nconnectors:\n  - {name: pd, type: nixl, role: consumer, options: {progress_delay_us: 100}}\n")
+    plan = loads(
+        "version: 1\nconnectors:\n  - {name: pd, type: nixl, role: consumer, options: {progress_delay_us: 100}}\n"
+    )
     assert plan.children[0].vllm_config()["kv_connector_extra_config"]["kvcompose_progress_delay_us"] == 100

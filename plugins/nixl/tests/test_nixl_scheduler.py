@@ -51,8 +51,7 @@ def make_nixl_scheduler() -> SchedulerFactory:
         ktc: dict[str, Any] = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
         if module is not None:
             ktc["kv_connector_module_path"] = module
-        return scheduler_for(ktc, block_size=BLOCK_SIZE, num_blocks=num_blocks,
-                             data_parallel_index=data_parallel_index)
+        return scheduler_for(ktc, block_size=BLOCK_SIZE, num_blocks=num_blocks, data_parallel_index=data_parallel_index)
 
     return make
 
@@ -304,9 +303,7 @@ def test_prefill_returns_params_with_side_channel_from_options(
 
 
 def test_side_channel_port_keeps_data_parallel_offset(make_nixl_scheduler: SchedulerFactory) -> None:
-    scheduler = make_nixl_scheduler(
-        "kv_producer", data_parallel_index=2, kvcompose_side_channel_port=6100
-    )
+    scheduler = make_nixl_scheduler("kv_producer", data_parallel_index=2, kvcompose_side_channel_port=6100)
     cs = scheduler.connector.connector_scheduler
     assert cs.side_channel_port == 6102
 
