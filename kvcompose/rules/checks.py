@@ -51,8 +51,11 @@ def kvcompose_check(plan: Plan) -> list[Problem]:
                     )
                     break
                 owner[key] = c.name
-    conflict = layout_conflict({c.name: c.type.kv_layout(c) for c in plan.children})
+    layouts = {c.name: c.type.kv_layout(c) for c in plan.children}
+    conflict = layout_conflict(layouts)
     if conflict:
-        second = [c for c in plan.children if c.type.kv_layout(c)][1]
-        problems.append(Problem(conflict, ("connectors", second.index, "type")))
+        # Located at the first child whose layout differs from the first known one.
+        known = [c for c in plan.children if layouts[c.name]]
+        odd = next(c for c in known if layouts[c.name] != layouts[known[0].name])
+        problems.append(Problem(conflict, ("connectors", odd.index, "type")))
     return problems

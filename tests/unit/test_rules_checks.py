@@ -1,0 +1,227 @@
+"""The built-in cross-child checks (``kvcompose_check`` in :mod:`kvcompose.rules.checks`). No vLLM.
+
+Each check is driven by what a connector type declares, so the tests register small types that
+declare exactly one thing each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+
+from kvcompose import hookimpl
+from kvcompose.catalog import Child, ConnectorType, Options
+from kvcompose.compose import loads
+from kvcompose.errors import CompositionError, Problem
+from kvcompose.plugins import Plugins
+from kvcompose.rules import checks
+from kvcompose.rules.checks import layout_conflict
+
+
+class PdType(ConnectorType):
+    name = "checks-pd"
+    pd_transport = True
+
+
+class HostBufferType(ConnectorType):
+    name = "checks-host-buffer"
+    owns_host_buffer_ops = True
+
+
+class KeysType(ConnectorType):
+    name = "checks-keys"
+    param_keys = frozenset({"k1", "k2"})
+
+
+class LayoutOptions(Options):
+    layout: str | None = None
+
+
+class LayoutType(ConnectorType):
+    name = "checks-layout"
+    options: ClassVar[type[Options]] = LayoutOptions
+
+    def kv_layout(self, child: Child) -> str | None:
+        return child.options_as(LayoutOptions).layout
+
+
+class _Types:
+    @hookimpl
+    def kvcompose_connector_types(self) -> list[ConnectorType]:
+        return [PdType(), HostBufferType(), KeysType(), LayoutType()]
+
+
+@pytest.fixture(autouse=True)
+def check_types(kvcompose_plugins: Plugins) -> Iterator[Plugins]:
+    plugin = _Types()
+    kvcompose_plugins.register(plugin, name="tests.unit.test_rules_checks")
+    try:
+        yield kvcompose_plugins
+    finally:
+        kvcompose_plugins.unregister(plugin)
+
+
+def composition(*children: str, rules: str = "") -> str:
+    lines = ["version: 1", "connectors:"] + [f"  - {c}" for c in children]
+    if rules:
+        lines.append(f"rules: {rules}")
+    return "\n".join(lines) + "\n"
+
+
+def problems(text: str) -> list[Problem]:
+    with pytest.raises(CompositionError) as err:
+        loads(text)
+    return err.value.problems
+
+
+# ------------------------------------------------------------------ one of each is fine
+
+
+def test_one_of_each_is_clean() -> None:
+    plan = loads(
+        composition(
+            "{name: pd, type: checks-pd}",
+            "{name: buf, type: checks-host-buffer}",
+            "{name: keys, type: checks-keys}",
+            "{name: lay, type: checks-layout, options: {layout: NHD}}",
+            "{name: rec, type: record}",
+        )
+    )
+    assert checks.kvcompose_check(plan) == []
+    assert plan.pd_transport is not None and plan.pd_transport.name == "pd"
+    assert plan.host_buffer_owner == 1
+
+
+# ------------------------------------------------------------------ P/D transports
+
+
+def test_two_pd_transports_are_refused_at_the_second() -> None:
+    [p] = problems(
+        composition("{name: first, type: checks-pd}", "{name: rec, type: record}", "{name: second, type: checks-pd}")
+    )
+    assert p.message == "second and first both are P/D transports; an instance has one"
+    assert p.path == ("connectors", 2, "type") and p.line == 5
+    assert p.hint == "compose at most one P/D transport"
+
+
+def test_three_pd_transports_are_two_problems_naming_the_first() -> None:
+    found = problems(
+        composition("{name: p1, type: checks-pd}", "{name: p2, type: checks-pd}", "{name: p3, type: checks-pd}")
+    )
+    assert [(p.path, p.message.split(" both")[0]) for p in found] == [
+        (("connectors", 1, "type"), "p2 and p1"),
+        (("connectors", 2, "type"), "p3 and p1"),
+    ]
+
+
+# ------------------------------------------------------------------ host-buffer owners
+
+
+def test_two_host_buffer_owners_are_refused() -> None:
+    [p] = problems(composition("{name: x, type: checks-host-buffer}", "{name: y, type: checks-host-buffer}"))
+    assert p.message == "y and x both want vLLM's host-buffer copy op; only one child can own it"
+    assert p.path == ("connectors", 1, "type")
+    assert p.hint == "keep one host-buffer transport per composition"
+
+
+# ------------------------------------------------------------------ params keys owned twice
+
+
+def test_a_params_key_owned_twice_is_refused_under_owners() -> None:
+    [p] = problems(composition("{name: x, type: checks-keys}", "{name: y, type: checks-keys}"))
+    assert p.message == "kv_transfer_params key 'k1' is owned by both x and y"
+    assert p.path == ("connectors", 1, "type")
+    assert p.hint is not None and "params: strict" in p.hint
+
+
+def test_a_params_key_owned_twice_is_one_problem_per_child() -> None:
+    found = problems(
+        composition("{name: x, type: checks-keys}", "{name: y, type: checks-keys}", "{name: z, type: checks-keys}")
+    )
+    assert [p.path for p in found] == [("connectors", 1, "type"), ("connectors", 2, "type")]
+
+
+def test_a_params_key_declared_twice_is_fine_under_strict() -> None:
+    plan = loads(composition("{name: x, type: checks-keys}", "{name: y, type: checks-keys}", rules="{params: strict}"))
+    assert checks.kvcompose_check(plan) == []
+
+
+def test_two_record_pd_children_trip_the_host_buffer_and_params_checks() -> None:
+    found = problems(composition("{name: p1, type: record-pd}", "{name: p2, type: record-pd}"))
+    messages = sorted(p.message for p in found)
+    assert len(found) == 2, messages
+    assert any("host-buffer copy op" in m for m in messages)
+    assert any("is owned by both p1 and p2" in m for m in messages)
+    assert all(p.path == ("connectors", 1, "type") for p in found)
+
+
+def test_two_record_pd_children_under_strict_only_trip_the_host_buffer_check() -> None:
+    [p] = problems(composition("{name: p1, type: record-pd}", "{name: p2, type: record-pd}", rules="{params: strict}"))
+    assert "host-buffer copy op" in p.message
+
+
+def test_every_problem_is_reported_together() -> None:
+    found = problems(
+        composition(
+            "{name: p1, type: checks-pd}",
+            "{name: p2, type: checks-pd}",
+            "{name: b1, type: checks-host-buffer}",
+            "{name: b2, type: checks-host-buffer}",
+            "{name: k1, type: checks-keys}",
+            "{name: k2, type: checks-keys}",
+        )
+    )
+    assert sorted(p.path[1] for p in found) == [1, 3, 5]
+
+
+# ------------------------------------------------------------------ KV cache layouts
+
+
+@pytest.mark.parametrize(
+    "layouts",
+    [{}, {"a": None}, {"a": "NHD", "b": None, "c": "NHD"}, {"a": None, "b": "HND"}],
+)
+def test_layout_conflict_agreeing_or_unknown_is_none(layouts: dict[str, str | None]) -> None:
+    assert layout_conflict(layouts) is None
+
+
+def test_layout_conflict_names_every_known_layout() -> None:
+    text = layout_conflict({"a": "NHD", "b": None, "c": "HND"})
+    assert text == "children need different KV cache layouts: a=NHD, c=HND"
+
+
+def test_layout_conflict_in_a_composition_is_located_at_the_child_that_differs() -> None:
+    [p] = problems(
+        composition(
+            "{name: a, type: checks-layout, options: {layout: NHD}}",
+            "{name: n, type: checks-layout}",
+            "{name: c, type: checks-layout, options: {layout: HND}}",
+        )
+    )
+    assert p.message == "children need different KV cache layouts: a=NHD, c=HND"
+    assert p.path == ("connectors", 2, "type")
+
+
+def test_layout_conflict_is_not_located_at_a_child_that_agrees() -> None:
+    [p] = problems(
+        composition(
+            "{name: a, type: checks-layout, options: {layout: NHD}}",
+            "{name: b, type: checks-layout, options: {layout: NHD}}",
+            "{name: c, type: checks-layout, options: {layout: HND}}",
+        )
+    )
+    assert p.message == "children need different KV cache layouts: a=NHD, b=NHD, c=HND"
+    assert p.path == ("connectors", 2, "type")
+
+
+def test_agreeing_layouts_are_fine() -> None:
+    plan = loads(
+        composition(
+            "{name: a, type: checks-layout, options: {layout: NHD}}",
+            "{name: r, type: record}",
+            "{name: b, type: checks-layout, options: {layout: NHD}}",
+        )
+    )
+    assert checks.kvcompose_check(plan) == []

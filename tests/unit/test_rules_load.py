@@ -1,0 +1,300 @@
+"""Load rules (``first-wins``, ``longest-hit``) and the LoadRule defaults (``allocate``, ``awaited``).
+
+Only public behaviour, no vLLM: a scripted ``ask`` stands in for the children's
+``get_num_new_matched_tokens`` and records every call, so "not asked" is counted, not assumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from kvcompose.catalog import Child, Rule
+from kvcompose.compose import loads
+from kvcompose.rules import load
+from kvcompose.rules.contract import NO_HIT, NOT_READY, Contribution, LoadRule, Selection
+from kvcompose.rules.load import FirstWins, LongestHit
+
+THREE = """
+version: 1
+connectors:
+  - {name: a, type: record}
+  - {name: b, type: record}
+  - {name: c, type: record}
+"""
+
+Answer = tuple["int | None", bool]
+
+
+class Script:
+    """An ``ask`` that answers per child as scripted and records each call."""
+
+    def __init__(self, answers: Mapping[int, Answer]) -> None:
+        self.answers = dict(answers)
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, child: int, num_computed_tokens: int) -> Answer:
+        self.calls.append((child, num_computed_tokens))
+        return self.answers[child]
+
+    @property
+    def asked(self) -> list[int]:
+        return [child for child, _ in self.calls]
+
+
+def three_children() -> tuple[Child, ...]:
+    return loads(THREE).children
+
+
+def built_rules() -> dict[str, Rule[Any]]:
+    return {r.name: r for r in load.kvcompose_rules()}
+
+
+def select(rule: LoadRule, answers: Mapping[int, Answer], n: int = 0) -> tuple[Selection, Script]:
+    ask = Script(answers)
+    return rule.select(ask, tuple(sorted(answers)), n), ask
+
+
+def only(child: int, tokens: int, is_async: bool) -> Selection:
+    return Selection(tokens, is_async, (Contribution(child, 0, tokens, is_async),))
+
+
+# ------------------------------------------------------------------ the hook's Rule objects
+
+
+def test_the_module_offers_both_load_rules() -> None:
+    rules = built_rules()
+    assert set(rules) == {"first-wins", "longest-hit"}
+    assert all(r.kind == "load" and r.params is None for r in rules.values())
+
+
+@pytest.mark.parametrize(("name", "cls"), [("first-wins", FirstWins), ("longest-hit", LongestHit)])
+def test_build_returns_a_load_rule(name: str, cls: type[LoadRule]) -> None:
+    obj = built_rules()[name].build(three_children(), None)
+    assert isinstance(obj, cls) and isinstance(obj, LoadRule)
+
+
+def test_first_wins_is_the_default_and_longest_hit_is_chosen_by_name() -> None:
+    assert isinstance(loads(THREE).load, FirstWins)
+    assert isinstance(loads(THREE + "rules: {load: longest-hit}\n").load, LongestHit)
+
+
+def test_explanations_name_the_order() -> None:
+    children = three_children()
+    rules = built_rules()
+    first = rules["first-wins"]
+    longest = rules["longest-hit"]
+    assert first.explain is not None and longest.explain is not None
+    assert "a > b > c" in first.explain(children, None) and "not asked" in first.explain(children, None)
+    assert "a > b > c" in longest.explain(children, None) and "longest" in longest.explain(children, None)
+
+
+# ------------------------------------------------------------------ first-wins
+
+
+def test_first_wins_children_below_the_winner_are_not_asked() -> None:
+    sel, ask = select(FirstWins(), {0: (0, False), 1: (32, True), 2: (64, False)}, n=16)
+    assert sel == only(1, 32, True)
+    assert ask.calls == [(0, 16), (1, 16)]  # c was never asked, though it had more
+
+
+def test_first_wins_the_first_child_with_a_hit_wins_even_when_sync() -> None:
+    sel, ask = select(FirstWins(), {0: (16, False), 1: (64, True), 2: (64, True)})
+    assert sel == only(0, 16, False)
+    assert ask.asked == [0]
+
+
+def test_first_wins_none_above_the_winner_waits() -> None:
+    sel, ask = select(FirstWins(), {0: (None, False), 1: (32, True), 2: (0, False)})
+    assert sel == NOT_READY
+    assert ask.asked == [0]  # nobody below the undecided child is probed either
+
+
+def test_first_wins_none_after_a_zero_still_waits() -> None:
+    sel, ask = select(FirstWins(), {0: (0, False), 1: (None, False), 2: (32, False)})
+    assert sel == NOT_READY
+    assert ask.asked == [0, 1]
+
+
+def test_first_wins_none_below_a_winner_is_never_asked() -> None:
+    sel, ask = select(FirstWins(), {0: (32, False), 1: (None, False), 2: (None, False)})
+    assert sel == only(0, 32, False)
+    assert ask.asked == [0]
+
+
+def test_first_wins_no_hit_asks_everyone_once() -> None:
+    sel, ask = select(FirstWins(), {0: (0, False), 1: (0, True), 2: (0, False)})
+    assert sel == NO_HIT
+    assert ask.asked == [0, 1, 2]
+
+
+def test_first_wins_asks_only_the_given_children_in_their_order() -> None:
+    ask = Script({0: (0, False), 1: (64, True), 2: (32, False)})
+    sel = FirstWins().select(ask, (0, 2), 0)  # child 1 is disabled
+    assert sel == only(2, 32, False)
+    assert ask.asked == [0, 2]
+
+
+def test_first_wins_with_no_children_is_no_hit() -> None:
+    ask = Script({})
+    assert FirstWins().select(ask, (), 0) == NO_HIT
+    assert ask.calls == []
+
+
+# ------------------------------------------------------------------ longest-hit
+
+
+def test_longest_hit_asks_every_child_once_and_the_longest_wins() -> None:
+    sel, ask = select(LongestHit(), {0: (16, False), 1: (48, True), 2: (32, False)}, n=32)
+    assert sel == only(1, 48, True)
+    assert ask.calls == [(0, 32), (1, 32), (2, 32)]
+
+
+def test_longest_hit_keeps_asking_after_a_hit() -> None:
+    sel, ask = select(LongestHit(), {0: (64, False), 1: (16, True), 2: (0, False)})
+    assert sel == only(0, 64, False)
+    assert ask.asked == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("answers", "winner"),
+    [
+        ({0: (16, False), 1: (32, False), 2: (32, True)}, only(1, 32, False)),
+        ({0: (32, True), 1: (32, False), 2: (32, False)}, only(0, 32, True)),
+        ({0: (0, False), 1: (8, False), 2: (8, True)}, only(1, 8, False)),
+    ],
+)
+def test_longest_hit_ties_go_to_yaml_order(answers: dict[int, Answer], winner: Selection) -> None:
+    assert select(LongestHit(), answers)[0] == winner
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        {0: (None, False), 1: (64, True), 2: (0, False)},  # above the best
+        {0: (64, True), 1: (0, False), 2: (None, False)},  # below the best
+        {0: (None, False), 1: (None, False), 2: (None, False)},
+        {0: (0, False), 1: (None, False), 2: (0, False)},
+    ],
+)
+def test_longest_hit_any_none_waits(answers: dict[int, Answer]) -> None:
+    sel, ask = select(LongestHit(), answers)
+    assert sel == NOT_READY
+    assert ask.asked == [0, 1, 2]
+
+
+def test_longest_hit_zero_is_an_answer_not_a_wait() -> None:
+    sel, ask = select(LongestHit(), {0: (0, False), 1: (0, True), 2: (0, False)})
+    assert sel == NO_HIT
+    assert sel.tokens == 0 and sel.contributions == ()
+    assert ask.asked == [0, 1, 2]
+
+
+def test_longest_hit_asks_only_the_given_children() -> None:
+    ask = Script({0: (8, False), 1: (None, False), 2: (16, True)})
+    sel = LongestHit().select(ask, (0, 2), 0)  # the undecided child 1 is disabled
+    assert sel == only(2, 16, True)
+    assert ask.asked == [0, 2]
+
+
+# ------------------------------------------------------------------ both: the selection's shape
+
+
+@pytest.mark.parametrize("rule", [FirstWins(), LongestHit()], ids=["first-wins", "longest-hit"])
+@pytest.mark.parametrize(
+    "answers",
+    [
+        {0: (0, False), 1: (0, False)},
+        {0: (16, True), 1: (32, False)},
+        {0: (0, False), 1: (48, True)},
+        {0: (None, False), 1: (48, True)},
+    ],
+)
+def test_tokens_is_the_sum_of_contributions(rule: LoadRule, answers: dict[int, Answer]) -> None:
+    sel, _ = select(rule, answers)
+    if sel.tokens is None:
+        assert sel == NOT_READY
+    else:
+        assert sel.tokens == sum(c.tokens for c in sel.contributions)
+        assert all(c.start == 0 and c.tokens > 0 for c in sel.contributions)
+        assert sel.is_async == any(c.is_async for c in sel.contributions)
+
+
+# ------------------------------------------------------------------ allocate (the Protocol's default)
+
+SPLIT = Selection(
+    48,
+    True,
+    (Contribution(0, 0, 16, False), Contribution(1, 16, 32, True)),
+)
+
+
+@pytest.mark.parametrize("rule", [FirstWins(), LongestHit()], ids=["first-wins", "longest-hit"])
+def test_allocate_gives_the_winner_what_vllm_allocated(rule: LoadRule) -> None:
+    sel = only(1, 32, True)
+    assert rule.allocate(sel, 32) == (Contribution(1, 0, 32, True),)
+
+
+@pytest.mark.parametrize("rule", [FirstWins(), LongestHit()], ids=["first-wins", "longest-hit"])
+def test_allocate_clips_to_fewer_tokens(rule: LoadRule) -> None:
+    assert rule.allocate(only(1, 32, True), 16) == (Contribution(1, 0, 16, True),)
+
+
+@pytest.mark.parametrize("rule", [FirstWins(), LongestHit()], ids=["first-wins", "longest-hit"])
+def test_allocate_zero_gives_nothing(rule: LoadRule) -> None:
+    assert rule.allocate(only(1, 32, True), 0) == ()
+    assert rule.allocate(SPLIT, 0) == ()
+
+
+@pytest.mark.parametrize("rule", [FirstWins(), LongestHit()], ids=["first-wins", "longest-hit"])
+def test_allocate_of_no_hit_or_not_ready_is_nothing(rule: LoadRule) -> None:
+    assert rule.allocate(NO_HIT, 0) == ()
+    assert rule.allocate(NOT_READY, 0) == ()
+
+
+@pytest.mark.parametrize(
+    ("num_external_tokens", "expected"),
+    [
+        (48, SPLIT.contributions),
+        (64, SPLIT.contributions),  # more than selected: nobody loads more than it offered
+        (24, (Contribution(0, 0, 16, False), Contribution(1, 16, 8, True))),
+        (16, (Contribution(0, 0, 16, False),)),
+        (8, (Contribution(0, 0, 8, False),)),
+        (0, ()),
+    ],
+)
+def test_allocate_clips_a_split_in_order(num_external_tokens: int, expected: tuple[Contribution, ...]) -> None:
+    out = FirstWins().allocate(SPLIT, num_external_tokens)
+    assert out == expected
+    assert sum(c.tokens for c in out) == min(num_external_tokens, 48)
+
+
+# ------------------------------------------------------------------ awaited (the Protocol's default)
+
+
+def test_awaited_is_only_async_contributors_with_tokens() -> None:
+    contributions = (
+        Contribution(0, 0, 16, True),
+        Contribution(1, 16, 16, False),  # sync: loaded before vLLM proceeds
+        Contribution(2, 32, 0, True),  # async but nothing to load
+        Contribution(3, 32, 8, True),
+    )
+    assert FirstWins().awaited(contributions) == (0, 3)
+    assert LongestHit().awaited(contributions) == (0, 3)
+
+
+def test_awaited_of_a_sync_load_or_nothing_is_empty() -> None:
+    assert FirstWins().awaited((Contribution(0, 0, 32, False),)) == ()
+    assert FirstWins().awaited(()) == ()
+
+
+@pytest.mark.parametrize(
+    ("is_async", "num_external_tokens", "awaited"),
+    [(True, 32, (1,)), (True, 8, (1,)), (True, 0, ()), (False, 32, ())],
+)
+def test_select_allocate_awaited_together(is_async: bool, num_external_tokens: int, awaited: tuple[int, ...]) -> None:
+    rule = FirstWins()
+    sel, _ = select(rule, {0: (0, False), 1: (32, is_async)})
+    assert rule.awaited(rule.allocate(sel, num_external_tokens)) == awaited
