@@ -99,7 +99,13 @@ class LoadRule(Protocol):
     load is the completion rule's: it waits for the children :meth:`awaited` names.
     """
 
-    def select(self, ask: Ask, children: Sequence[int], num_computed_tokens: int) -> Selection:
+    def select(
+        self,
+        ask: Ask,
+        children: Sequence[int],
+        num_computed_tokens: int,
+        kv_transfer_params: Mapping[str, Any] | None,
+    ) -> Selection:
         """Decide who loads which tokens of a request.
 
         :param ask: asks one child (by index) with a ``num_computed_tokens`` of the rule's
@@ -108,6 +114,9 @@ class LoadRule(Protocol):
         :param children: the children that may be asked, in YAML order (a disabled child is
             left out).
         :param num_computed_tokens: the request's local prefix (block-aligned, from vLLM).
+        :param kv_transfer_params: the request's ``kv_transfer_params`` as the client sent them
+            (vLLM's ``Request.kv_transfer_params``; ``None`` for none). Read-only: the children
+            read the same dict.
         :return: :data:`NOT_READY`, :data:`NO_HIT`, or a :class:`Selection` whose ``tokens`` is
             the sum of its contributions' tokens.
         """

@@ -10,7 +10,7 @@ external tokens, the others 0, and an async winner's report completes the load.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcompose import hookimpl
@@ -31,7 +31,13 @@ class FirstWins(LoadRule):
     winner means that child may still answer with a hit, so the request waits a step.
     """
 
-    def select(self, ask: Ask, children: Sequence[int], num_computed_tokens: int) -> Selection:
+    def select(
+        self,
+        ask: Ask,
+        children: Sequence[int],
+        num_computed_tokens: int,
+        kv_transfer_params: Mapping[str, Any] | None,
+    ) -> Selection:
         for i in children:
             tokens, is_async = ask(i, num_computed_tokens)
             if tokens is None:
@@ -44,7 +50,13 @@ class FirstWins(LoadRule):
 class LongestHit(LoadRule):
     """Every child is asked; the one with the most tokens loads (ties go to YAML order)."""
 
-    def select(self, ask: Ask, children: Sequence[int], num_computed_tokens: int) -> Selection:
+    def select(
+        self,
+        ask: Ask,
+        children: Sequence[int],
+        num_computed_tokens: int,
+        kv_transfer_params: Mapping[str, Any] | None,
+    ) -> Selection:
         best = NO_HIT
         waiting = False
         for i in children:

@@ -297,7 +297,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         fns = self.calls.by_child("get_num_new_matched_tokens")
-        sel = self.plan.load.select(lambda i, n: fns[i](request, n), self.calls.active, num_computed_tokens)
+        sel = self.plan.load.select(
+            lambda i, n: fns[i](request, n), self.calls.active, num_computed_tokens, request.kv_transfer_params
+        )
         if sel.tokens is not None:
             self._loads.selected(request.request_id, sel)
         return sel.tokens, sel.is_async

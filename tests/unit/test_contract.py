@@ -10,7 +10,7 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -117,14 +117,16 @@ def test_transfer_results_truth_is_any_report(results: TransferResults, truth: b
 class SelectOnly(LoadRule):
     """A third-party load rule that writes only ``select`` and inherits the rest."""
 
-    def select(self, ask: Ask, children: Sequence[int], num_computed_tokens: int) -> Selection:
+    def select(
+        self, ask: Ask, children: Sequence[int], num_computed_tokens: int, kv_transfer_params: Mapping[str, Any] | None
+    ) -> Selection:
         return Selection(24, True, (Contribution(0, 0, 8, False), Contribution(1, 8, 16, True)))
 
 
 def test_an_explicit_load_rule_subclass_inherits_allocate_and_awaited() -> None:
     rule = SelectOnly()
     assert isinstance(rule, LoadRule)
-    sel = rule.select(lambda i, n: (0, False), (0, 1), 0)
+    sel = rule.select(lambda i, n: (0, False), (0, 1), 0, None)
     assert rule.allocate(sel, 12) == (Contribution(0, 0, 8, False), Contribution(1, 8, 4, True))
     assert rule.awaited(rule.allocate(sel, 12)) == (1,)
     assert rule.awaited(rule.allocate(sel, 8)) == ()

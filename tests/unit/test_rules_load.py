@@ -54,7 +54,7 @@ def built_rules() -> dict[str, Rule[Any]]:
 
 def select(rule: LoadRule, answers: Mapping[int, Answer], n: int = 0) -> tuple[Selection, Script]:
     ask = Script(answers)
-    return rule.select(ask, tuple(sorted(answers)), n), ask
+    return rule.select(ask, tuple(sorted(answers)), n, None), ask
 
 
 def only(child: int, tokens: int, is_async: bool) -> Selection:
@@ -132,14 +132,14 @@ def test_first_wins_no_hit_asks_everyone_once() -> None:
 
 def test_first_wins_asks_only_the_given_children_in_their_order() -> None:
     ask = Script({0: (0, False), 1: (64, True), 2: (32, False)})
-    sel = FirstWins().select(ask, (0, 2), 0)  # child 1 is disabled
+    sel = FirstWins().select(ask, (0, 2), 0, None)  # child 1 is disabled
     assert sel == only(2, 32, False)
     assert ask.asked == [0, 2]
 
 
 def test_first_wins_with_no_children_is_no_hit() -> None:
     ask = Script({})
-    assert FirstWins().select(ask, (), 0) == NO_HIT
+    assert FirstWins().select(ask, (), 0, None) == NO_HIT
     assert ask.calls == []
 
 
@@ -194,7 +194,7 @@ def test_longest_hit_zero_is_an_answer_not_a_wait() -> None:
 
 def test_longest_hit_asks_only_the_given_children() -> None:
     ask = Script({0: (8, False), 1: (None, False), 2: (16, True)})
-    sel = LongestHit().select(ask, (0, 2), 0)  # the undecided child 1 is disabled
+    sel = LongestHit().select(ask, (0, 2), 0, None)  # the undecided child 1 is disabled
     assert sel == only(2, 16, True)
     assert ask.asked == [0, 2]
 
