@@ -249,13 +249,19 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = self.calls.named("get_kv_connector_stats")
+        # Every step, on the scheduler and each worker: one loop, no helper call or second pass
+        # (docs/performance.md: scheduler step, before/after).
+        data: dict[str, KVConnectorStats] = {}
+        classes: dict[str, str] = {}
+        for i, fn in self.calls["get_kv_connector_stats"]:
+            stats = fn()
+            if stats is not None:
+                name = self.names[i]
+                data[name], classes[name] = stats, self._classes[name]
         loads = self._loads.take_stats()
         if loads is not None:
-            data[STATS_KEY] = loads
-        if not data:
-            return None
-        return ComposedStats(data=data, connector_classes={name: self._classes[name] for name in data})
+            data[STATS_KEY], classes[STATS_KEY] = loads, self._classes[STATS_KEY]
+        return ComposedStats(data=data, connector_classes=classes) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         children = self.calls.named("get_kv_connector_kv_cache_events")

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from kvcompose.rules.contract import Contribution, LoadRule, Selection
 from kvcompose.vllm.loadstats import ChildLoadStats
 
+_NOTHING: dict[str, tuple[int, ...]] = {}
+
 
 class RequestLoads:
     """Per request: the load rule's selection, what ``update_state_after_alloc`` gave each
@@ -83,7 +85,20 @@ class RequestLoads:
         return stats
 
     def take_announcements(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-        """``(new_loads, new_saves)`` for this step's metadata, cleared for the next."""
-        out = self.new_loads, self.new_saves
-        self.new_loads, self.new_saves = {}, {}
-        return out
+        """``(new_loads, new_saves)`` for this step's metadata, cleared for the next.
+
+        Most steps announce nothing: they ship one shared empty dict, never written to, instead
+        of two new ones (docs/performance.md: scheduler step, before/after). Not the dicts kept
+        here: with async scheduling the scheduler may add to them while a worker still reads
+        the last step's metadata.
+        """
+        loads, saves = self.new_loads, self.new_saves
+        if loads:
+            self.new_loads = {}
+        else:
+            loads = _NOTHING
+        if saves:
+            self.new_saves = {}
+        else:
+            saves = _NOTHING
+        return loads, saves
