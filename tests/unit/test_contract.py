@@ -41,14 +41,8 @@ from kvcompose.rules.contract import (
 )
 from kvcompose.rules.load import FirstWins
 from kvcompose.rules.store import StoreTo
+from tests.unit.three import THREE
 
-THREE = """
-version: 1
-connectors:
-  - {name: a, type: record}
-  - {name: b, type: record}
-  - {name: c, type: record}
-"""
 RULE_MODULES: tuple[ModuleType, ...] = (load, store, metadata, params, completion, faults)
 
 

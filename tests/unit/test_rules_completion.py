@@ -15,14 +15,7 @@ from kvcompose.rules import completion
 from kvcompose.rules.completion import Owner, OwnerAccounting
 from kvcompose.rules.contract import CompletionRule, CompletionTracker, TransferResults
 from kvcompose.rules.faults import Contain
-
-THREE = """
-version: 1
-connectors:
-  - {name: a, type: record}
-  - {name: b, type: record}
-  - {name: c, type: record}
-"""
+from tests.unit.three import THREE
 
 
 def owner_rule() -> Rule[Any]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvcompose.catalog import Child, Rule
+from kvcompose.catalog import Rule
 from kvcompose.compose import loads
 from kvcompose.errors import CompositionError
 from kvcompose.rules import faults
@@ -14,18 +14,7 @@ from kvcompose.rules._children import ChildrenParams
 from kvcompose.rules.completion import OwnerAccounting
 from kvcompose.rules.contract import FaultsRule, TransferResults
 from kvcompose.rules.faults import Contain
-
-THREE = """
-version: 1
-connectors:
-  - {name: a, type: record}
-  - {name: b, type: record}
-  - {name: c, type: record}
-"""
-
-
-def three_children() -> tuple[Child, ...]:
-    return loads(THREE).children
+from tests.unit.three import THREE, three_children
 
 
 def built_rules() -> dict[str, Rule[Any]]:

@@ -11,19 +11,12 @@ from typing import Any
 
 import pytest
 
-from kvcompose.catalog import Child, Rule
+from kvcompose.catalog import Rule
 from kvcompose.compose import loads
 from kvcompose.rules import load
 from kvcompose.rules.contract import NO_HIT, NOT_READY, Contribution, LoadRule, Selection
 from kvcompose.rules.load import FirstWins, LongestHit
-
-THREE = """
-version: 1
-connectors:
-  - {name: a, type: record}
-  - {name: b, type: record}
-  - {name: c, type: record}
-"""
+from tests.unit.three import THREE, three_children
 
 Answer = tuple["int | None", bool]
 
@@ -42,10 +35,6 @@ class Script:
     @property
     def asked(self) -> list[int]:
         return [child for child, _ in self.calls]
-
-
-def three_children() -> tuple[Child, ...]:
-    return loads(THREE).children
 
 
 def built_rules() -> dict[str, Rule[Any]]:

@@ -11,14 +11,7 @@ from kvcompose.compose import loads
 from kvcompose.rules import metadata
 from kvcompose.rules.contract import MetadataRule
 from kvcompose.rules.metadata import Merge, MetadataMismatch
-
-THREE = """
-version: 1
-connectors:
-  - {name: a, type: record}
-  - {name: b, type: record}
-  - {name: c, type: record}
-"""
+from tests.unit.three import THREE
 
 
 def merge_rule() -> Rule[Any]:

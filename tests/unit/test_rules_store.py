@@ -6,25 +6,14 @@ from typing import Any
 
 import pytest
 
-from kvcompose.catalog import Child, Rule
+from kvcompose.catalog import Rule
 from kvcompose.compose import loads
 from kvcompose.errors import CompositionError
 from kvcompose.rules import store
 from kvcompose.rules._children import ChildrenParams
 from kvcompose.rules.contract import StoreRule
 from kvcompose.rules.store import StoreTo
-
-THREE = """
-version: 1
-connectors:
-  - {name: a, type: record}
-  - {name: b, type: record}
-  - {name: c, type: record}
-"""
-
-
-def three_children() -> tuple[Child, ...]:
-    return loads(THREE).children
+from tests.unit.three import THREE, three_children
 
 
 def built_rules() -> dict[str, Rule[Any]]:
