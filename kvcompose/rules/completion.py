@@ -19,6 +19,10 @@ from kvcompose.rules.contract import CompletionRule, CompletionTracker, Transfer
 
 log = logging.getLogger("kvcompose.rules.completion")
 
+#: How many forwarded frees a tracker remembers to drop their duplicates (request ids are
+#: unique, so a duplicate arrives within a few steps, not thousands of requests later).
+FREED_KEPT = 4096
+
 
 @dataclass
 class _Load:
@@ -43,6 +47,9 @@ class OwnerAccounting(CompletionTracker):
     loads: dict[str, _Load] = field(default_factory=dict)
     saves_owed: dict[str, set[int]] = field(default_factory=dict)
     abandoned: dict[int, set[str]] = field(default_factory=dict)
+    #: Requests whose free was forwarded, newest last, at most :data:`FREED_KEPT`: a repeated
+    #: finished_sending for one of them would hit vLLM's ``assert req_id in self.requests``.
+    freed: dict[str, None] = field(default_factory=dict)
 
     # ---- worker half: told by the scheduler through the step's metadata
     def expect_load(self, request_id: str, children: tuple[int, ...]) -> None:
@@ -90,14 +97,24 @@ class OwnerAccounting(CompletionTracker):
             for req in res.finished_sending:
                 owed = self.saves_owed.get(req)
                 if owed is None:
+                    if req in self.freed:  # a duplicate after the free was forwarded
+                        dropped += 1
+                        continue
                     # Nothing was announced for it: a single child's own delayed free.
+                    self._freed(req)
                     out.finished_sending.add(req)
                     continue
                 owed.discard(child)
                 if not owed:
                     del self.saves_owed[req]
+                    self._freed(req)
                     out.finished_sending.add(req)
         return out, dropped
+
+    def _freed(self, req: str) -> None:
+        self.freed[req] = None
+        if len(self.freed) > FREED_KEPT:
+            del self.freed[next(iter(self.freed))]
 
     # ---- scheduler half
     def admit(self, finished_recving: set[str], waiting: Collection[str]) -> set[str]:

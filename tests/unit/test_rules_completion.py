@@ -12,7 +12,7 @@ import pytest
 from kvcompose.catalog import Rule
 from kvcompose.compose import loads
 from kvcompose.rules import completion
-from kvcompose.rules.completion import Owner, OwnerAccounting
+from kvcompose.rules.completion import FREED_KEPT, Owner, OwnerAccounting
 from kvcompose.rules.contract import CompletionRule, CompletionTracker, TransferResults
 from kvcompose.rules.faults import Contain
 from tests.unit.three import THREE
@@ -280,3 +280,22 @@ def test_explanation() -> None:
     rule = owner_rule()
     assert rule.explain is not None
     assert "each once" in rule.explain(loads(THREE).children, None)
+
+
+def test_a_free_is_forwarded_once_even_when_a_child_repeats_it() -> None:
+    t = tracker()
+    t.expect_saves("r", (0, 2))
+    t.settle(report(a=sent("r"), c=sent("r")))
+    # A repeat from an owing child, or a report from a child that never owed it: vLLM already
+    # freed the request, and its scheduler asserts on a finished_sending it does not know.
+    assert t.settle(report(a=sent("r"))) == (TransferResults(), 1)
+    assert t.settle(report(b=sent("r"))) == (TransferResults(), 1)
+    assert t.settle(report(b=sent("solo")))[0] == TransferResults(finished_sending={"solo"})
+    assert t.settle(report(b=sent("solo"))) == (TransferResults(), 1)
+
+
+def test_the_memory_of_forwarded_frees_is_bounded() -> None:
+    t = tracker()
+    for i in range(FREED_KEPT + 1):
+        t.settle(report(b=sent(f"r{i}")))
+    assert len(t.freed) == FREED_KEPT and "r0" not in t.freed and f"r{FREED_KEPT}" in t.freed
