@@ -109,6 +109,15 @@ class ConnectorType:
     #: It is the instance's P/D transport: its role is the instance's ``kv_role``, and it owns
     #: the P/D ``kv_transfer_params`` (NIXL is; a prefix tier is not).
     pd_transport: ClassVar[bool] = False
+    #: It can load a *range* that does not start at the request's local prefix end: asked
+    #: ``get_num_new_matched_tokens(request, n)`` with ``n`` beyond that end, it answers for
+    #: the tokens from ``n`` on and, in ``update_state_after_alloc``, loads only those, into the
+    #: blocks from ``n // block_size`` on (the ``ranges`` load rule offers such a child the
+    #: tokens the children above it do not cover; any other child only the local prefix end).
+    range_loads: ClassVar[bool] = False
+    #: Tokens a range this type loads must start at a multiple of, when coarser than vLLM's
+    #: block size (0: the block size is enough).
+    range_alignment: ClassVar[int] = 0
     #: The ``kv_transfer_params`` keys this type reads and returns (the ``owners`` params rule
     #: gives each key to the type that declares it).
     param_keys: ClassVar[frozenset[str]] = frozenset()

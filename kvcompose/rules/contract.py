@@ -59,6 +59,18 @@ class Selection:
     contributions: tuple[Contribution, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What a load rule may need to know of the engine it serves (see :meth:`LoadRule.bind`)."""
+
+    #: vLLM's scheduler block size, in tokens: loads move whole blocks.
+    block_size: int
+    #: KV cache groups (more than one with sliding-window or hybrid models).
+    kv_cache_groups: int = 1
+    #: Decode times prefill context-parallel size (1: none).
+    context_parallel: int = 1
+
+
 #: Ask again next step (a child above any hit answered ``None``).
 NOT_READY = Selection(None, False)
 #: No child has anything to load.
@@ -98,6 +110,14 @@ class LoadRule(Protocol):
     ``update_state_after_alloc`` (:meth:`allocate`, then :meth:`awaited`). The worker half of a
     load is the completion rule's: it waits for the children :meth:`awaited` names.
     """
+
+    def bind(self, engine: EngineFacts) -> None:
+        """Called once per scheduler connector, before any lookup, with the engine's facts.
+
+        A rule that needs them keeps them (``ranges``: block alignment); a rule that cannot
+        serve this engine raises ``ValueError`` saying why, which stops the engine at start
+        instead of loading wrong KV later. The default needs nothing.
+        """
 
     def select(
         self,

@@ -3,19 +3,22 @@
 
 vLLM's answer ``(0, False)`` means "nothing here" and ``None`` means "ask me again later", so
 the rules walk children in YAML order themselves instead of using pluggy's ``firstresult``
-(which runs LIFO and skips ``None``). Both built-in rules pick one child; the allocation split and
-load completion are :class:`~kvcompose.rules.contract.LoadRule`'s defaults: the winner gets the
-external tokens, the others 0, and an async winner's report completes the load.
+(which runs LIFO and skips ``None``). ``first-wins`` and ``longest-hit`` pick one child;
+``ranges`` chains several, each loading the range after the one above it. The allocation split
+and load completion are :class:`~kvcompose.rules.contract.LoadRule`'s defaults for all three:
+each contributor gets its own tokens, the others 0, and the load completes when every async
+contributor has reported.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcompose import hookimpl
-from kvcompose.catalog import Rule
-from kvcompose.rules.contract import NO_HIT, NOT_READY, Ask, Contribution, LoadRule, Selection
+from kvcompose.catalog import Child, Rule
+from kvcompose.rules.contract import NO_HIT, NOT_READY, Ask, Contribution, EngineFacts, LoadRule, Selection
 
 
 def single(child: int, tokens: int, is_async: bool) -> Selection:
@@ -69,6 +72,82 @@ class LongestHit(LoadRule):
         return NOT_READY if waiting else best
 
 
+class Ranges(LoadRule):
+    """Children in YAML order each load the range after the one above it (range loads).
+
+    The first child is asked at the local prefix end, as vLLM asks any connector; each next
+    child is asked with ``num_computed_tokens`` advanced by the tokens covered so far (vLLM's
+    own contract: it answers for the tokens beyond that point), so a host tier's prefix and a
+    P/D pull of the rest serve one request. The chain ends after a range whose end is not on a
+    block boundary (the next range could not start on one), before a child whose declared
+    alignment the next start misses, and before a contributor whose ``is_async`` differs from
+    the first's (vLLM waits for a request's load as a whole). A child that cannot load a range
+    away from the local prefix end (``ConnectorType.range_loads`` false) is offered only that
+    end: after a contribution it is skipped, so for it the rule is ``first-wins``. A ``None``
+    makes the request wait a step, as under ``first-wins``.
+
+    One KV cache group only: the ranges are in tokens of one block table (``bind`` refuses an
+    engine with several groups, e.g. sliding-window layers, rather than load them wrong).
+    """
+
+    def __init__(self, children: Sequence[Child]) -> None:
+        self._range_loads = tuple(c.type.range_loads for c in children)
+        self._alignment = tuple(c.type.range_alignment for c in children)
+        self._block_size = 0
+        self._align: tuple[int, ...] = ()
+
+    def bind(self, engine: EngineFacts) -> None:
+        if engine.kv_cache_groups != 1:
+            raise ValueError(
+                f"load rule 'ranges' serves models with one KV cache group; this one has {engine.kv_cache_groups} "
+                "(sliding-window or hybrid layers keep one block table per group, and a range of tokens "
+                "is not one range of blocks in each). Use `load: first-wins` for this model."
+            )
+        if engine.context_parallel != 1:
+            raise ValueError(
+                "load rule 'ranges' does not serve context-parallel engines "
+                f"(decode x prefill context parallel size {engine.context_parallel}): their block slices "
+                "are lined up from the local prefix end, where a range after another child's does not start. "
+                "Use `load: first-wins` with context parallelism."
+            )
+        self._block_size = engine.block_size
+        self._align = tuple(math.lcm(engine.block_size, a) if a else engine.block_size for a in self._alignment)
+
+    def select(
+        self,
+        ask: Ask,
+        children: Sequence[int],
+        num_computed_tokens: int,
+        kv_transfer_params: Mapping[str, Any] | None,
+    ) -> Selection:
+        if not self._block_size:
+            raise RuntimeError("load rule 'ranges' was not bound to an engine (LoadRule.bind)")
+        contributions: list[Contribution] = []
+        covered = 0
+        for i in children:
+            start = num_computed_tokens + covered
+            if covered and not self._range_loads[i]:
+                continue
+            if start % self._align[i]:
+                if covered:
+                    break
+                continue
+            tokens, is_async = ask(i, start)
+            if tokens is None:
+                return NOT_READY
+            if tokens <= 0:
+                continue
+            if contributions and is_async != contributions[0].is_async:
+                break
+            contributions.append(Contribution(i, covered, tokens, is_async))
+            covered += tokens
+            if (num_computed_tokens + covered) % self._block_size:
+                break
+        if not contributions:
+            return NO_HIT
+        return Selection(covered, contributions[0].is_async, tuple(contributions))
+
+
 def _explain_first(children: tuple[Any, ...], _: Any) -> str:
     order = " > ".join(c.name for c in children)
     return f"load: the first child with a hit loads, in this order: {order}; later children are not asked"
@@ -76,6 +155,27 @@ def _explain_first(children: tuple[Any, ...], _: Any) -> str:
 
 def _explain_longest(children: tuple[Any, ...], _: Any) -> str:
     return "load: every child is asked; the longest hit loads (ties: " + " > ".join(c.name for c in children) + ")"
+
+
+def _explain_ranges(children: tuple[Child, ...], _: Any) -> str:
+    parts: list[str] = []
+    for c in children:
+        if not parts:
+            parts.append(f"{c.name} loads the prefix it holds")
+        elif c.type.range_loads:
+            parts.append(
+                f"{c.name} pulls the rest from the prefill instance"
+                if c.type.pd_transport
+                else f"{c.name} loads what it holds of the rest"
+            )
+        else:
+            parts.append(f"{c.name} loads only when nothing above it did (it cannot load a range)")
+    return (
+        "load: ranges, one request from several children: "
+        + "; then ".join(parts)
+        + " (models with one KV cache group: an engine with sliding-window or hybrid layers, or context "
+        "parallelism, refuses to start with this rule)"
+    )
 
 
 @hookimpl
@@ -95,5 +195,12 @@ def kvcompose_rules() -> list[Rule[Any]]:
             "every child is asked; the most matched tokens wins",
             lambda children, params: LongestHit(),
             explain=_explain_longest,
+        ),
+        Rule(
+            "load",
+            "ranges",
+            "children in YAML order each load the range after the one above (host prefix + NIXL rest)",
+            lambda children, params: Ranges(children),
+            explain=_explain_ranges,
         ),
     ]

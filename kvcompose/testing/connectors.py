@@ -51,6 +51,8 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.results: KVConnectorTransferResults | None = None
         self._steps = 0
+        self._block_size: int = vllm_config.cache_config.block_size
+        self._starts: dict[str, int] = {}  # the num_computed_tokens each lookup was asked with
         self._new_loads: dict[str, list[int]] = {}
         #: Worker side: loads bound from metadata and not yet reported.
         self.loading: dict[str, list[int]] = {}
@@ -64,13 +66,16 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
     # scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._rec("get_num_new_matched_tokens", request.request_id, num_computed_tokens)
+        self._starts[request.request_id] = num_computed_tokens
         n = self.matched_tokens
         return (n, self.is_async and bool(n)) if n is not None else (None, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._rec("update_state_after_alloc", request.request_id, num_external_tokens)
-        if num_external_tokens > 0:
-            self._new_loads[request.request_id] = list(blocks.get_block_ids()[0])
+        start = self._starts.pop(request.request_id, 0)
+        if num_external_tokens > 0:  # the blocks its tokens go to, as a range-aware connector loads
+            first, end = start // self._block_size, -(-(start + num_external_tokens) // self._block_size)
+            self._new_loads[request.request_id] = list(blocks.get_block_ids()[0][first:end])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._steps += 1

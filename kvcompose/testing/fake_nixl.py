@@ -166,12 +166,29 @@ class FakeNixl:
             # One process, one clock: the offset vLLM estimates from the round trip is 0.
             local._engine_clock_offset[meta.engine_id] = 0.0
             local._engine_last_active[meta.engine_id] = time.perf_counter()
+            address = _side_channel(producer)
+            if address is not None:  # else vLLM takes the peer for replaced and drops it when idle
+                local._track_remote_engine_replacement(meta.engine_id, *address)
         return name
 
     def close(self) -> None:
         """Shut down the harnesses :meth:`pair` made."""
         while self._harnesses:
             self._harnesses.pop().shutdown()
+
+
+def _side_channel(producer: Any) -> tuple[str, int] | None:
+    """The producer's handshake address, from its harness's scheduler (vLLM's done callback
+    records the address it handshook with, per peer)."""
+    try:
+        conn = producer.scheduler.connector
+    except AttributeError:
+        return None
+    for c in [conn, *getattr(conn, "_connectors", [])]:
+        sched = getattr(c, "connector_scheduler", None)
+        if sched is not None and hasattr(sched, "side_channel_port"):
+            return str(sched.side_channel_host), int(sched.side_channel_port)
+    return None
 
 
 def nixl_worker(target: Any) -> NixlBaseConnectorWorker:

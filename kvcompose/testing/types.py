@@ -1,4 +1,5 @@
-"""Plugin module: the test kit's connector types (``record``, ``record-pd``, ``faulty``).
+"""Plugin module: the test kit's connector types (``record``, ``record-range``, ``record-pd``,
+``faulty``).
 
 Nothing here imports vLLM: the classes vLLM instantiates live in :mod:`kvcompose.testing.connectors`.
 """
@@ -116,6 +117,12 @@ class RecordType(ConnectorType):
         return f"records calls; answers {child.options.matched_tokens} matched tokens"  # type: ignore[attr-defined]
 
 
+class RecordRangeType(RecordType):
+    name = "record-range"
+    summary = "test double that can load a range (ConnectorType.range_loads) for load: ranges"
+    range_loads = True
+
+
 class RecordPDType(RecordType):
     name = "record-pd"
     summary = "test double of a P/D transport: owns the NIXL-style kv_transfer_params keys"
@@ -129,6 +136,7 @@ class RecordPDType(RecordType):
 class FaultyType(RecordType):
     name = "faulty"
     summary = "test double: a record connector that raises, returns None, stalls or fails loads on demand"
+    range_loads = True  # it loads (and fails) exactly the blocks of the range it is given
     options: ClassVar[type[Options]] = FaultyOptions
 
     def vllm_config(self, child: Child) -> dict[str, Any]:
@@ -144,4 +152,4 @@ class FaultyType(RecordType):
 
 @hookimpl
 def kvcompose_connector_types() -> list[ConnectorType]:
-    return [RecordType(), RecordPDType(), FaultyType()]
+    return [RecordType(), RecordRangeType(), RecordPDType(), FaultyType()]

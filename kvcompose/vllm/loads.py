@@ -7,21 +7,39 @@ each load (the ``vllm:kvcompose_*`` counters).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kvcompose.rules.contract import Contribution, LoadRule, Selection
+from kvcompose.rules.contract import Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.vllm.loadstats import ChildLoadStats
 
-_NOTHING: dict[str, tuple[int, ...]] = {}
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvcompose.vllm")
+
+#: What a step with no load started and no free delayed ships: one shared dict, never written to.
+NO_ANNOUNCEMENTS: dict[str, tuple[int, ...]] = {}
+
+
+def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
+    """Bytes of one block over every layer of this worker's KV cache (0 when unknown)."""
+    if kv_cache_config is None or kv_cache_config.num_blocks <= 0:
+        return 0
+    return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
 
 
 class RequestLoads:
     """Per request: the load rule's selection, what ``update_state_after_alloc`` gave each
     contributor, and whether vLLM waits for the load (``WAITING_FOR_REMOTE_KVS``)."""
 
-    def __init__(self, rule: LoadRule, names: Sequence[str]) -> None:
+    def __init__(self, rule: LoadRule, names: Sequence[str], engine: EngineFacts, block_bytes: int = 0) -> None:
+        rule.bind(engine)
         self._rule = rule
         self._names = tuple(names)
+        self._block_size = engine.block_size
+        self._block_bytes = block_bytes
         self._selected: dict[str, Selection] = {}
         self._loading: dict[str, tuple[Contribution, ...]] = {}
         self._looked_up: set[str] = set()
@@ -32,13 +50,15 @@ class RequestLoads:
         #: the load awaits) and delayed frees announced (request -> the children that delay it).
         self.new_loads: dict[str, tuple[int, ...]] = {}
         self.new_saves: dict[str, tuple[int, ...]] = {}
-        self.stats = ChildLoadStats()
+        #: The load counters since the last :meth:`take_stats`; None while nothing was counted
+        #: (most steps: vLLM asks every step, and a None answers without a call).
+        self.stats: ChildLoadStats | None = None
 
     def selected(self, request_id: str, selection: Selection) -> None:
         """A lookup's answer (never a ``NOT_READY``); a re-lookup replaces the earlier one."""
         if request_id not in self._looked_up:
             self._looked_up.add(request_id)
-            self.stats.lookup()
+            self._counters().lookup()
         if selection.contributions:
             self._selected[request_id] = selection
         else:
@@ -51,7 +71,14 @@ class RequestLoads:
         if contribs:
             self._loading[request_id] = contribs
             for c in contribs:
-                self.stats.load(self._names[c.child], c.tokens)
+                blocks = -(-c.tokens // self._block_size)  # a range starts on a block boundary
+                self._counters().load(self._names[c.child], c.tokens, blocks * self._block_bytes)
+            if len(contribs) > 1:
+                log.debug(
+                    "%s: %s (tokens beyond the local prefix)",
+                    request_id,
+                    " + ".join(f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})" for c in contribs),
+                )
             awaited = self._rule.awaited(contribs)
             if awaited:
                 self.waiting.add(request_id)
@@ -77,11 +104,14 @@ class RequestLoads:
         if delaying:
             self.new_saves[request_id] = delaying
 
+    def _counters(self) -> ChildLoadStats:
+        if self.stats is None:
+            self.stats = ChildLoadStats()
+        return self.stats
+
     def take_stats(self) -> ChildLoadStats | None:
         """The load counters since the last call, if any."""
-        if self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, ChildLoadStats()
+        stats, self.stats = self.stats, None
         return stats
 
     def take_announcements(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
@@ -96,9 +126,9 @@ class RequestLoads:
         if loads:
             self.new_loads = {}
         else:
-            loads = _NOTHING
+            loads = NO_ANNOUNCEMENTS
         if saves:
             self.new_saves = {}
         else:
-            saves = _NOTHING
+            saves = NO_ANNOUNCEMENTS
         return loads, saves

@@ -9,8 +9,12 @@ end and become Prometheus counters::
     vllm:kvcompose_lookups                    requests the composite looked up
     vllm:kvcompose_loads{child="host"}        requests whose external KV that child loaded
     vllm:kvcompose_loaded_tokens{child="pd"}  tokens that child loaded
+    vllm:kvcompose_loaded_bytes{child="pd"}   bytes of KV it wrote into the engine's blocks
 
-A child's hit rate is ``loads{child} / lookups``.
+Under ``load: ranges`` one request counts as a load of each child that served a range of it.
+Bytes are the whole blocks of the child's range times the bytes of one block over every layer
+(one worker's share of the KV cache; each tensor-parallel worker moves as much). A child's hit
+rate is ``loads{child} / lookups``.
 """
 
 from __future__ import annotations
@@ -29,30 +33,33 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 #: The key of the load counters among the composite's per-child stats. Not a valid child name
 #: (names cannot contain ``:``), so it never collides with a child.
 STATS_KEY = "kvcompose:loads"
+#: The per-child counters, in the order :meth:`ChildLoadStats.load` takes them.
+_PER_CHILD = ("loads", "tokens", "bytes")
 
 
 @dataclass
 class ChildLoadStats(KVConnectorStats):
-    """``data = {"lookups": n, "loads": {child: n}, "tokens": {child: n}}`` since the last report."""
+    """``data = {"lookups": n, "loads": {child: n}, "tokens": {child: n}, "bytes": {child: n}}``
+    since the last report."""
 
     def __post_init__(self) -> None:
         self.data.setdefault("lookups", 0)
-        self.data.setdefault("loads", {})
-        self.data.setdefault("tokens", {})
+        for key in _PER_CHILD:
+            self.data.setdefault(key, {})
 
     def lookup(self) -> None:
         self.data["lookups"] += 1
 
-    def load(self, child: str, tokens: int) -> None:
-        self.data["loads"][child] = self.data["loads"].get(child, 0) + 1
-        self.data["tokens"][child] = self.data["tokens"].get(child, 0) + tokens
+    def load(self, child: str, tokens: int, nbytes: int = 0) -> None:
+        for key, n in zip(_PER_CHILD, (1, tokens, nbytes), strict=True):
+            self.data[key][child] = self.data[key].get(child, 0) + n
 
     def reset(self) -> None:
-        self.data = {"lookups": 0, "loads": {}, "tokens": {}}
+        self.data = {"lookups": 0, **{key: {} for key in _PER_CHILD}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         self.data["lookups"] += other.data.get("lookups", 0)
-        for key in ("loads", "tokens"):
+        for key in _PER_CHILD:
             for child, n in other.data.get(key, {}).items():
                 self.data[key][child] = self.data[key].get(child, 0) + n
         return self
@@ -62,6 +69,7 @@ class ChildLoadStats(KVConnectorStats):
         for child, n in self.data["loads"].items():
             out[f"{child}.loads"] = n
             out[f"{child}.loaded_tokens"] = self.data["tokens"].get(child, 0)
+            out[f"{child}.loaded_bytes"] = self.data["bytes"].get(child, 0)
         return out
 
     def is_empty(self) -> bool:
@@ -95,12 +103,16 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
             labelnames=child_labels,
             documentation="Tokens of external KV the named child loaded.",
         )
+        self._bytes = self._counter_cls(
+            name="vllm:kvcompose_loaded_bytes",
+            labelnames=child_labels,
+            documentation="Bytes of KV the named child loaded into this engine's blocks (one worker's share).",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         if transfer_stats_data.get("lookups"):
             self._lookups.labels(*labels).inc(transfer_stats_data["lookups"])
-        for child, n in transfer_stats_data.get("loads", {}).items():
-            self._loads.labels(*labels, child).inc(n)
-        for child, n in transfer_stats_data.get("tokens", {}).items():
-            self._tokens.labels(*labels, child).inc(n)
+        for key, counter in (("loads", self._loads), ("tokens", self._tokens), ("bytes", self._bytes)):
+            for child, n in transfer_stats_data.get(key, {}).items():
+                counter.labels(*labels, child).inc(n)

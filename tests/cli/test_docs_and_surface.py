@@ -105,5 +105,5 @@ def test_check_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "examples/pd-decode.yaml"]) == 0
     out = capsys.readouterr().out
     assert "1. host (cpu-offload, both)" in out and "2. pd (nixl, consumer)" in out
-    assert "in this order: host > pd" in out
+    assert "host loads the prefix it holds; then pd pulls the rest from the prefill instance" in out
     assert "host-buffer copies: pd" in out

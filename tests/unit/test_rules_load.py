@@ -1,4 +1,5 @@
-"""Load rules (``first-wins``, ``longest-hit``) and the LoadRule defaults (``allocate``, ``awaited``).
+"""Load rules (``first-wins``, ``longest-hit``, ``ranges``) and the LoadRule defaults (``allocate``,
+``awaited``).
 
 Only public behaviour, no vLLM: a scripted ``ask`` stands in for the children's
 ``get_num_new_matched_tokens`` and records every call, so "not asked" is counted, not assumed.
@@ -11,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from kvcompose.catalog import Rule
+from kvcompose.catalog import Child, Rule
 from kvcompose.compose import loads
 from kvcompose.rules import load
-from kvcompose.rules.contract import NO_HIT, NOT_READY, Contribution, LoadRule, Selection
-from kvcompose.rules.load import FirstWins, LongestHit
+from kvcompose.rules.contract import NO_HIT, NOT_READY, Contribution, EngineFacts, LoadRule, Selection
+from kvcompose.rules.load import FirstWins, LongestHit, Ranges
+from kvcompose.testing.types import RecordRangeType
 from tests.unit.three import THREE, three_children
 
 Answer = tuple["int | None", bool]
@@ -55,7 +57,7 @@ def only(child: int, tokens: int, is_async: bool) -> Selection:
 
 def test_the_module_offers_both_load_rules() -> None:
     rules = built_rules()
-    assert set(rules) == {"first-wins", "longest-hit"}
+    assert set(rules) == {"first-wins", "longest-hit", "ranges"}
     assert all(r.kind == "load" and r.params is None for r in rules.values())
 
 
@@ -287,3 +289,115 @@ def test_select_allocate_awaited_together(is_async: bool, num_external_tokens: i
     rule = FirstWins()
     sel, _ = select(rule, {0: (0, False), 1: (32, is_async)})
     assert rule.awaited(rule.allocate(sel, num_external_tokens)) == awaited
+
+
+# ------------------------------------------------------------------ ranges
+
+RANGE_CHILDREN = """
+version: 1
+connectors:
+  - {name: host, type: record-range}
+  - {name: plain, type: record}
+  - {name: pd, type: record-range}
+"""
+BLOCK = 16
+
+
+def ranges(children: str = RANGE_CHILDREN, block_size: int = BLOCK) -> tuple[Ranges, tuple[Child, ...]]:
+    plan = loads(children + "rules: {load: ranges}\n")
+    assert isinstance(plan.load, Ranges)
+    plan.load.bind(EngineFacts(block_size))
+    return plan.load, plan.children
+
+
+def chain(*parts: tuple[int, int, int]) -> Selection:
+    contribs = tuple(Contribution(c, start, n, True) for c, start, n in parts)
+    return Selection(sum(n for _, _, n in parts), True, contribs)
+
+
+def test_ranges_each_child_loads_after_the_one_above() -> None:
+    rule, _ = ranges()
+    sel, ask = select(rule, {0: (64, True), 1: (0, False), 2: (40, True)}, n=32)
+    # host at the local prefix end (32); pd is asked beyond host's 64 tokens.
+    assert ask.calls == [(0, 32), (2, 96)]
+    assert sel == chain((0, 0, 64), (2, 64, 40))
+    assert rule.allocate(sel, 104) == sel.contributions
+    assert rule.awaited(sel.contributions) == (0, 2)
+
+
+def test_ranges_skips_a_child_that_cannot_load_a_range_once_something_above_loaded() -> None:
+    rule, _ = ranges()
+    _, ask = select(rule, {0: (32, True), 1: (64, True), 2: (0, False)})
+    assert ask.asked == [0, 2]  # plain is not offered a range that starts after host's
+
+
+def test_ranges_offers_a_plain_child_the_local_prefix_end() -> None:
+    rule, _ = ranges()
+    sel, ask = select(rule, {0: (0, False), 1: (32, True), 2: (16, True)}, n=16)
+    assert ask.calls == [(0, 16), (1, 16), (2, 48)]
+    assert sel == chain((1, 0, 32), (2, 32, 16))
+
+
+def test_ranges_ends_the_chain_after_a_range_that_ends_inside_a_block() -> None:
+    rule, _ = ranges()
+    sel, ask = select(rule, {0: (40, True), 1: (0, False), 2: (24, True)})
+    assert ask.asked == [0]
+    assert sel == chain((0, 0, 40))
+
+
+def test_ranges_waits_for_a_child_that_is_not_ready() -> None:
+    rule, _ = ranges()
+    assert select(rule, {0: (None, False), 1: (0, False), 2: (64, True)})[0] is NOT_READY
+    assert select(rule, {0: (32, True), 1: (0, False), 2: (None, False)})[0] is NOT_READY
+
+
+def test_ranges_without_a_hit_and_with_a_mixed_mode() -> None:
+    rule, _ = ranges()
+    assert select(rule, {0: (0, False), 1: (0, False), 2: (0, False)})[0] == NO_HIT
+    sel, _ = select(rule, {0: (32, True), 1: (0, False), 2: (16, False)})
+    assert sel == chain((0, 0, 32))  # vLLM waits for a request's load as a whole: async only
+
+
+def test_ranges_vllm_allocating_fewer_tokens_cuts_the_last_ranges() -> None:
+    rule, _ = ranges()
+    sel, _ = select(rule, {0: (64, True), 1: (0, False), 2: (40, True)})
+    assert rule.allocate(sel, 70) == (Contribution(0, 0, 64, True), Contribution(2, 64, 6, True))
+    assert rule.allocate(sel, 0) == ()
+
+
+def test_ranges_honours_a_coarser_alignment() -> None:
+    class Coarse(RecordRangeType):
+        range_alignment = 64
+
+    children = loads(RANGE_CHILDREN).children
+    coarse = tuple(Child(c.index, c.name, Coarse() if c.name == "pd" else c.type, c.role, c.options) for c in children)
+    rule = Ranges(coarse)
+    rule.bind(EngineFacts(BLOCK))
+    sel, ask = select(rule, {0: (32, True), 1: (0, False), 2: (16, True)})
+    assert ask.asked == [0] and sel == chain((0, 0, 32))  # pd could only start at 64
+    sel, ask = select(rule, {0: (64, True), 1: (0, False), 2: (16, True)})
+    assert sel == chain((0, 0, 64), (2, 64, 16))
+
+
+@pytest.mark.parametrize(
+    ("facts", "why"),
+    [
+        (EngineFacts(BLOCK, kv_cache_groups=2), "one KV cache group"),
+        (EngineFacts(BLOCK, context_parallel=2), "context"),
+    ],
+)
+def test_ranges_refuses_an_engine_it_would_load_wrong(facts: EngineFacts, why: str) -> None:
+    rule = loads(RANGE_CHILDREN + "rules: {load: ranges}\n").load
+    with pytest.raises(ValueError, match=why):
+        rule.bind(facts)
+    with pytest.raises(RuntimeError, match="not bound"):
+        rule.select(Script({}), (), 0, None)
+
+
+def test_ranges_explains_the_chain() -> None:
+    rule = built_rules()["ranges"]
+    assert rule.explain is not None
+    text = rule.explain(loads(RANGE_CHILDREN).children, None)
+    assert "host loads the prefix it holds" in text
+    assert "plain loads only when nothing above it did" in text
+    assert "pd loads what it holds of the rest" in text

@@ -107,6 +107,9 @@ class CpuOffloadType(ConnectorType):
     name: ClassVar[str] = "cpu-offload"
     summary: ClassVar[str] = "prefix-cache tier in host memory or on disk (vLLM SimpleCPUOffloadConnector)"
     options: ClassVar[type[Options]] = CpuOffloadOptions
+    # vLLM's scheduler half already loads from the ``num_computed_tokens`` it was asked with:
+    # it looks hashes up from there and copies into the blocks from there on (``manager.py``).
+    range_loads: ClassVar[bool] = True
     # The literal upstream name: vLLM looks the connector up by name
     # (``KVTransferConfig.has_connector("SimpleCPUOffloadConnector")``) to align its block
     # counts, and the module path makes that name resolve to our subclass.

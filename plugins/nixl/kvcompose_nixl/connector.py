@@ -6,7 +6,7 @@ vLLM imports ``kv_connector_module_path`` and takes ``getattr(module, kv_connect
 "NixlConnector" with ``KVTransferConfig.has_connector`` in several places, so a different name
 would silently turn those checks off.
 
-Both subclass vLLM's connectors and change two things only:
+Both subclass vLLM's connectors and change three things only:
 
 1. **Side channel from the config.** vLLM reads the handshake listener's host and port only from
    ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (``base_scheduler.py``), one
@@ -24,6 +24,17 @@ Both subclass vLLM's connectors and change two things only:
    one. A request whose ``remote_block_ids`` has blocks (a lone partial block included) is
    untouched: vLLM pulls every prompt token except the last, partial block included.
 
+3. **Range loads** (``load: ranges``). Asked ``get_num_new_matched_tokens(request, n)`` with
+   ``n`` beyond the local prefix (a host tier loads the tokens before ``n``), vLLM's scheduler
+   already answers for the tokens from ``n`` on, but its ``update_state_after_alloc`` hands
+   the worker *every* block without a hash, the host tier's included. Here it is handed the
+   local prefix and the blocks from ``n // block_size`` on only, so the worker pulls exactly the
+   range: vLLM's worker end-trims the prefill instance's ``remote_block_ids`` to the number of
+   local blocks (``base_worker.py``, partial prefix hits), and a range runs to the prompt's end.
+   A range of only the prompt's last token is not pulled (vLLM recomputes that token after any
+   load that reaches the prompt's end); the prefill instance is still notified and frees its
+   blocks at once.
+
 Everything else (GPUDirect, host buffers, memory registration, leases) is vLLM's.
 """
 
@@ -39,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as _VllmNixlPushConnector,
 )
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 from kvcompose_nixl import PROGRESS_DELAY_KEY, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
 from kvcompose_nixl.progress import calm_progress_thread
@@ -49,7 +61,6 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
         NixlBaseConnectorScheduler,
     )
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -107,6 +118,66 @@ def _nothing_to_pull(request: Request) -> bool:
     return not has_remote_blocks(params.get("remote_block_ids"))
 
 
+def range_blocks(blocks: KVCacheBlocks, start_block: int) -> KVCacheBlocks:
+    """``blocks`` without those between the local prefix and ``start_block``.
+
+    The local prefix is the leading blocks with a hash (vLLM's own count in
+    ``update_state_after_alloc``); the blocks after it that another child loads have none yet
+    (vLLM caches an async load's blocks only once it completes). One KV cache group: the
+    ``ranges`` rule refuses an engine with several.
+    """
+    (group,) = blocks.blocks
+    cached = 0
+    for block in group:
+        if block.block_hash is None or block.is_null:
+            break
+        cached += 1
+    if start_block <= cached:
+        return blocks
+    return KVCacheBlocks(([*group[:cached], *group[start_block:]],))
+
+
+class _RangeLoadsMixin:
+    """Loads only the range a ``ranges`` load rule offered (see the module docstring, 3)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+        self._block_size = vllm_config.cache_config.block_size
+        #: request -> the ``num_computed_tokens`` its hit was answered for, until allocation.
+        self._range_starts: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[misc]
+        if tokens == 1 and num_computed_tokens + 1 == request.num_tokens and request.kv_transfer_params:
+            # Only the prompt's last token is left, and vLLM recomputes that token after any
+            # load that reaches the prompt's end: pulling its block would be a read for nothing.
+            # 0 still reaches update_state_after_alloc, which notifies the prefill instance.
+            tokens, is_async = 0, False
+        if tokens:
+            self._range_starts[request.request_id] = num_computed_tokens
+        elif self._range_starts:
+            self._range_starts.pop(request.request_id, None)
+        return tokens, is_async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        start = self._range_starts.pop(request.request_id, None) if self._range_starts else None
+        if start is not None and num_external_tokens > 0:
+            blocks = range_blocks(blocks, start // self._block_size)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)  # type: ignore[misc]
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._range_starts:  # aborted between lookup and allocation
+            self._range_starts.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)  # type: ignore[misc, no-any-return]
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._range_starts:
+            self._range_starts.pop(request.request_id, None)
+        return super().request_finished_all_groups(request, block_ids)  # type: ignore[misc, no-any-return]
+
+
 class _SideChannelMixin:
     """Applies the progress-thread delay before vLLM builds its halves, and the side-channel
     options once it has built the scheduler half."""
@@ -123,9 +194,9 @@ class _SideChannelMixin:
             apply_side_channel(self.connector_scheduler, vllm_config)
 
 
-class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
-    """vLLM's pull-mode NixlConnector, plus side-channel options and local compute when a
-    remote prefill comes with no remote blocks (see the module docstring)."""
+class NixlConnector(_SideChannelMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
+    """vLLM's pull-mode NixlConnector, plus side-channel options, local compute when a remote
+    prefill comes with no remote blocks, and range loads (see the module docstring)."""
 
     def on_new_request(self, request: Request) -> None:
         """vLLM starts lease heartbeats to the prefill instance for every remote prefill; there
@@ -185,8 +256,9 @@ class NixlConnector(_SideChannelMixin, _VllmNixlPullConnector):
             request.kv_transfer_params["do_remote_prefill"] = False
 
 
-class NixlPushConnector(_SideChannelMixin, _VllmNixlPushConnector):
-    """vLLM's push-mode NixlPushConnector, plus side-channel options.
+class NixlPushConnector(_SideChannelMixin, _RangeLoadsMixin, _VllmNixlPushConnector):
+    """vLLM's push-mode NixlPushConnector, plus side-channel options and range loads (the decode
+    instance registers only its range's blocks; the prefill instance writes its tail into them).
 
     Push mode needs no empty-blocks fix: the decode instance never reads ``remote_block_ids``
     (the prefill instance learns the decode blocks from the registration and WRITEs them).
@@ -196,4 +268,11 @@ class NixlPushConnector(_SideChannelMixin, _VllmNixlPushConnector):
 #: vLLM registers the pull connector under both names; accept ``NixlPullConnector`` too.
 NixlPullConnector = NixlConnector
 
-__all__ = ["NixlConnector", "NixlPullConnector", "NixlPushConnector", "apply_side_channel", "has_remote_blocks"]
+__all__ = [
+    "NixlConnector",
+    "NixlPullConnector",
+    "NixlPushConnector",
+    "apply_side_channel",
+    "has_remote_blocks",
+    "range_blocks",
+]

@@ -195,6 +195,8 @@ class NixlType(ConnectorType):
     # vLLM hands the host<->device copy op to the NIXL worker (set_host_xfer_buffer_ops).
     owns_host_buffer_ops: ClassVar[bool] = True
     pd_transport: ClassVar[bool] = True
+    # The connector loads only the blocks of its range (kvcompose_nixl.connector, range loads).
+    range_loads: ClassVar[bool] = True
     param_keys: ClassVar[frozenset[str]] = PARAM_KEYS
     vllm_connector: ClassVar[str] = CONNECTOR_CLASS["pull"]
     vllm_module_path: ClassVar[str | None] = CONNECTOR_MODULE
