@@ -18,9 +18,10 @@ BENCHMARKS: dict[str, str] = {
     "cpu-copy": "cpu_copy",
     "nixl-read": "nixl_read",
     "pd-ttft": "pd_ttft",
+    "ranges": "pd_ranges",
 }
 #: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
-FULL_ONLY = ("pd-ttft",)
+FULL_ONLY = ("pd-ttft", "ranges")
 
 
 def _runner(name: str) -> Callable[..., Result]:
