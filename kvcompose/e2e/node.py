@@ -99,8 +99,9 @@ class EngineSpec:
     def llm_kwargs(self) -> dict[str, Any]:
         """``vllm.LLM`` keyword arguments (the same engine settings the HTTP servers get)."""
         return {
+            # With the model's tokenizer: text prompts and chat work, and token-id prompts as before
+            # (EOS is config.json's id either way).
             "model": self.model,
-            "skip_tokenizer_init": True,
             "load_format": "safetensors",
             "dtype": "float32",
             "max_model_len": MAX_MODEL_LEN,

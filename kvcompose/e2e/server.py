@@ -8,6 +8,8 @@ prints). It answers the calls the proxy flow makes (:class:`kvcompose.e2e.flow.E
 ``POST /v1/completions`` with token-id prompts and ``kv_transfer_params`` in the body,
 ``GET /metrics`` parsed into the keys :func:`~kvcompose.e2e.node.flatten_metrics` writes, and
 ``POST /reset_prefix_cache`` (a dev-mode route, so the server runs with ``VLLM_SERVER_DEV_MODE=1``).
+The server loads the demo model's tokenizer, so :meth:`ServerNode.complete` (text prompts) and
+:meth:`ServerNode.chat` (``/v1/chat/completions``) work too.
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ class ServerNode:
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0,
-                # Token ids instead of strings: the server has no tokenizer (skip_tokenizer_init).
+                # Token ids back, not only text: the checks compare ids and logprobs, and decoded
+                # pieces of a byte-level vocabulary need not be valid UTF-8 on their own.
                 "logprobs": 1,
                 "return_tokens_as_token_ids": True,
                 "return_token_ids": True,
@@ -225,6 +228,22 @@ class ServerNode:
                 }
             )
         return results
+
+    def complete(self, prompt: str | list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        """``POST /v1/completions`` (greedy unless ``extra`` says otherwise); the answer as is."""
+        body = {"model": self.spec.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return self._answer("/v1/completions", body)
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        """``POST /v1/chat/completions`` (the model's chat template; greedy unless ``extra`` says
+        otherwise); the answer as is."""
+        body = {"model": self.spec.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return self._answer("/v1/chat/completions", body)
+
+    def _answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        answer = json.loads(self._request("POST", path, body))
+        self._answered += 1
+        return answer
 
     def metrics(self) -> dict[str, float]:
         """``/metrics``, parsed; waits (bounded) until every answered completion is counted."""
