@@ -5,8 +5,12 @@
 3. each prompt goes through the proxy flow (prefill, then decode with prefill's params): decode
    pulls the prompt's KV over NIXL (child ``pd``);
 4. the decode engine's own prefix cache is dropped, and some prompts come again as a repeated
-   turn: the host-memory tier (child ``host``) serves them, not a second NIXL pull;
-5. every decode output is compared with the baseline; any difference exits 1.
+   turn: the host-memory tier (child ``host``) loads their full blocks, NIXL at most the tail;
+5. a two-turn conversation: turn 2 is turn 1's prompt, turn 1's answer and a new user message.
+   Decode's own prefix cache is dropped before turn 2 (as other traffic would evict it), so under
+   ``load: ranges`` one request is served by both children: ``host`` loads the prefix it stored
+   while decode served turn 1, and ``pd`` pulls only the rest from the prefill engine;
+6. every decode output is compared with the baseline; any difference exits 1.
 
 ``http=True`` (``kvcompose demo --http``) runs prefill and decode as vLLM's OpenAI-compatible HTTP
 servers (:mod:`kvcompose.e2e.server`) instead of offline ``vllm.LLM`` engines: the same flow, with
@@ -23,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvcompose.e2e.flow import Served, hit_rates, pd_request, token_prompt
+from kvcompose.e2e.flow import Served, drop_prefix_cache, hit_rates, next_turn, pd_request, token_prompt
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
 from kvcompose.e2e.server import ServerNode
@@ -34,6 +38,23 @@ MAX_TOKENS = 16
 #: (label, seed, length): lengths that are not whole blocks, so the partial tail shows.
 PROMPTS = (("A", 0, 600), ("B", 1, 450), ("C", 2, 300))
 REPEATS = ("A", "B")
+#: The conversation: turn 1's prompt (seed, length); turn 2 appends turn 1's answer and a new
+#: user message (seed, at least this length), as many tokens as make turn 2 one past a block
+#: boundary (300 + 16 + 389 = 705). The decode engine loads all of turn 2's KV but the last prompt
+#: token's and computes that one alone; a single engine does the same when asked turn 2 a second
+#: time (its prefix cache then holds every full block), and that answer is the one decode's must
+#: equal bit for bit. Its first answer computes the new part in one batch, the last token inside
+#: it: the same tokens, logprobs ~1e-7 apart (float rounding in vLLM's CPU attention), shown in
+#: the summary. Turn 1's answer ends inside its last block, so the host tier holds turn 1's
+#: prompt blocks, whose KV prefill computed as the baseline did.
+TURN_1 = (3, 300)
+NEW_MESSAGE = (4, 380)
+
+
+def one_past_a_block(prefix: int, at_least: int) -> int:
+    """A new message's length: ``at_least`` or more, so that ``prefix`` + it is one past a block
+    boundary (all of the prompt in full blocks but its last token)."""
+    return at_least + (1 - prefix - at_least) % BLOCK_SIZE
 
 
 def _progress(out: TextIO) -> Any:
@@ -44,15 +65,23 @@ def _progress(out: TextIO) -> Any:
     return show
 
 
+#: The table's header; :func:`_row` writes its rows.
+HEADER = f"  {'request':<12} {'loaded by':<18} {'computed':>8}  {'bytes moved':<42} {'time to first token':<21} output"
+
+
+def _moved(s: Served) -> str:
+    parts = []
+    if s.host_blocks:
+        parts.append(f"{s.host_blocks} blocks from host")
+    if s.nixl_bytes:
+        parts.append(f"{s.nixl_bytes:,} B over NIXL")
+    return " + ".join(parts) or "-"
+
+
 def _row(s: Served, ok: bool) -> str:
-    moved = (
-        f"{s.nixl_bytes:,} B over NIXL"
-        if s.nixl_bytes
-        else (f"{s.host_blocks} blocks from host" if s.host_blocks else "-")
-    )
     return (
-        f"  {s.label:<10} {s.child or 'none':<6} loaded {s.loaded_tokens:>4}  computed {s.computed_tokens:>4}  "
-        f"{moved:<24} TTFT {s.ttft_s * 1000:7.1f} ms  {'equal' if ok else 'MISMATCH'}"
+        f"  {s.label:<12} {s.served_by():<18} {s.computed_tokens:>8}  {_moved(s):<42} "
+        f"TTFT {s.ttft_s * 1000:9.1f} ms    {'equal' if ok else 'MISMATCH'}"
     )
 
 
@@ -70,6 +99,7 @@ def run(
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-demo-"))
     print(f"model: {model} (seeded random weights)\nengine logs: {logs}", file=out)
     prompts = {label: token_prompt(seed, n) for label, seed, n in PROMPTS}
+    turn_1 = token_prompt(*TURN_1)
     p_port, d_port = free_ports(2)
     Node: Any = ServerNode if http else EngineNode
     kind = "HTTP server" if http else "engine"
@@ -82,6 +112,13 @@ def run(
         nodes.append(prefill)
         wait_all_ready([baseline, prefill], progress=_progress(out))
         expected = {label: baseline.generate([ids], MAX_TOKENS)[0] for label, ids in prompts.items()}
+        # Turn 2 follows the baseline's own turn-1 answer (decode's must be the same tokens).
+        expected["turn 1"] = baseline.generate([turn_1], MAX_TOKENS)[0]
+        seed, at_least = NEW_MESSAGE
+        message = token_prompt(seed, one_past_a_block(len(turn_1) + len(expected["turn 1"]["token_ids"]), at_least))
+        turn_2 = next_turn(turn_1, expected["turn 1"]["token_ids"], message)
+        first_answer = baseline.generate([turn_2], MAX_TOKENS)[0]
+        expected["turn 2"] = baseline.generate([turn_2], MAX_TOKENS)[0]  # its last prompt token alone
         baseline.close()
         nodes.remove(baseline)
         print(f"baseline done; starting decode {kind} ...", file=out, flush=True)
@@ -97,33 +134,69 @@ def run(
 
         before = decode.metrics()
         served: list[tuple[Served, bool]] = []
-        print("  request    child  tokens                 bytes moved              time to first token", file=out)
+        print(HEADER, file=out)
         for label, ids in prompts.items():
             s = pd_request(prefill, decode, ids, MAX_TOKENS, label=f"{label} ({len(ids)})", children=CHILDREN)
             served.append((s, _same(s, expected[label])))
             print(_row(*served[-1]), file=out, flush=True)
-        decode.reset_prefix_cache()
+        drop_prefix_cache(decode)
         print("  -- decode's own prefix cache dropped; repeated turns --", file=out)
         for label in REPEATS:
             ids = prompts[label]
             s = pd_request(prefill, decode, ids, MAX_TOKENS, label=f"{label} again", children=CHILDREN)
             served.append((s, _same(s, expected[label])))
             print(_row(*served[-1]), file=out, flush=True)
+        answer = len(expected["turn 1"]["token_ids"])
+        print(
+            f"  -- conversation: turn 2 = turn 1 + its {answer}-token answer + {len(message)} new tokens; "
+            "decode's prefix cache dropped before turn 2 --",
+            file=out,
+        )
+        first = pd_request(prefill, decode, turn_1, MAX_TOKENS, label=f"turn 1 ({len(turn_1)})", children=CHILDREN)
+        served.append((first, _same(first, expected["turn 1"])))
+        print(_row(*served[-1]), file=out, flush=True)
+        drop_prefix_cache(decode)
+        turn_2 = next_turn(turn_1, first.token_ids, message)
+        second = pd_request(prefill, decode, turn_2, MAX_TOKENS, label=f"turn 2 ({len(turn_2)})", children=CHILDREN)
+        served.append((second, _same(second, expected["turn 2"])))
+        print(_row(*served[-1]), file=out, flush=True)
         rates = hit_rates(before, decode.metrics(), CHILDREN)
     finally:
         for n in nodes:
             n.close()
     bad = [s.label for s, ok in served if not ok]
+    if second.token_ids != first_answer["token_ids"]:
+        bad.append(f"{second.label} (vs the baseline's first answer)")
     print("\nsummary (decode engine, from its vllm:kvcompose_* counters):", file=out)
     for child, (loads, lookups) in rates.items():
         pct = 100.0 * loads / lookups if lookups else 0.0
-        print(f"  {child:<5} served {loads} of {lookups} lookups ({pct:.0f}%)", file=out)
+        tokens = sum(s.loaded.get(child, 0) for s, _ in served)
+        print(f"  {child:<5} served {loads} of {lookups} lookups ({pct:.0f}%), {tokens:,} tokens", file=out)
+    sources: dict[str, int] = {}
+    for s, _ in served:
+        for source, n in s.cached_by_source().items():
+            sources[source] = sources.get(source, 0) + n
+    split = ", ".join(f"{source} {n:,}" for source, n in sorted(sources.items()))
+    print(f"  vLLM's own count (prompt_tokens_cached_by_source): {split or 'none'}", file=out)
+    both = sum(len(s.children) > 1 for s, _ in served)
+    print(f"  served by more than one child (load: ranges): {both} of {len(served)} requests", file=out)
     nixl = sum(s.nixl_bytes for s, _ in served)
     host = sum(s.host_blocks for s, _ in served)
-    print(f"  moved: {nixl:,} B over NIXL, {host} blocks ({BLOCK_SIZE} tokens each) from host memory", file=out)
+    computed = sum(s.computed_tokens for s, _ in served)
+    print(
+        f"  moved: {nixl:,} B over NIXL, {host} blocks ({BLOCK_SIZE} tokens each) from host memory; "
+        f"{computed:,} prompt tokens computed on decode",
+        file=out,
+    )
     print(
         f"  outputs equal to the single-engine baseline (token ids and logprobs): "
-        f"{len(served) - len(bad)}/{len(served)}",
+        f"{sum(ok for _, ok in served)}/{len(served)}",
+        file=out,
+    )
+    print(
+        f"  turn 2 vs the baseline's first answer to it (last prompt token computed in the batch): token ids "
+        f"{'equal' if second.token_ids == first_answer['token_ids'] else 'DIFFER'}, logprobs within "
+        f"{_logprob_gap(second, first_answer):.1e}",
         file=out,
     )
     print(f"  wall time: {time.monotonic() - started:.0f} s", file=out)
@@ -135,3 +208,7 @@ def run(
 
 def _same(s: Served, expected: dict[str, Any]) -> bool:
     return s.token_ids == expected["token_ids"] and s.logprobs == expected["logprobs"]
+
+
+def _logprob_gap(s: Served, expected: dict[str, Any]) -> float:
+    return max((abs(a - b) for a, b in zip(s.logprobs, expected["logprobs"], strict=False)), default=0.0)

@@ -3,9 +3,11 @@
 A request goes the way vLLM's disaggregated proxy sends it: to the prefill engine with
 ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``, then to the decode engine
 with the ``kv_transfer_params`` prefill returned. What the decode engine did is read from its own
-Prometheus counters before and after the request (requests are sent one at a time): which child
-loaded the KV (``vllm:kvcompose_loads{child}``, counted by the composed connector), tokens loaded
-and computed, bytes moved.
+Prometheus counters before and after the request (requests are sent one at a time): which
+children loaded KV and how many tokens each (``vllm:kvcompose_loads{child}``,
+``vllm:kvcompose_loaded_tokens{child}``, counted by the composed connector; under ``load: ranges``
+one request can be served by several, e.g. the host tier's prefix and the rest over NIXL), tokens
+computed, bytes moved.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ NIXL_FAILED = "vllm:nixl_num_failed_transfers"
 COMPUTED = "vllm:prompt_tokens_by_source{source=local_compute}"
 EXTERNAL = "vllm:prompt_tokens_by_source{source=external_kv_transfer}"
 HOST_LOADED_BLOCKS = "vllm:simple_kv_offload_load_blocks"
+#: vLLM's own split of connector-loaded prompt tokens by tier (each child's
+#: ``get_external_cache_hit_sources``: ``host`` from the CPU tier, ``p2p`` from NIXL).
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source{source="
 #: Sum of arrival-to-first-token times: one request's own when requests go one at a time.
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 
@@ -48,11 +53,30 @@ class Engine(Protocol):
 
     def metrics(self) -> dict[str, float]: ...
 
+    def reset_prefix_cache(self) -> bool: ...
+
 
 def token_prompt(seed: int, length: int) -> list[int]:
     """``length`` random token ids in [3, 500) from ``seed`` (the tiny model's vocabulary is 512)."""
     rng = random.Random(seed)
     return [rng.randrange(3, 500) for _ in range(length)]
+
+
+def next_turn(prompt: list[int], answer: list[int], message: list[int]) -> list[int]:
+    """A conversation's next prompt: the previous prompt, its answer (decode's output token ids),
+    then the new user message."""
+    return [*prompt, *answer, *message]
+
+
+def drop_prefix_cache(engine: Engine, tries: int = 50, wait_s: float = 0.1) -> None:
+    """Drop the engine's own (device) prefix cache, as traffic evicting it would; the connectors
+    keep what they hold. vLLM refuses while blocks are still held (a store to a connector in
+    flight), so it is asked again, ``tries`` times at most."""
+    for _ in range(tries):
+        if engine.reset_prefix_cache():
+            return
+        time.sleep(wait_s)
+    raise RuntimeError(f"the engine refused reset_prefix_cache {tries} times")
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -69,9 +93,10 @@ class Served:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
-    #: the child whose load counter moved, None when the prompt was computed locally
-    child: str | None
-    loaded_tokens: int
+    #: child -> tokens it loaded, for each child whose load counter moved, in composition order:
+    #: empty when the prompt was computed locally; two under ``load: ranges`` when the host tier
+    #: loaded a prefix and NIXL the rest.
+    loaded: dict[str, int]
     computed_tokens: int
     nixl_bytes: int
     host_blocks: int
@@ -80,6 +105,29 @@ class Served:
     ttft_s: float
     prefill_params: dict[str, Any] | None
     counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def children(self) -> tuple[str, ...]:
+        """The children that loaded part of the prompt, in composition order (empty: none)."""
+        return tuple(self.loaded)
+
+    @property
+    def loaded_tokens(self) -> int:
+        """Tokens loaded by all children together."""
+        return sum(self.loaded.values())
+
+    def cached_by_source(self) -> dict[str, int]:
+        """vLLM's ``prompt_tokens_cached_by_source`` for this request, device hits left out:
+        ``{"host": 288, "p2p": 417}`` when the host tier and NIXL served it."""
+        return {
+            key[len(CACHED_BY_SOURCE) : -1]: int(n)
+            for key, n in self.counters.items()
+            if key.startswith(CACHED_BY_SOURCE) and key != f"{CACHED_BY_SOURCE}device}}"
+        }
+
+    def served_by(self) -> str:
+        """``"host 576 + pd 24"``: each loading child and its tokens; ``"none"`` when none loaded."""
+        return " + ".join(f"{c} {n}" for c, n in self.loaded.items()) or "none"
 
 
 def pd_request(
@@ -113,7 +161,6 @@ def decode_request(
     (d,) = decode.generate([prompt], max_tokens, [params] if params is not None else None, timeout=timeout_s)
     wall = time.perf_counter() - t0
     moved = delta(before, decode.metrics())
-    served_by = [c for c in children if moved.get(loads_key(c), 0) > 0]
     # The offline engine reports the request's own TTFT; the HTTP server does not, and its
     # TTFT histogram moved by exactly this request's (the same RequestStateStats figure).
     ttft = d.get("ttft_s")
@@ -125,8 +172,7 @@ def decode_request(
         token_ids=d["token_ids"],
         logprobs=d["logprobs"],
         finish_reason=d.get("finish_reason"),
-        child=served_by[0] if served_by else None,
-        loaded_tokens=int(sum(moved.get(tokens_key(c), 0) for c in children)),
+        loaded={c: int(moved.get(tokens_key(c), 0)) for c in children if moved.get(loads_key(c), 0) > 0},
         computed_tokens=int(moved.get(COMPUTED, 0)),
         nixl_bytes=int(moved.get(NIXL_BYTES, 0)),
         host_blocks=int(moved.get(HOST_LOADED_BLOCKS, 0)),

@@ -74,19 +74,22 @@ def test_pd_over_http_equals_baseline_and_moves_kv_over_nixl(servers: Servers) -
     s = pd_request(servers.prefill, servers.decode, ids, MAX_TOKENS)
     assert equal(s, servers.expected["pd"]), (s.token_ids, servers.expected["pd"]["token_ids"])
     assert s.prefill_params is not None and s.prefill_params["do_remote_prefill"] is True
-    assert s.child == "pd"
+    assert s.loaded == {"pd": len(ids)}
     n_blocks = -(-len(ids) // BLOCK_SIZE)
     assert s.nixl_bytes == n_blocks * BLOCK_SIZE * kv_bytes_per_token(servers.model)
     assert s.counters.get(EXTERNAL) == len(ids)
     assert s.failed_transfers == 0
 
 
-def test_repeated_turn_over_http_is_served_by_the_host_tier(servers: Servers) -> None:
+def test_repeated_turn_over_http_loads_host_blocks_and_pulls_only_the_tail(servers: Servers) -> None:
     ids = PROMPTS["turn"]
     first = pd_request(servers.prefill, servers.decode, ids, MAX_TOKENS)
-    assert first.child == "pd"
+    assert first.loaded == {"pd": len(ids)}
     assert servers.decode.reset_prefix_cache()  # the dev-mode route
     again = pd_request(servers.prefill, servers.decode, ids, MAX_TOKENS)
-    assert again.child == "host" and again.nixl_bytes == 0
-    assert again.host_blocks == (len(ids) - 1) // BLOCK_SIZE
+    # load: ranges: host's full blocks, then NIXL the partial last block (one block), no second pull
+    full_blocks = len(ids) // BLOCK_SIZE * BLOCK_SIZE
+    assert again.loaded == {"host": full_blocks, "pd": len(ids) - full_blocks}
+    assert again.host_blocks == full_blocks // BLOCK_SIZE
+    assert again.nixl_bytes == BLOCK_SIZE * kv_bytes_per_token(servers.model)
     assert equal(first, servers.expected["turn"]) and equal(again, servers.expected["turn"])

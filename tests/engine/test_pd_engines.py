@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvcompose.e2e.flow import EXTERNAL, decode_request, pd_request, token_prompt
+from kvcompose.e2e.demo import one_past_a_block
+from kvcompose.e2e.flow import EXTERNAL, decode_request, drop_prefix_cache, next_turn, pd_request, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
 
@@ -31,7 +32,16 @@ PROMPTS = {
     "tamper": token_prompt(3, 600),
     "dead-fail": token_prompt(4, 300),
     "dead-recompute": token_prompt(5, 300),
+    "conversation": token_prompt(6, 300),  # turn 1; its 16-token answer ends inside its last block
 }
+#: Turn 2 of the conversation: turn 1's prompt, its answer, then a new user message of at least this
+#: many tokens, one past a block boundary in all (see kvcompose/e2e/demo.py, TURN_1).
+NEW_MESSAGE = 380
+
+
+def turn_2(answer: list[int]) -> list[int]:
+    turn_1 = PROMPTS["conversation"]
+    return next_turn(turn_1, answer, token_prompt(7, one_past_a_block(len(turn_1) + len(answer), NEW_MESSAGE)))
 
 
 class Cluster:
@@ -48,6 +58,11 @@ class Cluster:
         try:
             self._start(0, "fail", also=[baseline])
             self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
+            # Turn 2 follows the baseline's own turn-1 answer; decode's must be the same tokens. Asked
+            # twice: the second answer computes the last prompt token alone, as decode does.
+            second = turn_2(self.expected["conversation"]["token_ids"])
+            self.expected["conversation turn 2, first"] = baseline.generate([second], MAX_TOKENS)[0]
+            self.expected["conversation turn 2"] = baseline.generate([second], MAX_TOKENS)[0]
         finally:
             baseline.close()
         self.decode = self._decode("fail")
@@ -106,17 +121,20 @@ def equal(got: Any, expected: dict[str, Any]) -> bool:
     return got.token_ids == expected["token_ids"] and got.logprobs == expected["logprobs"]
 
 
+def blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
 def test_pd_pull_equals_single_engine_baseline(cluster: Cluster) -> None:
     prefill, decode = cluster.use()
     ids = PROMPTS["pd"]
     s = pd_request(prefill, decode, ids, MAX_TOKENS)
     assert equal(s, cluster.expected["pd"]), (s.token_ids, cluster.expected["pd"]["token_ids"])
-    n_blocks = -(-len(ids) // BLOCK_SIZE)  # the partial last block is pulled too
-    assert s.child == "pd"
-    assert s.nixl_bytes == n_blocks * BLOCK_SIZE * kv_bytes_per_token(Path(cluster.models[0]))
+    assert s.loaded == {"pd": len(ids)}
+    # the partial last block is pulled too
+    assert s.nixl_bytes == blocks(len(ids)) * BLOCK_SIZE * kv_bytes_per_token(Path(cluster.models[0]))
     # vLLM counts a pulled prompt whole as external, though it recomputes the last token.
     assert s.counters.get(EXTERNAL) == len(ids)
-    assert s.loaded_tokens == len(ids)
     assert s.failed_transfers == 0
 
 
@@ -124,27 +142,65 @@ def test_cpu_tier_serves_a_prompt_pushed_out_of_the_device_cache(cluster: Cluste
     _, decode = cluster.use()
     ids = PROMPTS["local"]
     first = decode_request(decode, ids, MAX_TOKENS, None)
-    assert first.child is None and first.computed_tokens == len(ids)
+    assert first.children == () and first.computed_tokens == len(ids)
     assert decode.reset_prefix_cache()
     again = decode_request(decode, ids, MAX_TOKENS, None)
     full_blocks = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last token is always computed
-    assert again.child == "host"
-    assert again.loaded_tokens == full_blocks
+    assert again.loaded == {"host": full_blocks}  # no prefill params: nothing for pd to pull
     assert again.host_blocks == full_blocks // BLOCK_SIZE
     assert equal(first, cluster.expected["local"]) and equal(again, cluster.expected["local"])
 
 
-def test_repeated_turn_comes_from_the_cpu_tier_not_a_second_pull(cluster: Cluster) -> None:
+def test_repeated_turn_loads_host_full_blocks_and_pulls_only_the_tail(cluster: Cluster) -> None:
     prefill, decode = cluster.use()
     ids = PROMPTS["turn"]
     first = pd_request(prefill, decode, ids, MAX_TOKENS)
-    assert first.child == "pd" and first.nixl_bytes > 0
+    assert first.loaded == {"pd": len(ids)} and first.nixl_bytes > 0
     assert decode.reset_prefix_cache()
     again = pd_request(prefill, decode, ids, MAX_TOKENS)
-    assert again.child == "host"
-    assert again.nixl_bytes == 0
-    assert again.loaded_tokens == (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # load: ranges: host's full blocks, then NIXL the partial last block, not the whole prompt again
+    full_blocks = len(ids) // BLOCK_SIZE * BLOCK_SIZE
+    assert len(ids) - full_blocks > 1  # a tail of more than the last token (which vLLM recomputes)
+    assert again.loaded == {"host": full_blocks, "pd": len(ids) - full_blocks}
+    assert again.host_blocks == full_blocks // BLOCK_SIZE
+    assert again.nixl_bytes == first.nixl_bytes // blocks(len(ids))  # one block
+    assert again.computed_tokens <= BLOCK_SIZE
     assert equal(first, cluster.expected["turn"]) and equal(again, cluster.expected["turn"])
+
+
+def test_conversation_turn_2_loads_turn_1_from_host_and_pulls_only_the_new_part(cluster: Cluster) -> None:
+    """Turn 2 = turn 1 + its answer + a new message, decode's device cache dropped in between
+    (other traffic would evict it): host loads turn 1's blocks, which decode stored, and NIXL
+    pulls only the rest; decode computes at most the last prompt token."""
+    prefill, decode = cluster.use()
+    turn_1 = PROMPTS["conversation"]
+    first = pd_request(prefill, decode, turn_1, MAX_TOKENS)
+    assert first.loaded == {"pd": len(turn_1)}
+    assert equal(first, cluster.expected["conversation"])
+    per_token = first.nixl_bytes // (blocks(len(turn_1)) * BLOCK_SIZE)  # KV bytes of one token
+    assert per_token == kv_bytes_per_token(Path(cluster.models[0]))
+    drop_prefix_cache(decode)
+
+    prompt = turn_2(first.token_ids)
+    assert len(prompt) % BLOCK_SIZE == 1
+    second = pd_request(prefill, decode, prompt, MAX_TOKENS)
+    assert second.children == ("host", "pd"), second.loaded
+    host, pd = second.loaded["host"], second.loaded["pd"]
+    assert host == len(turn_1) // BLOCK_SIZE * BLOCK_SIZE  # turn 1's full blocks (the answer's is not full)
+    assert second.host_blocks == host // BLOCK_SIZE
+    assert pd == len(prompt) - host  # pd's range starts where host's ends
+    # vLLM's own count splits them too (each contributor's get_external_cache_hit_sources)
+    assert second.cached_by_source() == {"host": host, "p2p": pd}
+    # Only the new part moves: pd's blocks, not the whole prompt's.
+    assert 0 < second.nixl_bytes == blocks(pd) * BLOCK_SIZE * per_token < len(prompt) * per_token
+    assert second.computed_tokens <= BLOCK_SIZE
+    assert second.failed_transfers == 0
+    assert equal(second, cluster.expected["conversation turn 2"])
+    # The baseline's first answer computed the last prompt token inside a batch: same tokens,
+    # logprobs apart by float rounding only.
+    first_answer = cluster.expected["conversation turn 2, first"]
+    assert second.token_ids == first_answer["token_ids"]
+    assert max(abs(a - b) for a, b in zip(second.logprobs, first_answer["logprobs"], strict=True)) < 1e-5
 
 
 def dead_peer(cluster: Cluster, policy: str, prefill_seed: int) -> tuple[Any, dict[str, Any]]:
@@ -169,7 +225,7 @@ def test_tamper_prefill_with_other_weights_changes_decode_output(cluster: Cluste
     prefill, decode = cluster.use(prefill_seed=1, policy="recompute")
     ids = PROMPTS["tamper"]
     s = pd_request(prefill, decode, ids, MAX_TOKENS)
-    assert s.child == "pd" and s.nixl_bytes > 0 and s.failed_transfers == 0
+    assert s.children == ("pd",) and s.nixl_bytes > 0 and s.failed_transfers == 0
     assert s.token_ids != cluster.expected["tamper"]["token_ids"]  # decode used the pulled KV
 
 
