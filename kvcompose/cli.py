@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from kvcompose.bench.runner import BENCHMARKS
 from kvcompose.catalog import Plan
 from kvcompose.compose import load
 from kvcompose.errors import CompositionError
@@ -124,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
         "--only",
         action="append",
         metavar="NAME",
-        help="run only this benchmark (repeatable): scheduler, worker, dispatch, cpu-copy, nixl-read, pd-ttft",
+        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}",
     )
     s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
     s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
