@@ -702,15 +702,30 @@ def drop_device_cache(decode: Any, tries: int = 50) -> None:
     raise RuntimeError(f"{decode.spec.name}: reset_prefix_cache refused for {tries * 0.1:.0f} s (blocks still held)")
 
 
-def warm_up(prefill: Any, decode: Any) -> None:
+#: The first P/D request after a decode engine starts waits for NIXL's handshake, UCX's first
+#: connection and the engine's first-forward work: 7-30 s on a quiet 2-core machine, over two
+#: minutes beside another engine's start (the cold start of the open cold-start issue). The
+#: warm-up absorbs it, so its requests get far longer than a measured request's deadline.
+WARM_UP_TIMEOUT_S = 600.0
+
+
+def warm_up(prefill: Any, decode: Any) -> float:
     """Two requests outside the workload: the NIXL handshake, and each composition's load path
-    for a next turn (a prompt whose first blocks the host tier holds)."""
-    from kvcompose.e2e.flow import pd_request, token_prompt
+    for a next turn (a prompt whose first blocks the host tier holds). Returns the first one's
+    seconds (the cold start)."""
+    from kvcompose.e2e.flow import decode_request, token_prompt
+
+    def pd(prompt: list[int]) -> None:
+        (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}], timeout=WARM_UP_TIMEOUT_S)
+        decode_request(decode, prompt, 4, p["kv_transfer_params"], timeout_s=WARM_UP_TIMEOUT_S)
 
     first = token_prompt(999_001, 150)
-    pd_request(prefill, decode, first, 4)
+    t0 = time.monotonic()
+    pd(first)
+    cold = time.monotonic() - t0
     drop_device_cache(decode)
-    pd_request(prefill, decode, first + token_prompt(999_002, 100), 4)
+    pd(first + token_prompt(999_002, 100))
+    return cold
 
 
 def _decode_spec(name: str, run: int, model: str, directory: Path, port: int) -> Any:
@@ -748,7 +763,7 @@ def measure(
                 t0 = time.monotonic()
                 wait_all_ready([prefill, decode])
                 starts[name].append(round(time.monotonic() - t0, 1))
-                warm_up(prefill, decode)
+                cold = warm_up(prefill, decode)
                 got = serve_run(name, run, prefill, decode, workload, answers)
             finally:
                 decode.close()
@@ -760,7 +775,7 @@ def measure(
                 f"   {name} run {run}: NIXL {t.nixl_bytes / 2**20:.2f} MiB, host-loaded {t.host_tokens} tok, "
                 f"NIXL-loaded {t.pd_tokens} tok, decode-computed {t.computed_tokens} tok (max {t.computed_max}), "
                 f"TTFT median {t.ttft.median * 1e3:.1f} ms (twins {twin_ms:.1f}); "
-                f"{len(compare_answers(got, reference))} answers differ"
+                f"{len(compare_answers(got, reference))} answers differ; first request after start {cold:.0f} s"
             )
     finally:
         prefill.close()
