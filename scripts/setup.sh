@@ -34,7 +34,9 @@ else
 fi
 pip install pluggy msgspec pyyaml "pytest>=8" "ruff==0.17.6"
 check "import matplotlib" || pip install "matplotlib>=3.7"   # kvcompose[bench]: bench --png
+# kvcompose[serve]: vLLM's router for `kvcompose demo --http` and the router engine tests.
+check "import importlib.metadata as m; assert m.version('vllm-router') == '0.1.17'" || pip install "vllm-router==0.1.17"
 pip install --no-deps -e . -e plugins/nixl -e plugins/cpu_offload
-"$VENV/bin/python" -c "import vllm, nixl._api, pluggy, msgspec, yaml, kvcompose, kvcompose_nixl, kvcompose_cpu_offload" \
+"$VENV/bin/python" -c "import vllm, nixl._api, pluggy, msgspec, yaml, vllm_router, kvcompose, kvcompose_nixl, kvcompose_cpu_offload" \
   || { echo "setup.sh: the environment does not import; see the messages above" >&2; exit 1; }
 echo "$want" > "$VENV/.kvcompose-setup"

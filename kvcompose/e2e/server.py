@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,117 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+class HttpClient:
+    """JSON over HTTP to one local server (a vLLM API server or the router), errors as
+    :class:`NodeError` naming the server, the route and, through ``died``, its state and log."""
+
+    def __init__(self, name: str, url: str, died: Callable[[], str]) -> None:
+        self.name = name
+        self.url = url
+        self._died = died
+        # Never through a proxy from the environment: everything is on 127.0.0.1.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = CALL_TIMEOUT_S
+    ) -> bytes:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"} if data else {}
+        )
+        try:
+            with self._opener.open(req, timeout=timeout) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            raise NodeError(f"{self.name}: {method} {path} -> HTTP {exc.code}: {detail}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise NodeError(f"{self.name}: {method} {path} failed ({exc}); {self._died()}") from exc
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+        """POST ``body``; the JSON answer (a body that is not JSON is a :class:`NodeError`)."""
+        raw = self.request("POST", path, body, timeout)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise NodeError(f"{self.name}: POST {path} answered no JSON: {raw[:500]!r}") from None
+
+    def healthy(self, timeout: float) -> bool:
+        """True when ``GET /health`` answers 200 (False while nothing listens yet)."""
+        try:
+            with self._opener.open(self.url + "/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+def completion_body(model: str, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body that returns what the checks compare: the answer's token
+    ids (not only text: pieces of a byte-level vocabulary need not be valid UTF-8 on their own)
+    and each token's logprob, its token named by id."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
+
+
+def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """:func:`completion_body` for ``/v1/chat/completions``: the same figures back, plus the
+    prompt's token ids as the server rendered them with the model's chat template."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
+
+
+def parse_completion(answer: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """A ``/v1/completions`` answer to :func:`completion_body` -> the offline node's result dict
+    (``ttft_s`` None: the flow reads it from ``/metrics``)."""
+    choice = answer["choices"][0]
+    return {
+        "token_ids": list(choice["token_ids"]),
+        "logprobs": list((choice.get("logprobs") or {}).get("token_logprobs") or []),
+        "finish_reason": choice.get("finish_reason"),
+        "kv_transfer_params": answer.get("kv_transfer_params"),
+        "prompt_token_ids": choice.get("prompt_token_ids"),
+        "ttft_s": None,
+        "wall_s": wall_s,
+    }
+
+
+def parse_chat(answer: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """A ``/v1/chat/completions`` answer to :func:`chat_body` -> the same dict as
+    :func:`parse_completion`, with the reply's ``text``. Each logprob's token is checked against
+    the token id it belongs to (``token_id:N``), so ids and logprobs cannot drift apart."""
+    choice = answer["choices"][0]
+    ids = list(choice["token_ids"])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    named = [entry["token"] for entry in content]
+    if named != [f"token_id:{t}" for t in ids]:
+        raise NodeError(f"chat answer: logprob tokens {named[:4]}... do not match token ids {ids[:4]}...")
+    return {
+        "token_ids": ids,
+        "logprobs": [entry["logprob"] for entry in content],
+        "finish_reason": choice.get("finish_reason"),
+        "kv_transfer_params": answer.get("kv_transfer_params"),
+        "prompt_token_ids": answer.get("prompt_token_ids"),
+        "text": choice["message"]["content"],
+        "ttft_s": None,
+        "wall_s": wall_s,
+    }
+
+
 class ServerNode:
     """One vLLM API server process; the same calls as :class:`~kvcompose.e2e.node.EngineNode`."""
 
@@ -127,33 +239,16 @@ class ServerNode:
             env=env,
             start_new_session=True,
         )
-        # Never through a proxy from the environment: everything is on 127.0.0.1.
-        self._http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._http = HttpClient(spec.name, self.url, self._state)
         self.stage = "importing vllm"
         self.ready_info: dict[str, Any] | None = None
-        #: completions answered 200, so that metrics() can wait for the counters to catch up
+        #: completions answered 200 (here or, through :meth:`answered_elsewhere`, sent by a
+        #: router), so that metrics() can wait for the counters to catch up
         self._answered = 0
 
-    # ------------------------------------------------------------------ HTTP
-
-    def _request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = CALL_TIMEOUT_S
-    ) -> bytes:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"} if data else {}
-        )
-        try:
-            with self._http.open(req, timeout=timeout) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:2000]
-            raise NodeError(f"{self.spec.name}: {method} {path} -> HTTP {exc.code}: {detail}") from exc
-        except (urllib.error.URLError, OSError) as exc:
-            state = "exited" if self.proc.poll() is not None else "running"
-            raise NodeError(
-                f"{self.spec.name}: {method} {path} failed ({exc}); server {state}\n{self.log_tail()}"
-            ) from exc
+    def _state(self) -> str:
+        state = "exited" if self.proc.poll() is not None else "running"
+        return f"server {state}\n{self.log_tail()}"
 
     def poll_ready(self, timeout: float = 0.0) -> bool:
         """True once ``/health`` answers 200; raises :class:`NodeError` if the server died."""
@@ -165,18 +260,14 @@ class ServerNode:
                 f"{self.spec.name}: server exited (rc={self.proc.returncode}) while starting\n{self.log_tail()}"
             )
         self._update_stage()
-        try:
-            with self._http.open(self.url + "/health", timeout=max(0.5, timeout)) as resp:
-                if resp.status == 200:
-                    self.ready_info = {
-                        "start_s": round(time.monotonic() - self.started_at, 1),
-                        "pid": self.proc.pid,
-                        "url": self.url,
-                    }
-                    self.stage = "ready"
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass  # not listening yet
+        if self._http.healthy(max(0.5, timeout)):
+            self.ready_info = {
+                "start_s": round(time.monotonic() - self.started_at, 1),
+                "pid": self.proc.pid,
+                "url": self.url,
+            }
+            self.stage = "ready"
+            return True
         time.sleep(max(0.0, deadline - time.monotonic()))
         return False
 
@@ -193,40 +284,18 @@ class ServerNode:
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
         timeout: float = CALL_TIMEOUT_S,
     ) -> list[dict[str, Any]]:
-        """One ``/v1/completions`` request per prompt (greedy, 1 logprob per token, token ids
-        back); dicts shaped like the offline node's, ``ttft_s`` None (flow reads it from
-        ``/metrics``)."""
+        """One ``/v1/completions`` request per prompt (:func:`completion_body`); dicts shaped like
+        the offline node's (:func:`parse_completion`)."""
         results = []
         for i, prompt in enumerate(prompts):
-            body: dict[str, Any] = {
-                "model": self.spec.model,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                # Token ids back, not only text: the checks compare ids and logprobs, and decoded
-                # pieces of a byte-level vocabulary need not be valid UTF-8 on their own.
-                "logprobs": 1,
-                "return_tokens_as_token_ids": True,
-                "return_token_ids": True,
-            }
+            body = completion_body(self.spec.model, prompt, max_tokens)
             kv = kv_transfer_params[i] if kv_transfer_params else None
             if kv is not None:
                 body["kv_transfer_params"] = kv
             t0 = time.perf_counter()
-            answer = json.loads(self._request("POST", "/v1/completions", body, timeout))
-            wall = time.perf_counter() - t0
+            answer = self._http.post("/v1/completions", body, timeout)
             self._answered += 1
-            choice = answer["choices"][0]
-            results.append(
-                {
-                    "token_ids": list(choice["token_ids"]),
-                    "logprobs": list((choice.get("logprobs") or {}).get("token_logprobs") or []),
-                    "finish_reason": choice.get("finish_reason"),
-                    "kv_transfer_params": answer.get("kv_transfer_params"),
-                    "ttft_s": None,
-                    "wall_s": wall,
-                }
-            )
+            results.append(parse_completion(answer, time.perf_counter() - t0))
         return results
 
     def complete(self, prompt: str | list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -241,15 +310,20 @@ class ServerNode:
         return self._answer("/v1/chat/completions", body)
 
     def _answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        answer = json.loads(self._request("POST", path, body))
+        answer = self._http.post(path, body)
         self._answered += 1
         return answer
+
+    def answered_elsewhere(self, n: int = 1) -> None:
+        """Count ``n`` requests that reached this server from someone else (a router) and were
+        answered, so that :meth:`metrics` waits for their counters too."""
+        self._answered += n
 
     def metrics(self) -> dict[str, float]:
         """``/metrics``, parsed; waits (bounded) until every answered completion is counted."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while True:
-            got = parse_metrics(self._request("GET", "/metrics").decode())
+            got = parse_metrics(self._http.request("GET", "/metrics").decode())
             done = sum(v for k, v in got.items() if k == SUCCESS or k.startswith(SUCCESS + "{"))
             if done >= self._answered or time.monotonic() >= deadline:
                 return got
@@ -257,7 +331,7 @@ class ServerNode:
 
     def reset_prefix_cache(self) -> bool:
         """Drop the engine's own (device) prefix cache; the connectors keep what they hold."""
-        return bool(json.loads(self._request("POST", "/reset_prefix_cache"))["success"])
+        return bool(json.loads(self._http.request("POST", "/reset_prefix_cache"))["success"])
 
     # ------------------------------------------------------------------ process
 

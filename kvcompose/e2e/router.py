@@ -1,0 +1,159 @@
+"""vLLM's router in front of a prefill and a decode server: the serving stack's single entry point.
+
+:class:`RouterNode` starts ``python -m vllm_router.launch_router --vllm-pd-disaggregation
+--kv-connector nixl`` (the ``vllm-router`` package, kvcompose's ``serve`` extra; a Rust binary
+inside a wheel) on 127.0.0.1. A client sends one ordinary OpenAI request to the router; for
+``--kv-connector nixl`` the router (``src/routers/http/vllm_pd_router.rs`` in vllm-project/router)
+
+1. sends it to a prefill server with ``max_tokens: 1`` (``max_completion_tokens`` and
+   ``min_tokens`` capped at 1 too), ``stream: false`` and ``kv_transfer_params:
+   {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+   "remote_block_ids": null, "remote_host": null, "remote_port": null}``
+   (``build_prefill_kv_transfer_params``);
+2. sends the original request to a decode server with ``kv_transfer_params`` set to the one in
+   prefill's answer, unchanged (``build_decode_kv_transfer_params``), and both with the same
+   ``X-Request-Id``;
+3. returns decode's answer as is.
+
+kvcompose does not reimplement any of that: the demo and the tests only talk to the router, and
+read what the engines did from their own ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError, free_ports, log_tail
+from kvcompose.e2e.server import HOST, HttpClient, chat_body, completion_body, parse_chat, parse_completion
+
+ROUTER_MODULE = "vllm_router.launch_router"
+#: The ``vllm-router`` release this code was checked against (pinned in pyproject's ``serve``
+#: extra and installed by scripts/setup.sh).
+ROUTER_VERSION = "0.1.17"
+#: The router's own start (it checks every worker's /health before it listens) takes about a
+#: second; the deadline leaves room for a loaded 2-core machine.
+READY_TIMEOUT_S = 60.0
+#: Terminal colour codes (the router's tracing output has them whatever NO_COLOR says).
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def router_argv(
+    prefill_urls: list[str], decode_urls: list[str], port: int, metrics_port: int, policy: str = "round_robin"
+) -> list[str]:
+    """The router's command line: vLLM P/D mode over NIXL, bound to 127.0.0.1.
+
+    ``round_robin``: with one prefill and one decode there is nothing to choose, and unlike the
+    default ``cache_aware`` it keeps no prefix tree of its own. The Prometheus exporter gets a
+    free port of its own (its default, 29000, would collide between two stacks on one host).
+    Workers are checked every second at start (default: every 30 s), and the workers passed are
+    already up.
+    """
+    argv = [sys.executable, "-m", ROUTER_MODULE, "--host", HOST, "--port", str(port)]
+    argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", policy]
+    for url in prefill_urls:
+        argv += ["--prefill", url]
+    for url in decode_urls:
+        argv += ["--decode", url]
+    argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port)]
+    argv += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
+    return argv
+
+
+class RouterNode:
+    """One router process in front of ``prefill`` and ``decode`` (anything with a ``url``: a
+    :class:`~kvcompose.e2e.server.ServerNode`); its log is ``router.log`` in ``log_dir``, beside
+    the engines'. Call :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
+
+    name = "router"
+
+    def __init__(self, prefill: Any, decode: Any, model: str, log_dir: Path, port: int | None = None) -> None:
+        if importlib.util.find_spec("vllm_router") is None:
+            raise NodeError(
+                f"the vllm-router package is not installed: pip install 'vllm-router=={ROUTER_VERSION}' "
+                "(kvcompose's serve extra; scripts/setup.sh installs it)"
+            )
+        self.model = model
+        self.port, metrics_port = free_ports(2) if port is None else (port, free_ports(1)[0])
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_dir / "router.log"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.argv = router_argv([prefill.url], [decode.url], self.port, metrics_port)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            # Its own process group: close() signals exactly the processes started here.
+            start_new_session=True,
+        )
+        self._http = HttpClient(self.name, self.url, self._state)
+
+    def _state(self) -> str:
+        rc = self.proc.poll()
+        state = "running" if rc is None else f"exited (rc={rc})"
+        return f"router {state}, log {self.log_path}:\n{self.log_tail()}"
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Until the router answers ``GET /health``; a :class:`NodeError` naming its log when it
+        exits or is not up within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise NodeError(f"router exited (rc={self.proc.returncode}) while starting; {self._state()}")
+            if self._http.healthy(1.0):
+                return
+            if time.monotonic() >= deadline:
+                raise NodeError(f"router not ready after {timeout:.0f} s; {self._state()}")
+            time.sleep(0.2)
+
+    def generate(
+        self, prompts: list[list[int]] | list[str], max_tokens: int, timeout: float = CALL_TIMEOUT_S
+    ) -> list[dict[str, Any]]:
+        """One ``/v1/completions`` request per prompt (token ids, or text the servers tokenize),
+        through the router (prefill, then decode); dicts shaped like the offline node's
+        (:func:`~kvcompose.e2e.server.parse_completion`), with ``prompt_token_ids``."""
+        results = []
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            answer = self._http.post("/v1/completions", completion_body(self.model, prompt, max_tokens), timeout)
+            results.append(parse_completion(answer, time.perf_counter() - t0))
+        return results
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, timeout: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+        """One ``/v1/chat/completions`` request through the router; the dict of
+        :func:`~kvcompose.e2e.server.parse_chat` (token ids, logprobs, the reply's text, the
+        prompt's token ids as decode rendered them)."""
+        t0 = time.perf_counter()
+        answer = self._http.post("/v1/chat/completions", chat_body(self.model, messages, max_tokens), timeout)
+        return parse_chat(answer, time.perf_counter() - t0)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The log's last lines, without the terminal colours the router writes even to a file."""
+        return ANSI.sub("", log_tail(self.log_path, lines))
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the router's process group, SIGKILL whatever is left after ``grace_s``."""
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._log.close()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
