@@ -115,8 +115,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--http",
         action="store_true",
-        help="prefill and decode as vLLM's OpenAI-compatible HTTP servers (kv_transfer_params "
-        "in the request bodies, counters from /metrics) instead of offline engines",
+        help="the serving stack: vLLM's router (P/D mode, nixl) in front of prefill and decode as "
+        "vLLM's OpenAI-compatible HTTP servers, completions and a 3-turn chat through the router, "
+        "counters from decode's /metrics (instead of offline engines)",
     )
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("bench", help="benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)")

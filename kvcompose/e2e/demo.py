@@ -12,11 +12,15 @@
    while decode served turn 1, and ``pd`` pulls only the rest from the prefill engine;
 6. every decode output is compared with the baseline; any difference exits 1.
 
-``http=True`` (``kvcompose demo --http``) runs prefill and decode as vLLM's OpenAI-compatible HTTP
-servers (:mod:`kvcompose.e2e.server`) instead of offline ``vllm.LLM`` engines: the same flow, with
-``kv_transfer_params`` in the request bodies and the counters read from ``/metrics``, into the
-same report. The baseline stays an offline engine, so the check also shows that the HTTP path
-returns the same token ids and logprobs as ``vllm.LLM``.
+``http=True`` (``kvcompose demo --http``) is the serving stack: prefill and decode run as vLLM's
+OpenAI-compatible HTTP servers (:mod:`kvcompose.e2e.server`) behind vLLM's router
+(:mod:`kvcompose.e2e.router`, P/D mode over NIXL), and every request is one ``/v1/completions``
+call to the router, which sends it to prefill and then to decode with prefill's
+``kv_transfer_params``. The counters come from decode's ``/metrics``, into the same report. A
+three-turn chat (``/v1/chat/completions``, :mod:`kvcompose.e2e.chat`) follows, decode's prefix
+cache dropped between turns so that later turns are served by host and NIXL together. The
+baseline stays an offline engine, so the check also shows that the router and the HTTP path
+return the same token ids and logprobs as ``vllm.LLM``.
 """
 
 from __future__ import annotations
@@ -24,12 +28,23 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvcompose.e2e.flow import Served, drop_prefix_cache, hit_rates, next_turn, pd_request, token_prompt
+from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
+from kvcompose.e2e.flow import (
+    Served,
+    drop_prefix_cache,
+    hit_rates,
+    next_turn,
+    pd_request,
+    routed_request,
+    token_prompt,
+)
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
@@ -93,7 +108,8 @@ def run(
     http: bool = False,
 ) -> int:
     """Run the demo; 0 when every decode output equals the baseline, 1 otherwise. ``http``:
-    prefill and decode are vLLM API servers, else offline engines (the baseline is offline)."""
+    prefill and decode are vLLM API servers behind vLLM's router, else offline engines (the
+    baseline is offline)."""
     started = time.monotonic()
     model = make_model(0)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-demo-"))
@@ -104,6 +120,7 @@ def run(
     Node: Any = ServerNode if http else EngineNode
     kind = "HTTP server" if http else "engine"
     nodes: list[Any] = []
+    chat: list[ChatTurn] = []
     try:
         print(f"starting baseline (offline engine, no connector) and prefill {kind} ...", file=out, flush=True)
         baseline = EngineNode(EngineSpec("baseline", str(model)), logs)
@@ -119,31 +136,43 @@ def run(
         turn_2 = next_turn(turn_1, expected["turn 1"]["token_ids"], message)
         first_answer = baseline.generate([turn_2], MAX_TOKENS)[0]
         expected["turn 2"] = baseline.generate([turn_2], MAX_TOKENS)[0]  # its last prompt token alone
+        if http:
+            chat = baseline_chat(baseline, load_tokenizer(model), MAX_TOKENS)
         baseline.close()
         nodes.remove(baseline)
         print(f"baseline done; starting decode {kind} ...", file=out, flush=True)
         decode = Node(EngineSpec("decode", str(model), str(decode_yaml), d_port), logs)
         nodes.append(decode)
         wait_all_ready([decode], progress=_progress(out))
-        via = f"HTTP: prefill {prefill.url}, decode {decode.url}" if http else "offline engines"
+        if http:
+            router = RouterNode(prefill, decode, str(model), logs)
+            nodes.append(router)
+            router.wait_ready()
+            via = f"vLLM's router {router.url} -> prefill {prefill.url}, decode {decode.url}"
+        else:
+            via = "offline engines, proxy flow"
         print(
             f"engines ready after {time.monotonic() - started:.0f} s "
             f"({via}; NIXL side channels: prefill :{p_port}, decode :{d_port})\n",
             file=out,
         )
 
+        def serve(ids: list[int], label: str) -> Served:
+            if http:  # one request to the router: it does prefill, then decode
+                return routed_request(router, decode, ids, MAX_TOKENS, label=label, children=CHILDREN)
+            return pd_request(prefill, decode, ids, MAX_TOKENS, label=label, children=CHILDREN)
+
         before = decode.metrics()
         served: list[tuple[Served, bool]] = []
         print(HEADER, file=out)
         for label, ids in prompts.items():
-            s = pd_request(prefill, decode, ids, MAX_TOKENS, label=f"{label} ({len(ids)})", children=CHILDREN)
+            s = serve(ids, f"{label} ({len(ids)})")
             served.append((s, _same(s, expected[label])))
             print(_row(*served[-1]), file=out, flush=True)
         drop_prefix_cache(decode)
         print("  -- decode's own prefix cache dropped; repeated turns --", file=out)
         for label in REPEATS:
-            ids = prompts[label]
-            s = pd_request(prefill, decode, ids, MAX_TOKENS, label=f"{label} again", children=CHILDREN)
+            s = serve(prompts[label], f"{label} again")
             served.append((s, _same(s, expected[label])))
             print(_row(*served[-1]), file=out, flush=True)
         answer = len(expected["turn 1"]["token_ids"])
@@ -152,17 +181,32 @@ def run(
             "decode's prefix cache dropped before turn 2 --",
             file=out,
         )
-        first = pd_request(prefill, decode, turn_1, MAX_TOKENS, label=f"turn 1 ({len(turn_1)})", children=CHILDREN)
+        first = serve(turn_1, f"turn 1 ({len(turn_1)})")
         served.append((first, _same(first, expected["turn 1"])))
         print(_row(*served[-1]), file=out, flush=True)
         drop_prefix_cache(decode)
         turn_2 = next_turn(turn_1, first.token_ids, message)
-        second = pd_request(prefill, decode, turn_2, MAX_TOKENS, label=f"turn 2 ({len(turn_2)})", children=CHILDREN)
+        second = serve(turn_2, f"turn 2 ({len(turn_2)})")
         served.append((second, _same(second, expected["turn 2"])))
         print(_row(*served[-1]), file=out, flush=True)
+        chat_gaps: list[float] = []
+        if http:
+            print(
+                "  -- chat (/v1/chat/completions): each turn = the whole history + a new user message; "
+                "decode's prefix cache dropped before turns 2 and 3 --",
+                file=out,
+            )
+            for turn, s in chat_through_router(router, decode, chat, MAX_TOKENS, CHILDREN):
+                problems = turn.problems(s)
+                served.append((s, not problems))
+                chat_gaps.append(_logprob_gap(s, turn.first))
+                print(_row(*served[-1]) + (f" ({', '.join(problems)})" if problems else ""), file=out, flush=True)
         rates = hit_rates(before, decode.metrics(), CHILDREN)
+    except NodeError as exc:
+        print(f"\ndemo failed: {exc}", file=out)
+        return 1
     finally:
-        for n in nodes:
+        for n in reversed(nodes):
             n.close()
     bad = [s.label for s, ok in served if not ok]
     if second.token_ids != first_answer["token_ids"]:
@@ -199,6 +243,12 @@ def run(
         f"{_logprob_gap(second, first_answer):.1e}",
         file=out,
     )
+    if chat:
+        print(
+            "  chat turns vs the baseline's first answers (new part computed in one batch): logprobs within "
+            + ", ".join(f"{g:.1e}" for g in chat_gaps),
+            file=out,
+        )
     print(f"  wall time: {time.monotonic() - started:.0f} s", file=out)
     if bad:
         print(f"MISMATCH in {', '.join(bad)}", file=out)
@@ -207,8 +257,11 @@ def run(
 
 
 def _same(s: Served, expected: dict[str, Any]) -> bool:
-    return s.token_ids == expected["token_ids"] and s.logprobs == expected["logprobs"]
+    return s.equals(expected)
 
 
 def _logprob_gap(s: Served, expected: dict[str, Any]) -> float:
-    return max((abs(a - b) for a, b in zip(s.logprobs, expected["logprobs"], strict=False)), default=0.0)
+    """The largest logprob difference, between the float32 values the engines computed (the
+    router's JSON re-encoding moves doubles by an ulp: see :func:`~kvcompose.e2e.flow.same_output`)."""
+    got, want = array("f", s.logprobs), array("f", expected["logprobs"])
+    return max((abs(a - b) for a, b in zip(got, want, strict=False)), default=0.0)

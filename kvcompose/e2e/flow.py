@@ -1,19 +1,23 @@
-"""The disaggregated-proxy flow over engine nodes, and what each request did, from engine metrics.
+"""Requests through the P/D pair, and what each did, from the decode engine's metrics.
 
-A request goes the way vLLM's disaggregated proxy sends it: to the prefill engine with
+Two ways in, one way to measure. The proxy flow (:func:`pd_request`) goes the way vLLM's
+disaggregated proxy example does: to the prefill engine with
 ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``, then to the decode engine
-with the ``kv_transfer_params`` prefill returned. What the decode engine did is read from its own
-Prometheus counters before and after the request (requests are sent one at a time): which
-children loaded KV and how many tokens each (``vllm:kvcompose_loads{child}``,
-``vllm:kvcompose_loaded_tokens{child}``, counted by the composed connector; under ``load: ranges``
-one request can be served by several, e.g. the host tier's prefix and the rest over NIXL), tokens
-computed, bytes moved.
+with the ``kv_transfer_params`` prefill returned. The routed flow (:func:`routed_request`,
+:func:`routed_chat`) sends one request to vLLM's router (:mod:`kvcompose.e2e.router`), which does
+those two steps itself. Either way :func:`measured` reads the decode engine's own Prometheus
+counters before and after the request (requests are sent one at a time): which children loaded
+KV and how many tokens each (``vllm:kvcompose_loads{child}``, ``vllm:kvcompose_loaded_tokens{child}``,
+counted by the composed connector; under ``load: ranges`` one request can be served by several,
+e.g. the host tier's prefix and the rest over NIXL), tokens computed, bytes moved.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,8 +31,9 @@ HOST_LOADED_BLOCKS = "vllm:simple_kv_offload_load_blocks"
 #: vLLM's own split of connector-loaded prompt tokens by tier (each child's
 #: ``get_external_cache_hit_sources``: ``host`` from the CPU tier, ``p2p`` from NIXL).
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source{source="
-#: Sum of arrival-to-first-token times: one request's own when requests go one at a time.
-TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+#: Sum of the requests' times from first to last token: one request's own when requests go one
+#: at a time (what a client's wall time holds beyond the time to first token).
+DECODE_TIME = "vllm:request_decode_time_seconds_sum"
 
 
 def loads_key(child: str) -> str:
@@ -68,7 +73,7 @@ def next_turn(prompt: list[int], answer: list[int], message: list[int]) -> list[
     return [*prompt, *answer, *message]
 
 
-def drop_prefix_cache(engine: Engine, tries: int = 50, wait_s: float = 0.1) -> None:
+def drop_prefix_cache(engine: Engine | Answered, tries: int = 50, wait_s: float = 0.1) -> None:
     """Drop the engine's own (device) prefix cache, as traffic evicting it would; the connectors
     keep what they hold. vLLM refuses while blocks are still held (a store to a connector in
     flight), so it is asked again, ``tries`` times at most."""
@@ -79,6 +84,21 @@ def drop_prefix_cache(engine: Engine, tries: int = 50, wait_s: float = 0.1) -> N
     raise RuntimeError(f"the engine refused reset_prefix_cache {tries} times")
 
 
+def same_output(token_ids: list[int], logprobs: list[float], expected: dict[str, Any]) -> bool:
+    """The same token ids and, bit for bit, the same float32 logprobs as ``expected``.
+
+    The engines compute logprobs in float32 and return them widened to doubles; the router
+    re-encodes decode's JSON answer, and its float parsing can move a double by one unit in the
+    last place (-3.8056788444519043 came back as -3.805678844451904), which rounds back to the
+    same float32. So logprobs are compared as the float32 values the engine computed.
+    """
+    return token_ids == expected["token_ids"] and _f32(logprobs) == _f32(expected["logprobs"])
+
+
+def _f32(values: list[float]) -> bytes:
+    return array("f", values).tobytes()
+
+
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Counters that changed, by how much."""
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
@@ -86,7 +106,7 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 
 @dataclass
 class Served:
-    """One request through the proxy flow, as the decode engine's counters saw it."""
+    """One request through the P/D pair, as the decode engine's counters saw it."""
 
     label: str
     prompt_tokens: int
@@ -101,10 +121,17 @@ class Served:
     nixl_bytes: int
     host_blocks: int
     failed_transfers: int
-    #: prefill wall time (client side) + decode's time from arrival to first token
+    #: the time to first token as the client saw it: offline, prefill's wall time + decode's
+    #: arrival-to-first-token; over HTTP, the client's wall time for the whole request less
+    #: decode's time from its first token to its last (``vllm:request_decode_time_seconds``)
     ttft_s: float
+    #: the params decode was sent (None through the router, which keeps them to itself)
     prefill_params: dict[str, Any] | None
     counters: dict[str, float] = field(default_factory=dict)
+    #: the prompt's token ids as the server saw them (chat: rendered with the chat template)
+    prompt_ids: list[int] | None = None
+    #: the answer's text (chat)
+    text: str | None = None
 
     @property
     def children(self) -> tuple[str, ...]:
@@ -125,6 +152,10 @@ class Served:
             if key.startswith(CACHED_BY_SOURCE) and key != f"{CACHED_BY_SOURCE}device}}"
         }
 
+    def equals(self, expected: dict[str, Any]) -> bool:
+        """This answer is ``expected``'s (:func:`same_output`)."""
+        return same_output(self.token_ids, self.logprobs, expected)
+
     def served_by(self) -> str:
         """``"host 576 + pd 24"``: each loading child and its tokens; ``"none"`` when none loaded."""
         return " + ".join(f"{c} {n}" for c, n in self.loaded.items()) or "none"
@@ -138,7 +169,8 @@ def pd_request(
     label: str = "",
     children: tuple[str, ...] = ("host", "pd"),
 ) -> Served:
-    """Prefill (``max_tokens=1``, ``do_remote_decode``), then decode with prefill's params."""
+    """The proxy flow: prefill (``max_tokens=1``, ``do_remote_decode``), then decode with
+    prefill's params."""
     t0 = time.perf_counter()
     (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
     prefill_s = time.perf_counter() - t0
@@ -156,19 +188,97 @@ def decode_request(
     timeout_s: float = 120.0,
 ) -> Served:
     """One decode request (with ``params`` from a prefill, or None for a local one) and its counters."""
+    kv = [params] if params is not None else None
+    return measured(
+        decode,
+        lambda: decode.generate([prompt], max_tokens, kv, timeout=timeout_s)[0],
+        len(prompt),
+        label,
+        children,
+        params,
+        prefill_s,
+    )
+
+
+class Router(Protocol):
+    """What the routed flow needs from the router (:class:`kvcompose.e2e.router.RouterNode`)."""
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, timeout: float = ...) -> list[dict[str, Any]]: ...
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, timeout: float = ...) -> dict[str, Any]: ...
+
+
+class Answered(Protocol):
+    """A decode server behind a router: it counts the requests the router sent it
+    (:meth:`~kvcompose.e2e.server.ServerNode.answered_elsewhere`)."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def answered_elsewhere(self, n: int = 1) -> None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+
+def routed_request(
+    router: Router,
+    decode: Answered,
+    prompt: list[int],
+    max_tokens: int,
+    label: str = "",
+    children: tuple[str, ...] = ("host", "pd"),
+) -> Served:
+    """One ``/v1/completions`` request to the router (which sends it to prefill, then to decode
+    with prefill's params), measured on ``decode``."""
+    send = _routed(decode, lambda: router.generate([prompt], max_tokens)[0])
+    return measured(decode, send, len(prompt), label, children)
+
+
+def routed_chat(
+    router: Router,
+    decode: Answered,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    label: str = "",
+    children: tuple[str, ...] = ("host", "pd"),
+) -> Served:
+    """One ``/v1/chat/completions`` request to the router, measured on ``decode``; ``prompt_ids``
+    holds the prompt as decode rendered it, ``text`` the reply."""
+    return measured(decode, _routed(decode, lambda: router.chat(messages, max_tokens)), 0, label, children)
+
+
+def _routed(decode: Answered, send: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    def call() -> dict[str, Any]:
+        answer = send()
+        # The router sent decode exactly one request (one decode server, n=1) and it answered:
+        # decode.metrics() waits for its counters.
+        decode.answered_elsewhere()
+        return answer
+
+    return call
+
+
+def measured(
+    decode: Any,
+    send: Callable[[], dict[str, Any]],
+    prompt_tokens: int,
+    label: str,
+    children: tuple[str, ...],
+    params: dict[str, Any] | None = None,
+    prefill_s: float = 0.0,
+) -> Served:
+    """``send()`` one request whose decode step runs on ``decode``, and what decode's counters
+    say it did (their change across the request)."""
     before = decode.metrics()
-    t0 = time.perf_counter()
-    (d,) = decode.generate([prompt], max_tokens, [params] if params is not None else None, timeout=timeout_s)
-    wall = time.perf_counter() - t0
+    d = send()
     moved = delta(before, decode.metrics())
-    # The offline engine reports the request's own TTFT; the HTTP server does not, and its
-    # TTFT histogram moved by exactly this request's (the same RequestStateStats figure).
-    ttft = d.get("ttft_s")
-    if ttft is None and TTFT_SUM in moved:
-        ttft = moved[TTFT_SUM]
+    if d.get("ttft_s") is not None:  # the offline engine reports the request's own
+        ttft = prefill_s + d["ttft_s"]
+    else:
+        ttft = prefill_s + d["wall_s"] - moved.get(DECODE_TIME, 0.0)
+    prompt_ids = d.get("prompt_token_ids")
     return Served(
         label=label,
-        prompt_tokens=len(prompt),
+        prompt_tokens=len(prompt_ids) if prompt_ids is not None else prompt_tokens,
         token_ids=d["token_ids"],
         logprobs=d["logprobs"],
         finish_reason=d.get("finish_reason"),
@@ -177,9 +287,11 @@ def decode_request(
         nixl_bytes=int(moved.get(NIXL_BYTES, 0)),
         host_blocks=int(moved.get(HOST_LOADED_BLOCKS, 0)),
         failed_transfers=int(moved.get(NIXL_FAILED, 0)),
-        ttft_s=prefill_s + (ttft if ttft is not None else wall),
+        ttft_s=ttft,
         prefill_params=params,
         counters=moved,
+        prompt_ids=prompt_ids,
+        text=d.get("text"),
     )
 
 

@@ -241,10 +241,19 @@ class EngineNode:
         max_tokens: int,
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
         timeout: float = CALL_TIMEOUT_S,
+        detokenize: bool = False,
     ) -> list[dict[str, Any]]:
-        """Greedy generation with 1 logprob per token; one dict per prompt (see ``_generate``)."""
+        """Greedy generation with 1 logprob per token; one dict per prompt (see ``_generate``).
+        ``detokenize``: also the answer's ``text``, by vLLM's own detokenizer (what a server's
+        reply holds)."""
+        extra = {"detokenize": True} if detokenize else {}
         return self.call(
-            "generate", timeout=timeout, prompts=prompts, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params
+            "generate",
+            timeout=timeout,
+            prompts=prompts,
+            max_tokens=max_tokens,
+            kv_transfer_params=kv_transfer_params,
+            **extra,
         )
 
     def metrics(self) -> dict[str, float]:
@@ -338,7 +347,11 @@ def metric_key(name: str, labels: dict[str, str]) -> str:
 
 
 def _generate(
-    llm: Any, prompts: list[list[int]], max_tokens: int, kv_transfer_params: list[dict[str, Any] | None] | None
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_transfer_params: list[dict[str, Any] | None] | None,
+    detokenize: bool = False,
 ) -> list[dict[str, Any]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -350,7 +363,7 @@ def _generate(
             SamplingParams(
                 max_tokens=max_tokens,
                 temperature=0,
-                detokenize=False,
+                detokenize=detokenize,
                 logprobs=1,
                 extra_args={"kv_transfer_params": kv} if kv is not None else None,
             )
@@ -369,6 +382,7 @@ def _generate(
                 "logprobs": logprobs,
                 "finish_reason": comp.finish_reason,
                 "kv_transfer_params": o.kv_transfer_params,
+                "text": comp.text if detokenize else None,
                 # From arrival in this engine to its first token (RequestStateStats).
                 "ttft_s": getattr(stats, "first_token_latency", None),
                 "wall_s": wall,

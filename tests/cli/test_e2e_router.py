@@ -1,0 +1,129 @@
+"""The router's command line, its failures, the chat script and the answer parsers (no engine).
+
+The router tests start the real ``vllm-router`` binary, with no worker behind it: it waits for
+their ``/health``, so it never listens, and :class:`RouterNode` must say so, naming its log.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvcompose.e2e.chat import SYSTEM, USER_TURNS, padded, render
+from kvcompose.e2e.flow import measured, same_output
+from kvcompose.e2e.model import make_model
+from kvcompose.e2e.node import BLOCK_SIZE, NodeError, free_ports
+from kvcompose.e2e.router import ROUTER_VERSION, RouterNode, router_argv
+from kvcompose.e2e.server import chat_body, parse_chat, parse_completion
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_installed_router_is_the_pinned_one() -> None:
+    assert importlib.metadata.version("vllm-router") == ROUTER_VERSION
+    assert f'"vllm-router=={ROUTER_VERSION}"' in (ROOT / "pyproject.toml").read_text()
+    assert f"vllm-router=={ROUTER_VERSION}" in (ROOT / "scripts" / "setup.sh").read_text()
+
+
+def test_router_argv_is_vllm_pd_over_nixl_by_the_routers_own_parser() -> None:
+    from vllm_router.launch_router import parse_router_args
+
+    argv = router_argv(["http://127.0.0.1:8100"], ["http://127.0.0.1:8200"], 8000, 29100)
+    assert argv[1:3] == ["-m", "vllm_router.launch_router"]
+    args = parse_router_args(argv[3:])
+    assert args.vllm_pd_disaggregation is True
+    assert args.kv_connector == "nixl"
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    assert [url for url, _ in args.prefill_urls] == ["http://127.0.0.1:8100"]
+    assert args.decode_urls == ["http://127.0.0.1:8200"]
+    assert (args.prometheus_host, args.prometheus_port) == ("127.0.0.1", 29100)
+
+
+def _nowhere() -> Any:
+    return SimpleNamespace(url=f"http://127.0.0.1:{free_ports(1)[0]}")
+
+
+def test_a_router_whose_workers_are_down_is_not_ready_and_names_its_log(tmp_path: Path) -> None:
+    router = RouterNode(_nowhere(), _nowhere(), "m", tmp_path)
+    try:
+        with pytest.raises(NodeError, match=r"router not ready after 3 s; router running, log .*router\.log"):
+            router.wait_ready(timeout=3)
+    finally:
+        router.close()
+    assert router.proc.returncode is not None
+    assert "Waiting for" in (tmp_path / "router.log").read_text()
+
+
+def test_a_dead_router_is_a_clear_error(tmp_path: Path) -> None:
+    router = RouterNode(_nowhere(), _nowhere(), "m", tmp_path)
+    router.close()
+    with pytest.raises(NodeError, match=r"router: POST /v1/completions failed .*router exited"):
+        router.generate([[1, 2, 3]], 4)
+
+
+def test_chat_turns_are_padded_one_past_a_block_boundary() -> None:
+    from kvcompose.e2e.chat import load_tokenizer
+
+    tokenizer = load_tokenizer(make_model(0))
+    history = [{"role": "system", "content": SYSTEM}]
+    for user in USER_TURNS:
+        text = padded(tokenizer, history, user)
+        assert text.startswith(user)
+        ids = render(tokenizer, [*history, {"role": "user", "content": text}])
+        assert len(ids) % BLOCK_SIZE == 1 and ids[0] == tokenizer.bos_token_id
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": "fine"}]
+
+
+def test_chat_answer_parsing_ties_each_logprob_to_its_token_id() -> None:
+    answer = {
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "hi"},
+                "token_ids": [7, 8],
+                "finish_reason": "length",
+                "logprobs": {
+                    "content": [{"token": "token_id:7", "logprob": -1.5}, {"token": "token_id:8", "logprob": -2.0}]
+                },
+            }
+        ],
+    }
+    got = parse_chat(answer, 0.5)
+    assert (got["token_ids"], got["logprobs"], got["text"], got["prompt_token_ids"]) == (
+        [7, 8],
+        [-1.5, -2.0],
+        "hi",
+        [1, 2, 3],
+    )
+    answer["choices"][0]["logprobs"]["content"][1]["token"] = "token_id:9"
+    with pytest.raises(NodeError, match="do not match token ids"):
+        parse_chat(answer, 0.5)
+    body = chat_body("m", [{"role": "user", "content": "x"}], 4)
+    assert body["return_token_ids"] and body["return_tokens_as_token_ids"] and body["temperature"] == 0
+
+
+def test_http_ttft_is_wall_time_less_decodes_time_after_its_first_token() -> None:
+    class Decode:
+        def __init__(self) -> None:
+            self.snapshots = iter([{}, {"vllm:request_decode_time_seconds_sum": 0.25}])
+
+        def metrics(self) -> dict[str, float]:
+            return next(self.snapshots)
+
+    answer = {"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "length"}]}
+    s = measured(Decode(), lambda: parse_completion(answer, 1.0), 10, "x", ("pd",))
+    assert s.ttft_s == pytest.approx(0.75)
+    assert (s.token_ids, s.logprobs, s.prompt_tokens) == ([5], [-1.0], 10)
+
+
+def test_logprobs_are_compared_as_the_float32_values_the_engine_computed() -> None:
+    expected = {"token_ids": [1, 2], "logprobs": [-3.8056788444519043, -1.0]}
+    # What the router's JSON re-encoding returned for the first: one double ulp off, same float32.
+    assert same_output([1, 2], [-3.805678844451904, -1.0], expected)
+    assert not same_output([1, 2], [-3.8056786, -1.0], expected)  # the next float32 towards 0
+    assert not same_output([1, 3], expected["logprobs"], expected)
+    assert not same_output([1, 2], [-3.8056788444519043], expected)
