@@ -42,7 +42,7 @@ from kvcompose.rules.contract import EngineFacts, TransferResults
 from kvcompose.vllm import children as vllm_children
 from kvcompose.vllm.calls import CallTable, ChildFailed
 from kvcompose.vllm.children import ClassLevelAnswers
-from kvcompose.vllm.loads import NO_ANNOUNCEMENTS, RequestLoads, block_bytes
+from kvcompose.vllm.loads import RequestLoads, block_bytes
 from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadStats
 from kvcompose.vllm.metadata import (
     ComposedHandshakeMetadata,
@@ -260,17 +260,19 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        # Every step, on the scheduler and each worker: one loop, no helper call or second pass,
-        # and the composite's class table shared, not rebuilt (docs/performance.md: scheduler
-        # step, before/after).
+        # Every step, on the scheduler and each worker: one loop, no helper call or second pass
+        # (docs/performance.md: scheduler step, before/after).
         data: dict[str, KVConnectorStats] = {}
+        classes: dict[str, str] = {}
         for i, fn in self.calls["get_kv_connector_stats"]:
             stats = fn()
             if stats is not None:
-                data[self.names[i]] = stats
-        if self._loads.stats is not None:  # most steps count no lookup or load
-            data[STATS_KEY] = self._loads.take_stats()
-        return ComposedStats(data=data, connector_classes=self._classes) if data else None
+                name = self.names[i]
+                data[name], classes[name] = stats, self._classes[name]
+        loads = self._loads.take_stats()
+        if loads is not None:
+            data[STATS_KEY], classes[STATS_KEY] = loads, self._classes[STATS_KEY]
+        return ComposedStats(data=data, connector_classes=classes) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         children = self.calls.named("get_kv_connector_kv_cache_events")
@@ -351,10 +353,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         metas: list[Any] = [None] * len(self._connectors)  # a disabled child's slot stays None
         for i, fn in self.calls["build_connector_meta"]:
             metas[i] = fn(scheduler_output)
-        loads = self._loads
-        if loads.new_loads or loads.new_saves:
-            return ComposedMetadata(self.plan.metadata.pack(metas), *loads.take_announcements())
-        return ComposedMetadata(self.plan.metadata.pack(metas), NO_ANNOUNCEMENTS, NO_ANNOUNCEMENTS)
+        return ComposedMetadata(self.plan.metadata.pack(metas), *self._loads.take_announcements())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.finished_recving:
@@ -413,18 +412,11 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         for _, fn in self.calls["take_events"]:
             yield from fn()
 
-    # Queries vLLM makes every step: the first yes answers (no list built per step).
     def has_pending_block_frees(self) -> bool:
-        for _, fn in self.calls["has_pending_block_frees"]:
-            if fn():
-                return True
-        return False
+        return any([fn() for _, fn in self.calls["has_pending_block_frees"]])
 
     def has_pending_push_work(self) -> bool:
-        for _, fn in self.calls["has_pending_push_work"]:
-            if fn():
-                return True
-        return False
+        return any([fn() for _, fn in self.calls["has_pending_push_work"]])
 
     def get_finished_count(self) -> int | None:
         counts = {self.names[i]: fn() for i, fn in self.calls["get_finished_count"]}

@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcompose.vllm")
 
-#: What a step with no load started and no free delayed ships: one shared dict, never written to.
-NO_ANNOUNCEMENTS: dict[str, tuple[int, ...]] = {}
+_NOTHING: dict[str, tuple[int, ...]] = {}
 
 
 def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
@@ -50,15 +49,13 @@ class RequestLoads:
         #: the load awaits) and delayed frees announced (request -> the children that delay it).
         self.new_loads: dict[str, tuple[int, ...]] = {}
         self.new_saves: dict[str, tuple[int, ...]] = {}
-        #: The load counters since the last :meth:`take_stats`; None while nothing was counted
-        #: (most steps: vLLM asks every step, and a None answers without a call).
-        self.stats: ChildLoadStats | None = None
+        self.stats = ChildLoadStats()
 
     def selected(self, request_id: str, selection: Selection) -> None:
         """A lookup's answer (never a ``NOT_READY``); a re-lookup replaces the earlier one."""
         if request_id not in self._looked_up:
             self._looked_up.add(request_id)
-            self._counters().lookup()
+            self.stats.lookup()
         if selection.contributions:
             self._selected[request_id] = selection
         else:
@@ -72,7 +69,7 @@ class RequestLoads:
             self._loading[request_id] = contribs
             for c in contribs:
                 blocks = -(-c.tokens // self._block_size)  # a range starts on a block boundary
-                self._counters().load(self._names[c.child], c.tokens, blocks * self._block_bytes)
+                self.stats.load(self._names[c.child], c.tokens, blocks * self._block_bytes)
             if len(contribs) > 1:
                 log.debug(
                     "%s: %s (tokens beyond the local prefix)",
@@ -104,14 +101,11 @@ class RequestLoads:
         if delaying:
             self.new_saves[request_id] = delaying
 
-    def _counters(self) -> ChildLoadStats:
-        if self.stats is None:
-            self.stats = ChildLoadStats()
-        return self.stats
-
     def take_stats(self) -> ChildLoadStats | None:
         """The load counters since the last call, if any."""
-        stats, self.stats = self.stats, None
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, ChildLoadStats()
         return stats
 
     def take_announcements(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
@@ -126,9 +120,9 @@ class RequestLoads:
         if loads:
             self.new_loads = {}
         else:
-            loads = NO_ANNOUNCEMENTS
+            loads = _NOTHING
         if saves:
             self.new_saves = {}
         else:
-            saves = NO_ANNOUNCEMENTS
+            saves = _NOTHING
         return loads, saves
