@@ -13,7 +13,8 @@ inside a wheel) on 127.0.0.1. A client sends one ordinary OpenAI request to the 
 2. sends the original request to a decode server with ``kv_transfer_params`` set to the one in
    prefill's answer, unchanged (``build_decode_kv_transfer_params``), and both with the same
    ``X-Request-Id``;
-3. returns decode's answer as is.
+3. returns decode's answer (its JSON re-encoded, which can move a logprob's double by one ulp:
+   :func:`kvcompose.e2e.flow.same_output`).
 
 kvcompose does not reimplement any of that: the demo and the tests only talk to the router, and
 read what the engines did from their own ``/metrics``.
