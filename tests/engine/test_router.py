@@ -19,7 +19,7 @@ import pytest
 from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose.e2e.flow import EXTERNAL, delta, drop_prefix_cache, routed_request, same_output, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 
@@ -137,3 +137,12 @@ def test_three_turn_chat_later_turns_loaded_by_host_and_nixl_equal_the_baseline(
         pd_blocks = -(-(s.prompt_tokens - shared) // BLOCK_SIZE)
         assert s.nixl_bytes == pd_blocks * BLOCK_SIZE * kv_bytes_per_token(stack.model)
         assert s.cached_by_source() == {"host": shared, "p2p": s.prompt_tokens - shared}
+
+
+def test_a_prompt_the_servers_refuse_is_a_clear_error_and_the_stack_stays_up(stack: Stack) -> None:
+    too_long = token_prompt(21, 2 * 1024)  # longer than the servers' max_model_len (1024)
+    with pytest.raises(NodeError, match=r"router: POST /v1/completions -> HTTP \d+: .*"):
+        stack.router.generate([too_long], MAX_TOKENS)
+    (again,) = stack.router.generate([PROMPT], MAX_TOKENS)
+    stack.decode.answered_elsewhere()
+    assert same_output(again["token_ids"], again["logprobs"], stack.expected["ids"])
