@@ -58,6 +58,14 @@ def test_a_router_whose_workers_are_down_is_not_ready_and_names_its_log(tmp_path
     assert "Waiting for" in (tmp_path / "router.log").read_text()
 
 
+def test_a_missing_router_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(NodeError, match=r"vllm-router package is not installed: pip install 'vllm-router==0\.1\.17'"):
+        RouterNode(_nowhere(), _nowhere(), "m", tmp_path)
+
+
 def test_a_dead_router_is_a_clear_error(tmp_path: Path) -> None:
     router = RouterNode(_nowhere(), _nowhere(), "m", tmp_path)
     router.close()
