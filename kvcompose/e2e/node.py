@@ -269,30 +269,44 @@ class EngineNode:
 
     def kill(self) -> None:
         """SIGKILL the engine's whole process group now (the dead-peer tests use this)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_group(self.proc, signal.SIGKILL)
         self.proc.wait(30)
 
     def close(self, grace_s: float = 10.0) -> None:
         """Ask the engine to exit, then kill its process group if it has not within ``grace_s``."""
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(grace_s)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        # The engine core is a child of the node: take down the group either way.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
+        stop_group(self.proc, grace_s, ask=self._ask_exit)
         self._log.close()
+
+    def _ask_exit(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+        self.proc.stdin.flush()
+
+
+def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
+    """Send ``sig`` to the process group of ``proc`` (a process this package started with its own
+    group); a group already gone is not an error."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_group(proc: subprocess.Popen[Any], grace_s: float, ask: Callable[[], None] | None = None) -> None:
+    """Stop ``proc`` and its process group: ``ask`` it to exit (default: SIGTERM to the group),
+    wait ``grace_s``, then SIGKILL the group either way (vLLM's engine core is a child that can
+    outlive its parent)."""
+    if proc.poll() is None:
+        try:
+            if ask is None:
+                signal_group(proc, signal.SIGTERM)
+            else:
+                ask()
+            proc.wait(grace_s)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    signal_group(proc, signal.SIGKILL)
+    proc.wait(30)
 
 
 def wait_all_ready(

@@ -23,16 +23,14 @@ read what the engines did from their own ``/metrics``.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError, free_ports, log_tail
+from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError, free_ports, log_tail, stop_group
 from kvcompose.e2e.server import HOST, HttpClient, chat_body, completion_body, parse_chat, parse_completion
 
 ROUTER_MODULE = "vllm_router.launch_router"
@@ -143,18 +141,5 @@ class RouterNode:
 
     def close(self, grace_s: float = 5.0) -> None:
         """SIGTERM the router's process group, SIGKILL whatever is left after ``grace_s``."""
-        if self.proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self._signal(signal.SIGKILL)
-        self.proc.wait(30)
+        stop_group(self.proc, grace_s)
         self._log.close()
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass

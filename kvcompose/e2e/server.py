@@ -15,7 +15,6 @@ The server loads the demo model's tokenizer, so :meth:`ServerNode.complete` (tex
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from kvcompose.e2e.node import (
     free_ports,
     log_tail,
     metric_key,
+    signal_group,
+    stop_group,
 )
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -340,23 +341,10 @@ class ServerNode:
 
     def kill(self) -> None:
         """SIGKILL the server's whole process group now (engine core included)."""
-        self._signal(signal.SIGKILL)
+        signal_group(self.proc, signal.SIGKILL)
         self.proc.wait(30)
 
     def close(self, grace_s: float = 10.0) -> None:
         """SIGTERM the server (it stops its engine core), then SIGKILL the group after ``grace_s``."""
-        if self.proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self._signal(signal.SIGKILL)  # whatever of the group is left
-        self.proc.wait(30)
+        stop_group(self.proc, grace_s)
         self._log.close()
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
