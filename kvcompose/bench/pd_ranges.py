@@ -26,12 +26,13 @@ pull as well. With the cache dropped, every prompt's prefix can only come from t
 the three compositions differ in exactly the split being measured. The host tier's
 ``cpu_bytes`` (:data:`CPU_BYTES`) holds every conversation (checked before the run).
 
-One prefill engine (``examples/pd-prefill.yaml``) stays up; the decode engine is restarted per
-composition (two engines at a time on this machine), in the order :data:`COMPOSITIONS` and,
-on the second pass, reversed, so that a slow phase of the machine hits every composition. The
-first pass of the first composition makes the prompts (its answers go into the next turns'
-prompts); every other run sends the very same prompts, and every answer must equal that first
-one (seeded model, greedy decoding): a difference is reported as a failure.
+One prefill engine (``examples/pd-prefill.yaml``) and one decode engine per composition are up
+at once (four engines, 1 GiB of KV each), and the workload goes in lockstep
+(:func:`serve_lockstep`): each request is sent to every decode engine back to back, the first
+one rotating, so the compositions share the machine's moments. The first composition served
+makes the prompts (its answers go into the next turns' prompts); every other composition and
+pass sends the very same prompts, and every answer must equal the first one (seeded model,
+greedy decoding): a difference is reported as a failure.
 
 Figures per composition, from the decode engine's counters around each request
 (:func:`kvcompose.e2e.flow.decode_request`): NIXL bytes, tokens each child loaded, prompt tokens
@@ -39,13 +40,14 @@ the decode engine computed, and the decode engine's TTFT (arrival to first token
 any local prefill, the first step; the prefill instance's time is the same for all three and
 is left out).
 
-Those TTFTs come from different engine processes, started minutes apart, so the machine's drift
-enters their ratios (on this shared 2-core machine a run's median moves by 2x from one run to the
-next). Every request therefore has a twin (:func:`twin_prompt`): a prompt of the same length that
-no tier has seen, sent to the same decode engine right before or after it (the order flips every
-request), which every composition pulls whole over NIXL. A composition's TTFT / its twins' TTFT
-is an interleaved ratio inside one engine (``pd-first``'s is the control: its requests and twins
-do the same work), and ``ranges``' against another's cancels most of the drift. Twins enter no
+Those TTFTs still come from different engine processes (a sequential design, one decode engine
+restarted per composition, showed the machine's drift as 3.8 ms between two compositions doing
+identical work). Every request also has a twin (:func:`twin_prompt`): a prompt of the same length
+that no tier has seen, sent to the same decode engine right before or after it (the order flips
+every request), which every composition pulls whole over NIXL. A composition's TTFT / its twins'
+TTFT is an interleaved ratio inside one engine (``pd-first``'s is the control: its requests and
+twins do the same work), and ``ranges``' against another's cancels what is left of the drift. Twins
+enter no
 other figure; their answers are checked like the requests'.
 
 Targets, each on the ratio of ``ranges`` to another composition:
@@ -614,12 +616,6 @@ def _request_json(s: Served) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- the engines
 
 
-def run_order(passes: int) -> list[str]:
-    """The decode engines to start, in order: the compositions, then reversed, alternately."""
-    names = list(COMPOSITIONS)
-    return [n for p in range(passes) for n in (names if p % 2 == 0 else names[::-1])]
-
-
 def twin_prompt(conversation: int, turn: int, length: int) -> list[int]:
     """The twin of a workload request: a prompt of the same length that no tier has seen, so
     every composition pulls it whole over NIXL (the same for every composition and run)."""
@@ -637,21 +633,38 @@ def serve_run(
     answers: dict[tuple[int, int], list[int]],
     twins: bool = True,
 ) -> list[Served]:
-    """Send the workload once through ``prefill`` then ``decode`` (engine nodes).
+    """Send the workload once through ``prefill`` then ``decode`` (engine nodes): one
+    composition's :func:`serve_lockstep`."""
+    return serve_lockstep({composition: decode}, run, prefill, workload, answers, twins)
+
+
+def serve_lockstep(
+    decodes: Mapping[str, Any],
+    run: int,
+    prefill: Any,
+    workload: Workload,
+    answers: dict[tuple[int, int], list[int]],
+    twins: bool = True,
+) -> list[Served]:
+    """Send the workload once to every decode engine (composition name -> engine node), request
+    by request: each request goes to all of them back to back, the first one rotating, so every
+    composition meets the machine's same moments (its drift cancels out of their ratios).
 
     ``answers`` holds the reference answers the prompts are made of; an empty dict is filled
-    with this run's own as it goes (the first run makes the prompts). With ``twins`` each
-    request is paired with its twin (:func:`twin_prompt`), the two sent one after the other in
-    an order that flips every request.
+    with the first composition's own as it goes (the first run makes the prompts). With
+    ``twins`` each request is paired with its twin (:func:`twin_prompt`), the two sent one after
+    the other in an order that flips every request.
     """
-    out = []
+    names = list(decodes)
+    out: list[Served] = []
     for i, (c, t) in enumerate(workload.order()):
         prompt = workload.prompt(c, t, answers)
         pair = [(prompt, False)] + ([(twin_prompt(c, t, len(prompt)), True)] if twins else [])
-        for ids, twin in pair if i % 2 == 0 else pair[::-1]:
-            out.append(serve_one(composition, run, c, t, twin, ids, prefill, decode, workload.answer_tokens))
-        if not answers.get((c, t)):
-            answers[(c, t)] = next(s.token_ids for s in out[::-1] if not s.twin)
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            for ids, twin in pair if i % 2 == 0 else pair[::-1]:
+                out.append(serve_one(name, run, c, t, twin, ids, prefill, decodes[name], workload.answer_tokens))
+            if not answers.get((c, t)):
+                answers[(c, t)] = next(s.token_ids for s in out[::-1] if not s.twin)
     return out
 
 
@@ -740,45 +753,46 @@ def _decode_spec(name: str, run: int, model: str, directory: Path, port: int) ->
 def measure(
     workload: Workload, passes: int, model: str, logs: Path, echo: Callable[[str], None]
 ) -> tuple[list[Served], dict[tuple[int, int, bool], list[int]], dict[str, list[float]]]:
-    """The prefill engine up for the whole run; one decode engine per entry of :func:`run_order`.
+    """One prefill engine and one decode engine per composition, all up at once (four engines,
+    each with :data:`~kvcompose.e2e.node.ENGINE_ENV`'s 1 GiB of KV); ``passes`` lockstep passes
+    over the workload (:func:`serve_lockstep`).
 
-    Returns every request served, the reference answers (the first run's) and the decode
-    engines' start times. The caller holds the engine lock.
+    Returns every request served, the reference answers (the first served of each request) and
+    the engines' start time. The caller holds the engine lock.
     """
     from kvcompose.e2e.node import EngineNode, EngineSpec, free_ports, wait_all_ready
 
     served: list[Served] = []
     answers: dict[tuple[int, int], list[int]] = {}  # what the prompts are made of
-    reference: dict[tuple[int, int, bool], list[int]] = {}  # the first run's answers, twins too
-    starts: dict[str, list[float]] = {n: [] for n in COMPOSITIONS}
-    (p_port,) = free_ports(1)
-    prefill = EngineNode(EngineSpec("prefill", model, str(PREFILL_YAML), side_channel_port=p_port), logs)
+    reference: dict[tuple[int, int, bool], list[int]] = {}
+    ports = free_ports(1 + len(COMPOSITIONS))
+    nodes = [EngineNode(EngineSpec("prefill", model, str(PREFILL_YAML), side_channel_port=ports[0]), logs)]
     try:
-        runs: dict[str, int] = {}
-        for name in run_order(passes):
-            run = runs[name] = runs.get(name, 0) + 1
-            (d_port,) = free_ports(1)
-            decode = EngineNode(_decode_spec(name, run, model, logs, d_port), logs)
-            try:
-                t0 = time.monotonic()
-                wait_all_ready([prefill, decode])
-                starts[name].append(round(time.monotonic() - t0, 1))
-                cold = warm_up(prefill, decode)
-                got = serve_run(name, run, prefill, decode, workload, answers)
-            finally:
-                decode.close()
-            reference = reference or {s.key: s.token_ids for s in got}
+        for name, port in zip(COMPOSITIONS, ports[1:]):
+            nodes.append(EngineNode(_decode_spec(name, 1, model, logs, port), logs))
+        prefill, decodes = nodes[0], dict(zip(COMPOSITIONS, nodes[1:]))
+        t0 = time.monotonic()
+        wait_all_ready(nodes)
+        starts = {name: [round(time.monotonic() - t0, 1)] for name in decodes}
+        for name, decode in decodes.items():
+            echo(f"   {name}: first request after start {warm_up(prefill, decode):.0f} s (warm-up, not measured)")
+        for run in range(1, passes + 1):
+            got = serve_lockstep(decodes, run, prefill, workload, answers)
+            for s in got:
+                reference.setdefault(s.key, s.token_ids)
             served += got
-            t = Totals.of(got)
-            twin_ms = t.twin_ttft.median * 1e3 if t.twin_ttft else float("nan")
-            echo(
-                f"   {name} run {run}: NIXL {t.nixl_bytes / 2**20:.2f} MiB, host-loaded {t.host_tokens} tok, "
-                f"NIXL-loaded {t.pd_tokens} tok, decode-computed {t.computed_tokens} tok (max {t.computed_max}), "
-                f"TTFT median {t.ttft.median * 1e3:.1f} ms (twins {twin_ms:.1f}); "
-                f"{len(compare_answers(got, reference))} answers differ; first request after start {cold:.0f} s"
-            )
+            for name in decodes:
+                t = Totals.of([s for s in got if s.composition == name])
+                twin_ms = t.twin_ttft.median * 1e3 if t.twin_ttft else float("nan")
+                echo(
+                    f"   {name} pass {run}: NIXL {t.nixl_bytes / 2**20:.2f} MiB, host-loaded {t.host_tokens} tok, "
+                    f"NIXL-loaded {t.pd_tokens} tok, decode-computed {t.computed_tokens} tok "
+                    f"(max {t.computed_max}), TTFT median {t.ttft.median * 1e3:.1f} ms (twins {twin_ms:.1f}); "
+                    f"{len(compare_answers([x for x in got if x.composition == name], reference))} answers differ"
+                )
     finally:
-        prefill.close()
+        for node in nodes:
+            node.close()
     return served, reference, starts
 
 
@@ -815,7 +829,7 @@ def run(
             "answer_tokens": w.answer_tokens,
             "seed": SEED,
             "requests_per_run": w.conversations * w.turns,
-            "run_order": run_order(n),
+            "lockstep": True,
             "block_bytes": block_bytes,
             "cpu_bytes": CPU_BYTES,
             "decode_engine_start_s": starts,
@@ -827,7 +841,8 @@ def run(
             f"{MESSAGE_TOKENS[0]}-{MESSAGE_TOKENS[1]} tokens (seeded); prefill then decode with its params",
             "the decode engine's device prefix cache is dropped before every request (reset_prefix_cache): "
             "a prompt's prefix can only come from the host tier; one prefill engine (examples/pd-prefill.yaml) "
-            "for every run; the decode engine restarted per run, compositions in order then reversed",
+            "and one decode engine per composition, all up at once; each request goes to every decode back to "
+            "back, the first one rotating (lockstep: the compositions share the machine's moments)",
             "pd-first: [pd, host] first-wins; host-first: [host, pd] first-wins; ranges: [host, pd] ranges. "
             "Totals over every run; TTFT: the decode engine's arrival to first token (loads, local prefill, "
             "first step), prefill instance's time left out",

@@ -57,8 +57,6 @@ def test_the_three_decode_compositions_resolve_as_described() -> None:
     }
     assert pd_ranges.PREFILL_YAML.exists()
     # Engines start in order, then reversed: the same composition never first in every pass.
-    assert pd_ranges.run_order(2) == ["pd-first", "host-first", "ranges", "ranges", "host-first", "pd-first"]
-    assert pd_ranges.run_order(1) == ["pd-first", "host-first", "ranges"]
 
 
 BLOCK = BLOCK_SIZE * 1024  # bytes of one block of the tiny model
@@ -261,3 +259,21 @@ def test_a_run_sends_the_workload_round_robin_with_twins_in_flipping_order() -> 
     cases = {(x.case, x.subject, x.baseline) for x in r.ratios}
     assert (pd_ranges.TWIN_CASE, "ranges", "twin") in cases and (pd_ranges.PAIRED_CASE, "ranges", "pd-first") in cases
     assert "TTFT/twin" in r.table()
+
+
+def test_lockstep_sends_each_request_to_every_composition_first_one_rotating() -> None:
+    w = make_workload(conversations=2, turns=2)
+    decodes = {name: FakeDecode() for name in pd_ranges.COMPOSITIONS}
+    answers: dict[tuple[int, int], list[int]] = {}
+    got = pd_ranges.serve_lockstep(decodes, 1, FakePrefill(), w, answers, twins=False)
+    n = len(pd_ranges.COMPOSITIONS)
+    assert len(got) == n * len(w.order())
+    names = list(pd_ranges.COMPOSITIONS)
+    for i, (c, t) in enumerate(w.order()):
+        chunk = got[i * n : (i + 1) * n]
+        assert {(s.conversation, s.turn) for s in chunk} == {(c, t)}
+        assert [s.composition for s in chunk] == names[i % n :] + names[: i % n]
+        assert len({s.prompt_tokens for s in chunk}) == 1  # the very same prompt for every composition
+    assert all(d.resets == len(w.order()) for d in decodes.values())  # each device cache dropped per request
+    reference = {s.key: s.token_ids for s in got[::n]}
+    assert pd_ranges.compare_answers(got, reference) == []
