@@ -32,7 +32,9 @@ at once (four engines, 1 GiB of KV each), and the workload goes in lockstep
 one rotating, so the compositions share the machine's moments. The first composition served
 makes the prompts (its answers go into the next turns' prompts); every other composition and
 pass sends the very same prompts, and every answer must equal the first one (seeded model,
-greedy decoding): a difference is reported as a failure.
+greedy decoding): a difference is reported as a failure. The engines stay up between passes, so
+a second pass meets host tiers that already hold every conversation (the same conversations
+asked again): its figures are printed per pass, and the totals hold both.
 
 Figures per composition, from the decode engine's counters around each request
 (:func:`kvcompose.e2e.flow.decode_request`): NIXL bytes, tokens each child loaded, prompt tokens
@@ -461,7 +463,7 @@ class RangesResult(Result):
             f"   {m['cores']} cores ({m['usable_cores']} usable), {m['cpu']}, load {m['loadavg_1m']:.2f}; "
             f"{self.config.get('requests_per_run', '?')} requests per run"
             f"{' (+ as many twins)' if any(t.twin_ttft for t in self.totals.values()) else ''}, "
-            f"{self.repeats} run(s) per composition"
+            f"{self.repeats} lockstep pass(es)"
             f"{' (quick)' if self.quick else ''}; targets {verdict}",
             fmt(head),
             fmt(["-" * w for w in widths]),
@@ -474,7 +476,7 @@ class RangesResult(Result):
                 lines.append(f"   target {t} ({t.why}): {got}")
         if any(len(t.ttft_by_run) > 1 for t in self.totals.values()):
             lines.append(
-                "   TTFT median per run, ms (runs in start order per composition): "
+                "   TTFT median per pass, ms: "
                 + "; ".join(
                     f"{name} " + " ".join(f"{v * 1e3:.1f}" for v in t.ttft_by_run.values())
                     for name, t in self.totals.items()
