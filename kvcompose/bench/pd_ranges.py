@@ -626,20 +626,6 @@ def twin_prompt(conversation: int, turn: int, length: int) -> list[int]:
     return token_prompt(TWIN_SEED + 1000 * conversation + turn, length)
 
 
-def serve_run(
-    composition: str,
-    run: int,
-    prefill: Any,
-    decode: Any,
-    workload: Workload,
-    answers: dict[tuple[int, int], list[int]],
-    twins: bool = True,
-) -> list[Served]:
-    """Send the workload once through ``prefill`` then ``decode`` (engine nodes): one
-    composition's :func:`serve_lockstep`."""
-    return serve_lockstep({composition: decode}, run, prefill, workload, answers, twins)
-
-
 def serve_lockstep(
     decodes: Mapping[str, Any],
     run: int,
@@ -682,12 +668,12 @@ def serve_one(
     max_tokens: int,
 ) -> Served:
     """Prefill (``do_remote_decode``), drop the decode's device cache, decode with the params."""
-    from kvcompose.e2e.flow import COMPUTED, decode_request, tokens_key
+    from kvcompose.e2e.flow import COMPUTED, decode_request, drop_prefix_cache, tokens_key
 
     t0 = time.perf_counter()
     (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
     prefill_s = time.perf_counter() - t0
-    drop_device_cache(decode)
+    drop_prefix_cache(decode)
     d = decode_request(decode, prompt, max_tokens, p["kv_transfer_params"])
     return Served(
         composition,
@@ -707,16 +693,6 @@ def serve_one(
     )
 
 
-def drop_device_cache(decode: Any, tries: int = 50) -> None:
-    """``reset_prefix_cache`` on the decode engine; vLLM refuses while blocks are held (a store
-    still in flight), so it is tried again for up to ~5 s."""
-    for _ in range(tries):
-        if decode.reset_prefix_cache():
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{decode.spec.name}: reset_prefix_cache refused for {tries * 0.1:.0f} s (blocks still held)")
-
-
 #: The first P/D request after a decode engine starts waits for NIXL's handshake, UCX's first
 #: connection and the engine's first-forward work: 7-30 s on a quiet 2-core machine, over two
 #: minutes beside another engine's start (the cold start of the open cold-start issue). The
@@ -728,18 +704,14 @@ def warm_up(prefill: Any, decode: Any) -> float:
     """Two requests outside the workload: the NIXL handshake, and each composition's load path
     for a next turn (a prompt whose first blocks the host tier holds). Returns the first one's
     seconds (the cold start)."""
-    from kvcompose.e2e.flow import decode_request, token_prompt
-
-    def pd(prompt: list[int]) -> None:
-        (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}], timeout=WARM_UP_TIMEOUT_S)
-        decode_request(decode, prompt, 4, p["kv_transfer_params"], timeout_s=WARM_UP_TIMEOUT_S)
+    from kvcompose.e2e.flow import drop_prefix_cache, pd_request, token_prompt
 
     first = token_prompt(999_001, 150)
     t0 = time.monotonic()
-    pd(first)
+    pd_request(prefill, decode, first, 4, timeout_s=WARM_UP_TIMEOUT_S)
     cold = time.monotonic() - t0
-    drop_device_cache(decode)
-    pd(first + token_prompt(999_002, 100))
+    drop_prefix_cache(decode)
+    pd_request(prefill, decode, first + token_prompt(999_002, 100), 4, timeout_s=WARM_UP_TIMEOUT_S)
     return cold
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvcompose.e2e.node import CALL_TIMEOUT_S
+
 #: Counter keys, as :func:`kvcompose.e2e.node.flatten_metrics` (and the HTTP parser) write them.
 LOOKUPS = "vllm:kvcompose_lookups"
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
@@ -168,13 +170,14 @@ def pd_request(
     max_tokens: int,
     label: str = "",
     children: tuple[str, ...] = ("host", "pd"),
+    timeout_s: float = CALL_TIMEOUT_S,
 ) -> Served:
     """The proxy flow: prefill (``max_tokens=1``, ``do_remote_decode``), then decode with
-    prefill's params."""
+    prefill's params; each call waits ``timeout_s`` at most."""
     t0 = time.perf_counter()
-    (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
+    (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}], timeout=timeout_s)
     prefill_s = time.perf_counter() - t0
-    return decode_request(decode, prompt, max_tokens, p["kv_transfer_params"], label, children, prefill_s)
+    return decode_request(decode, prompt, max_tokens, p["kv_transfer_params"], label, children, prefill_s, timeout_s)
 
 
 def decode_request(
@@ -185,7 +188,7 @@ def decode_request(
     label: str = "",
     children: tuple[str, ...] = ("host", "pd"),
     prefill_s: float = 0.0,
-    timeout_s: float = 120.0,
+    timeout_s: float = CALL_TIMEOUT_S,
 ) -> Served:
     """One decode request (with ``params`` from a prefill, or None for a local one) and its counters."""
     kv = [params] if params is not None else None

@@ -225,7 +225,7 @@ def test_a_run_sends_the_workload_round_robin_with_twins_in_flipping_order() -> 
     w = make_workload(conversations=2, turns=3)
     prefill, decode = FakePrefill(), FakeDecode()
     answers: dict[tuple[int, int], list[int]] = {}
-    got = pd_ranges.serve_run("ranges", 1, prefill, decode, w, answers)
+    got = pd_ranges.serve_lockstep({"ranges": decode}, 1, prefill, w, answers)
     assert len(got) == 2 * len(w.order()) and decode.resets == len(got)  # device cache dropped every time
     assert [(s.conversation, s.turn, s.twin) for s in got[:4]] == [
         (0, 0, False),
@@ -248,7 +248,7 @@ def test_a_run_sends_the_workload_round_robin_with_twins_in_flipping_order() -> 
     assert all(s.host_tokens == 0 for s in got if s.twin or s.turn == 0)
     assert all(s.host_tokens > 0 and s.host_tokens + s.pd_tokens == s.prompt_tokens for s in main if s.turn > 0)
     # A second run replays the same prompts (the reference answers) and is compared to the first.
-    again = pd_ranges.serve_run("pd-first", 1, FakePrefill(), FakeDecode(), w, answers)
+    again = pd_ranges.serve_lockstep({"pd-first": FakeDecode()}, 1, FakePrefill(), w, answers)
     reference = {s.key: s.token_ids for s in got}
     assert [s.prompt_tokens for s in again] == [s.prompt_tokens for s in got]
     assert pd_ranges.compare_answers(again, reference) == []
