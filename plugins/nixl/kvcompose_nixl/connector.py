@@ -155,26 +155,25 @@ class _RangeLoadsMixin:
             tokens, is_async = 0, False
         if tokens:
             self._range_starts[request.request_id] = num_computed_tokens
-        elif self._range_starts:
+        else:
             self._range_starts.pop(request.request_id, None)
         return tokens, is_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        start = self._range_starts.pop(request.request_id, None) if self._range_starts else None
+        start = self._range_starts.pop(request.request_id, None)
         if start is not None and num_external_tokens > 0:
             blocks = range_blocks(blocks, start // self._block_size)
         super().update_state_after_alloc(request, blocks, num_external_tokens)  # type: ignore[misc]
 
+    # A request aborted between lookup and allocation leaves its start behind: forget it.
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._range_starts:  # aborted between lookup and allocation
-            self._range_starts.pop(request.request_id, None)
+        self._range_starts.pop(request.request_id, None)
         return super().request_finished(request, block_ids)  # type: ignore[misc, no-any-return]
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._range_starts:
-            self._range_starts.pop(request.request_id, None)
+        self._range_starts.pop(request.request_id, None)
         return super().request_finished_all_groups(request, block_ids)  # type: ignore[misc, no-any-return]
 
 
