@@ -164,17 +164,20 @@ def run(
 
         before = decode.metrics()
         served: list[tuple[Served, bool]] = []
+
+        def add_row(s: Served, ok: bool, why: str = "") -> None:
+            served.append((s, ok))
+            print(_row(s, ok) + why, file=out, flush=True)
+
         print(HEADER, file=out)
         for label, ids in prompts.items():
             s = serve(ids, f"{label} ({len(ids)})")
-            served.append((s, _same(s, expected[label])))
-            print(_row(*served[-1]), file=out, flush=True)
+            add_row(s, s.equals(expected[label]))
         drop_prefix_cache(decode)
         print("  -- decode's own prefix cache dropped; repeated turns --", file=out)
         for label in REPEATS:
             s = serve(prompts[label], f"{label} again")
-            served.append((s, _same(s, expected[label])))
-            print(_row(*served[-1]), file=out, flush=True)
+            add_row(s, s.equals(expected[label]))
         answer = len(expected["turn 1"]["token_ids"])
         print(
             f"  -- conversation: turn 2 = turn 1 + its {answer}-token answer + {len(message)} new tokens; "
@@ -182,13 +185,11 @@ def run(
             file=out,
         )
         first = serve(turn_1, f"turn 1 ({len(turn_1)})")
-        served.append((first, _same(first, expected["turn 1"])))
-        print(_row(*served[-1]), file=out, flush=True)
+        add_row(first, first.equals(expected["turn 1"]))
         drop_prefix_cache(decode)
         turn_2 = next_turn(turn_1, first.token_ids, message)
         second = serve(turn_2, f"turn 2 ({len(turn_2)})")
-        served.append((second, _same(second, expected["turn 2"])))
-        print(_row(*served[-1]), file=out, flush=True)
+        add_row(second, second.equals(expected["turn 2"]))
         chat_gaps: list[float] = []
         if http:
             print(
@@ -198,9 +199,8 @@ def run(
             )
             for turn, s in chat_through_router(router, decode, chat, MAX_TOKENS, CHILDREN):
                 problems = turn.problems(s)
-                served.append((s, not problems))
                 chat_gaps.append(_logprob_gap(s, turn.first))
-                print(_row(*served[-1]) + (f" ({', '.join(problems)})" if problems else ""), file=out, flush=True)
+                add_row(s, not problems, f" ({', '.join(problems)})" if problems else "")
         rates = hit_rates(before, decode.metrics(), CHILDREN)
     except NodeError as exc:
         print(f"\ndemo failed: {exc}", file=out)
@@ -254,10 +254,6 @@ def run(
         print(f"MISMATCH in {', '.join(bad)}", file=out)
         return 1
     return 0
-
-
-def _same(s: Served, expected: dict[str, Any]) -> bool:
-    return s.equals(expected)
 
 
 def _logprob_gap(s: Served, expected: dict[str, Any]) -> float:
