@@ -105,7 +105,12 @@ connectors:
   - name: pd
     type: nixl
     role: both
-    options: {{backends: [UCX], side_channel_host: 127.0.0.1, side_channel_port: {port}, progress_delay_us: 100}}
+    options:
+      backends: [UCX]
+      side_channel_host: 127.0.0.1
+      side_channel_port: {port}
+      progress_delay_us: 100
+      ucx_error_handling: none
 rules: {{load: first-wins, store: all, metadata: merge}}
 """
 
@@ -118,7 +123,12 @@ connectors:
   - name: pd
     type: nixl
     role: both
-    options: {{backends: [UCX], side_channel_host: 127.0.0.1, side_channel_port: {port}, progress_delay_us: 100}}
+    options:
+      backends: [UCX]
+      side_channel_host: 127.0.0.1
+      side_channel_port: {port}
+      progress_delay_us: 100
+      ucx_error_handling: none
 """
 
 

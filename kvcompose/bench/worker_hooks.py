@@ -25,7 +25,7 @@ connectors:
   - name: pd
     type: nixl
     role: consumer
-    options: {side_channel_host: 127.0.0.1, side_channel_port: 5698, progress_delay_us: 100}
+    options: {side_channel_host: 127.0.0.1, side_channel_port: 5698, progress_delay_us: 100, ucx_error_handling: none}
   - name: host
     type: cpu-offload
     options: {cpu_bytes: 16MiB}

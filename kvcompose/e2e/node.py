@@ -33,12 +33,15 @@ if TYPE_CHECKING:
 #: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
-#: Environment every engine gets: a 1 GiB KV budget, and one
-#: reserved core so the worker's OMP thread count, and thus float rounding, does not change with
-#: the connector (otherwise logprobs drift from the baseline at ~1e-6 on 2 cores). UCX gets the
-#: transports it picks anyway on one host (CMA for the reads, tcp for its messages): left to
-#: probe the others, the first NIXL read took 20-33 s here instead of about 3 s.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "UCX_TLS": "tcp,cma,self"}
+#: Environment every engine gets: a 1 GiB KV budget; one reserved core so the worker's OMP
+#: thread count, and thus float rounding, does not change with the connector (otherwise logprobs
+#: drift from the baseline at ~1e-6 on 2 cores); and no torch.compile. With ``enforce_eager``
+#: the one thing vLLM compiles on the CPU platform is its logprobs helper
+#: (``batched_count_greater_than``), lazily, inductor on the first request that asks for
+#: logprobs: 4-19 s on this machine, up to 46 s with two engines compiling at once, inside
+#: whichever request comes first. Every check here asks for logprobs, and that wait is vLLM's
+#: own first-request cost, not the connectors' (``docs/e2e.md``, cold start).
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TORCHDYNAMO_DISABLE": "1"}
 START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 120.0
 

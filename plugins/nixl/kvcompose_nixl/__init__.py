@@ -21,7 +21,16 @@ CONNECTOR_MODULE = "kvcompose_nixl.connector"
 #: never collide with a key a later vLLM adds.
 SIDE_CHANNEL_HOST_KEY = "kvcompose_side_channel_host"
 SIDE_CHANNEL_PORT_KEY = "kvcompose_side_channel_port"
-#: Microseconds NIXL's progress thread sleeps between polls (kvcompose_nixl.progress).
+#: Microseconds NIXL's progress thread sleeps between polls (kvcompose_nixl.agent).
 PROGRESS_DELAY_KEY = "kvcompose_progress_delay_us"
+#: UCX endpoint error-handling mode of the NIXL agent's UCX backend (kvcompose_nixl.agent).
+UCX_ERROR_HANDLING_KEY = "kvcompose_ucx_error_handling"
 
-__all__ = ["CONNECTOR_MODULE", "PROGRESS_DELAY_KEY", "SIDE_CHANNEL_HOST_KEY", "SIDE_CHANNEL_PORT_KEY", "__version__"]
+__all__ = [
+    "CONNECTOR_MODULE",
+    "PROGRESS_DELAY_KEY",
+    "SIDE_CHANNEL_HOST_KEY",
+    "SIDE_CHANNEL_PORT_KEY",
+    "UCX_ERROR_HANDLING_KEY",
+    "__version__",
+]

@@ -35,6 +35,8 @@ Both subclass vLLM's connectors and change three things only:
    load that reaches the prompt's end); the prefill instance is still notified and frees its
    blocks at once.
 
+Before vLLM's worker creates its NIXL agent they also apply the agent settings vLLM has no
+option for (:mod:`kvcompose_nixl.agent`: the progress thread's sleep, UCX error handling).
 Everything else (GPUDirect, host buffers, memory registration, leases) is vLLM's.
 """
 
@@ -52,8 +54,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-from kvcompose_nixl import PROGRESS_DELAY_KEY, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
-from kvcompose_nixl.progress import calm_progress_thread
+from kvcompose_nixl import PROGRESS_DELAY_KEY, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY, UCX_ERROR_HANDLING_KEY
+from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -178,16 +180,21 @@ class _RangeLoadsMixin:
 
 
 class _SideChannelMixin:
-    """Applies the progress-thread delay before vLLM builds its halves, and the side-channel
-    options once it has built the scheduler half."""
+    """Applies the NIXL agent settings (:mod:`kvcompose_nixl.agent`) before vLLM builds its
+    halves, and the side-channel options once it has built the scheduler half."""
 
     connector_scheduler: NixlBaseConnectorScheduler | None
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
-        assert vllm_config.kv_transfer_config is not None
-        delay = vllm_config.kv_transfer_config.get_from_extra_config(PROGRESS_DELAY_KEY, None)
-        if delay is not None:  # before vLLM's worker creates its NIXL agent
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        # Before vLLM's worker creates its NIXL agent.
+        delay = ktc.get_from_extra_config(PROGRESS_DELAY_KEY, None)
+        if delay is not None:
             calm_progress_thread(int(delay))
+        error_handling = ktc.get_from_extra_config(UCX_ERROR_HANDLING_KEY, None)
+        if error_handling is not None:
+            set_ucx_error_handling(error_handling)
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         if self.connector_scheduler is not None:
             apply_side_channel(self.connector_scheduler, vllm_config)

@@ -24,7 +24,13 @@ import msgspec
 from kvcompose import hookimpl
 from kvcompose.catalog import ConnectorType, Options
 from kvcompose.errors import Problem
-from kvcompose_nixl import CONNECTOR_MODULE, PROGRESS_DELAY_KEY, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY
+from kvcompose_nixl import (
+    CONNECTOR_MODULE,
+    PROGRESS_DELAY_KEY,
+    SIDE_CHANNEL_HOST_KEY,
+    SIDE_CHANNEL_PORT_KEY,
+    UCX_ERROR_HANDLING_KEY,
+)
 from kvcompose_nixl.backends import NETWORK_BACKENDS, backend_names
 
 if TYPE_CHECKING:
@@ -121,6 +127,14 @@ class NixlOptions(Options):
             "which busy-spins a core per engine (use 100 on CPU-only hosts)"
         ),
     ] = None
+    ucx_error_handling: Annotated[
+        Literal["peer", "none"] | None,
+        msgspec.Meta(
+            description="UCX error handling of the NIXL agent (ucx_error_handling_mode); unset: NIXL's peer, "
+            "whose tcp wire-up makes a new pair's first transfer wait for the idle prefill instance; none: "
+            "shared memory between engines on one host, a dead peer shows as failed reads (UCX only)"
+        ),
+    ] = None
     enforce_handshake_compat: Annotated[
         bool | None,
         msgspec.Meta(description="refuse peers with a different model/config hash (True)"),
@@ -150,7 +164,8 @@ class NixlOptions(Options):
 
 
 def _transport(o: NixlOptions) -> str:
-    return "over NIXL (" + ", ".join(o.backends) + ")"
+    errors = "" if o.ucx_error_handling is None else f"; UCX error handling {o.ucx_error_handling}"
+    return "over NIXL (" + ", ".join(o.backends) + errors + ")"
 
 
 def _into(o: NixlOptions) -> str:
@@ -214,6 +229,7 @@ class NixlType(ConnectorType):
         "side_channel_host": SIDE_CHANNEL_HOST_KEY,
         "side_channel_port": SIDE_CHANNEL_PORT_KEY,
         "progress_delay_us": PROGRESS_DELAY_KEY,
+        "ucx_error_handling": UCX_ERROR_HANDLING_KEY,
     }
     top_level_keys: ClassVar[Mapping[str, str]] = {"buffer_device": "kv_buffer_device", "engine_id": "engine_id"}
 
@@ -289,6 +305,12 @@ class NixlType(ConnectorType):
                 "num_threads only takes effect when backends is [UCX]; vLLM ignores it here",
                 at + ("num_threads",),
                 "remove num_threads, or use backends: [UCX]",
+            )
+        if o.ucx_error_handling is not None and "UCX" not in o.backends:
+            yield Problem(
+                "ucx_error_handling sets the UCX backend, and backends has no UCX",
+                at + ("ucx_error_handling",),
+                "remove ucx_error_handling, or add UCX to backends",
             )
         yield from self._port_clash(child, plan, at)
 

@@ -62,10 +62,11 @@ def engine(role: str, port: int, upstream: bool = False) -> Any:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)  # vLLM's only way to set it
     else:
         kv_transfer_config["kv_connector_module_path"] = "kvcompose_nixl.connector"
-        # The progress-thread delay keeps NIXL from spinning both cores (kvcompose_nixl.progress).
+        # The progress-thread delay keeps NIXL from spinning both cores (kvcompose_nixl.agent).
         kv_transfer_config["kv_connector_extra_config"] = {
             "kvcompose_side_channel_port": port,
             "kvcompose_progress_delay_us": 100,
+            "kvcompose_ucx_error_handling": "none",
         }
     return LLM(
         model=str(make_model(0)),
@@ -173,10 +174,9 @@ def expected_bytes(n_blocks: int) -> int:
 
 
 def drive(upstream: bool = False) -> int:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    env.setdefault("UCX_TLS", "tcp,cma,self")  # see kvcompose.e2e.node.ENGINE_ENV
+    from kvcompose.e2e.node import engine_env
+
+    env = engine_env()
     p_port, d_port = free_ports(2)
     env[PORTS_ENV] = f"{p_port},{d_port}"
     started = time.perf_counter()

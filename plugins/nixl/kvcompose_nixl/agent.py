@@ -1,0 +1,87 @@
+"""NIXL agent settings vLLM has no option for, applied in the process that creates the agent.
+
+vLLM's NIXL worker builds its agent with ``nixl_agent(name, nixl_agent_config(...))`` and no
+way to pass more (``base_worker.py``). Two settings matter on the hosts kvcompose is tested on,
+so the connector applies them in ``__init__``, before vLLM's worker creates its agent. Both are
+process-wide patches of NIXL's Python wrapper: vLLM's CPU worker is a spawned process, so a
+patch in the parent would not reach it.
+
+- **Progress-thread delay** (``progress_delay_us``). ``nixl._api.nixl_agent`` hard-codes
+  ``pthrDelay = 0``, so each agent's progress thread polls without sleeping: one idle engine
+  burns about a core, and two engines on a 2-core machine starve the engines themselves (decode
+  TTFT grew from about 0.1 s to 15-37 s here). A non-zero delay keeps the thread but lets it
+  sleep between polls; throughput measured equal to running without a progress thread.
+- **UCX error handling** (``ucx_error_handling``). NIXL creates UCX endpoints in UCX's ``peer``
+  error-handling mode. Shared-memory transports cannot report a dead peer, so in that mode
+  UCX carries NIXL's messages (wire-up, the READ's completion notification) over tcp even
+  between two engines on one host, and that wire-up completes only when the idle prefill
+  engine next steps (its lease expiry, 30 s later, or its next request): the first request of
+  every new pair waited 15-200 s here (``docs/e2e.md``, cold start). ``none`` lets UCX use
+  shared memory for the messages (CMA still moves the data) and the stall is gone; a dead
+  peer then shows as failed reads and vLLM's lease and heartbeat handling, not as a UCX
+  endpoint error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+#: NIXL UCX backend parameter (``nixl_ucx_err_handling_param_name`` in NIXL's UCX plugin).
+UCX_ERROR_HANDLING_PARAM = "ucx_error_handling_mode"
+UcxErrorHandling = Literal["peer", "none"]
+
+
+def calm_progress_thread(delay_us: int) -> bool:
+    """Make NIXL agents created from now on in this process sleep ``delay_us`` between polls.
+
+    ``0`` restores NIXL's own (spinning) config. Returns False when NIXL is not installed.
+    """
+    try:
+        import nixl._api as api
+    except ImportError:
+        return False
+    base = getattr(api.nixlBind.nixlAgentConfig, "_kvcompose_base", api.nixlBind.nixlAgentConfig)
+    if delay_us == 0:
+        api.nixlBind.nixlAgentConfig = base
+        return True
+
+    class CalmAgentConfig(base):  # type: ignore[misc, valid-type]
+        _kvcompose_base = base
+
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (NIXL's name)
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, delay_us)
+
+    api.nixlBind.nixlAgentConfig = CalmAgentConfig
+    return True
+
+
+def set_ucx_error_handling(mode: UcxErrorHandling | None) -> bool:
+    """Create the UCX backend of NIXL agents made from now on in this process with ``mode``.
+
+    ``None`` restores NIXL's own ``create_backend`` (UCX's ``peer``). Returns False when NIXL is
+    not installed.
+    """
+    try:
+        import nixl._api as api
+    except ImportError:
+        return False
+    agent = api.nixl_agent
+    base = getattr(agent.create_backend, "_kvcompose_base", agent.create_backend)
+    if mode is None:
+        agent.create_backend = base
+        return True
+
+    def create_backend(self: Any, backend: str, initParams: dict[str, str] | None = None) -> Any:  # noqa: N803
+        params = dict(initParams or {})
+        if backend == "UCX":
+            params.setdefault(UCX_ERROR_HANDLING_PARAM, mode)
+        return base(self, backend, params)
+
+    create_backend._kvcompose_base = base  # type: ignore[attr-defined]
+    agent.create_backend = create_backend
+    return True
