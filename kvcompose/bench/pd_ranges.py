@@ -83,9 +83,8 @@ from typing import Any
 from kvcompose.bench.measure import Ratio, Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import BLOCK_SIZE, MAX_MODEL_LEN
+from kvcompose.e2e.node import BLOCK_SIZE, EXAMPLES, MAX_MODEL_LEN
 
-EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 PREFILL_YAML = EXAMPLES / "pd-prefill.yaml"
 
 CONVERSATIONS = 8

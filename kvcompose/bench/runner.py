@@ -19,9 +19,10 @@ BENCHMARKS: dict[str, str] = {
     "nixl-read": "nixl_read",
     "pd-ttft": "pd_ttft",
     "ranges": "pd_ranges",
+    "cold-start": "cold_start",
 }
 #: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
-FULL_ONLY = ("pd-ttft", "ranges")
+FULL_ONLY = ("pd-ttft", "ranges", "cold-start")
 
 
 def _runner(name: str) -> Callable[..., Result]:

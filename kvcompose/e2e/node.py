@@ -30,6 +30,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvcompose.catalog import Plan
 
+#: The shipped example compositions (``examples/``), which the demo, the benchmarks and the
+#: engine tests run.
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 #: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024

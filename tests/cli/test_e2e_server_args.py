@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcompose.compose import load
-from kvcompose.e2e.node import EngineSpec, composed_kv_transfer_config
+from kvcompose.e2e.node import EXAMPLES, EngineSpec, composed_kv_transfer_config
 from kvcompose.e2e.server import SERVER_MODULE, parse_metrics, server_argv
 from kvcompose.vllm.args import render
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _flag(argv: list[str], name: str) -> str:

@@ -19,11 +19,10 @@ import pytest
 from kvcompose.e2e.demo import one_past_a_block
 from kvcompose.e2e.flow import EXTERNAL, decode_request, drop_prefix_cache, next_turn, pd_request, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import BLOCK_SIZE, EXAMPLES, EngineNode, EngineSpec, free_ports, wait_all_ready
 
 pytestmark = pytest.mark.engine
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MAX_TOKENS = 16
 PROMPTS = {
     "pd": token_prompt(0, 600),

@@ -1,0 +1,141 @@
+"""Benchmark 5d: the first P/D request of a fresh prefill/decode pair vs the requests after it.
+
+Every new pair of instances (a deploy, a restart, a scale-out; N x M pairs in an xPyD
+deployment) meets the NIXL connection's first use on its first request. This benchmark starts
+:data:`PAIRS` fresh pairs per side, one pair at a time (the machine runs two engines), the sides
+alternating pair by pair, and sends each pair :data:`REQUESTS` P/D requests one after the other:
+
+* ``kvcompose``: the shipped examples (``examples/pd-prefill.yaml`` / ``pd-decode.yaml``);
+* ``NixlConnector``: each example's NIXL child alone as the engine's ``--kv-transfer-config``
+  (vLLM's ``NixlConnector`` through the nixl plugin's module path, the same options), no
+  composite around it.
+
+A request goes the proxy way (:func:`kvcompose.e2e.flow.decode_request`): prefill with
+``do_remote_decode`` and one token, then decode with the prefill's ``kv_transfer_params``; a
+sample is the decode engine's own time to first token (vLLM's ``first_token_latency``), which
+holds the NIXL handshake and pull. Every prompt is new. The figure per side is the first
+request's TTFT over the median TTFT of the requests after it; the target is at most 2.
+
+``error_handling`` sets the NIXL children's ``ucx_error_handling`` (the examples say ``none``);
+``run(error_handling="peer")`` measures NIXL's default, the cold start before the fix
+(``docs/performance.md`` 5d has both tables).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from kvcompose.bench.measure import Samples, ratio
+from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
+from kvcompose.bench.report import Case, Result, Target
+from kvcompose.e2e.node import EXAMPLES, EngineNode, EngineSpec, free_ports, wait_all_ready
+
+SIDES = ("NixlConnector", "kvcompose")
+PAIRS = 3  # fresh pairs per side (quick: 1)
+REQUESTS = 6  # per pair: the first, then the steady ones
+PROMPT_TOKENS = 600
+#: A cold first request can wait for minutes (200 s measured with UCX's peer error handling).
+TIMEOUT_S = 400.0
+
+
+def compositions(directory: Path, error_handling: str) -> dict[str, Path]:
+    """The example compositions with the NIXL child's ``ucx_error_handling`` set, under ``directory``."""
+    out = {}
+    for role in ("prefill", "decode"):
+        doc = yaml.safe_load((EXAMPLES / f"pd-{role}.yaml").read_text())
+        for child in doc["connectors"]:
+            if child["type"] == "nixl":
+                child["options"]["ucx_error_handling"] = error_handling
+        out[role] = directory / f"pd-{role}.yaml"
+        out[role].write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
+def engine_spec(side: str, role: str, composition: Path, model: str, port: int) -> EngineSpec:
+    """The ``role`` engine of ``side``, its NIXL side channel on ``port``."""
+    name = f"{side}-{role}"
+    if side == "kvcompose":
+        return EngineSpec(name, model, str(composition), port)
+    alone = nixl_alone(composition)
+    alone["kv_connector_extra_config"]["kvcompose_side_channel_port"] = port
+    return EngineSpec(name, model, kv_config=alone)
+
+
+def pair_ttfts(side: str, files: dict[str, Path], model: str, logs: Path, seed: int, requests: int) -> list[float]:
+    """Start a fresh pair of ``side`` and time ``requests`` P/D requests in a row (decode TTFTs)."""
+    from kvcompose.e2e.flow import decode_request, token_prompt
+
+    nodes = [
+        EngineNode(engine_spec(side, role, files[role], model, port), logs)
+        for role, port in zip(("prefill", "decode"), free_ports(2))
+    ]
+    try:
+        wait_all_ready(nodes)
+        prefill, decode = nodes
+        ttfts = []
+        for i in range(requests):
+            prompt = token_prompt(seed + i, PROMPT_TOKENS)
+            (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}], timeout=TIMEOUT_S)
+            d = decode_request(decode, prompt, 1, p["kv_transfer_params"], timeout_s=TIMEOUT_S)
+            if d.nixl_bytes <= 0:
+                raise RuntimeError(f"{side}: request {i + 1} pulled nothing over NIXL; see {decode.log_path}")
+            ttfts.append(d.ttft_s)
+        return ttfts
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def run(
+    quick: bool = False,
+    repeats: int | None = None,
+    echo: Callable[[str], None] = print,
+    work: Path | None = None,
+    error_handling: str = "none",
+) -> Result:
+    """First vs following decode TTFT over fresh pairs, per side (see the module docstring)."""
+    from kvcompose.e2e.model import make_model
+
+    pairs = repeats or (1 if quick else PAIRS)
+    logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-cold-"))
+    files = compositions(logs, error_handling)
+    model = str(make_model(0))
+    runs: dict[str, list[list[float]]] = {s: [] for s in SIDES}
+    with engine_lock(echo=echo):
+        for k in range(pairs):
+            for side in SIDES if k % 2 == 0 else SIDES[::-1]:
+                ttfts = pair_ttfts(side, files, model, logs, 1_000 * (len(runs[side]) + 1) + 100 * k, REQUESTS)
+                runs[side].append(ttfts)
+                echo(f"   {side} pair {k + 1}: TTFT ms " + " ".join(f"{t * 1e3:.0f}" for t in ttfts))
+    cases, ratios = [], []
+    for side, rows in runs.items():
+        first, steady = Samples([r[0] for r in rows]), Samples([t for r in rows for t in r[1:]])
+        worst = max(first.values) / statistics.median(steady.values)
+        cases.append(Case(side, {"first": first, "steady": steady}, {"worst_first_over_steady": round(worst, 2)}))
+        ratios.append(ratio(side, {"first": first, "steady": steady}, "first", "steady"))
+    return Result(
+        "cold_start",
+        f"First P/D request of a fresh pair vs the following ones (ucx_error_handling: {error_handling})",
+        "ms",
+        1e3,
+        cases,
+        ratios,
+        Target("<=", 2.0, "first", "steady"),
+        pairs,
+        quick,
+        [
+            f"{pairs} fresh prefill/decode pair(s) per side, the sides alternating pair by pair; {REQUESTS} P/D "
+            f"requests per pair ({PROMPT_TOKENS}-token prompts, all new); a sample is the decode engine's TTFT "
+            "(vLLM's first_token_latency: the NIXL handshake and pull are in it)",
+            "first: each pair's first request; steady: the requests after it; ratio = first / steady "
+            "(best = fastest first over fastest steady); worst_first_over_steady in the JSON",
+            "kvcompose: the shipped examples; NixlConnector: each example's NIXL child alone (vLLM's NixlConnector "
+            "via the nixl plugin, same options)",
+        ],
+        {"pairs": pairs, "requests": REQUESTS, "error_handling": error_handling, "engine_logs": str(logs)},
+    )
