@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -64,3 +65,16 @@ def test_parse_metrics_gives_the_keys_flatten_metrics_gives() -> None:
         "vllm:nixl_bytes_transferred_count": 1.0,
         "vllm:num_requests_running": 1.0,
     }
+
+
+def test_free_ports_are_distinct_bindable_and_never_ones_the_kernel_hands_out_itself() -> None:
+    import socket
+
+    from kvcompose.e2e.node import free_ports
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(1024 <= p < low for p in ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
