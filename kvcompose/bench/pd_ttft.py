@@ -96,40 +96,34 @@ def engine_lock(path: str = LOCK_PATH, echo: Callable[[str], None] = print) -> I
 
 #: The kvcompose engine: ``examples/pd-decode.yaml`` with the NIXL child in both roles, so the
 #: same engine can also prefill for the other one.
-COMPOSITION = """\
+#: The NIXL child both compositions share (its side-channel port filled in per engine).
+NIXL_CHILD = """\
+  - name: pd
+    type: nixl
+    role: both
+    options:
+      backends: [UCX]
+      side_channel_host: 127.0.0.1
+      side_channel_port: {port}
+      progress_delay_us: 100
+      ucx_error_handling: none
+"""
+COMPOSITION = (
+    """\
 version: 1
 connectors:
   - name: host
     type: cpu-offload
     options: {{cpu_bytes: 256MiB}}
-  - name: pd
-    type: nixl
-    role: both
-    options:
-      backends: [UCX]
-      side_channel_host: 127.0.0.1
-      side_channel_port: {port}
-      progress_delay_us: 100
-      ucx_error_handling: none
-rules: {{load: first-wins, store: all, metadata: merge}}
 """
+    + NIXL_CHILD
+    + "rules: {{load: first-wins, store: all, metadata: merge}}\n"
+)
 
 
 #: Side ``kvcompose-pd-only`` (not run by default): the same composite with its NIXL child
 #: alone, to tell the composite's own cost from the host tier's work (its lookups and stores).
-PD_ONLY = """\
-version: 1
-connectors:
-  - name: pd
-    type: nixl
-    role: both
-    options:
-      backends: [UCX]
-      side_channel_host: 127.0.0.1
-      side_channel_port: {port}
-      progress_delay_us: 100
-      ucx_error_handling: none
-"""
+PD_ONLY = "version: 1\nconnectors:\n" + NIXL_CHILD
 
 
 def composition_file(directory: Path, port: int, text: str = COMPOSITION) -> Path:
