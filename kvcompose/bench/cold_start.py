@@ -28,8 +28,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
 from kvcompose.bench.measure import Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
@@ -43,35 +41,24 @@ PROMPT_TOKENS = 600
 TIMEOUT_S = 400.0
 
 
-def compositions(directory: Path, error_handling: str) -> dict[str, Path]:
-    """The example compositions with the NIXL child's ``ucx_error_handling`` set, under ``directory``."""
-    out = {}
-    for role in ("prefill", "decode"):
-        doc = yaml.safe_load((EXAMPLES / f"pd-{role}.yaml").read_text())
-        for child in doc["connectors"]:
-            if child["type"] == "nixl":
-                child["options"]["ucx_error_handling"] = error_handling
-        out[role] = directory / f"pd-{role}.yaml"
-        out[role].write_text(yaml.safe_dump(doc, sort_keys=False))
-    return out
-
-
-def engine_spec(side: str, role: str, composition: Path, model: str, port: int) -> EngineSpec:
-    """The ``role`` engine of ``side``, its NIXL side channel on ``port``."""
-    name = f"{side}-{role}"
+def engine_spec(side: str, role: str, model: str, port: int, error_handling: str) -> EngineSpec:
+    """The ``role`` engine of ``side`` from the ``role`` example, its NIXL child on side-channel
+    ``port`` with ``ucx_error_handling`` set to ``error_handling``."""
+    name, example = f"{side}-{role}", EXAMPLES / f"pd-{role}.yaml"
+    options = {"ucx_error_handling": error_handling}
     if side == "kvcompose":
-        return EngineSpec(name, model, str(composition), port)
-    alone = nixl_alone(composition)
-    alone["kv_connector_extra_config"]["kvcompose_side_channel_port"] = port
-    return EngineSpec(name, model, kv_config=alone)
+        return EngineSpec(name, model, str(example), port, options)
+    if side == "NixlConnector":
+        return EngineSpec(name, model, kv_config=nixl_alone(example, port, options))
+    raise ValueError(f"unknown side {side!r}")
 
 
-def pair_ttfts(side: str, files: dict[str, Path], model: str, logs: Path, seed: int, requests: int) -> list[float]:
+def pair_ttfts(side: str, error_handling: str, model: str, logs: Path, seed: int, requests: int) -> list[float]:
     """Start a fresh pair of ``side`` and time ``requests`` P/D requests in a row (decode TTFTs)."""
     from kvcompose.e2e.flow import decode_request, token_prompt
 
     nodes = [
-        EngineNode(engine_spec(side, role, files[role], model, port), logs)
+        EngineNode(engine_spec(side, role, model, port, error_handling), logs)
         for role, port in zip(("prefill", "decode"), free_ports(2))
     ]
     try:
@@ -103,13 +90,12 @@ def run(
 
     pairs = repeats or (1 if quick else PAIRS)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-cold-"))
-    files = compositions(logs, error_handling)
     model = str(make_model(0))
     runs: dict[str, list[list[float]]] = {s: [] for s in SIDES}
     with engine_lock(echo=echo):
         for k in range(pairs):
             for side in SIDES if k % 2 == 0 else SIDES[::-1]:
-                ttfts = pair_ttfts(side, files, model, logs, 1_000 * (len(runs[side]) + 1) + 100 * k, REQUESTS)
+                ttfts = pair_ttfts(side, error_handling, model, logs, 1_000 * (len(runs[side]) + 1) + 100 * k, REQUESTS)
                 runs[side].append(ttfts)
                 echo(f"   {side} pair {k + 1}: TTFT ms " + " ".join(f"{t * 1e3:.0f}" for t in ttfts))
     cases, ratios = [], []

@@ -134,12 +134,15 @@ def composition_file(directory: Path, port: int, text: str = COMPOSITION) -> Pat
     return path
 
 
-def nixl_alone(composition: Path) -> dict[str, Any]:
+def nixl_alone(
+    composition: Path, side_channel_port: int | None = None, nixl_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The composition's NIXL child as a connector of its own: the child entry ``kvcompose
-    vllm-args`` renders for it (class, module path, options), with the composite's role."""
+    vllm-args`` renders for it (class, module path, options, with an engine's overrides as in
+    :class:`~kvcompose.e2e.node.EngineSpec`), with the composite's role."""
     from kvcompose.e2e.node import composed_kv_transfer_config
 
-    composed = composed_kv_transfer_config(composition)
+    composed = composed_kv_transfer_config(composition, side_channel_port, nixl_options)
     (entry,) = [c for c in composed["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "NixlConnector"]
     return {**entry, "kv_role": composed["kv_role"]}
 
