@@ -179,7 +179,7 @@ class _RangeLoadsMixin:
         return super().request_finished_all_groups(request, block_ids)  # type: ignore[misc, no-any-return]
 
 
-class _SideChannelMixin:
+class _SettingsMixin:
     """Applies the NIXL agent settings (:mod:`kvcompose_nixl.agent`) before vLLM builds its
     halves, and the side-channel options once it has built the scheduler half."""
 
@@ -200,7 +200,7 @@ class _SideChannelMixin:
             apply_side_channel(self.connector_scheduler, vllm_config)
 
 
-class NixlConnector(_SideChannelMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
+class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
     """vLLM's pull-mode NixlConnector, plus side-channel options, local compute when a remote
     prefill comes with no remote blocks, and range loads (see the module docstring)."""
 
@@ -262,7 +262,7 @@ class NixlConnector(_SideChannelMixin, _RangeLoadsMixin, _VllmNixlPullConnector)
             request.kv_transfer_params["do_remote_prefill"] = False
 
 
-class NixlPushConnector(_SideChannelMixin, _RangeLoadsMixin, _VllmNixlPushConnector):
+class NixlPushConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPushConnector):
     """vLLM's push-mode NixlPushConnector, plus side-channel options and range loads (the decode
     instance registers only its range's blocks; the prefill instance writes its tail into them).
 
