@@ -92,4 +92,5 @@ def test_error_handling_without_ucx_is_refused_with_where_and_why() -> None:
             "version: 1\nconnectors:\n  - {name: pd, type: nixl, role: consumer,"
             " options: {backends: [LIBFABRIC], ucx_error_handling: none}}\n"
         )
-    assert "ucx_error_handling" in str(e.value) and "no UCX" in str(e.value)
+    assert "connectors[0].options.ucx_error_handling" in str(e.value) and "no UCX" in str(e.value)
+    assert ":3:" in str(e.value)  # the line of the child's options
