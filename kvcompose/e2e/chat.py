@@ -30,7 +30,7 @@ cached prefix than alone; see docs/e2e.md). Two choices give that:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,23 +132,26 @@ def baseline_chat(
 
 def chat_through_router(
     router: Router,
-    decode: Answered,
+    decodes: Sequence[Answered],
     turns: list[ChatTurn],
     max_tokens: int,
     children: tuple[str, ...] = ("host", "pd"),
+    session: str | None = None,
 ) -> Iterator[tuple[ChatTurn, Served]]:
-    """The scripted chat through the router, turn by turn. The history is built from the
-    router's own replies (only the user messages come from the script), so a reply that differs
-    from the baseline's shows in the next turn's rendering too. Decode's own prefix cache is
-    dropped before every turn but the first, standing in for the traffic that would evict it:
-    under ``load: ranges`` a later turn is then served by the host tier (the earlier turns'
-    blocks decode stored) and NIXL (the rest, from prefill)."""
+    """The scripted chat through the router, turn by turn, as ``session`` (the router's
+    ``consistent_hash`` key). The history is built from the router's own replies (only the user
+    messages come from the script), so a reply that differs from the baseline's shows in the
+    next turn's rendering too. Every decode's own prefix cache is dropped before every turn but
+    the first, standing in for the traffic that would evict it: under ``load: ranges`` a later
+    turn is then served by the host tier (the earlier turns' blocks decode stored) and NIXL (the
+    rest, from prefill)."""
     history = turns[0].messages[:-1] if turns else []
     for i, turn in enumerate(turns):
         if i:
-            drop_prefix_cache(decode)
+            for decode in decodes:
+                drop_prefix_cache(decode)
         messages = [*history, turn.messages[-1]]
         label = f"chat {i + 1} ({len(turn.prompt_ids)})"
-        s = routed_chat(router, decode, messages, max_tokens, label=label, children=children)
+        s = routed_chat(router, decodes, messages, max_tokens, label=label, children=children, session=session)
         yield turn, s
         history = [*messages, {"role": "assistant", "content": s.text or ""}]

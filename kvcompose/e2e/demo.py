@@ -144,7 +144,7 @@ def run(
         nodes.append(decode)
         wait_all_ready([decode], progress=_progress(out))
         if http:
-            router = RouterNode(prefill, decode, str(model), logs)
+            router = RouterNode([prefill], [decode], str(model), logs)
             nodes.append(router)
             router.wait_ready()
             via = f"vLLM's router {router.url} -> prefill {prefill.url}, decode {decode.url}"
@@ -158,7 +158,7 @@ def run(
 
         def serve(ids: list[int], label: str) -> Served:
             if http:  # one request to the router: it does prefill, then decode
-                return routed_request(router, decode, ids, MAX_TOKENS, label=label, children=CHILDREN)
+                return routed_request(router, [decode], ids, MAX_TOKENS, label=label, children=CHILDREN)
             return pd_request(prefill, decode, ids, MAX_TOKENS, label=label, children=CHILDREN)
 
         before = decode.metrics()
@@ -196,7 +196,7 @@ def run(
                 "decode's prefix cache dropped before turns 2 and 3 --",
                 file=out,
             )
-            for turn, s in chat_through_router(router, decode, chat, MAX_TOKENS, CHILDREN):
+            for turn, s in chat_through_router(router, [decode], chat, MAX_TOKENS, CHILDREN):
                 problems = turn.problems(s)
                 chat_gaps.append(_logprob_gap(s, turn.first))
                 add_row(s, not problems, f" ({', '.join(problems)})" if problems else "")

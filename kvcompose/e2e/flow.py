@@ -17,11 +17,11 @@ from __future__ import annotations
 import random
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvcompose.e2e.node import CALL_TIMEOUT_S
+from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError
 
 #: Counter keys, as :func:`kvcompose.e2e.node.flatten_metrics` (and the HTTP parser) write them.
 LOOKUPS = "vllm:kvcompose_lookups"
@@ -33,6 +33,11 @@ HOST_LOADED_BLOCKS = "vllm:simple_kv_offload_load_blocks"
 #: vLLM's own split of connector-loaded prompt tokens by tier (each child's
 #: ``get_external_cache_hit_sources``: ``host`` from the CPU tier, ``p2p`` from NIXL).
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source{source="
+#: Requests an engine finished, per finish reason: ``vllm:request_success{finished_reason=length}``.
+SUCCESS = "vllm:request_success"
+#: Counters reach /metrics when a server's output loop records the finished request, which may
+#: trail the HTTP answer by a moment: waits for them are bounded by this.
+SETTLE_TIMEOUT_S = 10.0
 #: Sum of the requests' times from first to last token: one request's own when requests go one
 #: at a time (what a client's wall time holds beyond the time to first token).
 DECODE_TIME = "vllm:request_decode_time_seconds_sum"
@@ -134,6 +139,8 @@ class Served:
     prompt_ids: list[int] | None = None
     #: the answer's text (chat)
     text: str | None = None
+    #: the decode server that answered (routed requests; None for the proxy flow's one decode)
+    decode: str | None = None
 
     @property
     def children(self) -> tuple[str, ...]:
@@ -206,14 +213,21 @@ def decode_request(
 class Router(Protocol):
     """What the routed flow needs from the router (:class:`kvcompose.e2e.router.RouterNode`)."""
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, timeout: float = ...) -> list[dict[str, Any]]: ...
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, timeout: float = ..., session: str | None = None
+    ) -> list[dict[str, Any]]: ...
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int, timeout: float = ...) -> dict[str, Any]: ...
+    def chat(
+        self, messages: list[dict[str, str]], max_tokens: int, timeout: float = ..., session: str | None = None
+    ) -> dict[str, Any]: ...
 
 
 class Answered(Protocol):
     """A decode server behind a router: it counts the requests the router sent it
     (:meth:`~kvcompose.e2e.server.ServerNode.answered_elsewhere`)."""
+
+    @property
+    def name(self) -> str: ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -224,40 +238,66 @@ class Answered(Protocol):
 
 def routed_request(
     router: Router,
-    decode: Answered,
+    decodes: Sequence[Answered],
     prompt: list[int],
     max_tokens: int,
     label: str = "",
     children: tuple[str, ...] = ("host", "pd"),
+    session: str | None = None,
 ) -> Served:
-    """One ``/v1/completions`` request to the router (which sends it to prefill, then to decode
-    with prefill's params), measured on ``decode``."""
-    send = _routed(decode, lambda: router.generate([prompt], max_tokens)[0])
-    return measured(decode, send, len(prompt), label, children)
+    """One ``/v1/completions`` request to the router (which sends it to prefill, then to one of
+    ``decodes`` with prefill's params), measured on the decode that answered it."""
+
+    def send() -> dict[str, Any]:
+        return router.generate([prompt], max_tokens, session=session)[0]
+
+    return routed(decodes, send, len(prompt), label, children)
 
 
 def routed_chat(
     router: Router,
-    decode: Answered,
+    decodes: Sequence[Answered],
     messages: list[dict[str, str]],
     max_tokens: int,
     label: str = "",
     children: tuple[str, ...] = ("host", "pd"),
+    session: str | None = None,
 ) -> Served:
-    """One ``/v1/chat/completions`` request to the router, measured on ``decode``; ``prompt_ids``
-    holds the prompt as decode rendered it, ``text`` the reply."""
-    return measured(decode, _routed(decode, lambda: router.chat(messages, max_tokens)), 0, label, children)
+    """One ``/v1/chat/completions`` request to the router, measured on the decode that answered
+    it; ``prompt_ids`` holds the prompt as decode rendered it, ``text`` the reply."""
+    return routed(decodes, lambda: router.chat(messages, max_tokens, session=session), 0, label, children)
 
 
-def _routed(decode: Answered, send: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    def call() -> dict[str, Any]:
-        answer = send()
-        # The router sent decode exactly one request (one decode server, n=1) and it answered:
-        # decode.metrics() waits for its counters.
-        decode.answered_elsewhere()
-        return answer
+def routed(
+    decodes: Sequence[Answered],
+    send: Callable[[], dict[str, Any]],
+    prompt_tokens: int,
+    label: str,
+    children: tuple[str, ...],
+) -> Served:
+    """``send()`` one request through a router, and what the decode that answered it did. The
+    router does not say which decode it chose; the decode whose ``vllm:request_success`` moved
+    did (requests go one at a time)."""
+    before = [d.metrics() for d in decodes]
+    answer = send()
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        after = [d.metrics() for d in decodes]
+        moved = [i for i in range(len(decodes)) if answered(after[i]) > answered(before[i])]
+        if len(moved) == 1:
+            break
+        if time.monotonic() >= deadline:
+            names = ", ".join(decodes[i].name for i in moved) or "none"
+            raise NodeError(f"{label or 'request'}: one decode should have answered; counted by {names}")
+        time.sleep(0.05)
+    (i,) = moved
+    decodes[i].answered_elsewhere()
+    return served(answer, delta(before[i], after[i]), prompt_tokens, label, children, decode=decodes[i].name)
 
-    return call
+
+def answered(metrics: dict[str, float]) -> float:
+    """Requests the engine finished (``vllm:request_success``, every finish reason)."""
+    return sum(v for k, v in metrics.items() if k == SUCCESS or k.startswith(SUCCESS + "{"))
 
 
 def measured(
@@ -273,7 +313,20 @@ def measured(
     say it did (their change across the request)."""
     before = decode.metrics()
     d = send()
-    moved = delta(before, decode.metrics())
+    return served(d, delta(before, decode.metrics()), prompt_tokens, label, children, params, prefill_s)
+
+
+def served(
+    d: dict[str, Any],
+    moved: dict[str, float],
+    prompt_tokens: int,
+    label: str,
+    children: tuple[str, ...],
+    params: dict[str, Any] | None = None,
+    prefill_s: float = 0.0,
+    decode: str | None = None,
+) -> Served:
+    """The :class:`Served` of answer ``d``, given how decode's counters ``moved`` across it."""
     if d.get("ttft_s") is not None:  # the offline engine reports the request's own
         ttft = prefill_s + d["ttft_s"]
     else:
@@ -295,6 +348,7 @@ def measured(
         counters=moved,
         prompt_ids=prompt_ids,
         text=d.get("text"),
+        decode=decode,
     )
 
 
@@ -305,3 +359,22 @@ def hit_rates(
     moved = delta(before, after)
     lookups = int(moved.get(LOOKUPS, 0))
     return {c: (int(moved.get(loads_key(c), 0)), lookups) for c in children}
+
+
+def session_per_decode(
+    router: Router, decodes: Sequence[Answered], candidates: int = 32, prompt_tokens: int = 8
+) -> dict[str, str]:
+    """decode name -> a session id the router sends to it, asked of the router itself: one short
+    request per candidate (``session-0``, ``session-1``, ...) until every decode has one. Under
+    ``consistent_hash`` the answer depends on the servers' URLs, so it is asked, not computed. The
+    probes are shorter than a block: nothing of them reaches a prefix cache or a connector."""
+    found: dict[str, str] = {}
+    for n in range(candidates):
+        session = f"session-{n}"
+        s = routed_request(router, decodes, token_prompt(1000 + n, prompt_tokens), 1, session, (), session)
+        assert s.decode is not None
+        found.setdefault(s.decode, session)
+        if len(found) == len(decodes):
+            return found
+    missing = [d.name for d in decodes if d.name not in found]
+    raise NodeError(f"the router sent none of {candidates} sessions to {', '.join(missing)}")

@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ ROUTER_VERSION = "0.1.17"
 READY_TIMEOUT_S = 60.0
 #: Terminal colour codes (the router's tracing output has them whatever NO_COLOR says).
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: The first header vllm-router's ``consistent_hash`` policy reads for its key (then
+#: ``X-User-ID``, ``X-Tenant-ID``, ``X-Request-ID``, ...).
+SESSION_HEADER = "X-Session-ID"
 
 
 def router_argv(
@@ -49,11 +53,14 @@ def router_argv(
 ) -> list[str]:
     """The router's command line: vLLM P/D mode over NIXL, bound to 127.0.0.1.
 
-    ``round_robin``: with one prefill and one decode there is nothing to choose, and unlike the
-    default ``cache_aware`` it keeps no prefix tree of its own. The Prometheus exporter gets a
-    free port of its own (its default, 29000, would collide between two stacks on one host).
-    Workers are checked every second at start (default: every 30 s), and the workers passed are
-    already up.
+    ``policy`` picks a prefill and a decode server per request. ``round_robin`` (the default
+    here): with one prefill and one decode there is nothing to choose, and unlike the router's
+    default ``cache_aware`` it keeps no prefix tree of its own. ``consistent_hash`` keeps a
+    conversation on one decode server: the router hashes the request's ``X-Session-ID`` header
+    (:data:`SESSION_HEADER`) onto a ring of the workers, so every turn of a session reaches the
+    decode whose host tier holds the earlier turns. The Prometheus exporter gets a free port of
+    its own (its default, 29000, would collide between two stacks on one host). Workers are
+    checked every second at start (default: every 30 s), and the workers passed are already up.
     """
     argv = [sys.executable, "-m", ROUTER_MODULE, "--host", HOST, "--port", str(port)]
     argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", policy]
@@ -67,13 +74,22 @@ def router_argv(
 
 
 class RouterNode:
-    """One router process in front of ``prefill`` and ``decode`` (anything with a ``url``: a
-    :class:`~kvcompose.e2e.server.ServerNode`); its log is ``router.log`` in ``log_dir``, beside
-    the engines'. Call :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
+    """One router process in front of ``prefills`` and ``decodes`` (anything with a ``url``: a
+    :class:`~kvcompose.e2e.server.ServerNode`), choosing among them by ``policy``
+    (:func:`router_argv`); its log is ``router.log`` in ``log_dir``, beside the engines'. Call
+    :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
 
     name = "router"
 
-    def __init__(self, prefill: Any, decode: Any, model: str, log_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        prefills: Sequence[Any],
+        decodes: Sequence[Any],
+        model: str,
+        log_dir: Path,
+        port: int | None = None,
+        policy: str = "round_robin",
+    ) -> None:
         if importlib.util.find_spec("vllm_router") is None:
             raise NodeError(
                 f"the vllm-router package is not installed: pip install 'vllm-router=={ROUTER_VERSION}' "
@@ -84,7 +100,8 @@ class RouterNode:
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = log_dir / "router.log"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.argv = router_argv([prefill.url], [decode.url], self.port, metrics_port)
+        self.policy = policy
+        self.argv = router_argv([p.url for p in prefills], [d.url for d in decodes], self.port, metrics_port, policy)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             self.argv,
@@ -115,24 +132,37 @@ class RouterNode:
             time.sleep(0.2)
 
     def generate(
-        self, prompts: list[list[int]] | list[str], max_tokens: int, timeout: float = CALL_TIMEOUT_S
+        self,
+        prompts: list[list[int]] | list[str],
+        max_tokens: int,
+        timeout: float = CALL_TIMEOUT_S,
+        session: str | None = None,
     ) -> list[dict[str, Any]]:
         """One ``/v1/completions`` request per prompt (token ids, or text the servers tokenize),
         through the router (prefill, then decode); dicts shaped like the offline node's
-        (:func:`~kvcompose.e2e.server.parse_completion`), with ``prompt_token_ids``."""
+        (:func:`~kvcompose.e2e.server.parse_completion`), with ``prompt_token_ids``. ``session``
+        goes in :data:`SESSION_HEADER` (what ``consistent_hash`` routes by)."""
         results = []
         for prompt in prompts:
             t0 = time.perf_counter()
-            answer = self._http.post("/v1/completions", completion_body(self.model, prompt, max_tokens), timeout)
+            body = completion_body(self.model, prompt, max_tokens)
+            answer = self._http.post("/v1/completions", body, timeout, _session(session))
             results.append(parse_completion(answer, time.perf_counter() - t0))
         return results
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int, timeout: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        max_tokens: int,
+        timeout: float = CALL_TIMEOUT_S,
+        session: str | None = None,
+    ) -> dict[str, Any]:
         """One ``/v1/chat/completions`` request through the router; the dict of
         :func:`~kvcompose.e2e.server.parse_chat` (token ids, logprobs, the reply's text, the
-        prompt's token ids as decode rendered them)."""
+        prompt's token ids as decode rendered them). ``session``: as in :meth:`generate`."""
         t0 = time.perf_counter()
-        answer = self._http.post("/v1/chat/completions", chat_body(self.model, messages, max_tokens), timeout)
+        body = chat_body(self.model, messages, max_tokens)
+        answer = self._http.post("/v1/chat/completions", body, timeout, _session(session))
         return parse_chat(answer, time.perf_counter() - t0)
 
     def log_tail(self, lines: int = 40) -> str:
@@ -143,3 +173,7 @@ class RouterNode:
         """SIGTERM the router's process group, SIGKILL whatever is left after ``grace_s``."""
         stop_group(self.proc, grace_s)
         self._log.close()
+
+
+def _session(session: str | None) -> dict[str, str]:
+    return {SESSION_HEADER: session} if session is not None else {}

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvcompose.e2e.flow import SETTLE_TIMEOUT_S, answered
 from kvcompose.e2e.node import (
     CALL_TIMEOUT_S,
     EngineSpec,
@@ -40,9 +41,6 @@ from kvcompose.e2e.node import (
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HOST = "127.0.0.1"
-#: Counters reach /metrics when the server's output loop records the finished request, which may
-#: trail the HTTP answer by a moment: :meth:`ServerNode.metrics` waits this long for them.
-SETTLE_TIMEOUT_S = 10.0
 #: Log lines that mark how far a server has got, for the progress line (last match wins).
 STAGES = (
     ("non-default args", "building engine"),
@@ -50,7 +48,6 @@ STAGES = (
     ("init engine", "engine up, starting API server"),
     ("Starting vLLM server", "waiting for /health"),
 )
-SUCCESS = "vllm:request_success"
 
 
 def kv_transfer_value(spec: EngineSpec) -> str:
@@ -118,12 +115,16 @@ class HttpClient:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = CALL_TIMEOUT_S
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout: float = CALL_TIMEOUT_S,
+        headers: dict[str, str] | None = None,
     ) -> bytes:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"} if data else {}
-        )
+        sent = {"Content-Type": "application/json"} if data else {}
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers={**sent, **(headers or {})})
         try:
             with self._opener.open(req, timeout=timeout) as resp:
                 return resp.read()
@@ -133,9 +134,11 @@ class HttpClient:
         except (urllib.error.URLError, OSError) as exc:
             raise NodeError(f"{self.name}: {method} {path} failed ({exc}); {self._died()}") from exc
 
-    def post(self, path: str, body: dict[str, Any], timeout: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+    def post(
+        self, path: str, body: dict[str, Any], timeout: float = CALL_TIMEOUT_S, headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """POST ``body``; the JSON answer (a body that is not JSON is a :class:`NodeError`)."""
-        raw = self.request("POST", path, body, timeout)
+        raw = self.request("POST", path, body, timeout, headers)
         try:
             return json.loads(raw)
         except ValueError:
@@ -247,6 +250,10 @@ class ServerNode:
         #: router), so that metrics() can wait for the counters to catch up
         self._answered = 0
 
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
     def _state(self) -> str:
         state = "exited" if self.proc.poll() is not None else "running"
         return f"server {state}\n{self.log_tail()}"
@@ -325,8 +332,7 @@ class ServerNode:
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while True:
             got = parse_metrics(self._http.request("GET", "/metrics").decode())
-            done = sum(v for k, v in got.items() if k == SUCCESS or k.startswith(SUCCESS + "{"))
-            if done >= self._answered or time.monotonic() >= deadline:
+            if answered(got) >= self._answered or time.monotonic() >= deadline:
                 return got
             time.sleep(0.05)
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from kvcompose.e2e import flow
 from kvcompose.e2e.chat import SYSTEM, USER_TURNS, padded, render
-from kvcompose.e2e.flow import measured, same_output
+from kvcompose.e2e.flow import measured, routed, same_output
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import BLOCK_SIZE, NodeError, free_ports
 from kvcompose.e2e.router import ROUTER_VERSION, RouterNode, router_argv
@@ -41,6 +42,10 @@ def test_router_argv_is_vllm_pd_over_nixl_by_the_routers_own_parser() -> None:
     assert [url for url, _ in args.prefill_urls] == ["http://127.0.0.1:8100"]
     assert args.decode_urls == ["http://127.0.0.1:8200"]
     assert (args.prometheus_host, args.prometheus_port) == ("127.0.0.1", 29100)
+    assert args.policy == "round_robin"
+    two = router_argv(["http://p"], ["http://d1", "http://d2"], 8000, 29100, policy="consistent_hash")
+    args = parse_router_args(two[3:])
+    assert args.decode_urls == ["http://d1", "http://d2"] and args.policy == "consistent_hash"
 
 
 def _nowhere() -> Any:
@@ -48,7 +53,7 @@ def _nowhere() -> Any:
 
 
 def test_a_router_whose_workers_are_down_is_not_ready_and_names_its_log(tmp_path: Path) -> None:
-    router = RouterNode(_nowhere(), _nowhere(), "m", tmp_path)
+    router = RouterNode([_nowhere()], [_nowhere()], "m", tmp_path)
     try:
         with pytest.raises(NodeError, match=r"router not ready after 3 s; router running, log .*router\.log"):
             router.wait_ready(timeout=3)
@@ -63,11 +68,11 @@ def test_a_missing_router_package_is_a_clear_error(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(NodeError, match=r"vllm-router package is not installed: pip install 'vllm-router==0\.1\.17'"):
-        RouterNode(_nowhere(), _nowhere(), "m", tmp_path)
+        RouterNode([_nowhere()], [_nowhere()], "m", tmp_path)
 
 
 def test_a_dead_router_is_a_clear_error(tmp_path: Path) -> None:
-    router = RouterNode(_nowhere(), _nowhere(), "m", tmp_path)
+    router = RouterNode([_nowhere()], [_nowhere()], "m", tmp_path)
     router.close()
     with pytest.raises(NodeError, match=r"router: POST /v1/completions failed .*router exited"):
         router.generate([[1, 2, 3]], 4)
@@ -135,3 +140,47 @@ def test_logprobs_are_compared_as_the_float32_values_the_engine_computed() -> No
     assert not same_output([1, 2], [-3.8056786, -1.0], expected)  # the next float32 towards 0
     assert not same_output([1, 3], expected["logprobs"], expected)
     assert not same_output([1, 2], [-3.8056788444519043], expected)
+
+
+class FakeDecode:
+    """A decode server's metrics as a router's request moves them (only ``answered`` moves)."""
+
+    def __init__(self, name: str, answers: bool) -> None:
+        self.name = name
+        self.answers = answers
+        self.requests = 0
+        self.counted = 0
+
+    def metrics(self) -> dict[str, float]:
+        loaded = {"vllm:kvcompose_loads{child=pd}": 1.0, "vllm:kvcompose_loaded_tokens{child=pd}": 10.0}
+        done = {"vllm:request_success{finished_reason=length}": float(self.requests)}
+        return {**done, **(loaded if self.requests else {})}
+
+    def answered_elsewhere(self, n: int = 1) -> None:
+        self.counted += n
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+
+def _answer() -> dict[str, Any]:
+    return parse_completion({"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-1.0]}}]}, 1.0)
+
+
+def test_a_routed_request_is_measured_on_the_decode_that_answered_it() -> None:
+    decodes = [FakeDecode("decode-1", False), FakeDecode("decode-2", True)]
+
+    def send() -> dict[str, Any]:
+        decodes[1].requests += 1  # the router chose decode-2
+        return _answer()
+
+    s = routed(decodes, send, 10, "x", ("pd",))
+    assert s.decode == "decode-2" and s.loaded == {"pd": 10}
+    assert [d.counted for d in decodes] == [0, 1]
+
+
+def test_a_routed_request_no_decode_counted_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flow, "SETTLE_TIMEOUT_S", 0.1)
+    decodes = [FakeDecode("decode-1", False), FakeDecode("decode-2", False)]
+    with pytest.raises(NodeError, match="x: one decode should have answered; counted by none"):
+        routed(decodes, _answer, 10, "x", ("pd",))

@@ -59,7 +59,7 @@ class Stack:
         self.decode = ServerNode(EngineSpec("decode", str(self.model), str(EXAMPLES / "pd-decode.yaml"), d_port), logs)
         self.nodes.append(self.decode)
         wait_all_ready([self.decode])
-        self.router = RouterNode(self.prefill, self.decode, str(self.model), logs)
+        self.router = RouterNode([self.prefill], [self.decode], str(self.model), logs)
         self.nodes.append(self.router)
         self.router.wait_ready()
 
@@ -82,7 +82,7 @@ def stack() -> Iterator[Stack]:
 
 def test_completion_through_the_router_is_prefilled_then_pulled_over_nixl(stack: Stack) -> None:
     before = stack.prefill.metrics()
-    s = routed_request(stack.router, stack.decode, PROMPT, MAX_TOKENS)
+    s = routed_request(stack.router, [stack.decode], PROMPT, MAX_TOKENS)
     # The router sent prefill one request of one token (max_tokens=1, do_remote_decode) ...
     stack.prefill.answered_elsewhere()
     on_prefill = delta(before, stack.prefill.metrics())
@@ -97,10 +97,10 @@ def test_completion_through_the_router_is_prefilled_then_pulled_over_nixl(stack:
 
 
 def test_repeated_prompt_through_the_router_loads_host_blocks_and_pulls_only_the_tail(stack: Stack) -> None:
-    first = routed_request(stack.router, stack.decode, REPEATED, MAX_TOKENS)
+    first = routed_request(stack.router, [stack.decode], REPEATED, MAX_TOKENS)
     assert first.loaded == {"pd": len(REPEATED)}
     drop_prefix_cache(stack.decode)
-    again = routed_request(stack.router, stack.decode, REPEATED, MAX_TOKENS)
+    again = routed_request(stack.router, [stack.decode], REPEATED, MAX_TOKENS)
     # load: ranges: host's full blocks, then NIXL the partial last block (one block), no second
     # pull of the whole prompt.
     full_blocks = len(REPEATED) // BLOCK_SIZE * BLOCK_SIZE
@@ -118,7 +118,7 @@ def test_text_prompt_through_the_router_equals_the_baseline_on_its_tokens(stack:
 
 
 def test_three_turn_chat_later_turns_loaded_by_host_and_nixl_equal_the_baseline(stack: Stack) -> None:
-    turns = list(chat_through_router(stack.router, stack.decode, stack.chat, MAX_TOKENS))
+    turns = list(chat_through_router(stack.router, [stack.decode], stack.chat, MAX_TOKENS))
     assert len(turns) == 3
     for turn, s in turns:
         assert turn.problems(s) == [], s.label
