@@ -81,7 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvcompose.e2e.demo import run
 
-    return run(http=args.http)
+    return run(http=args.http, decodes=args.decodes)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,6 +118,14 @@ def parser() -> argparse.ArgumentParser:
         help="the serving stack: vLLM's router (P/D mode, nixl) in front of prefill and decode as "
         "vLLM's OpenAI-compatible HTTP servers, completions and a 3-turn chat through the router, "
         "counters from decode's /metrics (instead of offline engines)",
+    )
+    s.add_argument(
+        "--decodes",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="with --http: decode servers behind the router (2: 1P2D, the router's consistent_hash keeps each "
+        "conversation on one decode, whose host tier serves its later turns)",
     )
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("bench", help="benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)")

@@ -20,9 +20,10 @@ BENCHMARKS: dict[str, str] = {
     "pd-ttft": "pd_ttft",
     "ranges": "pd_ranges",
     "cold-start": "cold_start",
+    "serve": "serve",
 }
 #: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
-FULL_ONLY = ("pd-ttft", "ranges", "cold-start")
+FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve")
 
 
 def _runner(name: str) -> Callable[..., Result]:

@@ -43,6 +43,12 @@ SYSTEM = (
     "then to a decode engine that pulls the key and value cache over the network, and a host tier "
     "keeps the blocks the device cache has to drop. Answer briefly and stay on topic."
 )
+#: A second conversation's system prompt (1P2D: one conversation per decode): words of its own, so
+#: that no block of one conversation is a block of the other.
+OTHER_SYSTEM = (
+    "You answer questions about key and value caches for a team that runs many decode engines "
+    "behind one router. Keep every answer short, concrete and friendly."
+)
 USER_TURNS = (
     "Hello, how are you today? Tell me what a prefill engine does.",
     "What is the weather like where you live? And what does the decode engine do?",

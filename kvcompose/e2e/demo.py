@@ -21,6 +21,12 @@ three-turn chat (``/v1/chat/completions``, :mod:`kvcompose.e2e.chat`) follows, d
 cache dropped between turns so that later turns are served by host and NIXL together. The
 baseline stays an offline engine, so the check also shows that the router and the HTTP path
 return the same token ids and logprobs as ``vllm.LLM``.
+
+``decodes=2`` (``kvcompose demo --http --decodes 2``) is 1P2D: two decode servers behind the
+router, whose ``consistent_hash`` policy routes by the ``X-Session-ID`` header. The demo asks the
+router which decode each session lands on (:func:`~kvcompose.e2e.flow.session_per_decode`), sends
+the table's requests as one session, and runs one conversation per decode: each conversation's
+turns must reach the decode whose host tier holds its earlier turns.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from array import array
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
+from kvcompose.e2e.chat import OTHER_SYSTEM, SYSTEM, ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose.e2e.flow import (
     Served,
     drop_prefix_cache,
@@ -40,6 +46,7 @@ from kvcompose.e2e.flow import (
     next_turn,
     pd_request,
     routed_request,
+    session_per_decode,
     token_prompt,
 )
 from kvcompose.e2e.model import make_model
@@ -105,21 +112,26 @@ def run(
     prefill_yaml: Path = EXAMPLES / "pd-prefill.yaml",
     decode_yaml: Path = EXAMPLES / "pd-decode.yaml",
     http: bool = False,
+    decodes: int = 1,
 ) -> int:
     """Run the demo; 0 when every decode output equals the baseline, 1 otherwise. ``http``:
     prefill and decode are vLLM API servers behind vLLM's router, else offline engines (the
-    baseline is offline)."""
+    baseline is offline). ``decodes`` (with ``http``): that many decode servers behind the
+    router, which keeps each conversation on one of them (``consistent_hash``)."""
+    if decodes not in (1, 2) or (decodes > 1 and not http):
+        print(f"demo: --decodes {decodes}: 1 (offline or --http) or 2 (--http only)", file=out)
+        return 2
     started = time.monotonic()
     model = make_model(0)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-demo-"))
     print(f"model: {model} (seeded random weights)\nengine logs: {logs}", file=out)
     prompts = {label: token_prompt(seed, n) for label, seed, n in PROMPTS}
     turn_1 = token_prompt(*TURN_1)
-    p_port, d_port = free_ports(2)
+    p_port, *d_ports = free_ports(1 + decodes)
     Node: Any = ServerNode if http else EngineNode
     kind = "HTTP server" if http else "engine"
     nodes: list[Any] = []
-    chat: list[ChatTurn] = []
+    chats: list[list[ChatTurn]] = []
     try:
         print(f"starting baseline (offline engine, no connector) and prefill {kind} ...", file=out, flush=True)
         baseline = EngineNode(EngineSpec("baseline", str(model)), logs)
@@ -135,33 +147,50 @@ def run(
         turn_2 = next_turn(turn_1, expected["turn 1"]["token_ids"], message)
         first_answer = baseline.generate([turn_2], MAX_TOKENS)[0]
         expected["turn 2"] = baseline.generate([turn_2], MAX_TOKENS)[0]  # its last prompt token alone
-        if http:
-            chat = baseline_chat(baseline, load_tokenizer(model), MAX_TOKENS)
+        if http:  # one conversation per decode server
+            tokenizer = load_tokenizer(model)
+            systems = (SYSTEM, OTHER_SYSTEM)[:decodes]
+            chats = [baseline_chat(baseline, tokenizer, MAX_TOKENS, system=system) for system in systems]
         baseline.close()
         nodes.remove(baseline)
-        print(f"baseline done; starting decode {kind} ...", file=out, flush=True)
-        decode = Node(EngineSpec("decode", str(model), str(decode_yaml), d_port), logs)
-        nodes.append(decode)
-        wait_all_ready([decode], progress=_progress(out))
+        names = ["decode"] if decodes == 1 else [f"decode-{i + 1}" for i in range(decodes)]
+        print(f"baseline done; starting {', '.join(names)} {kind} ...", file=out, flush=True)
+        pool = [Node(EngineSpec(name, str(model), str(decode_yaml), port), logs) for name, port in zip(names, d_ports)]
+        nodes += pool
+        wait_all_ready(pool, progress=_progress(out))
         if http:
-            router = RouterNode([prefill], [decode], str(model), logs)
+            # consistent_hash keeps a session on one decode; with one decode there is nothing to choose.
+            policy = "consistent_hash" if decodes > 1 else "round_robin"
+            router = RouterNode([prefill], pool, str(model), logs, policy=policy)
             nodes.append(router)
             router.wait_ready()
-            via = f"vLLM's router {router.url} -> prefill {prefill.url}, decode {decode.url}"
+            via = f"vLLM's router {router.url} ({policy}) -> prefill {prefill.url}, " + ", ".join(
+                f"{d.name} {d.url}" for d in pool
+            )
+            # The table's requests are one session: they reach one decode (the router's choice).
+            sessions = session_per_decode(router, pool)
+            table_decode, table_session = next(iter(sessions.items()))
+            if decodes > 1:
+                via += f"; the table's requests as {table_session}, which the router sends to {table_decode}"
         else:
             via = "offline engines, proxy flow"
+        channels = ", ".join(f"{d.spec.name} :{port}" for d, port in zip(pool, d_ports))
         print(
             f"engines ready after {time.monotonic() - started:.0f} s "
-            f"({via}; NIXL side channels: prefill :{p_port}, decode :{d_port})\n",
+            f"({via}; NIXL side channels: prefill :{p_port}, {channels})\n",
             file=out,
         )
 
         def serve(ids: list[int], label: str) -> Served:
             if http:  # one request to the router: it does prefill, then decode
-                return routed_request(router, [decode], ids, MAX_TOKENS, label=label, children=CHILDREN)
-            return pd_request(prefill, decode, ids, MAX_TOKENS, label=label, children=CHILDREN)
+                return routed_request(router, pool, ids, MAX_TOKENS, label, CHILDREN, table_session)
+            return pd_request(prefill, pool[0], ids, MAX_TOKENS, label=label, children=CHILDREN)
 
-        before = decode.metrics()
+        def drop_all() -> None:
+            for d in pool:
+                drop_prefix_cache(d)
+
+        before = [d.metrics() for d in pool]
         served: list[tuple[Served, bool]] = []
 
         def add_row(s: Served, ok: bool, why: str = "") -> None:
@@ -172,7 +201,7 @@ def run(
         for label, ids in prompts.items():
             s = serve(ids, f"{label} ({len(ids)})")
             add_row(s, s.equals(expected[label]))
-        drop_prefix_cache(decode)
+        drop_all()
         print("  -- decode's own prefix cache dropped; repeated turns --", file=out)
         for label in REPEATS:
             s = serve(prompts[label], f"{label} again")
@@ -185,22 +214,28 @@ def run(
         )
         first = serve(turn_1, f"turn 1 ({len(turn_1)})")
         add_row(first, first.equals(expected["turn 1"]))
-        drop_prefix_cache(decode)
+        drop_all()
         turn_2 = next_turn(turn_1, first.token_ids, message)
         second = serve(turn_2, f"turn 2 ({len(turn_2)})")
         add_row(second, second.equals(expected["turn 2"]))
         chat_gaps: list[float] = []
-        if http:
+        for chat, (decode_name, session) in zip(chats, sessions.items() if http else ()):
+            where = f" as {session}, which the router sends to {decode_name}" if decodes > 1 else ""
             print(
-                "  -- chat (/v1/chat/completions): each turn = the whole history + a new user message; "
+                f"  -- chat (/v1/chat/completions){where}: each turn = the whole history + a new user message; "
                 "decode's prefix cache dropped before turns 2 and 3 --",
                 file=out,
             )
-            for turn, s in chat_through_router(router, [decode], chat, MAX_TOKENS, CHILDREN):
+            for turn, s in chat_through_router(router, pool, chat, MAX_TOKENS, CHILDREN, session):
                 problems = turn.problems(s)
+                if s.decode != decode_name:
+                    problems.append(f"routed to {s.decode}, not {decode_name}")
                 chat_gaps.append(_logprob_gap(s, turn.first))
                 add_row(s, not problems, f" ({', '.join(problems)})" if problems else "")
-        rates = hit_rates(before, decode.metrics(), CHILDREN)
+        rates = {c: (0, 0) for c in CHILDREN}
+        for d, was in zip(pool, before):
+            for c, (loads, lookups) in hit_rates(was, d.metrics(), CHILDREN).items():
+                rates[c] = (rates[c][0] + loads, rates[c][1] + lookups)
     except NodeError as exc:
         print(f"\ndemo failed: {exc}", file=out)
         return 1
@@ -210,7 +245,7 @@ def run(
     bad = [s.label for s, ok in served if not ok]
     if second.token_ids != first_answer["token_ids"]:
         bad.append(f"{second.label} (vs the baseline's first answer)")
-    print("\nsummary (decode engine, from its vllm:kvcompose_* counters):", file=out)
+    print(f"\nsummary ({' + '.join(names)}, from the vllm:kvcompose_* counters):", file=out)
     for child, (loads, lookups) in rates.items():
         pct = 100.0 * loads / lookups if lookups else 0.0
         tokens = sum(s.loaded.get(child, 0) for s, _ in served)
@@ -242,7 +277,7 @@ def run(
         f"{_logprob_gap(second, first_answer):.1e}",
         file=out,
     )
-    if chat:
+    if chats:
         print(
             "  chat turns vs the baseline's first answers (new part computed in one batch): logprobs within "
             + ", ".join(f"{g:.1e}" for g in chat_gaps),

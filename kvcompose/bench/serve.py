@@ -1,0 +1,237 @@
+"""Benchmark 11: the serving stack under load, kvcompose vs a bare NixlConnector on the decode side.
+
+Three engines and two routers at once, all vLLM's own programs:
+
+* one prefill server (``examples/pd-prefill.yaml``), shared by both sides;
+* decode ``kvcompose``: ``examples/pd-decode.yaml`` (host-memory tier + NIXL, ``load: ranges``);
+* decode ``NixlConnector``: that composition's NIXL child alone as the server's
+  ``--kv-transfer-config`` (:func:`~kvcompose.bench.pd_ttft.nixl_alone`: vLLM's NixlConnector
+  through the nixl plugin's module path, the same options);
+* one vLLM router per side (P/D mode, nixl) in front of the shared prefill and that side's decode.
+
+The workload is a chat service's: every prompt is one of :data:`PREFIXES` shared prefixes (a
+system prompt, a document) followed by a new part, so prefixes repeat across requests (prefill's
+prefix cache, decode's, the host tier), and :data:`IN_FLIGHT` requests are in flight at once
+(a thread per client, streaming ``/v1/completions`` through the router). Each round sends a batch
+of :data:`BATCH` requests through one side, then a batch of the same shape (other new parts)
+through the other, the order flipping every round, so both sides share the machine's moments of
+load. A sample is one batch's requests per second; each request's time to first token (the
+first streamed token, as the client sees it: prefill, the NIXL pull and decode's first step) and
+errors are collected per side.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcompose.bench.measure import Samples, ratio, repeats_for
+from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
+from kvcompose.bench.report import Case, Result, Target
+
+SIDES = ("NixlConnector", "kvcompose")
+IN_FLIGHT = 16
+BATCH = 64  # requests per side and round (quick: 32)
+ROUNDS = 5  # quick: the minimum, 3 -> 640 requests in all (quick: 192)
+PREFIXES = 8
+PREFIX_TOKENS = 256  # 8 blocks
+NEW_TOKENS = (64, 200)  # the new part's length, drawn per request
+MAX_TOKENS = 16
+#: Enough device blocks for 16 prompts of up to 456 tokens and their answers at once.
+DECODE_BLOCKS = 512
+
+
+@dataclass
+class Tally:
+    """One side's requests: times to first token, errors (what went wrong, first few kept)."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    errors: int = 0
+    first_errors: list[str] = field(default_factory=list)
+
+    def error(self, what: str) -> None:
+        self.errors += 1
+        if len(self.first_errors) < 3:
+            self.first_errors.append(what)
+
+
+def stream_completion(host: str, port: int, model: str, prompt: list[int], timeout: float = 120.0) -> float:
+    """One streamed greedy ``/v1/completions`` request; seconds until its first token. Raises
+    on an HTTP error or an answer without tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read(300).decode(errors='replace')}")
+        first: float | None = None
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            if first is None and json.loads(line[5:])["choices"][0].get("text") is not None:
+                first = time.perf_counter() - t0
+        if first is None:
+            raise RuntimeError("the stream ended without a token")
+        return first
+    finally:
+        conn.close()
+
+
+class Workload:
+    """Prompts: one of the shared prefixes, then a new part; every side gets its own new parts."""
+
+    def __init__(self, seed: int = 0) -> None:
+        from kvcompose.e2e.flow import token_prompt
+
+        self._rng = random.Random(seed)
+        self._token_prompt = token_prompt
+        self.prefixes = [token_prompt(50_000 + i, PREFIX_TOKENS) for i in range(PREFIXES)]
+        self._next = 60_000
+
+    def batch(self, n: int) -> list[list[int]]:
+        out = []
+        for _ in range(n):
+            self._next += 1
+            new = self._token_prompt(self._next, self._rng.randint(*NEW_TOKENS))
+            out.append(self.prefixes[self._rng.randrange(PREFIXES)] + new)
+        return out
+
+
+def run_batch(router_port: int, model: str, prompts: list[list[int]], tally: Tally) -> float:
+    """``prompts`` through the router at :data:`IN_FLIGHT` at once; requests per second."""
+
+    def one(prompt: list[int]) -> None:
+        try:
+            tally.ttft_s.append(stream_completion("127.0.0.1", router_port, model, prompt))
+        except Exception as exc:  # every failure is counted and shown, none stops the run
+            tally.error(f"{type(exc).__name__}: {exc}"[:300])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        list(pool.map(one, prompts))
+    return len(prompts) / (time.perf_counter() - t0)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else values[0]
+
+
+def run(
+    quick: bool = False,
+    repeats: int | None = None,
+    echo: Callable[[str], None] = print,
+    work: Path | None = None,
+    batch: int | None = None,
+) -> Result:
+    """Requests per second behind the router, one sample per side and round; the ratio."""
+    from kvcompose.e2e.model import make_model
+    from kvcompose.e2e.node import EXAMPLES, EngineSpec, free_ports, wait_all_ready
+    from kvcompose.e2e.router import RouterNode
+    from kvcompose.e2e.server import ServerNode
+
+    rounds = repeats or repeats_for(quick, full=ROUNDS)
+    per_batch = batch or (BATCH // 2 if quick else BATCH)
+    logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-serve-"))
+    model = str(make_model(0))
+    decode_yaml = EXAMPLES / "pd-decode.yaml"
+    samples = {side: Samples() for side in SIDES}
+    tallies = {side: Tally() for side in SIDES}
+    moved: dict[str, dict[str, float]] = {}
+    nodes: list[Any] = []
+    with engine_lock(echo=echo):
+        try:
+            p_port, *d_ports = free_ports(3)
+            prefill = ServerNode(EngineSpec("prefill", model, str(EXAMPLES / "pd-prefill.yaml"), p_port), logs)
+            nodes.append(prefill)
+            specs = {
+                "kvcompose": EngineSpec(
+                    "decode-kvcompose", model, str(decode_yaml), d_ports[0], num_gpu_blocks=DECODE_BLOCKS
+                ),
+                "NixlConnector": EngineSpec(
+                    "decode-NixlConnector",
+                    model,
+                    kv_config=nixl_alone(decode_yaml, d_ports[1]),
+                    num_gpu_blocks=DECODE_BLOCKS,
+                ),
+            }
+            decodes = {side: ServerNode(specs[side], logs) for side in SIDES}
+            nodes += decodes.values()
+            t0 = time.monotonic()
+            wait_all_ready([prefill, *decodes.values()])
+            started_s = time.monotonic() - t0
+            routers = {side: RouterNode([prefill], [decodes[side]], model, logs) for side in SIDES}
+            nodes += routers.values()
+            for r in routers.values():
+                r.wait_ready()
+            workload = Workload()
+            for side in SIDES:  # NIXL handshakes, first-request warm-up
+                run_batch(routers[side].port, model, workload.batch(2), Tally())
+            before = {side: decodes[side].metrics() for side in SIDES}
+            for r in range(rounds):
+                for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                    rps = run_batch(routers[side].port, model, workload.batch(per_batch), tallies[side])
+                    samples[side].values.append(rps)
+                    echo(f"   round {r + 1}/{rounds} {side}: {rps:.2f} req/s")
+            for side in SIDES:
+                after = decodes[side].metrics()
+                moved[side] = {k: v - before[side].get(k, 0.0) for k, v in after.items() if v != before[side].get(k)}
+        finally:
+            for n in reversed(nodes):
+                n.close()
+    label = f"{IN_FLIGHT} in flight, {per_batch}-request batches, {PREFIXES} shared {PREFIX_TOKENS}-token prefixes"
+    extra = {side: _side_report(tallies[side], moved.get(side, {})) for side in SIDES}
+    for side in SIDES:
+        e = extra[side]
+        echo(
+            f"   {side}: TTFT p50 {e['ttft_p50_ms']} ms, p90 {e['ttft_p90_ms']} ms, "
+            f"errors {e['errors']}{' ' + str(e['first_errors']) if e['errors'] else ''}"
+        )
+    return Result(
+        "serve",
+        "Requests/s behind vLLM's router (1 prefill, 1 decode per side): kvcompose vs a bare NixlConnector",
+        "req/s",
+        1.0,
+        [Case(label, samples, {"sides": extra, "engines_start_s": round(started_s, 1), "engine_logs": str(logs)})],
+        [ratio(label, samples, "kvcompose", "NixlConnector", higher_is_better=True)],
+        Target(">=", 0.98, "kvcompose", "NixlConnector"),
+        rounds,
+        quick,
+        [
+            "one prefill server shared by both sides; decode kvcompose: examples/pd-decode.yaml (host tier + NIXL, "
+            "load: ranges); decode NixlConnector: its NIXL child alone (same options); a vLLM router per side",
+            f"a sample: one batch's requests/s, {IN_FLIGHT} streamed requests in flight; the sides alternate batch "
+            "by batch (order flipping every round); every prompt a shared prefix + a new part",
+            "TTFT: first streamed token as the client sees it (prefill + NIXL pull + decode's first step); "
+            "errors: HTTP errors and failed streams",
+        ],
+        {"in_flight": IN_FLIGHT, "batch": per_batch, "max_tokens": MAX_TOKENS, "decode_blocks": DECODE_BLOCKS},
+    )
+
+
+def _side_report(tally: Tally, moved: dict[str, float]) -> dict[str, Any]:
+    from kvcompose.e2e.flow import COMPUTED, NIXL_BYTES, answered, loads_key
+
+    ttft = sorted(tally.ttft_s)
+    return {
+        "requests": len(ttft) + tally.errors,
+        "errors": tally.errors,
+        "first_errors": tally.first_errors,
+        "ttft_p50_ms": round(_quantile(ttft, 0.5) * 1e3, 1) if ttft else None,
+        "ttft_p90_ms": round(_quantile(ttft, 0.9) * 1e3, 1) if ttft else None,
+        "decode_answered": int(answered(moved)),
+        "nixl_bytes": int(moved.get(NIXL_BYTES, 0)),
+        "host_loads": int(moved.get(loads_key("host"), 0)),
+        "computed_prompt_tokens": int(moved.get(COMPUTED, 0)),
+    }
