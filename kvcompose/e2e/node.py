@@ -90,6 +90,12 @@ class EngineSpec:
     num_gpu_blocks: int = 256
     seed: int = 0
     kv_config: dict[str, Any] | None = None
+    #: vLLM's ``KVEventsConfig`` as a dict (:func:`kvcompose.e2e.events.kv_events_config`): the
+    #: engine publishes its KV cache events, the connector's included.
+    kv_events: dict[str, Any] | None = None
+    #: Tensor-parallel workers (one process each). On vLLM's CPU platform TP > 1 also needs each
+    #: worker's OpenMP threads bound to cores of its own: :meth:`env`.
+    tensor_parallel_size: int = 1
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         """The ``KVTransferConfig`` kwargs: ``kv_config``, or the composition's with this spec's
@@ -116,7 +122,17 @@ class EngineSpec:
             "seed": self.seed,
             "num_gpu_blocks_override": self.num_gpu_blocks,
             "disable_log_stats": False,  # the Prometheus counters the checks read
+            **({"kv_events_config": self.kv_events} if self.kv_events is not None else {}),
+            **({"tensor_parallel_size": self.tensor_parallel_size} if self.tensor_parallel_size > 1 else {}),
         }
+
+    def env(self) -> dict[str, str]:
+        """Environment this engine needs beyond :data:`ENGINE_ENV`: with TP > 1, one core per
+        worker (``VLLM_CPU_OMP_THREADS_BIND`` ``0|1|...``; vLLM's CPU default binds by NUMA node
+        and leaves a 2-core host's second worker nothing)."""
+        if self.tensor_parallel_size <= 1:
+            return {}
+        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(self.tensor_parallel_size))}
 
 
 def composed_kv_transfer_config(
@@ -169,7 +185,7 @@ class EngineNode:
         self.log_path = log_dir / f"{spec.name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         read_fd, write_fd = os.pipe()
-        env = engine_env(extra_env)
+        env = engine_env({**spec.env(), **(extra_env or {})})
         env["KVCOMPOSE_NODE_FD"] = str(write_fd)
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
@@ -414,12 +430,14 @@ def _generate(
 def _serve(spec: EngineSpec, reply: Callable[[dict[str, Any]], None]) -> None:
     reply({"event": "stage", "stage": "importing vllm"})
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kwargs = spec.llm_kwargs()
     ktc = spec.kv_transfer_config()
     if ktc is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
+    if spec.kv_events is not None:
+        kwargs["kv_events_config"] = KVEventsConfig(**spec.kv_events)
     reply({"event": "stage", "stage": "building engine"})
     t0 = time.monotonic()
     llm = LLM(**kwargs)

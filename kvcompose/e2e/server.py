@@ -72,10 +72,14 @@ def server_argv(spec: EngineSpec, port: int) -> list[str]:
             # The server's switches are off unless given (disable_log_stats is off there by
             # default, unlike in vllm.LLM), and it has no --no-<flag> form for them.
             continue
-        else:
-            argv += [flag, str(value)]
+        else:  # a config given as a mapping (kv_events_config) is a JSON value on the command line
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     if spec.composition is not None:
         argv += ["--kv-transfer-config", kv_transfer_value(spec)]
+    if spec.kv_events is not None:
+        # A router that routes by KV events (vllm-router's kv_aware) tokenizes each prompt through
+        # the server's /v1/completions/render (and the chat one), which answer 403 unless asked.
+        argv.append("--enable-scale-out")
     return argv
 
 
@@ -232,7 +236,7 @@ class ServerNode:
         self.log_path = log_dir / f"{spec.name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         # Dev mode adds /reset_prefix_cache, which the repeated turns need.
-        env = engine_env({"VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})})
+        env = engine_env({"VLLM_SERVER_DEV_MODE": "1", **spec.env(), **(extra_env or {})})
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from kvcompose.e2e.chat import SYSTEM, ChatTurn, baseline_chat, chat_through_router, load_tokenizer
+from kvcompose.e2e.chat import OTHER_SYSTEM, SYSTEM, ChatTurn, baseline_chat, chat_through_router, load_tokenizer
+from kvcompose.e2e.events import EventListener, kv_events_config
 from kvcompose.e2e.flow import Served, session_per_decode
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EXAMPLES, EngineNode, EngineSpec, free_ports, wait_all_ready
@@ -32,12 +33,6 @@ from kvcompose.e2e.server import ServerNode
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 16
-#: The second conversation's system prompt: words of its own, so that no block of one
-#: conversation is a block of the other.
-OTHER_SYSTEM = (
-    "You answer questions about key and value caches for a team that runs many decode engines "
-    "behind one router. Keep every answer short, concrete and friendly."
-)
 
 
 class Stack:
@@ -62,17 +57,21 @@ class Stack:
         baseline.close()
         self.nodes.remove(baseline)
         decode = str(EXAMPLES / "pd-decode.yaml")
+        events = {name: kv_events_config(logs / f"{name}.events") for name in ("decode-1", "decode-2")}
         self.decodes = [
-            ServerNode(EngineSpec("decode-1", str(self.model), decode, d1_port), logs),
-            ServerNode(EngineSpec("decode-2", str(self.model), decode, d2_port), logs),
+            ServerNode(EngineSpec(name, str(self.model), decode, port, kv_events=events[name]), logs)
+            for name, port in zip(events, (d1_port, d2_port))
         ]
         self.nodes += self.decodes
         wait_all_ready(self.decodes)
+        self.events = {name: EventListener(config["endpoint"]) for name, config in events.items()}
         self.router = RouterNode([self.prefill], self.decodes, str(self.model), logs, policy="consistent_hash")
         self.nodes.append(self.router)
         self.router.wait_ready()
 
     def close(self) -> None:
+        for listener in getattr(self, "events", {}).values():
+            listener.close()
         for n in reversed(self.nodes):
             n.close()
 
@@ -111,3 +110,27 @@ def test_each_conversation_stays_on_one_decode_whose_host_tier_serves_its_later_
             assert s.loaded == {"host": shared, "pd": s.prompt_tokens - shared}, (decode, s.label)
             pd_blocks = -(-(s.prompt_tokens - shared) // BLOCK_SIZE)
             assert s.nixl_bytes == pd_blocks * BLOCK_SIZE * kv_bytes_per_token(stack.model)
+
+    # Both decodes published their KV events through vLLM's publisher: the host tier's stores
+    # (medium CPU) of a conversation's blocks come only from the decode that served it, and
+    # they outlive the device cache's resets (AllBlocksCleared), which is what a router needs
+    # to send a later turn where its prefix is.
+    blocks = {
+        decode: {b for turn, _ in turns for b in _full_blocks(turn.prompt_ids)}
+        for decode, turns in zip(sessions, served)
+    }
+    for decode, other in (("decode-1", "decode-2"), ("decode-2", "decode-1")):
+        listener = stack.events[decode]
+        host = {tuple(b.token_ids) for b in listener.stored() if b.medium == "CPU"}
+        device = {tuple(b.token_ids) for b in listener.stored() if b.medium == "GPU"}
+        first_turn = _full_blocks(served[list(sessions).index(decode)][0][0].prompt_ids)
+        assert first_turn <= host and first_turn <= device, decode
+        # (by token ids: blocks of padding words can be equal in both conversations)
+        theirs = blocks[other] - blocks[decode]
+        assert theirs and not (theirs & host), f"{decode} published host blocks of {other}'s conversation"
+        assert listener.cleared() >= 2
+
+
+def _full_blocks(ids: list[int]) -> set[tuple[int, ...]]:
+    """The token ids of each full block of a prompt."""
+    return {tuple(ids[k : k + BLOCK_SIZE]) for k in range(0, len(ids) // BLOCK_SIZE * BLOCK_SIZE, BLOCK_SIZE)}
