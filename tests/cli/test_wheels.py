@@ -229,3 +229,21 @@ def _declared_version(distribution: str) -> str:
 
 def test_kvcompose_is_the_version_of_this_checkout() -> None:
     assert _declared_version("kvcompose") == kvcompose.__version__
+
+
+@pytest.mark.parametrize(
+    "pyproject",
+    [SOURCES[name] / "pyproject.toml" for name in PLUGINS] + [REPO / "examples/prefer-rule/pyproject.toml"],
+    ids=lambda p: p.parent.name,
+)
+def test_plugins_require_a_kvcompose_range_that_holds_this_version(pyproject: Path) -> None:
+    from packaging.requirements import Requirement
+
+    requirements = [Requirement(r) for r in tomllib.loads(pyproject.read_text())["project"]["dependencies"]]
+    (kv,) = [r for r in requirements if r.name == "kvcompose"]
+    assert kv.specifier, f"{pyproject}: kvcompose without a version range"
+    assert kv.specifier.contains(kvcompose.__version__), f"{pyproject}: {kv} excludes {kvcompose.__version__}"
+    # The next release that may change the contract: 0.x's next minor, else the next major.
+    major, minor, *_ = (int(part) for part in kvcompose.__version__.split("."))
+    breaking = f"0.{minor + 1}.0" if major == 0 else f"{major + 1}.0.0"
+    assert not kv.specifier.contains(breaking), f"{pyproject}: {kv} admits {breaking}"
