@@ -14,6 +14,7 @@ is the system Python.)
 
 from __future__ import annotations
 
+import email.parser
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 import kvcompose
 from kvcompose.examples import all_examples
@@ -156,6 +158,26 @@ def test_the_wheels_are_what_the_new_environment_imports(venv: Venv) -> None:
     assert (venv.site / "kvcompose_cpu_offload" / "py.typed").is_file()
 
 
+@pytest.mark.parametrize("distribution", list(SOURCES))
+def test_what_a_package_index_shows(venv: Venv, distribution: str) -> None:
+    """The installed metadata: the README as a Markdown long description, classifiers, the SPDX
+    licence, the kvcompose range of a plugin, and no invented project URLs."""
+    (info,) = venv.site.glob(f"{distribution.replace('-', '_')}-*.dist-info")
+    meta = email.parser.Parser().parsestr((info / "METADATA").read_text())
+    assert meta["Version"] == _declared_version(distribution)
+    assert meta["Description-Content-Type"] == "text/markdown"
+    assert meta.get_payload().strip() == (SOURCES[distribution] / "README.md").read_text().strip()
+    classifiers = meta.get_all("Classifier") or []
+    assert {"Typing :: Typed", "Programming Language :: Python :: 3.11"} <= set(classifiers)
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta["Requires-Python"] == ">=3.11"
+    assert not meta.get_all("Project-URL") and not meta["Home-page"]
+    declared = tomllib.loads((SOURCES[distribution] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert {str(Requirement(r)) for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r} == {
+        str(Requirement(r)) for r in declared
+    }
+
+
 def test_version_reports_the_installed_wheels(venv: Venv) -> None:
     lines = venv.kvcompose("--version").splitlines()
     versions = {name: _declared_version(name) for name in SOURCES}
@@ -237,8 +259,6 @@ def test_kvcompose_is_the_version_of_this_checkout() -> None:
     ids=lambda p: p.parent.name,
 )
 def test_plugins_require_a_kvcompose_range_that_holds_this_version(pyproject: Path) -> None:
-    from packaging.requirements import Requirement
-
     requirements = [Requirement(r) for r in tomllib.loads(pyproject.read_text())["project"]["dependencies"]]
     (kv,) = [r for r in requirements if r.name == "kvcompose"]
     assert kv.specifier, f"{pyproject}: kvcompose without a version range"
