@@ -1,20 +1,27 @@
-"""``kvcompose``: check, explain, plugins, schema, vllm-args, bench.
+"""``kvcompose``: check, explain, plugins, schema, vllm-args, examples, demo, bench.
 
 Exit status: 0 on success, 2 for a bad composition or bad usage (the error is printed as
-``FILE:LINE:COL: key: message (hint)``, never as a traceback), 1 for a broken plugin.
+``FILE:LINE:COL: key: message (hint)``, never as a traceback), 1 for a broken plugin; 141
+(128 + SIGPIPE, what a shell reports for ``yes | head``) when the reader of the output goes away
+first, quietly; 130 (128 + SIGINT) or 143 (SIGTERM) when ``demo`` or ``bench`` is interrupted,
+after stopping every engine and router process it started.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvcompose.bench.runner import BENCHMARKS
 from kvcompose.catalog import Plan
 from kvcompose.compose import load
 from kvcompose.errors import CompositionError
+from kvcompose.examples import ExampleError
 from kvcompose.plugins import PluginError, get_plugins
 
 
@@ -64,14 +71,30 @@ def cmd_vllm_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def cmd_examples(args: argparse.Namespace) -> int:
+    from kvcompose import examples
 
+    chosen = [examples.example(args.name)] if args.name else examples.all_examples()
+    if args.write:
+        for path in examples.write(chosen, Path(args.write), force=args.force):
+            print(path)
+    elif args.name:
+        print(chosen[0].text(), end="")
+    else:
+        width = max(len(e.name) for e in chosen)
+        for e in chosen:
+            print(f"{e.name.ljust(width)}  {e.summary()}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
     from kvcompose.bench.plot import PlotUnavailable
     from kvcompose.bench.runner import run
+    from kvcompose.e2e.node import stopped_on_interrupt
 
     try:
-        run(quick=args.quick, only=args.only or (), png=args.png, out=Path(args.out))
+        with stopped_on_interrupt():
+            run(quick=args.quick, only=args.only or (), png=args.png, out=Path(args.out))
     except (PlotUnavailable, ValueError) as exc:
         print(f"kvcompose bench: {exc}", file=sys.stderr)
         return 2
@@ -80,25 +103,79 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvcompose.e2e.demo import run
+    from kvcompose.e2e.node import stopped_on_interrupt
 
-    return run(http=args.http, decodes=args.decodes)
+    with stopped_on_interrupt():
+        return run(http=args.http, decodes=args.decodes)
+
+
+class _Versions(argparse.Action):
+    """``--version``: kvcompose's, its plugins' and the vLLM and NIXL found (read only when asked)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="the versions of kvcompose, its plugins, vLLM and NIXL")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from kvcompose.versions import version_lines
+
+        print("\n".join(version_lines()))
+        parser.exit()
+
+
+def _command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str, example: str
+) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` ends with an example of its use."""
+    return sub.add_parser(
+        name,
+        help=help,
+        description=help[0].upper() + help[1:] + ".",
+        epilog="example:\n" + "\n".join("  " + line for line in example.splitlines()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvcompose", description="Compose vLLM KV-cache connectors from YAML.")
+    p = argparse.ArgumentParser(
+        prog="kvcompose",
+        description="Compose vLLM KV-cache connectors from YAML.",
+        epilog="example:\n  kvcompose examples --write .\n  kvcompose check pd-decode.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action=_Versions)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    s = sub.add_parser("check", help="validate a composition and say what it will do")
+    s = _command(sub, "check", "validate a composition and say what it will do", "kvcompose check pd-decode.yaml")
     s.add_argument("file")
     s.set_defaults(func=cmd_check)
-    s = sub.add_parser("explain", help="the plan in plain words and each child's vLLM config")
+    s = _command(
+        sub,
+        "explain",
+        "the plan in plain words and each child's vLLM config",
+        "kvcompose explain pd-decode.yaml",
+    )
     s.add_argument("file")
     s.set_defaults(func=cmd_explain)
-    s = sub.add_parser("plugins", help="every connector type and rule, with the distribution providing it")
+    s = _command(
+        sub,
+        "plugins",
+        "every connector type and rule, with the distribution providing it",
+        "kvcompose plugins --json",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_plugins)
-    s = sub.add_parser("schema", help="JSON Schema of the composition file (for editor completion)")
+    s = _command(
+        sub,
+        "schema",
+        "JSON Schema of the composition file (for editor completion)",
+        "kvcompose schema > kvcompose.schema.json",
+    )
     s.set_defaults(func=cmd_schema)
-    s = sub.add_parser("vllm-args", help="the --kv-transfer-config value that makes vLLM load the composition")
+    s = _command(
+        sub,
+        "vllm-args",
+        "the --kv-transfer-config value that makes vLLM load the composition",
+        'vllm serve MODEL --kv-transfer-config "$(kvcompose vllm-args pd-decode.yaml)"',
+    )
     s.add_argument("file")
     s.add_argument(
         "--style",
@@ -107,10 +184,26 @@ def parser() -> argparse.ArgumentParser:
         help="json: the value alone (default); shell: the whole flag, quoted",
     )
     s.set_defaults(func=cmd_vllm_args)
-    s = sub.add_parser(
+    s = _command(
+        sub,
+        "examples",
+        "the example compositions shipped with kvcompose: list them, print one, or copy them",
+        "kvcompose examples                     # list them\n"
+        "kvcompose examples pd-decode           # print one\n"
+        "kvcompose examples --write compose/    # copy them all into compose/",
+    )
+    s.add_argument("name", nargs="?", metavar="NAME", help="one example (default: all)")
+    s.add_argument("--write", metavar="DIR", help="copy the example(s) into DIR (created if missing)")
+    s.add_argument("--force", action="store_true", help="with --write: replace files that differ")
+    s.set_defaults(func=cmd_examples)
+    s = _command(
+        sub,
         "demo",
-        help="P/D over NIXL plus the CPU tier between two real vLLM engines, "
+        "P/D over NIXL plus the CPU tier between two real vLLM engines, "
         "checked against a single-engine baseline (the main job)",
+        "kvcompose demo                      # offline engines\n"
+        "kvcompose demo --http               # vLLM's router and HTTP servers\n"
+        "kvcompose demo --http --decodes 2  # 1P2D: one conversation per decode",
     )
     s.add_argument(
         "--http",
@@ -128,7 +221,12 @@ def parser() -> argparse.ArgumentParser:
         "conversation on one decode, whose host tier serves its later turns)",
     )
     s.set_defaults(func=cmd_demo)
-    s = sub.add_parser("bench", help="benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)")
+    s = _command(
+        sub,
+        "bench",
+        "benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)",
+        "kvcompose bench --quick --only dispatch --png",
+    )
     s.add_argument("--quick", action="store_true", help="fewer sizes and repeats, no engine run (under 2 minutes)")
     s.add_argument(
         "--only",
@@ -142,16 +240,40 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+#: 128 + the signal's number: the status a shell reports for a command a signal ended.
+SIGNALLED = 128
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        # Inside the try: a reader that went away shows here, not at interpreter exit.
+        sys.stdout.flush()
+        return status
     except CompositionError as exc:
         print(str(exc), file=sys.stderr)
+        return 2
+    except ExampleError as exc:
+        print(f"kvcompose examples: {exc}", file=sys.stderr)
         return 2
     except PluginError as exc:
         print(f"kvcompose: plugin error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # Python's recipe (the signal module's "Note on SIGPIPE"): point stdout at devnull so the
+        # flush at exit cannot fail again. Not SIGPIPE's default action, which would also end
+        # the process on a socket closed under it (the demo's HTTP clients).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGNALLED + signal.SIGPIPE
+    except KeyboardInterrupt as exc:
+        from kvcompose.e2e.node import Interrupted
+
+        if isinstance(exc, Interrupted):
+            print("\n" + exc.message(args.command), file=sys.stderr)
+            return SIGNALLED + exc.signum
+        print(f"\nkvcompose {args.command}: interrupted", file=sys.stderr)
+        return SIGNALLED + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ from pathlib import Path
 from kvcompose.bench.measure import Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import EXAMPLES, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.examples import EXAMPLES
 
 SIDES = ("NixlConnector", "kvcompose")
 PAIRS = 3  # fresh pairs per side (quick: 1)

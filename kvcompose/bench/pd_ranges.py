@@ -83,7 +83,8 @@ from typing import Any
 from kvcompose.bench.measure import Ratio, Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import BLOCK_SIZE, EXAMPLES, MAX_MODEL_LEN
+from kvcompose.e2e.node import BLOCK_SIZE, MAX_MODEL_LEN
+from kvcompose.examples import EXAMPLES
 
 PREFILL_YAML = EXAMPLES / "pd-prefill.yaml"
 

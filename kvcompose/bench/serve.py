@@ -137,9 +137,10 @@ def run(
 ) -> Result:
     """Requests per second behind the router, one sample per side and round; the ratio."""
     from kvcompose.e2e.model import make_model
-    from kvcompose.e2e.node import EXAMPLES, EngineSpec, free_ports, wait_all_ready
+    from kvcompose.e2e.node import EngineSpec, free_ports, wait_all_ready
     from kvcompose.e2e.router import RouterNode
     from kvcompose.e2e.server import ServerNode
+    from kvcompose.examples import EXAMPLES
 
     rounds = repeats or repeats_for(quick, full=ROUNDS)
     per_batch = batch or (BATCH // 2 if quick else BATCH)

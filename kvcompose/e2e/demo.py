@@ -50,9 +50,10 @@ from kvcompose.e2e.flow import (
     token_prompt,
 )
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EXAMPLES, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.examples import EXAMPLES
 
 CHILDREN = ("host", "pd")
 MAX_TOKENS = 16

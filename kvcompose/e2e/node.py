@@ -30,9 +30,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvcompose.catalog import Plan
 
-#: The shipped example compositions (``examples/``), which the demo, the benchmarks and the
-#: engine tests run.
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 #: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
@@ -189,14 +186,14 @@ class EngineNode:
         env["KVCOMPOSE_NODE_FD"] = str(write_fd)
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
+        self.proc = start_group(
+            f"{spec.name} engine",
             [sys.executable, "-m", "kvcompose.e2e.node", json.dumps(asdict(spec))],
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
             pass_fds=(write_fd,),
-            start_new_session=True,
             text=True,
         )
         os.close(write_fd)
@@ -305,6 +302,21 @@ class EngineNode:
         self.proc.stdin.flush()
 
 
+#: The process groups :func:`start_group` started and :func:`stop_group` has not stopped yet, by
+#: leader pid, with a name for messages: what an interrupted command stops
+#: (:func:`stopped_on_interrupt`).
+_RUNNING: dict[int, tuple[str, subprocess.Popen[Any]]] = {}
+
+
+def start_group(name: str, argv: list[str], **popen: Any) -> subprocess.Popen[Any]:
+    """Start ``argv`` as the leader of a process group of its own (vLLM's engine core and API
+    server children join it), so that :func:`stop_group` reaches all of them and a terminal's
+    Ctrl-C reaches only this process, which then stops them (:func:`stopped_on_interrupt`)."""
+    proc: subprocess.Popen[Any] = subprocess.Popen(argv, start_new_session=True, **popen)
+    _RUNNING[proc.pid] = (name, proc)
+    return proc
+
+
 def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
     """Send ``sig`` to the process group of ``proc`` (a process this package started with its own
     group); a group already gone is not an error."""
@@ -329,6 +341,54 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float, ask: Callable[[], No
             pass
     signal_group(proc, signal.SIGKILL)
     proc.wait(30)
+    _RUNNING.pop(proc.pid, None)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) arrived; every process group started here is already stopped."""
+
+    def __init__(self, signum: int, stopped: list[str]) -> None:
+        super().__init__(signum, stopped)
+        self.signum = signum
+        self.stopped = stopped
+
+    def message(self, command: str) -> str:
+        """What the command prints about it."""
+        why = signal.Signals(self.signum).name
+        if not self.stopped:
+            return f"kvcompose {command}: interrupted ({why}); no engine or router process was running"
+        return (
+            f"kvcompose {command}: interrupted ({why}); stopped the {len(self.stopped)} engine/router "
+            f"process groups it started: {', '.join(self.stopped)}"
+        )
+
+
+@contextlib.contextmanager
+def stopped_on_interrupt(grace_s: float = 5.0) -> Iterator[None]:
+    """Within: SIGINT or SIGTERM first stops every process group :func:`start_group` started and
+    that is still running (SIGTERM, then SIGKILL after ``grace_s``), then raises
+    :class:`Interrupted` naming them, so the code unwinds past processes that are already gone.
+
+    Their own process groups keep a terminal's Ctrl-C from reaching the engines, so this process
+    is the one that must stop them. Further signals are ignored while it does (a second Ctrl-C
+    would otherwise cut the cleanup short and leave engines behind).
+    """
+
+    def stop_all(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stopped = []
+        for name, proc in list(_RUNNING.values()):
+            stop_group(proc, grace_s)
+            stopped.append(f"{name} (pid {proc.pid})")
+        raise Interrupted(signum, stopped)
+
+    previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def wait_all_ready(

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError, free_ports, log_tail, stop_group
+from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError, free_ports, log_tail, start_group, stop_group
 from kvcompose.e2e.server import HOST, HttpClient, chat_body, completion_body, parse_chat, parse_completion
 
 ROUTER_MODULE = "vllm_router.launch_router"
@@ -103,13 +103,9 @@ class RouterNode:
         self.policy = policy
         self.argv = router_argv([p.url for p in prefills], [d.url for d in decodes], self.port, metrics_port, policy)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            # Its own process group: close() signals exactly the processes started here.
-            start_new_session=True,
+        # Its own process group: close() signals exactly the processes started here.
+        self.proc = start_group(
+            self.name, self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
         )
         self._http = HttpClient(self.name, self.url, self._state)
 

@@ -36,6 +36,7 @@ from kvcompose.e2e.node import (
     log_tail,
     metric_key,
     signal_group,
+    start_group,
     stop_group,
 )
 
@@ -239,13 +240,13 @@ class ServerNode:
         env = engine_env({"VLLM_SERVER_DEV_MODE": "1", **spec.env(), **(extra_env or {})})
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
+        self.proc = start_group(
+            f"{spec.name} server",
             server_argv(spec, self.port),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
-            start_new_session=True,
         )
         self._http = HttpClient(spec.name, self.url, self._state)
         self.stage = "importing vllm"

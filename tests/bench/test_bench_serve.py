@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvcompose.bench import runner, serve
-from kvcompose.e2e.node import EXAMPLES
+from kvcompose.examples import EXAMPLES
 
 
 def test_every_prompt_is_a_shared_prefix_and_a_new_part() -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcompose.compose import load
-from kvcompose.e2e.node import EXAMPLES, EngineSpec, composed_kv_transfer_config
+from kvcompose.e2e.node import EngineSpec, composed_kv_transfer_config
 from kvcompose.e2e.server import SERVER_MODULE, parse_metrics, server_argv
+from kvcompose.examples import EXAMPLES
 from kvcompose.vllm.args import render
 
 

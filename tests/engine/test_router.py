@@ -19,9 +19,10 @@ import pytest
 from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose.e2e.flow import EXTERNAL, delta, drop_prefix_cache, routed_request, same_output, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EXAMPLES, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.examples import EXAMPLES
 
 pytestmark = pytest.mark.engine
 

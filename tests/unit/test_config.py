@@ -12,10 +12,10 @@ from kvcompose.cli import main
 from kvcompose.compose import load, loads
 from kvcompose.config import MAX_BYTES
 from kvcompose.errors import CompositionError
+from kvcompose.examples import all_examples
 from kvcompose.units import ByteSize
 
 BAD = sorted((Path(__file__).parent / "bad").glob("*.yaml"))
-EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 
 
 def _expectation(path: Path) -> tuple[str, str]:
@@ -37,7 +37,7 @@ def test_bad_file_is_refused_with_its_location(path: Path, capsys: pytest.Captur
     assert elapsed < 30  # sanity bound only (alias bombs must not hang); not a performance assertion
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [e.path for e in all_examples()], ids=lambda p: p.stem)
 def test_shipped_examples_are_valid(path: Path) -> None:
     plan = load(path)
     assert sorted(plan.names) == ["host", "pd"]  # the examples ask the host tier first
