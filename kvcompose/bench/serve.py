@@ -172,7 +172,9 @@ def run(
             t0 = time.monotonic()
             wait_all_ready([prefill, *decodes.values()])
             started_s = time.monotonic() - t0
-            routers = {side: RouterNode([prefill], [decodes[side]], model, logs) for side in SIDES}
+            routers = {
+                side: RouterNode([prefill], [decodes[side]], model, logs, name=f"router-{side}") for side in SIDES
+            }
             nodes += routers.values()
             for r in routers.values():
                 r.wait_ready()
@@ -193,6 +195,12 @@ def run(
                 n.close()
     label = f"{IN_FLIGHT} in flight, {per_batch}-request batches, {PREFIXES} shared {PREFIX_TOKENS}-token prefixes"
     extra = {side: _side_report(tallies[side], moved.get(side, {})) for side in SIDES}
+    for side in SIDES:  # a side that did not do P/D measured something else
+        if not extra[side]["nixl_bytes"]:
+            raise RuntimeError(
+                f"serve: decode {side} pulled nothing over NIXL ({extra[side]['computed_prompt_tokens']} prompt "
+                f"tokens computed on decode); see {logs}/decode-{side}.log"
+            )
     for side in SIDES:
         e = extra[side]
         echo(

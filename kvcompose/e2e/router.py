@@ -76,10 +76,8 @@ def router_argv(
 class RouterNode:
     """One router process in front of ``prefills`` and ``decodes`` (anything with a ``url``: a
     :class:`~kvcompose.e2e.server.ServerNode`), choosing among them by ``policy``
-    (:func:`router_argv`); its log is ``router.log`` in ``log_dir``, beside the engines'. Call
+    (:func:`router_argv`); its log is ``<name>.log`` in ``log_dir``, beside the engines'. Call
     :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
-
-    name = "router"
 
     def __init__(
         self,
@@ -89,6 +87,7 @@ class RouterNode:
         log_dir: Path,
         port: int | None = None,
         policy: str = "round_robin",
+        name: str = "router",
     ) -> None:
         if importlib.util.find_spec("vllm_router") is None:
             raise NodeError(
@@ -98,7 +97,8 @@ class RouterNode:
         self.model = model
         self.port, metrics_port = free_ports(2) if port is None else (port, free_ports(1)[0])
         self.url = f"http://{HOST}:{self.port}"
-        self.log_path = log_dir / "router.log"
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.policy = policy
         self.argv = router_argv([p.url for p in prefills], [d.url for d in decodes], self.port, metrics_port, policy)

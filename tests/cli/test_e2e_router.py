@@ -184,3 +184,30 @@ def test_a_routed_request_no_decode_counted_is_a_clear_error(monkeypatch: pytest
     decodes = [FakeDecode("decode-1", False), FakeDecode("decode-2", False)]
     with pytest.raises(NodeError, match="x: one decode should have answered; counted by none"):
         routed(decodes, _answer, 10, "x", ("pd",))
+
+
+def test_the_router_takes_decode_kv_events_only_in_regular_mode() -> None:
+    """Where routing P/D decodes by the host tier's KV events stops with vllm-router 0.1.17: in
+    P/D mode it refuses static event sources for decode workers (only prefill ones, through
+    ``--pd-kv-events``); in regular mode it takes them. No worker needs to be up: the router
+    checks its configuration first. If a router release lifts this, this test says so."""
+    import subprocess
+    import sys
+
+    d1, d2, e1, e2 = (f"http://127.0.0.1:{p}" for p in free_ports(4))
+
+    def start(*mode: str) -> str:
+        port, metrics = (str(p) for p in free_ports(2))
+        argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", port, *mode]
+        argv += ["--policy", "kv_aware", "--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", "m"]
+        argv += ["--kv-event-source", f"{d1}={e1.replace('http', 'tcp')}"]
+        argv += ["--kv-event-source", f"{d2}={e2.replace('http', 'tcp')}"]
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", metrics, "--worker-startup-timeout-secs", "1"]
+        argv += ["--worker-startup-check-interval", "1"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        return out.stdout + out.stderr
+
+    pd = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--prefill", "http://127.0.0.1:3"]
+    assert "static --kv-event-source is only supported in regular mode" in start(*pd, "--decode", d1, "--decode", d2)
+    regular = start("--worker-urls", d1, d2)  # accepted; then it waits for workers that never come up
+    assert "Incompatible configuration" not in regular and "waiting for hosts" in regular, regular[-2000:]
