@@ -7,6 +7,7 @@ Exit status: 0 on success, 2 for a bad composition or bad usage (the error is pr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -19,7 +20,10 @@ from kvcompose.plugins import PluginError, get_plugins
 
 
 def _plan(path: str) -> Plan:
-    return load(path)
+    plan = load(path)
+    for warning in plan.warnings:
+        print(warning.render(plan.source.filename), file=sys.stderr)
+    return plan
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -134,8 +138,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    return parser()  # built once per process: argparse spends milliseconds on it
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         return args.func(args)
     except CompositionError as exc:
