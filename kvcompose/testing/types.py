@@ -75,6 +75,9 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     action: FaultAction
     requests: list[str] = []
     seconds: float = 0.05
+    #: Behave for this many matching calls first, then fire: with ``times``, a child that is
+    #: healthy, fails for a while, and is healthy again.
+    after: int = 0
     #: Fire this many times, then behave (None: every time).
     times: int | None = None
 
@@ -83,8 +86,8 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"call {self.call!r} is not a connector call; expected one of {sorted(FAULT_CALLS)}")
         if self.action == "fail-load" and self.call != "get_transfer_results":
             raise ValueError("action fail-load is reported by get_transfer_results; set call: get_transfer_results")
-        if self.seconds < 0 or (self.times is not None and self.times < 1):
-            raise ValueError("seconds must be >= 0 and times >= 1")
+        if self.seconds < 0 or self.after < 0 or (self.times is not None and self.times < 1):
+            raise ValueError("seconds and after must be >= 0 and times >= 1")
 
 
 class FaultyOptions(RecordOptions):
