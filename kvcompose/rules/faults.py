@@ -133,8 +133,9 @@ class Breaker(FaultMonitor):
     def _change(self, child: int, c: _Child, state: ChildState, why: str) -> None:
         c.state = state
         self._changes[child] = state
-        level = logging.WARNING if state == "open" else logging.INFO
-        log.log(level, "connector %s: breaker %s: %s", self._rule.names[child], state, why)
+        # Every change at WARNING: they are rare, and under vLLM only WARNING reaches the log by
+        # default; an operator who saw a child bypassed must also see it come back.
+        log.warning("connector %s: breaker %s: %s", self._rule.names[child], state, why)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ Nothing here imports vLLM: the classes vLLM instantiates live in :mod:`kvcompose
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -156,3 +157,19 @@ class FaultyType(RecordType):
 @hookimpl
 def kvcompose_connector_types() -> list[ConnectorType]:
     return [RecordType(), RecordRangeType(), RecordPDType(), FaultyType()]
+
+
+#: The entry-point name under which :func:`install_entry_point` offers these types.
+ENTRY_POINT = "kit-types"
+
+
+def install_entry_point(site: Path) -> Path:
+    """Offer these types to other processes as an installed plugin would: a distribution in
+    ``site`` whose ``kvcompose`` entry point is this module. Put ``site`` on a process's
+    ``PYTHONPATH`` and a real engine there can run ``type: faulty`` (the kit's fixtures register
+    the types only in the test's own process)."""
+    dist = site / "kvcompose_kit_types-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcompose-kit-types\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[kvcompose]\n{ENTRY_POINT} = {__name__}\n")
+    return site
