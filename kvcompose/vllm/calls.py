@@ -129,8 +129,9 @@ class CallTable(dict[str, list[Entry]]):
         return out
 
     def every(self, method: str) -> list[Entry]:
-        """``method`` on every child, disabled ones included (``shutdown``)."""
-        return self._resolve(method, range(len(self._children)))
+        """``method`` on every child, bypassed ones included, uncontained (``shutdown``: a child
+        bypassed by the faults rule still gets it, and the caller reports every error)."""
+        return [(i, self._bind(i, method, contain=False)) for i in range(len(self._children))]
 
     def disable(self, child: int) -> None:
         """Stop calling ``child``: every method is resolved again without it."""
@@ -173,11 +174,11 @@ class CallTable(dict[str, list[Entry]]):
         fn = getattr(self._children[i], method)  # an instance attribute (a test's patch) is the child's own
         return getattr(fn, "__func__", None) is getattr(KVConnectorBase_V1, method)
 
-    def _bind(self, i: int, method: str) -> Callable[..., Any]:
+    def _bind(self, i: int, method: str, contain: bool = True) -> Callable[..., Any]:
         fn: Callable[..., Any] = getattr(self._children[i], method)
         if self._trace:
             fn = _traced(self._names[i], method, fn)
-        if self._faults.contains(i):
+        if contain and self._faults.contains(i):
             fn = self._contained(i, method, fn)
         return fn
 

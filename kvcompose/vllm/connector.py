@@ -87,6 +87,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         self.plan = plan = vllm_children.plan_from_config(ktc)
+        if role == KVConnectorRole.SCHEDULER:  # once per engine: its environment is the one that counts
+            for warning in plan.warnings:
+                log.warning("composition: %s", warning.render(plan.source.filename))
         classes = vllm_children.child_classes(vllm_config)
         if len(classes) != len(plan.children):
             raise ValueError(

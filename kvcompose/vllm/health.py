@@ -15,13 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    PromMetric,
-    PromMetricT,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvcompose.rules.contract import ChildState
 
@@ -72,17 +66,11 @@ class ChildStateStats(KVConnectorStats):
 class ChildStatePromMetrics(KVConnectorPromMetrics):
     """The gauge of :class:`ChildStateStats` (label ``child``): the worst state over the instances."""
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def __init__(self, *args: Any) -> None:  # vLLM's (vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        super().__init__(*args)
         self._state = self._gauge_cls(
             name="vllm:kvcompose_breaker_state",
-            labelnames=[*labelnames, "child"],
+            labelnames=[*self._labelnames, "child"],
             documentation="A contained child's state under the faults rule: 0 closed, 1 half-open, 2 open "
             "(the worst over the scheduler and the workers).",
             multiprocess_mode="mostrecent",

@@ -97,23 +97,28 @@ def test_small_sizes_render() -> None:
     assert repr(ByteSize(32 << 30)) == "ByteSize(32GiB)"
 
 
-def test_the_connector_count_has_its_own_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    f = tmp_path / "many.yaml"
-    f.write_text("version: 1\nconnectors:\n" + "".join(f"  - {{name: c{i}, type: cpu-offload}}\n" for i in range(5000)))
-    assert main(["check", str(f)]) == 2
-    err = capsys.readouterr().err
-    assert f"{f}:3:3: connectors: 5000 connectors; a composition has at most {MAX_CONNECTORS}" in err
-    assert "alias" not in err
-
-
-def test_a_big_document_without_aliases_names_the_limit_and_what_was_counted(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (  # the connector count has its own limit and message
+            "version: 1\nconnectors:\n" + "".join(f"  - {{name: c{i}, type: cpu-offload}}\n" for i in range(5000)),
+            f":3:3: connectors: 5000 connectors; a composition has at most {MAX_CONNECTORS}",
+        ),
+        (  # a big document without aliases: the limit and what was counted
+            "version: 1\nconnectors: [{name: a, type: cpu-offload}]\nx: [" + ",".join(["1"] * 25_000) + "]\n",
+            f"more than {MAX_NODES} nodes (values, lists and mappings counted)",
+        ),
+    ],
+    ids=["connectors", "nodes"],
+)
+def test_size_limits_say_which_and_what_was_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str
 ) -> None:
     f = tmp_path / "big.yaml"
-    f.write_text("version: 1\nconnectors: [{name: a, type: cpu-offload}]\nx: [" + ",".join(["1"] * 25_000) + "]\n")
+    f.write_text(text)
     assert main(["check", str(f)]) == 2
     err = capsys.readouterr().err
-    assert f"more than {MAX_NODES} nodes (values, lists and mappings counted)" in err
+    assert expected in err
     assert "alias" not in err
 
 

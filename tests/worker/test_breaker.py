@@ -123,3 +123,17 @@ def test_a_scheduler_side_failure_after_the_load_was_chosen_fails_that_load(kvco
     # vLLM's default kv_load_failure_policy ("fail") ends the request; nothing waits forever.
     assert req.request_id not in h.scheduler.requests
     assert_scheduler_empty(h.scheduler)
+
+
+def test_a_bypassed_child_still_gets_shutdown(kvcompose_worker: Factory) -> None:
+    faults = "[{call: wait_for_save, action: raise}, {call: shutdown, action: stall, seconds: 0}]"
+    conn: KVComposeConnector = kvcompose_worker(
+        TWO.format(tokens=0, faults=faults, failures=1, cooldown=3600), register=False
+    ).connector
+    conn.bind_connector_metadata(meta())
+    conn.wait_for_save()
+    assert conn.disabled == ("host",)
+    conn.shutdown()
+    host = conn.child("host")
+    assert isinstance(host, FaultyConnector)
+    assert ("shutdown", "stall", None) in host.fired  # it ran: its threads and files are released
