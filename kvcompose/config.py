@@ -15,7 +15,7 @@ import msgspec
 
 from kvcompose.errors import CompositionError, Locator, Problem, did_you_mean
 from kvcompose.errors import Path as DocPath
-from kvcompose.reader import KEY, MAX_BYTES, MAX_CONNECTORS, parse_yaml
+from kvcompose.reader import KEY, MAX_BYTES, MAX_CONNECTORS, parse_yaml, plain_data_problem
 from kvcompose.rules.contract import RULE_KINDS, RuleKind
 from kvcompose.units import ByteSize
 
@@ -235,6 +235,11 @@ def to_builtins(comp: Composition) -> dict[str, Any]:
 
 
 def from_builtins(data: Any, filename: str = "<kv_connector_extra_config>") -> Source:
+    """A composition from plain data (JSON in vLLM's arguments): the same checks as from YAML,
+    but for what only YAML can write."""
+    problem = plain_data_problem(data)
+    if problem is not None:
+        raise CompositionError([problem], filename)
     try:
         comp = msgspec.convert(data, type=Composition, dec_hook=dec_hook)
     except msgspec.ValidationError as exc:

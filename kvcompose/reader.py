@@ -200,6 +200,17 @@ def _check_values(data: Any, path: DocPath) -> None:
         raise _Refused(Problem(f"a {type(data).__name__} is not plain data", path, "quote the value"))
 
 
+def plain_data_problem(data: Any) -> Problem | None:
+    """What makes already-built data (JSON, say) not a composition's plain data, if anything."""
+    try:
+        _check_values(data, ())
+    except _Refused as refused:
+        return refused.problem
+    except RecursionError:
+        return Problem(f"nested too deeply; a composition is at most {MAX_DEPTH} levels deep")
+    return None
+
+
 def parse_yaml(text: str, filename: str = "<composition>") -> tuple[Any, Locator]:
     """Safe-load one YAML document of plain data; return it and a locator for its paths."""
     if len(text.encode("utf-8", "replace")) > MAX_BYTES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from decimal import Decimal
@@ -11,6 +12,7 @@ import pytest
 
 from kvcompose.cli import main
 from kvcompose.compose import load, loads
+from kvcompose.config import from_builtins
 from kvcompose.errors import CompositionError
 from kvcompose.reader import MAX_BYTES, MAX_CONNECTORS, MAX_NODES
 from kvcompose.units import MAX_SIZE, ByteSize, host_memory
@@ -176,3 +178,22 @@ def test_no_yaml_construct_runs_code_or_reads_a_file(tmp_path: Path, construct: 
         loads(text)
     assert not marker.exists()
     assert "leaked" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"version": 1, "connectors": [{"name": "a", "type": "record", "options": {"matched_tokens": 2**64}}]},
+            "64 bits",
+        ),
+        ({"version": 1, "connectors": [{"name": "a", "type": "record", "options": {"params": {1: 2}}}]}, "not text"),
+        (
+            {"version": 1, "connectors": [{"name": "a", "type": "cpu-offload", "options": {"cpu_bytes": math.inf}}]},
+            "finite",
+        ),
+    ],
+)
+def test_plain_data_from_json_is_checked_as_from_yaml(data: object, message: str) -> None:
+    with pytest.raises(CompositionError, match=message):
+        from_builtins(data)
