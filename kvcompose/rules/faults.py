@@ -172,7 +172,8 @@ def _explain_breaker(children: tuple[Child, ...], p: BreakerParams) -> str:
     calls = "a call fails" if p.failures == 1 else f"{p.failures} calls fail (with no step free of failures between)"
     steps = "a step" if p.successes == 1 else f"{p.successes} steps in a row"
     return (
-        f"faults: {', '.join(p.children)} have a circuit breaker: when {calls}, the child is bypassed "
+        f"faults: {', '.join(p.children)} {'has' if len(p.children) == 1 else 'each have'} a circuit breaker: "
+        f"when {calls}, the child is bypassed "
         f"(its loads recompute, its stores are skipped); after {p.cooldown_s:g} s one probe call goes "
         f"to it, and after {steps} without a failure it is fully back (a failed probe bypasses it "
         "again); its state is the gauge vllm:kvcompose_breaker_state"

@@ -205,7 +205,7 @@ def test_breaker_from_yaml_with_its_options() -> None:
     assert [plan.faults.contains(i) for i in range(3)] == [False, False, True]
     assert (plan.faults.failures, plan.faults.cooldown_s, plan.faults.successes) == (2, 0.5, 4)
     text = "\n".join(plan.explain())
-    assert "c have a circuit breaker: when 2 calls fail" in text
+    assert "c has a circuit breaker: when 2 calls fail" in text
     assert "after 0.5 s one probe call" in text and "after 4 steps in a row without a failure" in text
 
 
