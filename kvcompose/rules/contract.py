@@ -232,6 +232,11 @@ class CompletionTracker(Protocol):
         :meth:`settle` counts them as reported by it, finished and failed."""
         ...
 
+    def release(self, child: int) -> None:
+        """Worker half: ``child`` is bypassed and will not report the delayed frees it owes now;
+        the next :meth:`settle` counts them as reported by it (a free no other child still owes
+        is forwarded). The default keeps them owed."""
+
     def settle(self, results: Sequence[TransferResults | None]) -> tuple[TransferResults, int]:
         """Worker half: each child's report for this step (``None``: nothing), in YAML order,
         into what this worker forwards to vLLM, and how many reports were withheld."""

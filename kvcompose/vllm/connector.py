@@ -140,6 +140,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         bypassed now (a failed call may have lost a load). On a worker: the loads it still owes.
         On the scheduler: the loads it was given that the workers have not been told of."""
         self._completion.abandon(child, self.plan.faults.owed(child, self._completion))
+        if child in self.calls.disabled:
+            self._completion.release(child)
         self._abandoned = True
         self._loads.abandon(child)
 
@@ -216,6 +218,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if connector_metadata.saves_owed:
             for req, children in connector_metadata.saves_owed.items():
                 self._completion.expect_saves(req, children)
+            for child in disabled:  # bypassed here: it will not report a free
+                self._completion.release(child)
+                self._abandoned = True
         for i, fn in self.calls["bind_connector_metadata"]:
             fn(metas[i])
         self._connector_metadata = connector_metadata  # what the base class's bind does

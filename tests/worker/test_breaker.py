@@ -137,3 +137,21 @@ def test_a_bypassed_child_still_gets_shutdown(kvcompose_worker: Factory) -> None
     host = conn.child("host")
     assert isinstance(host, FaultyConnector)
     assert ("shutdown", "stall", None) in host.fired  # it ran: its threads and files are released
+
+
+def test_delayed_frees_a_bypassed_child_owes_are_released_once(kvcompose_worker: Factory) -> None:
+    conn: KVComposeConnector = kvcompose_worker(
+        TWO.format(tokens=0, faults="[{call: wait_for_save, action: raise, times: 1}]", failures=1, cooldown=0),
+        register=False,
+    ).connector
+    conn.bind_connector_metadata(ComposedMetadata({"pd": None, "host": None}, saves_owed={"s1": (1,), "s2": (0, 1)}))
+    conn.wait_for_save()  # host raises: bypassed; it will not report its frees
+    res = conn.get_transfer_results(set())
+    assert res.finished_sending == {"s1"}  # owed by host alone: released at once
+    conn.clear_connector_metadata()
+    conn.bind_connector_metadata(meta())  # host back (half-open)
+    conn.child("pd").results = KVConnectorTransferResults(finished_sending={"s2"})
+    conn.child("host").results = KVConnectorTransferResults(finished_sending={"s1", "s2"})  # late
+    res = conn.get_transfer_results(set())
+    assert res.finished_sending == {"s2"}  # when pd, the last owner still called, reported it
+    assert conn.dropped_completions == 2  # host's late s1 and s2: vLLM would assert on a second free
