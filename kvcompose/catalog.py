@@ -163,7 +163,10 @@ class ConnectorType:
         return self.summary
 
     def check(self, child: Child, plan: Plan) -> Iterable[Problem]:
-        """Problems that only this type can see (conflicting ports, a missing path, ...)."""
+        """Problems that only this type can see (conflicting ports, a missing path, ...).
+
+        A problem with ``warning=True`` is reported without refusing the composition.
+        """
         return ()
 
     def kv_layout(self, child: Child) -> str | None:
@@ -245,6 +248,8 @@ class Plan:
     faults: FaultsRule
     #: Log every hook and child call (``KVCOMPOSE_TRACE``).
     trace: bool = False
+    #: What the checks warn of (located, :attr:`Problem.warning` set); the plan runs anyway.
+    warnings: tuple[Problem, ...] = ()
 
     @property
     def composition(self) -> Composition:

@@ -10,6 +10,7 @@ after stopping every engine and router process it started.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -26,7 +27,10 @@ from kvcompose.plugins import PluginError, get_plugins
 
 
 def _plan(path: str) -> Plan:
-    return load(path)
+    plan = load(path)
+    for warning in plan.warnings:
+        print(warning.render(plan.source.filename), file=sys.stderr)
+    return plan
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -244,8 +248,13 @@ def parser() -> argparse.ArgumentParser:
 SIGNALLED = 128
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    return parser()  # built once per process: argparse spends milliseconds on it
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         status = args.func(args)
         # Inside the try: a reader that went away shows here, not at interpreter exit.

@@ -7,6 +7,7 @@ data in :mod:`kvcompose.catalog`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,11 @@ def build(source: Source, plugins: Plugins | None = None) -> Plan:
     for c in children:
         problems.extend(c.type.check(c, plan))
     problems.extend(plugins.check(plan))
+    errors = [p for p in problems if not p.warning]
+    if errors:
+        raise source.error(errors)
     if problems:
-        raise source.error(problems)
+        plan = dataclasses.replace(plan, warnings=source.locate(problems))
     return plan
 
 

@@ -1,7 +1,6 @@
 """The composition file: msgspec Structs, safe YAML in, located errors and JSON Schema out.
 
-Only safe YAML is read (no Python tags). Files over :data:`MAX_BYTES` and documents whose
-aliases expand past :data:`MAX_NODES` nodes are refused before any work scales with them.
+The YAML is read by :mod:`kvcompose.reader` (plain data only, bounded, every refusal located).
 """
 
 from __future__ import annotations
@@ -13,17 +12,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
 
 from kvcompose.errors import CompositionError, Locator, Problem, did_you_mean
 from kvcompose.errors import Path as DocPath
+from kvcompose.reader import KEY, MAX_BYTES, MAX_CONNECTORS, parse_yaml, plain_data_problem
 from kvcompose.rules.contract import RULE_KINDS, RuleKind
 from kvcompose.units import ByteSize
-
-MAX_BYTES = 1 << 20
-MAX_NODES = 20_000
-#: Path suffix under which a mapping key's own position is recorded.
-KEY = "\0key"
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 #: A rule by name (``first-wins``) or with parameters (``{use: longest-hit, ...}``).
@@ -68,7 +62,7 @@ RulesSpec = msgspec.defstruct(
 
 class Composition(Spec):
     version: Literal[1]
-    connectors: Annotated[list[ChildSpec], msgspec.Meta(min_length=1, max_length=32)]
+    connectors: Annotated[list[ChildSpec], msgspec.Meta(min_length=1, max_length=MAX_CONNECTORS)]
     rules: RulesSpec = msgspec.field(default_factory=RulesSpec)
     #: What vLLM does with a request whose KV load failed (its ``kv_load_failure_policy``):
     #: ``fail`` ends it with an error, ``recompute`` computes the prompt locally. Unset: vLLM's
@@ -100,86 +94,6 @@ def schema_hook(type_: type) -> dict[str, Any]:
     raise NotImplementedError
 
 
-# ------------------------------------------------------------------ YAML with locations
-
-
-def _walk(
-    node: yaml.Node, path: DocPath, marks: dict[DocPath, tuple[int, int]], budget: list[int], memo: dict[int, int]
-) -> None:
-    """Record each path's line and column; count expanded nodes to stop alias bombs."""
-    marks.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
-    size = memo.get(id(node))
-    if size is not None:  # an alias re-visits a node: charge its size without walking it again
-        budget[0] -= size
-        if budget[0] < 0:
-            raise _TooBig(node.start_mark)
-        return
-    before = budget[0]
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise _TooBig(node.start_mark)
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            k = key.value if isinstance(key, yaml.ScalarNode) else str(key)
-            # Keys are recorded under a ("key",) suffix: "unknown key" points at the key itself,
-            # every other problem at the value.
-            marks.setdefault(path + (k, KEY), (key.start_mark.line + 1, key.start_mark.column + 1))
-            _walk(value, path + (k,), marks, budget, memo)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _walk(item, path + (i,), marks, budget, memo)
-    memo[id(node)] = before - budget[0]
-
-
-class _TooBig(Exception):
-    def __init__(self, mark: yaml.Mark) -> None:
-        self.mark = mark
-
-
-def parse_yaml(text: str, filename: str = "<composition>") -> tuple[Any, Locator]:
-    """Safe-load one YAML document; return its data and a locator for its paths."""
-    if len(text.encode("utf-8", "replace")) > MAX_BYTES:
-        raise CompositionError(
-            [Problem(f"the file is larger than {MAX_BYTES} bytes; a composition is a few lines", line=1, column=1)],
-            filename,
-        )
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            raise CompositionError(
-                [Problem("the file is empty", hint="start with `version: 1` and a `connectors:` list")], filename
-            )
-        marks: dict[DocPath, tuple[int, int]] = {}
-        try:
-            _walk(node, (), marks, [MAX_NODES], {})
-        except _TooBig as big:
-            raise CompositionError(
-                [
-                    Problem(
-                        f"the document expands to more than {MAX_NODES} nodes (an alias bomb?)",
-                        hint="write the composition out without nested aliases",
-                        line=big.mark.line + 1,
-                        column=big.mark.column + 1,
-                    )
-                ],
-                filename,
-            ) from None
-        data = loader.construct_document(node)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        msg = " ".join(str(x) for x in (exc.context, exc.problem) if x)
-        if "python/" in msg or "could not determine a constructor" in msg:
-            msg += "; only plain YAML is accepted (no tags that build Python objects)"
-        p = Problem(msg, line=mark.line + 1 if mark else None, column=mark.column + 1 if mark else None)
-        raise CompositionError([p], filename) from None
-    except yaml.YAMLError as exc:
-        raise CompositionError([Problem(f"not valid YAML: {exc}")], filename) from None
-    finally:
-        loader.dispose()
-    return data, Locator(marks)
-
-
 _PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 _AT = re.compile(r"^(?P<msg>.*?) - at `\$(?P<path>[^`]*)`$", re.S)
 
@@ -206,6 +120,10 @@ def msgspec_problem(exc: msgspec.ValidationError, prefix: DocPath = (), fields: 
         allowed = _literal_at(fields, parts)
         if allowed:
             hint = did_you_mean(msg.split("value", 1)[1].strip(" '\""), allowed)
+    elif msg.startswith("Expected `str`, got `bool`"):
+        hint = 'YAML reads yes, no, on, off, true and false as booleans: quote it ("on")'
+    elif msg.startswith("Expected `str`, got `int`") or msg.startswith("Expected `str`, got `float`"):
+        hint = 'quote it to make it text ("123")'
     return Problem(msg, full, hint)
 
 
@@ -261,6 +179,10 @@ class Source(msgspec.Struct, frozen=True):
     def error(self, problems: list[Problem]) -> CompositionError:
         return CompositionError(problems, self.filename).located(self.filename, self.locator)
 
+    def locate(self, problems: list[Problem]) -> tuple[Problem, ...]:
+        """The problems with line and column taken from the source (for warnings)."""
+        return tuple(self.error(problems).problems)
+
 
 def load_text(text: str, filename: str = "<composition>") -> Source:
     """Parse and structurally validate a composition (types and options are checked later)."""
@@ -301,7 +223,8 @@ def load_file(path: str | Path) -> Source:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CompositionError(
-            [Problem(f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})")], str(p)
+            [Problem(f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})", hint="save it as UTF-8")],
+            str(p),
         ) from None
     return load_text(text, str(p))
 
@@ -312,6 +235,11 @@ def to_builtins(comp: Composition) -> dict[str, Any]:
 
 
 def from_builtins(data: Any, filename: str = "<kv_connector_extra_config>") -> Source:
+    """A composition from plain data (JSON in vLLM's arguments): the same checks as from YAML,
+    but for what only YAML can write."""
+    problem = plain_data_problem(data)
+    if problem is not None:
+        raise CompositionError([problem], filename)
     try:
         comp = msgspec.convert(data, type=Composition, dec_hook=dec_hook)
     except msgspec.ValidationError as exc:

@@ -42,13 +42,15 @@ class Problem:
     hint: str | None = None
     line: int | None = None  # 1-based, filled in when the source text is known
     column: int | None = None
+    #: A warning: said by ``kvcompose check``, but the composition still runs.
+    warning: bool = False
 
     def render(self, filename: str = "<composition>") -> str:
         where = filename
         if self.line is not None:
             where += f":{self.line}:{self.column or 1}"
         key = render_path(self.path)
-        text = f"{where}: {key}: {self.message}"
+        text = f"{where}: {key}: {'warning: ' if self.warning else ''}{self.message}"
         if self.hint:
             text += f" ({self.hint})"
         return text

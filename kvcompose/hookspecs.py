@@ -88,5 +88,6 @@ def kvcompose_check(plan: Plan) -> Iterable[Problem] | None:
 
     Results combine by concatenation: one hook call runs every implementation (pluggy's order,
     the most recently registered first) and all their problems are reported together; any
-    problem fails the composition.
+    problem fails the composition, except those with ``warning=True``, which ``kvcompose check``
+    prints while the composition still runs (the plan keeps them in ``Plan.warnings``).
     """

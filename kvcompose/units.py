@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from decimal import Decimal
 
 _UNITS = {
     "": 1,
@@ -23,8 +25,16 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+#: The largest size: vLLM's byte counts are int64.
+MAX_SIZE = 2**63 - 1
+
+
 class ByteSize(int):
-    """An ``int`` of bytes that option structs use for sizes; decoded from ``int`` or ``"32GiB"``."""
+    """An ``int`` of bytes that option structs use for sizes; decoded from ``int`` or ``"32GiB"``.
+
+    Sizes are exact (``1.5GiB`` is computed in decimal, not in floating point) and at most
+    :data:`MAX_SIZE`: a larger number would overflow vLLM's int64 fields.
+    """
 
     @classmethod
     def parse(cls, value: object) -> ByteSize:
@@ -33,12 +43,14 @@ class ByteSize(int):
         if isinstance(value, int):
             if value < 0:
                 raise ValueError(f"a size cannot be negative, got {value}")
-            return cls(value)
-        if isinstance(value, str):
+            return cls(_at_most_max(value, str(value)))
+        if isinstance(value, str) and len(value) <= 64:
             m = _SIZE.match(value)
             if m and m.group(2).lower() in _UNITS:
-                return cls(int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
-        raise ValueError(f"expected a size such as 32GiB, 512MiB, 8GB or a number of bytes, got {value!r}")
+                n = int(Decimal(m.group(1)) * _UNITS[m.group(2).lower()])
+                return cls(_at_most_max(n, value.strip()))
+        shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:64] + "..."
+        raise ValueError(f"expected a size such as 32GiB, 512MiB, 8GB or a number of bytes, got {shown}")
 
     def __repr__(self) -> str:
         return f"ByteSize({format_size(self)})"
@@ -52,3 +64,31 @@ def format_size(n: int) -> str:
         if n >= factor:
             return f"{n / factor:.1f}{unit}"
     return f"{int(n)}B"
+
+
+def _at_most_max(n: int, written: str) -> int:
+    if n > MAX_SIZE:
+        raise ValueError(
+            f"{written} is {n} bytes, more than any size can be ({MAX_SIZE} bytes, 8EiB; vLLM's sizes are int64)"
+        )
+    return n
+
+
+def host_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def beyond_host_memory(n: int) -> str | None:
+    """Why ``n`` bytes of host memory cannot be had here, or None when they fit."""
+    total = host_memory()
+    if total is None or n <= total:
+        return None
+    return f"{_gib(n)} ({int(n)} bytes) is more than this machine's memory, {_gib(total)} ({total} bytes)"
+
+
+def _gib(n: int) -> str:
+    return format_size(n) if n % 2**30 == 0 else f"{n / 2**30:.1f}GiB"

@@ -47,6 +47,8 @@ class OwnerAccounting(CompletionTracker):
     loads: dict[str, _Load] = field(default_factory=dict)
     saves_owed: dict[str, set[int]] = field(default_factory=dict)
     abandoned: dict[int, set[str]] = field(default_factory=dict)
+    #: Delayed frees no child owes any more since a bypassed child was released from them.
+    released: set[str] = field(default_factory=set)
     #: Requests whose free was forwarded, newest last, at most :data:`FREED_KEPT`: a repeated
     #: finished_sending for one of them would hit vLLM's ``assert req_id in self.requests``.
     freed: dict[str, None] = field(default_factory=dict)
@@ -64,10 +66,25 @@ class OwnerAccounting(CompletionTracker):
     def abandon(self, child: int, request_ids: Collection[str]) -> None:
         self.abandoned.setdefault(child, set()).update(request_ids)
 
+    def release(self, child: int) -> None:
+        # A bypassed child may still be reading the blocks (an async store it cannot finish);
+        # holding them until it comes back could hold them for good, and the engine would run
+        # out of blocks. Its own late finished_sending is then a duplicate, dropped in settle.
+        for req, owed in list(self.saves_owed.items()):
+            owed.discard(child)
+            if not owed:
+                del self.saves_owed[req]
+                self.released.add(req)
+
     # ---- worker half: reported by the children
     def settle(self, results: Sequence[TransferResults | None]) -> tuple[TransferResults, int]:
         out = TransferResults()
         dropped = 0
+        if self.released:
+            for req in self.released:
+                self._freed(req)
+            out.finished_sending |= self.released
+            self.released = set()
         for child, res in enumerate(results):
             gone = self.abandoned.pop(child, None)
             if gone:

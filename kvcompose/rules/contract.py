@@ -232,6 +232,11 @@ class CompletionTracker(Protocol):
         :meth:`settle` counts them as reported by it, finished and failed."""
         ...
 
+    def release(self, child: int) -> None:
+        """Worker half: ``child`` is bypassed and will not report the delayed frees it owes now;
+        the next :meth:`settle` counts them as reported by it (a free no other child still owes
+        is forwarded). The default keeps them owed."""
+
     def settle(self, results: Sequence[TransferResults | None]) -> tuple[TransferResults, int]:
         """Worker half: each child's report for this step (``None``: nothing), in YAML order,
         into what this worker forwards to vLLM, and how many reports were withheld."""
@@ -253,19 +258,90 @@ class CompletionRule(Protocol):
         ...
 
 
+#: A child's health under a faults rule, as its Prometheus gauge says it (``vllm:kvcompose_breaker_state``):
+#: closed (called), open (bypassed), half-open (on probation after a cooldown).
+ChildState = Literal["closed", "open", "half-open"]
+
+
+@runtime_checkable
+class FaultMonitor(Protocol):
+    """One connector instance's view of its contained children's health (one per scheduler or
+    worker connector, from :meth:`FaultsRule.monitor`).
+
+    The composite reports each contained failure (:meth:`failed`) and bypasses the child while
+    that says so. It calls :meth:`step` once per engine step, before the step's first call to the
+    children (the scheduler's ``build_connector_meta``, a worker's ``bind_connector_metadata``),
+    whenever :attr:`watched` is not empty, and calls the children :meth:`step` names again from
+    then on: a child comes back at a step boundary, never halfway through a step.
+    """
+
+    #: Children the monitor needs to hear of at every step (with failures not yet enough to
+    #: bypass them, bypassed for a while, on probation). Empty: the composite does nothing per step.
+    watched: Collection[int]
+
+    def failed(self, child: int) -> bool:
+        """A contained call of ``child`` raised. True: bypass the child from now on."""
+        ...
+
+    def step(self) -> tuple[int, ...]:
+        """A step starts: the bypassed children to call again from now on (each one's next call
+        is its probe)."""
+        ...
+
+    def state(self, child: int) -> ChildState:
+        """The child's state now."""
+        ...
+
+    def take_changes(self) -> dict[int, ChildState]:
+        """Children whose state changed since the last call, with their state now (for the
+        gauge); empty on most steps."""
+        ...
+
+
+class Isolation(FaultMonitor):
+    """The monitor of rules that never call a failed child again (``fail``, ``isolate``)."""
+
+    def __init__(self) -> None:
+        self.watched: frozenset[int] = frozenset()
+        self._open: set[int] = set()
+        self._changes: dict[int, ChildState] = {}
+
+    def failed(self, child: int) -> bool:
+        if child not in self._open:
+            self._open.add(child)
+            self._changes[child] = "open"
+        return True
+
+    def step(self) -> tuple[int, ...]:
+        return ()
+
+    def state(self, child: int) -> ChildState:
+        return "open" if child in self._open else "closed"
+
+    def take_changes(self) -> dict[int, ChildState]:
+        changes, self._changes = self._changes, {}
+        return changes
+
+
 @runtime_checkable
 class FaultsRule(Protocol):
-    """Rule kind ``faults``: which child failures are contained, and what a failed child owed."""
+    """Rule kind ``faults``: which child failures are contained, what a failed child owed, and
+    whether (and when) a bypassed child is called again."""
 
     def contains(self, child: int) -> bool:
-        """Whether an exception raised by ``child`` is contained (the child is disabled and the
-        engine goes on) instead of propagating to vLLM."""
+        """Whether an exception raised by ``child`` is contained (the child's call answers
+        vLLM's "nothing" and the engine goes on) instead of propagating to vLLM."""
         ...
 
     def owed(self, child: int, tracker: CompletionTracker) -> set[str]:
-        """Worker half: the loads a disabled child owed, to report failed so that vLLM stops
-        waiting for them (and recomputes under ``kv_load_failure_policy: recompute``)."""
+        """Worker half: the loads a child whose call failed owed, to report failed so that vLLM
+        stops waiting for them (and recomputes under ``kv_load_failure_policy: recompute``)."""
         return tracker.owed_by(child)
+
+    def monitor(self) -> FaultMonitor:
+        """A fresh monitor for one connector instance. The default bypasses a child at its
+        first contained failure, for good (:class:`Isolation`)."""
+        return Isolation()
 
 
 RuleKind = Literal["load", "store", "metadata", "params", "completion", "faults"]

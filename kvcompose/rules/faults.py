@@ -1,20 +1,27 @@
-"""Fault rules: what happens when a child raises."""
+"""Fault rules: what happens when a child raises, and whether it is ever called again."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import msgspec
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
 from kvcompose.rules._children import ChildrenParams, indices
-from kvcompose.rules.contract import FaultsRule
+from kvcompose.rules.contract import ChildState, FaultMonitor, FaultsRule
+
+log = logging.getLogger("kvcompose.rules.faults")
 
 
 @dataclass(frozen=True)
 class Contain(FaultsRule):
-    """Errors of the ``best_effort`` children are contained; a disabled child's outstanding loads
-    are reported failed (the :class:`FaultsRule` default for :meth:`owed`)."""
+    """Errors of the ``best_effort`` children are contained; a child that raised is bypassed for
+    good and its outstanding loads are reported failed (the :class:`FaultsRule` defaults)."""
 
     best_effort: frozenset[int]
 
@@ -24,6 +31,153 @@ class Contain(FaultsRule):
 
 def _isolate(children: tuple[Child, ...], params: ChildrenParams) -> Contain:
     return Contain(frozenset(indices(children, params.children)))
+
+
+# ------------------------------------------------------------------ breaker
+
+
+class BreakerParams(ChildrenParams, kw_only=True):
+    """``faults: {use: breaker, children: [host], failures: 3, cooldown_s: 30, successes: 3}``."""
+
+    #: Failed calls, with no step free of failures between them, before the child is bypassed.
+    failures: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 3
+    #: Seconds a bypassed child is left alone before one probe call.
+    cooldown_s: Annotated[float, msgspec.Meta(ge=0, le=86_400)] = 30.0
+    #: Steps in a row without a failure, from the probe on, before the child is fully back.
+    successes: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 3
+
+
+@dataclass
+class _Child:
+    state: ChildState = "closed"
+    failures: int = 0  # while closed, since the last step free of failures
+    successes: int = 0  # while half-open: steps in a row without a failure
+    failed_this_step: bool = False
+    opened_at: float = 0.0
+
+
+class Breaker(FaultMonitor):
+    """A circuit breaker per contained child, for one connector instance.
+
+    closed: called; ``failures`` failed calls with no step free of failures between them open
+    it. open: bypassed (its loads recompute, its stores are skipped) until ``cooldown_s`` passed;
+    then, at the next step, half-open: called again, its first call the probe. A failure in
+    half-open opens it again (a new cooldown); ``successes`` steps in a row without a failure
+    close it. Each state change is logged once.
+    """
+
+    def __init__(self, rule: BreakerRule) -> None:
+        self._rule = rule
+        self._children = {i: _Child() for i in rule.children}
+        self._changes: dict[int, ChildState] = {}
+        self.watched: set[int] = set()
+
+    def failed(self, child: int) -> bool:
+        c = self._children[child]
+        c.failed_this_step = True
+        self.watched.add(child)
+        if c.state == "open":  # a call that was already under way when it opened
+            return True
+        if c.state == "half-open":
+            self._open(child, c, f"its probe failed; retried in {self._rule.cooldown_s:g} s")
+            return True
+        c.failures += 1
+        if c.failures >= self._rule.failures:
+            self._open(
+                child,
+                c,
+                f"{c.failures} call{'s' if c.failures > 1 else ''} failed; bypassed (its loads recompute, "
+                "its stores are skipped), "
+                f"retried in {self._rule.cooldown_s:g} s",
+            )
+            return True
+        return False
+
+    def step(self) -> tuple[int, ...]:
+        back = []
+        now = None
+        for i in tuple(self.watched):
+            c = self._children[i]
+            clean, c.failed_this_step = not c.failed_this_step, False
+            if c.state == "closed":
+                if clean:  # a step free of failures: the count starts again
+                    c.failures = 0
+                    self.watched.discard(i)
+            elif c.state == "half-open":
+                if clean:
+                    c.successes += 1
+                    if c.successes >= self._rule.successes:
+                        self._change(i, c, "closed", f"{c.successes} steps in a row without a failure; fully back")
+                        self.watched.discard(i)
+            else:
+                now = self._rule.clock() if now is None else now
+                if now - c.opened_at >= self._rule.cooldown_s:
+                    c.successes = 0
+                    self._change(i, c, "half-open", "cooldown over; its next call is a probe")
+                    back.append(i)
+        return tuple(sorted(back))
+
+    def state(self, child: int) -> ChildState:
+        c = self._children.get(child)
+        return c.state if c is not None else "closed"
+
+    def take_changes(self) -> dict[int, ChildState]:
+        changes, self._changes = self._changes, {}
+        return changes
+
+    def _open(self, child: int, c: _Child, why: str) -> None:
+        c.opened_at = self._rule.clock()
+        c.failures = 0
+        self._change(child, c, "open", why)
+
+    def _change(self, child: int, c: _Child, state: ChildState, why: str) -> None:
+        c.state = state
+        self._changes[child] = state
+        # Every change at WARNING: they are rare, and under vLLM only WARNING reaches the log by
+        # default; an operator who saw a child bypassed must also see it come back.
+        log.warning("connector %s: breaker %s: %s", self._rule.names[child], state, why)
+
+
+@dataclass(frozen=True)
+class BreakerRule(Contain):
+    """Contains the errors of ``best_effort`` children; each connector instance keeps a
+    :class:`Breaker` over them."""
+
+    names: tuple[str, ...] = ()
+    failures: int = 3
+    cooldown_s: float = 30.0
+    successes: int = 3
+    #: Seconds, monotonic; tests pass their own.
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False)
+
+    @property
+    def children(self) -> frozenset[int]:
+        return self.best_effort
+
+    def monitor(self) -> Breaker:
+        return Breaker(self)
+
+
+def _breaker(children: tuple[Child, ...], params: BreakerParams) -> BreakerRule:
+    return BreakerRule(
+        frozenset(indices(children, params.children)),
+        tuple(c.name for c in children),
+        params.failures,
+        params.cooldown_s,
+        params.successes,
+    )
+
+
+def _explain_breaker(children: tuple[Child, ...], p: BreakerParams) -> str:
+    calls = "a call fails" if p.failures == 1 else f"{p.failures} calls fail (with no step free of failures between)"
+    steps = "a step" if p.successes == 1 else f"{p.successes} steps in a row"
+    return (
+        f"faults: {', '.join(p.children)} {'has' if len(p.children) == 1 else 'each have'} a circuit breaker: "
+        f"when {calls}, the child is bypassed "
+        f"(its loads recompute, its stores are skipped); after {p.cooldown_s:g} s one probe call goes "
+        f"to it, and after {steps} without a failure it is fully back (a failed probe bypasses it "
+        "again); its state is the gauge vllm:kvcompose_breaker_state"
+    )
 
 
 @hookimpl
@@ -47,5 +201,13 @@ def kvcompose_rules() -> list[Rule[Any]]:
                 + ", ".join(p.children)
                 + " are best-effort: on error they are disabled and their loads recompute"
             ),
+        ),
+        Rule(
+            "faults",
+            "breaker",
+            "the listed children are bypassed after failures, probed after a cooldown, re-enabled after successes",
+            _breaker,
+            params=BreakerParams,
+            explain=_explain_breaker,
         ),
     ]

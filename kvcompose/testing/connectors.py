@@ -155,7 +155,9 @@ class FaultyConnector(RecordConnector):
     ``seconds`` then answers, ``fail-load`` makes
     ``get_transfer_results`` report the named requests' bound loads (all of them when no request
     is named) finished and failed, and ``get_block_ids_with_load_errors`` return their blocks.
-    A fault with ``requests`` fires only for calls about those requests. ``fired`` lists
+    A fault with ``requests`` fires only for calls about those requests; one with ``after`` lets
+    that many matching calls through first, one with ``times`` fires that many times and then
+    behaves (together: healthy, failing for a while, healthy again). ``fired`` lists
     ``(call, action, request_id)`` for every fault that fired.
     """
 
@@ -168,6 +170,7 @@ class FaultyConnector(RecordConnector):
         self.fired: list[tuple[str, str, str | None]] = []
         self._load_errors: set[int] = set()
         self._left = [f.times for f in self.faults]
+        self._skip = [f.after for f in self.faults]
         for call in {f.call for f in self.faults}:
             setattr(self, call, self._wrap(call, getattr(self, call)))
 
@@ -178,6 +181,9 @@ class FaultyConnector(RecordConnector):
             req = next((a.request_id for a in args if hasattr(a, "request_id")), None)
             for i, f in mine:
                 if self._left[i] == 0 or (f.requests and f.action != "fail-load" and req not in f.requests):
+                    continue
+                if self._skip[i]:  # still healthy: the fault fires after `after` matching calls
+                    self._skip[i] -= 1
                     continue
                 if self._left[i] is not None:
                     self._left[i] -= 1

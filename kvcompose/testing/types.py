@@ -6,6 +6,7 @@ Nothing here imports vLLM: the classes vLLM instantiates live in :mod:`kvcompose
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -75,6 +76,9 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     action: FaultAction
     requests: list[str] = []
     seconds: float = 0.05
+    #: Behave for this many matching calls first, then fire: with ``times``, a child that is
+    #: healthy, fails for a while, and is healthy again.
+    after: int = 0
     #: Fire this many times, then behave (None: every time).
     times: int | None = None
 
@@ -83,8 +87,8 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"call {self.call!r} is not a connector call; expected one of {sorted(FAULT_CALLS)}")
         if self.action == "fail-load" and self.call != "get_transfer_results":
             raise ValueError("action fail-load is reported by get_transfer_results; set call: get_transfer_results")
-        if self.seconds < 0 or (self.times is not None and self.times < 1):
-            raise ValueError("seconds must be >= 0 and times >= 1")
+        if self.seconds < 0 or self.after < 0 or (self.times is not None and self.times < 1):
+            raise ValueError("seconds and after must be >= 0 and times >= 1")
 
 
 class FaultyOptions(RecordOptions):
@@ -153,3 +157,19 @@ class FaultyType(RecordType):
 @hookimpl
 def kvcompose_connector_types() -> list[ConnectorType]:
     return [RecordType(), RecordRangeType(), RecordPDType(), FaultyType()]
+
+
+#: The entry-point name under which :func:`install_entry_point` offers these types.
+ENTRY_POINT = "kit-types"
+
+
+def install_entry_point(site: Path) -> Path:
+    """Offer these types to other processes as an installed plugin would: a distribution in
+    ``site`` whose ``kvcompose`` entry point is this module. Put ``site`` on a process's
+    ``PYTHONPATH`` and a real engine there can run ``type: faulty`` (the kit's fixtures register
+    the types only in the test's own process)."""
+    dist = site / "kvcompose_kit_types-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcompose-kit-types\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[kvcompose]\n{ENTRY_POINT} = {__name__}\n")
+    return site

@@ -2,7 +2,8 @@
 
 Every call the composite forwards to a child goes through this table, so tracing
 (``KVCOMPOSE_TRACE``) and fault containment (the ``faults`` rule) apply to all of them. The table
-is built once per method on first use and rebuilt when a best-effort child is disabled.
+is built once per method on first use and rebuilt when a contained child is bypassed or, under a
+breaker, let back.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from kvcompose.rules.contract import FaultsRule
+from kvcompose.rules.contract import FaultMonitor, FaultsRule
 
 log = logging.getLogger("kvcompose.vllm")
 trace_log = logging.getLogger("kvcompose.trace")
@@ -72,8 +73,10 @@ class CallTable(dict[str, list[Entry]]):
     :param only: per method, the children that get it (the store rule's targets for the save
         hooks, the host-buffer owner for ``set_host_xfer_buffer_ops``); every active child
         otherwise.
-    :param on_fault: called with (child, method) when a contained child raised, after it was
-        disabled here; the composite settles what that child owed.
+    :param on_fault: called with (child, method) when a contained child raised (after it was
+        bypassed here, when the monitor says so); the composite settles what that child owed.
+    :param monitor: the faults rule's monitor of this connector instance: it says when a child
+        that raised is bypassed and when it is called again (:meth:`step`).
     """
 
     def __init__(
@@ -84,8 +87,10 @@ class CallTable(dict[str, list[Entry]]):
         trace: bool,
         only: Mapping[str, Sequence[int]],
         on_fault: Callable[[int, str], None],
+        monitor: FaultMonitor | None = None,
     ) -> None:
         super().__init__()
+        self.monitor = monitor if monitor is not None else faults.monitor()
         self._children = list(children)
         self._names = tuple(names)
         self._faults = faults
@@ -124,12 +129,28 @@ class CallTable(dict[str, list[Entry]]):
         return out
 
     def every(self, method: str) -> list[Entry]:
-        """``method`` on every child, disabled ones included (``shutdown``)."""
-        return self._resolve(method, range(len(self._children)))
+        """``method`` on every child, bypassed ones included, uncontained (``shutdown``: a child
+        bypassed by the faults rule still gets it, and the caller reports every error)."""
+        return [(i, self._bind(i, method, contain=False)) for i in range(len(self._children))]
 
     def disable(self, child: int) -> None:
         """Stop calling ``child``: every method is resolved again without it."""
         self.disabled.add(child)
+        self._rebuild()
+
+    def enable(self, child: int) -> None:
+        """Call ``child`` again: every method is resolved again with it, in YAML order."""
+        self.disabled.discard(child)
+        self._rebuild()
+
+    def step(self) -> tuple[int, ...]:
+        """A step starts: tell the monitor, and call again the children it lets back."""
+        back = self.monitor.step()
+        for child in back:
+            self.enable(child)
+        return back
+
+    def _rebuild(self) -> None:
         self.active = tuple(i for i in range(len(self._children)) if i not in self.disabled)
         self.clear()
         self._by_child.clear()
@@ -153,27 +174,34 @@ class CallTable(dict[str, list[Entry]]):
         fn = getattr(self._children[i], method)  # an instance attribute (a test's patch) is the child's own
         return getattr(fn, "__func__", None) is getattr(KVConnectorBase_V1, method)
 
-    def _bind(self, i: int, method: str) -> Callable[..., Any]:
+    def _bind(self, i: int, method: str, contain: bool = True) -> Callable[..., Any]:
         fn: Callable[..., Any] = getattr(self._children[i], method)
         if self._trace:
             fn = _traced(self._names[i], method, fn)
-        if self._faults.contains(i):
+        if contain and self._faults.contains(i):
             fn = self._contained(i, method, fn)
         return fn
 
     def _contained(self, i: int, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         neutral = NEUTRAL.get(method)
+        monitor = self.monitor
 
         def contained(*args: Any, **kwargs: Any) -> Any:
-            if i in self.disabled:  # an entry captured before the child was disabled
+            if i in self.disabled:  # an entry captured before the child was bypassed
                 return neutral
             try:
                 return fn(*args, **kwargs)
             except Exception:
-                log.exception(
-                    "best-effort connector %s failed in %s; it is disabled from now on", self._names[i], method
+                bypass = monitor.failed(i)
+                log.warning(
+                    "connector %s failed in %s%s",
+                    self._names[i],
+                    method,
+                    "; it is bypassed" if bypass else "; contained",
+                    exc_info=True,
                 )
-                self.disable(i)
+                if bypass:
+                    self.disable(i)
                 self._on_fault(i, method)
                 return neutral
 

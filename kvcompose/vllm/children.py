@@ -24,6 +24,7 @@ from kvcompose.catalog import Plan
 from kvcompose.compose import build
 from kvcompose.rules.checks import layout_conflict
 from kvcompose.vllm.args import children_configs, embedded
+from kvcompose.vllm.health import ChildStatePromMetrics, ChildStateStats
 from kvcompose.vllm.loadstats import ChildLoadPromMetrics, ChildLoadStats
 from kvcompose.vllm.metadata import ComposedStats, qualname
 
@@ -125,9 +126,8 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
             prom = child_cls.build_prom_metrics(cfg, metric_types, labelnames, per_engine_labelvalues)
             if prom is not None:
                 self._by_class[key] = prom
-        self._by_class[qualname(ChildLoadStats)] = ChildLoadPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
+        for stats, prom in ((ChildLoadStats, ChildLoadPromMetrics), (ChildStateStats, ChildStatePromMetrics)):
+            self._by_class[qualname(stats)] = prom(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for entry in transfer_stats_data.values():

@@ -42,6 +42,8 @@ from kvcompose.rules.contract import EngineFacts, TransferResults
 from kvcompose.vllm import children as vllm_children
 from kvcompose.vllm.calls import CallTable, ChildFailed
 from kvcompose.vllm.children import ClassLevelAnswers
+from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
+from kvcompose.vllm.health import ChildStateStats, instance_name
 from kvcompose.vllm.loads import RequestLoads, block_bytes
 from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadStats
 from kvcompose.vllm.metadata import (
@@ -85,6 +87,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         self.plan = plan = vllm_children.plan_from_config(ktc)
+        if role == KVConnectorRole.SCHEDULER:  # once per engine: its environment is the one that counts
+            for warning in plan.warnings:
+                log.warning("composition: %s", warning.render(plan.source.filename))
         classes = vllm_children.child_classes(vllm_config)
         if len(classes) != len(plan.children):
             raise ValueError(
@@ -97,6 +102,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self._all_hma = all(supports_hma(c) for c in self._connectors)
         self._classes = {n: qualname(type(c)) for n, c in zip(self.names, self._connectors, strict=True)}
         self._classes[STATS_KEY] = qualname(ChildLoadStats)
+        self._classes[HEALTH_KEY] = qualname(ChildStateStats)
+        self._instance = instance_name(role == KVConnectorRole.SCHEDULER)
         host = plan.host_buffer_owner
         self.calls = CallTable(
             self._connectors,
@@ -129,9 +136,14 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         )
 
     def _child_failed(self, child: int, method: str) -> None:
-        """A contained child raised and is disabled: what it owed is reported failed."""
+        """A contained child raised: what it owed is reported failed, whether or not it is
+        bypassed now (a failed call may have lost a load). On a worker: the loads it still owes.
+        On the scheduler: the loads it was given that the workers have not been told of."""
         self._completion.abandon(child, self.plan.faults.owed(child, self._completion))
+        if child in self.calls.disabled:
+            self._completion.release(child)
         self._abandoned = True
+        self._loads.abandon(child)
 
     @property
     def sub_connectors(self) -> list[KVConnectorBase_V1]:
@@ -143,8 +155,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     @property
     def disabled(self) -> tuple[str, ...]:
-        """Names of the children disabled after a contained fault."""
+        """Names of the children bypassed now after a contained fault (open breakers included)."""
         return tuple(self.names[i] for i in sorted(self.calls.disabled))
+
+    def child_state(self, name: str) -> str:
+        """``closed``, ``open`` or ``half-open``: the child's state in this connector instance."""
+        return self.calls.monitor.state(self.names.index(name))
 
     def loaders(self, request_id: str) -> tuple[str, ...]:
         """Names of the children loading (or chosen to load) a request's external KV."""
@@ -185,12 +201,26 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         metas = self._metas(connector_metadata)
         assert isinstance(connector_metadata, ComposedMetadata)
+        if self.calls.monitor.watched:  # a child with failures: a bypassed one may come back now
+            self.calls.step()
+        disabled = self.calls.disabled
         if connector_metadata.loads_awaited:  # most steps start no load and end no request
             for req, children in connector_metadata.loads_awaited.items():
                 self._completion.expect_load(req, children)
+                for child in disabled.intersection(children):  # bypassed here: it will not load it
+                    self._completion.abandon(child, (req,))
+                    self._abandoned = True
+        if connector_metadata.loads_abandoned:
+            for req, children in connector_metadata.loads_abandoned.items():
+                for child in children:
+                    self._completion.abandon(child, (req,))
+            self._abandoned = True
         if connector_metadata.saves_owed:
             for req, children in connector_metadata.saves_owed.items():
                 self._completion.expect_saves(req, children)
+            for child in disabled:  # bypassed here: it will not report a free
+                self._completion.release(child)
+                self._abandoned = True
         for i, fn in self.calls["bind_connector_metadata"]:
             fn(metas[i])
         self._connector_metadata = connector_metadata  # what the base class's bind does
@@ -272,6 +302,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         loads = self._loads.take_stats()
         if loads is not None:
             data[STATS_KEY], classes[STATS_KEY] = loads, self._classes[STATS_KEY]
+        changes = self.calls.monitor.take_changes()
+        if changes:
+            health = ChildStateStats()
+            for child, state in changes.items():
+                health.changed(self._instance, self.names[child], state)
+            data[HEALTH_KEY], classes[HEALTH_KEY] = health, self._classes[HEALTH_KEY]
         return ComposedStats(data=data, connector_classes=classes) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
@@ -350,7 +386,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return sources
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        metas: list[Any] = [None] * len(self._connectors)  # a disabled child's slot stays None
+        if self.calls.monitor.watched:  # a child with failures: a bypassed one may come back now
+            self.calls.step()
+        metas: list[Any] = [None] * len(self._connectors)  # a bypassed child's slot stays None
         for i, fn in self.calls["build_connector_meta"]:
             metas[i] = fn(scheduler_output)
         return ComposedMetadata(self.plan.metadata.pack(metas), *self._loads.take_announcements())

@@ -49,6 +49,9 @@ class RequestLoads:
         #: the load awaits) and delayed frees announced (request -> the children that delay it).
         self.new_loads: dict[str, tuple[int, ...]] = {}
         self.new_saves: dict[str, tuple[int, ...]] = {}
+        #: Loads of ``new_loads`` whose child failed before the workers were told (request ->
+        #: those children): the workers report them failed instead of waiting for them.
+        self.new_abandoned: dict[str, tuple[int, ...]] = {}
         self.stats = ChildLoadStats()
 
     def selected(self, request_id: str, selection: Selection) -> None:
@@ -101,6 +104,13 @@ class RequestLoads:
         if delaying:
             self.new_saves[request_id] = delaying
 
+    def abandon(self, child: int) -> None:
+        """``child`` failed on the scheduler: the loads it was given that the workers have not
+        been told of yet may never start (its scheduler half may not have recorded them)."""
+        for request_id, children in self.new_loads.items():
+            if child in children and child not in self.new_abandoned.get(request_id, ()):
+                self.new_abandoned[request_id] = self.new_abandoned.get(request_id, ()) + (child,)
+
     def take_stats(self) -> ChildLoadStats | None:
         """The load counters since the last call, if any."""
         if self.stats.is_empty():
@@ -108,8 +118,10 @@ class RequestLoads:
         stats, self.stats = self.stats, ChildLoadStats()
         return stats
 
-    def take_announcements(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-        """``(new_loads, new_saves)`` for this step's metadata, cleared for the next.
+    def take_announcements(
+        self,
+    ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """``(new_loads, new_saves, new_abandoned)`` for this step's metadata, cleared for the next.
 
         Most steps announce nothing: they ship one shared empty dict, never written to, instead
         of two new ones (docs/performance.md: scheduler step, before/after). Not the dicts kept
@@ -125,4 +137,9 @@ class RequestLoads:
             self.new_saves = {}
         else:
             saves = _NOTHING
-        return loads, saves
+        abandoned = self.new_abandoned
+        if abandoned:
+            self.new_abandoned = {}
+        else:
+            abandoned = _NOTHING
+        return loads, saves, abandoned

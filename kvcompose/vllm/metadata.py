@@ -54,6 +54,9 @@ class ComposedMetadata(KVConnectorMetadata):
     loads_awaited: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: Delayed frees announced since the last step: request id -> children that must report.
     saves_owed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Loads whose scheduler half failed before the workers were told of them: request id ->
+    #: the children that will never load it (the workers report those loads failed).
+    loads_abandoned: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass

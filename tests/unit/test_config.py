@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
 from kvcompose.cli import main
 from kvcompose.compose import load, loads
-from kvcompose.config import MAX_BYTES
+from kvcompose.config import from_builtins
 from kvcompose.errors import CompositionError
 from kvcompose.examples import all_examples
-from kvcompose.units import ByteSize
+from kvcompose.reader import MAX_BYTES, MAX_CONNECTORS, MAX_NODES
+from kvcompose.units import MAX_SIZE, ByteSize, host_memory
 
 BAD = sorted((Path(__file__).parent / "bad").glob("*.yaml"))
 
@@ -94,3 +97,103 @@ def test_rule_with_parameters() -> None:
 def test_small_sizes_render() -> None:
     assert repr(ByteSize(512)) == "ByteSize(512B)"
     assert repr(ByteSize(32 << 30)) == "ByteSize(32GiB)"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (  # the connector count has its own limit and message
+            "version: 1\nconnectors:\n" + "".join(f"  - {{name: c{i}, type: cpu-offload}}\n" for i in range(5000)),
+            f":3:3: connectors: 5000 connectors; a composition has at most {MAX_CONNECTORS}",
+        ),
+        (  # a big document without aliases: the limit and what was counted
+            "version: 1\nconnectors: [{name: a, type: cpu-offload}]\nx: [" + ",".join(["1"] * 25_000) + "]\n",
+            f"more than {MAX_NODES} nodes (values, lists and mappings counted)",
+        ),
+    ],
+    ids=["connectors", "nodes"],
+)
+def test_size_limits_say_which_and_what_was_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str
+) -> None:
+    f = tmp_path / "big.yaml"
+    f.write_text(text)
+    assert main(["check", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert "alias" not in err
+
+
+def test_host_memory_beyond_this_machine_is_a_warning_naming_both_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    total = host_memory()
+    assert total is not None
+    f = tmp_path / "big.yaml"
+    f.write_text(
+        f"version: 1\nconnectors:\n  - name: host\n    type: cpu-offload\n    options: {{cpu_bytes: {total * 2}}}\n"
+    )
+    assert main(["check", str(f)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{f}: ok")
+    assert f"{f}:5:26: connectors[0].options.cpu_bytes: warning: " in err
+    assert f"({total * 2} bytes) is more than this machine's memory" in err and f"({total} bytes)" in err
+
+
+def test_sizes_are_exact_and_bounded() -> None:
+    assert ByteSize.parse("1.1GiB") == int(Decimal("1.1") * 2**30)
+    assert ByteSize.parse(MAX_SIZE) == MAX_SIZE
+    with pytest.raises(ValueError, match="more than any size can be"):
+        ByteSize.parse(MAX_SIZE + 1)
+    with pytest.raises(ValueError, match="more than any size can be"):
+        ByteSize.parse("9" * 40 + "TiB")
+
+
+def test_anchors_and_merge_keys_are_plain_yaml() -> None:
+    plan = loads(
+        "version: 1\nconnectors:\n"
+        "  - &tier {name: a, type: cpu-offload, options: {cpu_bytes: 1GiB}}\n"
+        "  - <<: *tier\n    name: b\n"
+    )
+    assert plan.names == ("a", "b")
+    assert plan.child("b").options == plan.child("a").options
+
+
+@pytest.mark.parametrize(
+    "construct",
+    [
+        "!!python/object/apply:os.system ['touch {marker}']",
+        "!!python/object/new:subprocess.Popen [['touch', '{marker}']]",
+        "!!python/name:os.system",
+        "!include {secret}",
+        "!!binary {secret}",
+        "&a !!python/object/apply:os.system ['touch {marker}']",
+    ],
+)
+def test_no_yaml_construct_runs_code_or_reads_a_file(tmp_path: Path, construct: str) -> None:
+    marker, secret = tmp_path / "ran", tmp_path / "secret.yaml"
+    secret.write_text("version: 1\nconnectors: [{name: leaked, type: cpu-offload}]\n")
+    text = "version: 1\nconnectors: " + construct.format(marker=marker, secret=secret) + "\n"
+    with pytest.raises(CompositionError, match="only plain YAML is accepted") as info:
+        loads(text)
+    assert not marker.exists()
+    assert "leaked" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"version": 1, "connectors": [{"name": "a", "type": "record", "options": {"matched_tokens": 2**64}}]},
+            "64 bits",
+        ),
+        ({"version": 1, "connectors": [{"name": "a", "type": "record", "options": {"params": {1: 2}}}]}, "not text"),
+        (
+            {"version": 1, "connectors": [{"name": "a", "type": "cpu-offload", "options": {"cpu_bytes": math.inf}}]},
+            "finite",
+        ),
+    ],
+)
+def test_plain_data_from_json_is_checked_as_from_yaml(data: object, message: str) -> None:
+    with pytest.raises(CompositionError, match=message):
+        from_builtins(data)

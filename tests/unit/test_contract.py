@@ -33,6 +33,7 @@ from kvcompose.rules.contract import (
     CompletionRule,
     CompletionTracker,
     Contribution,
+    FaultMonitor,
     FaultsRule,
     LoadRule,
     Selection,
@@ -149,8 +150,8 @@ def builtin_rules() -> list[Rule[Any]]:
 def rule_params(rule: Rule[Any]) -> Any:
     if rule.params is None:
         return None
-    assert rule.params is ChildrenParams, f"a new parametrised built-in rule: {rule.kind}/{rule.name}"
-    return ChildrenParams(children=["a", "c"])
+    assert issubclass(rule.params, ChildrenParams), f"a new parametrised built-in rule: {rule.kind}/{rule.name}"
+    return rule.params(children=["a", "c"])  # the others have defaults (breaker's thresholds)
 
 
 @pytest.mark.parametrize("rule", builtin_rules(), ids=lambda r: f"{r.kind}/{r.name}")
@@ -161,6 +162,8 @@ def test_every_builtin_rule_builds_its_kinds_protocol(rule: Rule[Any]) -> None:
     assert not any(isinstance(obj, p) for p in others), "a rule object should implement one kind"
     if isinstance(obj, CompletionRule):
         assert isinstance(obj.tracker(), CompletionTracker)
+    if isinstance(obj, FaultsRule):
+        assert isinstance(obj.monitor(), FaultMonitor)
 
 
 @pytest.mark.parametrize("rule", builtin_rules(), ids=lambda r: f"{r.kind}/{r.name}")

@@ -299,3 +299,14 @@ def test_the_memory_of_forwarded_frees_is_bounded() -> None:
     for i in range(FREED_KEPT + 1):
         t.settle(report(b=sent(f"r{i}")))
     assert len(t.freed) == FREED_KEPT and "r0" not in t.freed and f"r{FREED_KEPT}" in t.freed
+
+
+def test_release_frees_what_only_the_released_child_owed() -> None:
+    tracker = OwnerAccounting(("a", "b"))
+    tracker.expect_saves("s1", (1,))
+    tracker.expect_saves("s2", (0, 1))
+    tracker.release(1)
+    out, dropped = tracker.settle([None, None])
+    assert out.finished_sending == {"s1"} and dropped == 0
+    out, dropped = tracker.settle([TransferResults(finished_sending={"s2"}), TransferResults(finished_sending={"s1"})])
+    assert out.finished_sending == {"s2"} and dropped == 1  # b's late s1 is a duplicate

@@ -23,7 +23,7 @@ from msgspec import Meta
 from kvcompose import hookimpl
 from kvcompose.catalog import ConnectorType, Options, given_options
 from kvcompose.errors import Problem
-from kvcompose.units import ByteSize, format_size
+from kvcompose.units import ByteSize, beyond_host_memory, format_size
 
 if TYPE_CHECKING:
     from kvcompose.catalog import Child, Plan
@@ -94,6 +94,8 @@ class CpuOffloadOptions(Options):
 DISK_ONLY = ("disk_path", "disk_capacity", "disk_buffer_slots", "use_page_cache")
 CPU_ONLY = ("cpu_bytes", "cpu_bytes_per_rank", "num_cpu_blocks")
 SIZES = ("cpu_bytes", "cpu_bytes_per_rank", "disk_capacity")
+#: Sizes of host memory (a disk file is not).
+HOST_SIZES = ("cpu_bytes", "cpu_bytes_per_rank")
 
 
 class CpuOffloadType(ConnectorType):
@@ -160,6 +162,15 @@ class CpuOffloadType(ConnectorType):
         for key in SIZES:
             if key in given and given[key] == 0:
                 yield Problem(f"{key} is 0 bytes", path=at(key), hint="give a size such as 4GiB")
+        for key in HOST_SIZES:
+            beyond = beyond_host_memory(given[key]) if key in given else None
+            if beyond:
+                yield Problem(
+                    f"{key}: {beyond}",
+                    path=at(key),
+                    hint="fine for a file written for a bigger server; here vLLM would fail to allocate it",
+                    warning=True,
+                )
 
         if opts.backend == "disk":
             if not opts.disk_path:

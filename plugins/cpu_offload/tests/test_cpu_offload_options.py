@@ -10,7 +10,7 @@ import msgspec
 import pluggy
 import pytest
 
-from kvcompose import NAME, hookspecs
+from kvcompose import NAME, hookspecs, units
 from kvcompose.catalog import Child
 from kvcompose.config import dec_hook
 from kvcompose.errors import Problem
@@ -143,6 +143,14 @@ def test_competing_host_sizes_are_problems() -> None:
     assert p.path[-1] == "cpu_bytes"
 
 
+def test_host_memory_beyond_this_machine_is_a_warning_naming_both_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(units, "host_memory", lambda: 16 * 2**30)
+    (p,) = problems({"cpu_bytes_per_rank": "32GiB"})
+    assert p.warning and p.path[-1] == "cpu_bytes_per_rank"
+    assert "32GiB (34359738368 bytes) is more than this machine's memory, 16GiB (17179869184 bytes)" in p.message
+    assert problems({"backend": "disk", "disk_path": "/d/kv", "disk_capacity": "1TiB"}) == []  # a disk is not memory
+
+
 def test_zero_size_is_a_problem() -> None:
     (p,) = problems({"cpu_bytes": 0})
     assert p.path[-1] == "cpu_bytes" and "0 bytes" in p.message
@@ -152,7 +160,7 @@ def test_zero_size_is_a_problem() -> None:
     "options",
     [
         {},
-        {"cpu_bytes": "32GiB", "lazy": True},
+        {"cpu_bytes": "1GiB", "lazy": True},
         {"num_cpu_blocks": 5},
         {"backend": "disk", "disk_path": "/d/kv", "disk_capacity": "1TiB", "use_page_cache": True},
     ],

@@ -16,6 +16,8 @@ that has neither. The facts about vLLM below are from vLLM 0.32's ``kv_connector
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
@@ -194,9 +196,43 @@ def _out_of(o: NixlOptions) -> str:
 
 
 def _side_channel(o: NixlOptions) -> str:
-    host = o.side_channel_host or f"$VLLM_NIXL_SIDE_CHANNEL_HOST ({DEFAULT_SIDE_CHANNEL_HOST})"
+    host = o.side_channel_host or f"$VLLM_NIXL_SIDE_CHANNEL_HOST ({env_side_channel_host()})"
     port = o.side_channel_port or f"$VLLM_NIXL_SIDE_CHANNEL_PORT ({DEFAULT_SIDE_CHANNEL_PORT})"
-    return f"handshake side channel on {host}:{port} + data-parallel index"
+    reach = reach_of(o.side_channel_host or env_side_channel_host())
+    if o.side_channel_host is not None and reach != LOOPBACK:
+        reach += (
+            ", as side_channel_host asks: any host that reaches the port can read this engine's "
+            "NIXL agent metadata and then its KV blocks"
+        )
+    return f"handshake side channel on {host}:{port} + data-parallel index ({reach})"
+
+
+LOOPBACK = "loopback only"
+#: The environment variable vLLM's NIXL scheduler binds to when the composition names no host.
+ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+
+
+def env_side_channel_host() -> str:
+    """What vLLM binds without ``side_channel_host``: the variable in this environment, else its default."""
+    return os.environ.get(ENV_SIDE_CHANNEL_HOST) or DEFAULT_SIDE_CHANNEL_HOST
+
+
+def reach_of(host: str) -> str:
+    """Who can reach a listener bound to ``host``, in words: loopback, every interface, or one."""
+    name = host.strip("[]").lower()
+    if name in ("", "*"):
+        return "all interfaces"
+    if name == "localhost" or name.endswith(".localhost"):
+        return LOOPBACK
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return f"the interface the name {host} resolves to at engine start"
+    if address.is_loopback:
+        return LOOPBACK
+    if address.is_unspecified:
+        return "all interfaces"
+    return f"the interface with address {host}"
 
 
 class NixlType(ConnectorType):
@@ -313,6 +349,29 @@ class NixlType(ConnectorType):
                 "remove ucx_error_handling, or add UCX to backends",
             )
         yield from self._port_clash(child, plan, at)
+        yield from self._exposed_by_default(o, at)
+
+    def _exposed_by_default(self, o: NixlOptions, at: tuple[str | int, ...]) -> Iterator[Problem]:
+        """A side channel reachable from other hosts that the composition did not ask for.
+
+        Writing ``side_channel_host`` is asking for it (P/D across hosts needs a routable
+        address; ``describe`` says who can reach it). Leaving it unset takes the environment's
+        ``VLLM_NIXL_SIDE_CHANNEL_HOST``: set to a non-loopback address, that exposes the
+        handshake listener, and through it the NIXL agent metadata, without the file saying so.
+        """
+        if o.side_channel_host is not None:
+            return
+        host = env_side_channel_host()
+        reach = reach_of(host)
+        if reach != LOOPBACK:
+            yield Problem(
+                f"side_channel_host is unset, so the engine binds ${ENV_SIDE_CHANNEL_HOST}, which is {host!r} "
+                f"in this environment: {reach}; any host that reaches the port can read this engine's NIXL "
+                "agent metadata and then its KV blocks",
+                at + ("side_channel_host",),  # not in the file: located at its options
+                "write side_channel_host: 127.0.0.1 for one host, or the address you mean to expose",
+                warning=True,
+            )
 
     def _port_clash(self, child: Child, plan: Plan, at: tuple[str | int, ...]) -> Iterator[Problem]:
         """Two NIXL children of one engine cannot listen on the same side channel.

@@ -19,6 +19,7 @@ from kvcompose_nixl.plugin import (
     PARAM_KEYS,
     NixlOptions,
     NixlType,
+    reach_of,
 )
 
 
@@ -293,7 +294,8 @@ def test_check_side_channel_port_clash(plugins: Plugins, a: str, b: str, clash: 
         assert "already used by a" in port
 
 
-def test_valid_child_has_no_problem(plugins: Plugins) -> None:
+def test_valid_child_has_no_problem(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)  # else a warning of it
     plan = compose(
         plugins, "  - {name: pd, type: nixl, role: producer, options: {backends: [UCX], side_channel_port: 5600}}\n"
     )
@@ -336,3 +338,59 @@ def test_kv_layout_is_left_to_vllm() -> None:
     assert NixlType().kv_layout(child()) is None
     cfg = make_vllm_config({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
     assert NixlConnector.get_required_kvcache_layout(cfg) == "LBHNC"  # tiny llama: not MLA
+
+
+# ------------------------------------------------------------------------ side channel exposure
+
+
+@pytest.mark.parametrize(
+    ("host", "reach"),
+    [
+        ("localhost", "loopback only"),
+        ("127.0.0.1", "loopback only"),
+        ("127.8.9.1", "loopback only"),
+        ("::1", "loopback only"),
+        ("[::1]", "loopback only"),
+        ("0.0.0.0", "all interfaces"),
+        ("::", "all interfaces"),
+        ("*", "all interfaces"),
+        ("10.0.0.7", "the interface with address 10.0.0.7"),
+        ("prefill-0.internal", "the interface the name prefill-0.internal resolves to at engine start"),
+    ],
+)
+def test_reach_of_a_bind_address(host: str, reach: str) -> None:
+    assert reach_of(host) == reach
+
+
+def test_an_unset_host_that_the_environment_opens_to_all_interfaces_is_warned_of(
+    plugins: Plugins, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0")
+    plan = compose(plugins, "  - name: pd\n    type: nixl\n    role: producer\n")  # a warning does not refuse it
+    (warning,) = plan.warnings
+    assert warning.warning and warning.path == ("connectors", 0, "options", "side_channel_host")
+    assert (warning.line, warning.column) == (3, 5)
+    assert "$VLLM_NIXL_SIDE_CHANNEL_HOST, which is '0.0.0.0' in this environment: all interfaces" in warning.message
+    assert "side_channel_host: 127.0.0.1" in (warning.hint or "")
+    assert "(all interfaces)" in NixlType().describe(plan.children[0])
+
+
+def test_the_default_side_channel_is_loopback_and_not_warned_of(
+    plugins: Plugins, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    plan = compose(plugins, "  - name: pd\n    type: nixl\n    role: producer\n")
+    assert plan.warnings == ()
+    assert "$VLLM_NIXL_SIDE_CHANNEL_HOST (localhost)" in NixlType().describe(plan.children[0])
+    assert "(loopback only)" in NixlType().describe(plan.children[0])
+
+
+def test_an_explicit_all_interfaces_host_is_explained_not_warned_of(
+    plugins: Plugins, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0")
+    plan = compose(plugins, "  - {name: pd, type: nixl, role: producer, options: {side_channel_host: 0.0.0.0}}\n")
+    assert plan.warnings == ()
+    text = NixlType().describe(plan.children[0])
+    assert "side channel on 0.0.0.0:" in text
+    assert "(all interfaces, as side_channel_host asks: any host that reaches the port can read" in text
