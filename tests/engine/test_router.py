@@ -9,20 +9,19 @@ module; every process group is killed on teardown.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose.e2e.flow import EXTERNAL, delta, drop_prefix_cache, routed_request, same_output, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, NodeError, free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 from kvcompose.examples import EXAMPLES
+from tests.engine.stack import Nodes, module_stack
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +32,7 @@ TEXT = "Hello, how are you today? Tell me about the router, the prefill engine a
 SUCCESS = "vllm:request_success{finished_reason=length}"
 
 
-class Stack:
+class Stack(Nodes):
     """The baseline's answers, then a prefill and a decode server behind the router."""
 
     def __init__(self, logs: Path) -> None:
@@ -41,44 +40,25 @@ class Stack:
         self.tokenizer = load_tokenizer(self.model)
         self.text_ids: list[int] = self.tokenizer(TEXT)["input_ids"]
         p_port, d_port = free_ports(2)
-        self.nodes: list[Any] = []
-        baseline = EngineNode(EngineSpec("baseline", str(self.model)), logs)
-        self.nodes.append(baseline)
-        self.prefill = ServerNode(
-            EngineSpec("prefill", str(self.model), str(EXAMPLES / "pd-prefill.yaml"), p_port), logs
-        )
-        self.nodes.append(self.prefill)
-        wait_all_ready([baseline, self.prefill])
+        super().__init__()
+        baseline, self.prefill = self.baseline_and_prefill(self.model, logs, p_port)
         self.expected = {
             "ids": baseline.generate([PROMPT], MAX_TOKENS)[0],
             "repeated": baseline.generate([REPEATED], MAX_TOKENS)[0],
             "text": baseline.generate([self.text_ids], MAX_TOKENS)[0],
         }
         self.chat: list[ChatTurn] = baseline_chat(baseline, self.tokenizer, MAX_TOKENS)
-        baseline.close()
-        self.nodes.remove(baseline)
+        self.retire(baseline)
         self.decode = ServerNode(EngineSpec("decode", str(self.model), str(EXAMPLES / "pd-decode.yaml"), d_port), logs)
-        self.nodes.append(self.decode)
-        wait_all_ready([self.decode])
+        self.start(self.decode)
         self.router = RouterNode([self.prefill], [self.decode], str(self.model), logs)
         self.nodes.append(self.router)
         self.router.wait_ready()
 
-    def close(self) -> None:
-        for n in reversed(self.nodes):
-            n.close()
-
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with tempfile.TemporaryDirectory(prefix="kvcompose-e2e-router-") as tmp:
-        s: Stack | None = None
-        try:
-            s = Stack(Path(tmp))
-            yield s
-        finally:
-            if s is not None:
-                s.close()
+    yield from module_stack(Stack, "kvcompose-e2e-router-")
 
 
 def test_completion_through_the_router_is_prefilled_then_pulled_over_nixl(stack: Stack) -> None:

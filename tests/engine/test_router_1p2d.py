@@ -15,10 +15,8 @@ engines, 1 GiB of KV space each).
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,45 +24,38 @@ from kvcompose.e2e.chat import OTHER_SYSTEM, SYSTEM, ChatTurn, baseline_chat, ch
 from kvcompose.e2e.events import EventListener, kv_events_config
 from kvcompose.e2e.flow import Served, session_per_decode
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 from kvcompose.examples import EXAMPLES
+from tests.engine.stack import Nodes, module_stack
 
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 16
 
 
-class Stack:
+class Stack(Nodes):
     """The baseline's answers to both conversations, then prefill + two decodes behind the router."""
 
     def __init__(self, logs: Path) -> None:
         self.model = make_model(0)
         tokenizer = load_tokenizer(self.model)
         p_port, d1_port, d2_port = free_ports(3)
-        self.nodes: list[Any] = []
-        baseline = EngineNode(EngineSpec("baseline", str(self.model)), logs)
-        self.nodes.append(baseline)
-        self.prefill = ServerNode(
-            EngineSpec("prefill", str(self.model), str(EXAMPLES / "pd-prefill.yaml"), p_port), logs
-        )
-        self.nodes.append(self.prefill)
-        wait_all_ready([baseline, self.prefill])
+        super().__init__()
+        baseline, self.prefill = self.baseline_and_prefill(self.model, logs, p_port)
         self.chats: list[list[ChatTurn]] = [
             baseline_chat(baseline, tokenizer, MAX_TOKENS, system=SYSTEM),
             baseline_chat(baseline, tokenizer, MAX_TOKENS, system=OTHER_SYSTEM),
         ]
-        baseline.close()
-        self.nodes.remove(baseline)
+        self.retire(baseline)
         decode = str(EXAMPLES / "pd-decode.yaml")
         events = {name: kv_events_config(logs / f"{name}.events") for name in ("decode-1", "decode-2")}
         self.decodes = [
             ServerNode(EngineSpec(name, str(self.model), decode, port, kv_events=events[name]), logs)
             for name, port in zip(events, (d1_port, d2_port))
         ]
-        self.nodes += self.decodes
-        wait_all_ready(self.decodes)
+        self.start(*self.decodes)
         self.events = {name: EventListener(config["endpoint"]) for name, config in events.items()}
         self.router = RouterNode([self.prefill], self.decodes, str(self.model), logs, policy="consistent_hash")
         self.nodes.append(self.router)
@@ -73,20 +64,12 @@ class Stack:
     def close(self) -> None:
         for listener in getattr(self, "events", {}).values():
             listener.close()
-        for n in reversed(self.nodes):
-            n.close()
+        super().close()
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with tempfile.TemporaryDirectory(prefix="kvcompose-e2e-1p2d-") as tmp:
-        s: Stack | None = None
-        try:
-            s = Stack(Path(tmp))
-            yield s
-        finally:
-            if s is not None:
-                s.close()
+    yield from module_stack(Stack, "kvcompose-e2e-1p2d-")
 
 
 def test_each_conversation_stays_on_one_decode_whose_host_tier_serves_its_later_turns(stack: Stack) -> None:

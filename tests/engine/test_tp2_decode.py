@@ -17,19 +17,18 @@ On this 2-core machine each decode worker gets a core of its own (``VLLM_CPU_OMP
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvcompose.e2e.flow import drop_prefix_cache, routed_request, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 from kvcompose.examples import EXAMPLES
+from tests.engine.stack import Nodes, module_stack
 
 pytestmark = pytest.mark.engine
 
@@ -39,44 +38,27 @@ PROMPT = token_prompt(20, 500)
 LOGPROB_TOLERANCE = 1e-4
 
 
-class Stack:
+class Stack(Nodes):
     def __init__(self, logs: Path) -> None:
         self.model = make_model(0)
         p_port, d_port = free_ports(2)
-        self.nodes: list[Any] = []
-        baseline = EngineNode(EngineSpec("baseline", str(self.model)), logs)
-        self.nodes.append(baseline)
-        prefill = ServerNode(EngineSpec("prefill", str(self.model), str(EXAMPLES / "pd-prefill.yaml"), p_port), logs)
-        self.nodes.append(prefill)
-        wait_all_ready([baseline, prefill])
+        super().__init__()
+        baseline, prefill = self.baseline_and_prefill(self.model, logs, p_port)
         self.expected = baseline.generate([PROMPT], MAX_TOKENS)[0]
-        baseline.close()
-        self.nodes.remove(baseline)
+        self.retire(baseline)
         spec = EngineSpec(
             "decode-tp2", str(self.model), str(EXAMPLES / "pd-decode.yaml"), d_port, tensor_parallel_size=2
         )
         self.decode = ServerNode(spec, logs)
-        self.nodes.append(self.decode)
-        wait_all_ready([self.decode])
+        self.start(self.decode)
         self.router = RouterNode([prefill], [self.decode], str(self.model), logs)
         self.nodes.append(self.router)
         self.router.wait_ready()
 
-    def close(self) -> None:
-        for n in reversed(self.nodes):
-            n.close()
-
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with tempfile.TemporaryDirectory(prefix="kvcompose-e2e-tp2-") as tmp:
-        s: Stack | None = None
-        try:
-            s = Stack(Path(tmp))
-            yield s
-        finally:
-            if s is not None:
-                s.close()
+    yield from module_stack(Stack, "kvcompose-e2e-tp2-")
 
 
 def test_a_tp2_decode_pulls_from_a_tp1_prefill_and_its_host_tier_serves_the_repeat(stack: Stack) -> None:
