@@ -30,7 +30,6 @@ from kvcompose.e2e.node import (
     CALL_TIMEOUT_S,
     EngineSpec,
     NodeError,
-    composed_plan,
     engine_env,
     free_ports,
     log_tail,
@@ -51,15 +50,12 @@ STAGES = (
 )
 
 
-def kv_transfer_value(spec: EngineSpec) -> str:
-    """The ``--kv-transfer-config`` value for ``spec``: ``kvcompose vllm-args`` of its composition
-    (with the spec's nixl overrides and ``kv_load_failure_policy`` as its ``load_failure``)."""
-    from kvcompose.vllm.args import render
-
-    assert spec.composition is not None
-    return render(
-        composed_plan(Path(spec.composition), spec.side_channel_port, spec.nixl_options, spec.kv_load_failure_policy)
-    )
+def kv_transfer_value(spec: EngineSpec) -> str | None:
+    """The ``--kv-transfer-config`` value for ``spec``: what ``kvcompose vllm-args`` prints for its
+    composition (with the spec's nixl overrides and ``kv_load_failure_policy`` as its
+    ``load_failure``), or its ``kv_config`` as is (a bare connector); None without either."""
+    config = spec.kv_transfer_config()
+    return None if config is None else json.dumps(config, separators=(",", ":"))
 
 
 def server_argv(spec: EngineSpec, port: int) -> list[str]:
@@ -75,8 +71,9 @@ def server_argv(spec: EngineSpec, port: int) -> list[str]:
             continue
         else:  # a config given as a mapping (kv_events_config) is a JSON value on the command line
             argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    if spec.composition is not None:
-        argv += ["--kv-transfer-config", kv_transfer_value(spec)]
+    value = kv_transfer_value(spec)
+    if value is not None:
+        argv += ["--kv-transfer-config", value]
     if spec.kv_events is not None:
         # A router that routes by KV events (vllm-router's kv_aware) tokenizes each prompt through
         # the server's /v1/completions/render (and the chat one), which answer 403 unless asked.

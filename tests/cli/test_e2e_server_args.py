@@ -46,6 +46,14 @@ def test_baseline_server_has_no_connector() -> None:
     assert "--kv-transfer-config" not in server_argv(EngineSpec("baseline", "/m"), 1)
 
 
+def test_a_bare_connector_server_gets_its_kv_config_as_is() -> None:
+    """A benchmark's baseline server (a connector without composite) is given its connector: a
+    server without one answers P/D requests by computing the prompt ("Got kv_transfer_params, but
+    no KVConnector found"), which once made a throughput baseline measure recompute."""
+    bare = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"k": 1}}
+    assert json.loads(_flag(server_argv(EngineSpec("decode", "/m", kv_config=bare), 1), "--kv-transfer-config")) == bare
+
+
 def test_parse_metrics_gives_the_keys_flatten_metrics_gives() -> None:
     reg = CollectorRegistry()
     labels = ["model_name", "engine"]
