@@ -22,15 +22,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvcompose.catalog import Plan
 from kvcompose.compose import build
+from kvcompose.config import to_builtins
+from kvcompose.migrate import announce_dropin, is_dropin, source
+from kvcompose.migrate import child_configs as listed_configs
 from kvcompose.rules.checks import layout_conflict
-from kvcompose.vllm.args import children_configs, embedded
 from kvcompose.vllm.loadstats import ChildLoadPromMetrics, ChildLoadStats
 from kvcompose.vllm.metadata import ComposedStats, qualname
 
 
 def plan_from_config(ktc: KVTransferConfig) -> Plan:
     """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``."""
-    return build(embedded(ktc.kv_connector_extra_config))
+    plan = build(source(ktc.kv_connector_extra_config, ktc.kv_role))
+    if is_dropin(ktc.kv_connector_extra_config):
+        announce_dropin(to_builtins(plan.composition))
+    return plan
 
 
 def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:
@@ -41,7 +46,7 @@ def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:
     """
     return [
         KVTransferConfig(**{"engine_id": ktc.engine_id, **entry})
-        for entry in children_configs(ktc.kv_connector_extra_config)
+        for entry in listed_configs(ktc.kv_connector_extra_config, ktc.kv_role)
     ]
 
 
@@ -86,7 +91,8 @@ class ClassLevelAnswers:
 def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
     """The one layout the children need (None: any); raises when they disagree."""
     assert vllm_config.kv_transfer_config is not None
-    names = [c.name for c in embedded(vllm_config.kv_transfer_config.kv_connector_extra_config).composition.connectors]
+    ktc = vllm_config.kv_transfer_config
+    names = [c.name for c in source(ktc.kv_connector_extra_config, ktc.kv_role).composition.connectors]
     layouts = {
         name: cls.get_required_kvcache_layout(cfg)
         for name, (cls, cfg) in zip(names, child_classes(vllm_config), strict=True)
@@ -99,7 +105,7 @@ def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
 
 def requires_piecewise_for_cudagraph(extra_config: dict[str, Any]) -> bool:
     """Whether any child needs piecewise CUDA graphs."""
-    for entry in children_configs(extra_config):
+    for entry in listed_configs(extra_config):
         child_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**entry))
         if child_cls.requires_piecewise_for_cudagraph(entry.get("kv_connector_extra_config", {})):
             return True

@@ -17,7 +17,7 @@ that has neither. The facts about vLLM below are from vLLM 0.32's ``kv_connector
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -49,6 +49,8 @@ DEFAULT_SIDE_CHANNEL_PORT = 5600
 #: The vLLM class per mode. The names must stay vLLM's: vLLM looks for the literal
 #: "NixlConnector" with ``KVTransferConfig.has_connector`` (config/vllm.py, platforms/cpu.py).
 CONNECTOR_CLASS: dict[str, str] = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+#: The mode each of vLLM's registered NIXL names stands for (``NixlPullConnector`` is an alias).
+MODE_OF_CLASS: dict[str, str] = {"NixlPullConnector": "pull", **{cls: mode for mode, cls in CONNECTOR_CLASS.items()}}
 
 #: ``kv_transfer_params`` keys NixlConnector reads or returns, in pull and push mode.
 PARAM_KEYS: frozenset[str] = frozenset(
@@ -236,6 +238,14 @@ class NixlType(ConnectorType):
     def connector_name(self, child: Child) -> str:
         """``mode`` picks the class: pull is NixlConnector, push is NixlPushConnector."""
         return CONNECTOR_CLASS[child.options_as(NixlOptions).mode]
+
+    def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The options of a NIXL entry of a MultiConnector config; its class name gives ``mode``."""
+        mode = MODE_OF_CLASS.get(config.get("kv_connector", ""))
+        options = None if mode is None else self.options_from_keys(config)
+        if options is not None and mode != "pull":
+            options["mode"] = mode
+        return options
 
     def describe(self, child: Child) -> str:
         """What the child does for its role, in one or two plain sentences."""
