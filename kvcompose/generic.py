@@ -135,21 +135,23 @@ class VllmType(ConnectorType):
         return child.options_as(VllmOptions).kv_connector
 
     def vllm_config(self, child: Child) -> dict[str, Any]:
-        """The connector, each top-level field that is set, and the extra config as it is."""
+        """The connector, each top-level field that is set, and the extra config as it is (when any)."""
         o = child.options_as(VllmOptions)
         cfg: dict[str, Any] = {"kv_connector": o.kv_connector}
         for key in TOP_LEVEL:
             value = getattr(o, key)
             if value is not None:
                 cfg[key] = vllm_value(value)
-        cfg["kv_connector_extra_config"] = vllm_value(o.kv_connector_extra_config)
+        if o.kv_connector_extra_config:
+            cfg["kv_connector_extra_config"] = vllm_value(o.kv_connector_extra_config)
         return cfg
 
     def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Any entry: every key but ``kv_role`` is an option of the same name."""
+        """Any entry: every key but ``kv_role`` is an option of the same name (an empty extra config,
+        vLLM's default, is left out)."""
         if not config.get("kv_connector"):
             return None
-        return {k: v for k, v in config.items() if k != "kv_role"}
+        return {k: v for k, v in config.items() if k != "kv_role" and not (k == "kv_connector_extra_config" and v == {})}
 
     def describe(self, child: Child) -> str:
         o = child.options_as(VllmOptions)

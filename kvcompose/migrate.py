@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from kvcompose.catalog import ConnectorType
+from kvcompose.catalog import ConnectorType, given_options
 from kvcompose.compose import build
 from kvcompose.config import DEFAULT_RULES, KEY, VLLM_ROLES, Source, dec_hook, from_builtins, msgspec_problem
 from kvcompose.errors import CompositionError, Problem
@@ -129,10 +129,11 @@ def child_data(
         if options is None:
             continue
         try:
-            msgspec.convert(options, type=ctype.options, dec_hook=dec_hook)
+            converted = msgspec.convert(options, type=ctype.options, dec_hook=dec_hook)
         except msgspec.ValidationError:
             continue  # values this type refuses (a backend it does not know, ...): the generic type
-        return _child(name, ctype.name, role, options)
+        given = given_options(converted)  # a value equal to vLLM's default is left out, as vllm-args does
+        return _child(name, ctype.name, role, {k: v for k, v in options.items() if k in given})
     generic = types.get(TYPE_NAME) or VllmType()
     options = generic.options_from_vllm(entry) or {}
     try:
