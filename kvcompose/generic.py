@@ -151,7 +151,8 @@ class VllmType(ConnectorType):
         vLLM's default, is left out)."""
         if not config.get("kv_connector"):
             return None
-        return {k: v for k, v in config.items() if k != "kv_role" and not (k == "kv_connector_extra_config" and v == {})}
+        empty = {"kv_connector_extra_config": {}}
+        return {k: v for k, v in config.items() if k != "kv_role" and empty.get(k, ()) != v}
 
     def describe(self, child: Child) -> str:
         o = child.options_as(VllmOptions)

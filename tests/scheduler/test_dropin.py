@@ -85,5 +85,6 @@ def test_a_dropin_composite_serves_requests(tmp_path: Path) -> None:
 def test_a_dropin_that_breaks_a_rule_says_which_entry(tmp_path: Path) -> None:
     cfg = dropin(tmp_path)
     cfg["kv_connector_extra_config"]["connectors"][3] = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
-    with pytest.raises(Exception, match=r"<MultiConnector connectors>: connectors\[3\].type: nixl-2 and nixl both are P/D transports"):
+    where = r"<MultiConnector connectors>: connectors\[3\].type: "
+    with pytest.raises(Exception, match=where + "nixl-2 and nixl both are P/D transports"):
         scheduler_for(cfg, block_size=32)

@@ -187,7 +187,8 @@ def test_the_corrected_ray_config_imports() -> None:
         '{"kv_connector":"NixlConnector","kv_role":"kv_both"}',
         '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'',
         '--kv-transfer-config=\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'',
-        'vllm serve m --port 1 \\\n  --kv-transfer-config \\\n  \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\' --seed 0',
+        "vllm serve m --port 1 \\\n  --kv-transfer-config \\\n"
+        '  \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\' --seed 0',
     ],
 )
 def test_parse_takes_the_json_as_the_user_has_it(text: str) -> None:
