@@ -10,7 +10,6 @@ served from disk and the answer is the single-engine baseline's, bit for bit. Ru
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +60,9 @@ class Engines:
         try:
             wait_all_ready([baseline, self.prefill])
             self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
+        except BaseException:
+            self.prefill.close()  # no fixture teardown runs for a fixture that failed to set up
+            raise
         finally:
             baseline.close()
         self.decode: EngineNode | None = None
@@ -85,13 +87,10 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[Engines]:
-    with tempfile.TemporaryDirectory(prefix="kvcompose-tiers-") as tmp:
-        e = Engines(Path(tmp))
-        try:
-            yield e
-        finally:
-            e.close()
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    e = Engines(tmp_path_factory.mktemp("tiers"))
+    yield e  # pytest closes them whatever the tests did
+    e.close()
 
 
 def drop_device_and_host(decode: EngineNode, tries: int = 50) -> None:
