@@ -223,13 +223,14 @@ def describe(data: Mapping[str, Any]) -> str:
 _announced: set[str] = set()
 
 
-def announce_dropin(data: Mapping[str, Any]) -> None:
-    """Log, once per process and composition, what a MultiConnector config without kvcompose's entry became."""
+def announce_dropin(data: Mapping[str, Any], logger: logging.Logger = log) -> None:
+    """Log, once per process and composition, what a MultiConnector config without kvcompose's entry
+    became (the composite passes a logger under vLLM's, so the line is in vLLM's own log)."""
     key = json.dumps(data, sort_keys=True, default=str)
     if key in _announced:
         return
     _announced.add(key)
-    log.info(
+    logger.info(
         "kvcompose: MultiConnector config taken as it is (no %r entry), composed with kvcompose's defaults "
         "(load: first-wins in list order, store: all, metadata: merge): %s; `kvcompose import` writes it as YAML",
         EXTRA_KEY,

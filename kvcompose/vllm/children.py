@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+from vllm.logger import init_logger
 
 from kvcompose.catalog import Plan
 from kvcompose.compose import build
@@ -29,12 +30,15 @@ from kvcompose.rules.checks import layout_conflict
 from kvcompose.vllm.loadstats import ChildLoadPromMetrics, ChildLoadStats
 from kvcompose.vllm.metadata import ComposedStats, qualname
 
+#: Under vLLM's logger, whose handler and ``VLLM_LOGGING_LEVEL`` an engine's log already has.
+vllm_log = init_logger("vllm.kvcompose")
+
 
 def plan_from_config(ktc: KVTransferConfig) -> Plan:
     """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``."""
     plan = build(source(ktc.kv_connector_extra_config, ktc.kv_role))
     if is_dropin(ktc.kv_connector_extra_config):
-        announce_dropin(to_builtins(plan.composition))
+        announce_dropin(to_builtins(plan.composition), vllm_log)
     return plan
 
 

@@ -22,6 +22,8 @@ from kvcompose.e2e.flow import Served, decode_request, drop_prefix_cache, pd_req
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
 from kvcompose.examples import EXAMPLES
+from kvcompose.vllm.args import MODULE
+from kvcompose_nixl import UCX_ERROR_HANDLING_KEY
 
 pytestmark = pytest.mark.engine
 
@@ -47,6 +49,39 @@ def three_tiers(disk: Path, load: str) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def dropin(disk: Path) -> dict[str, Any]:
+    """vLLM's MultiConnector over its SimpleCPUOffloadConnector, ExampleConnector and NixlConnector
+    (the tiers of :func:`three_tiers`), with no ``kvcompose`` entry. vLLM's own MultiConnector fails
+    on this machine at engine start (SimpleCPUOffloadConnector's worker needs CUDA); the drop-in
+    puts kvcompose's cpu-offload type, whose worker runs here, in its place."""
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_connector_module_path": MODULE,
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "SimpleCPUOffloadConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 256 << 20},
+                },
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(disk)},
+                },
+                {
+                    "kv_connector": "NixlConnector",
+                    "kv_role": "kv_consumer",
+                    # vLLM's NixlConnector ignores this key; kvcompose's sets NIXL's UCX error handling
+                    # with it (one host: shared memory, not tcp; docs/e2e.md, cold start)
+                    "kv_connector_extra_config": {UCX_ERROR_HANDLING_KEY: "none", "enforce_handshake_compat": False},
+                },
+            ]
+        },
+    }
+
+
 class Engines:
     """The baseline's answers, one prefill engine, and a three-tier decode engine per load rule."""
 
@@ -68,17 +103,26 @@ class Engines:
         self.decode: EngineNode | None = None
 
     def decode_with(self, load: str) -> EngineNode:
-        if self.decode is not None:
-            self.decode.close()
         disk = self.tmp / f"disk-{load}"
         path = self.tmp / f"three-tiers-{load}.yaml"
         path.write_text(three_tiers(disk, load))
-        self.decode = EngineNode(
-            EngineSpec(f"decode-{load}", self.model, str(path), free_ports(1)[0], {"enforce_handshake_compat": False}),
-            self.tmp,
+        spec = EngineSpec(
+            f"decode-{load}", self.model, str(path), free_ports(1)[0], {"enforce_handshake_compat": False}
         )
-        wait_all_ready([self.decode])
-        return self.decode
+        return self._start(EngineNode(spec, self.tmp))
+
+    def decode_dropin(self) -> EngineNode:
+        """Decode from a MultiConnector config as vLLM's docs write one, plus kvcompose's module path."""
+        port = free_ports(1)[0]
+        spec = EngineSpec("decode-dropin", self.model, kv_config=dropin(self.tmp / "disk-dropin"))
+        return self._start(EngineNode(spec, self.tmp, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}))
+
+    def _start(self, node: EngineNode) -> EngineNode:
+        if self.decode is not None:
+            self.decode.close()
+        self.decode = node
+        wait_all_ready([node])
+        return node
 
     def close(self) -> None:
         for node in (self.decode, self.prefill):
@@ -152,3 +196,26 @@ def test_ranges_serve_host_then_nixl_and_disk_when_host_is_gone(engines: Engines
     assert host_then_pd.loaded == {"host": host, "pd": len(ids) - host}
     assert from_disk.loaded == {"disk": full_blocks(ids)}
     assert all(s.equals(engines.expected["pd"]) for s in (first, host_then_pd, from_disk))
+
+
+def test_dropin_multiconnector_config_runs_the_three_tiers(engines: Engines) -> None:
+    """The same three tiers from a MultiConnector config taken as it is (docs/migrating.md)."""
+    decode = engines.decode_dropin()
+    composed = [line for line in decode.log_tail(400).splitlines() if "taken as it is" in line]
+    print(composed[0] if composed else "no drop-in log line")
+    assert len(composed) == 1
+    assert composed[0].endswith(
+        "composed with kvcompose's defaults (load: first-wins in list order, store: all, metadata: merge): "
+        "simple-cpu-offload (cpu-offload, both), example (vllm ExampleConnector, both), nixl (nixl, consumer); "
+        "`kvcompose import` writes it as YAML"
+    )
+    children = ("simple-cpu-offload", "example", "nixl")
+    ids = PROMPTS["pd"]
+    first = pd_request(engines.prefill, decode, ids, MAX_TOKENS, children=children)
+    drop_device_and_host(decode)
+    from_disk = pd_request(engines.prefill, decode, ids, MAX_TOKENS, children=children)
+    for label, s in (("pulled", first), ("disk", from_disk)):
+        report(label, s, engines.expected["pd"])
+    assert first.loaded == {"nixl": len(ids)}
+    assert from_disk.loaded == {"example": full_blocks(ids)}
+    assert first.equals(engines.expected["pd"]) and from_disk.equals(engines.expected["pd"])

@@ -49,8 +49,15 @@ def dropin(disk: Path, role: str = "kv_consumer") -> dict[str, Any]:
 def test_a_multiconnector_config_without_a_kvcompose_entry_is_composed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcompose.vllm"):
-        scheduler = scheduler_for(dropin(tmp_path), block_size=32)
+    # The line goes to vLLM's log, which may not propagate to the root (where caplog listens).
+    vllm_log = logging.getLogger("vllm")
+    if not vllm_log.propagate:
+        vllm_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.kvcompose"):
+            scheduler = scheduler_for(dropin(tmp_path), block_size=32)
+    finally:
+        vllm_log.removeHandler(caplog.handler)
     composite = scheduler.connector
     assert isinstance(composite, KVComposeConnector)
     assert composite.names == ("simple-cpu-offload", "example", "nixl", "example-2")
