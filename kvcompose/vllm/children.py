@@ -34,10 +34,11 @@ from kvcompose.vllm.metadata import ComposedStats, qualname
 vllm_log = init_logger("vllm.kvcompose")
 
 
-def plan_from_config(ktc: KVTransferConfig) -> Plan:
-    """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``."""
+def plan_from_config(ktc: KVTransferConfig, announce: bool = False) -> Plan:
+    """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``, or
+    from a MultiConnector ``connectors`` list taken as it is (``announce``: say what was composed)."""
     plan = build(source(ktc.kv_connector_extra_config, ktc.kv_role))
-    if is_dropin(ktc.kv_connector_extra_config):
+    if announce and is_dropin(ktc.kv_connector_extra_config):
         announce_dropin(to_builtins(plan.composition), vllm_log)
     return plan
 

@@ -84,7 +84,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        self.plan = plan = vllm_children.plan_from_config(ktc)
+        # A drop-in config is announced once per engine, by its scheduler (not again by each worker).
+        self.plan = plan = vllm_children.plan_from_config(ktc, announce=role == KVConnectorRole.SCHEDULER)
         classes = vllm_children.child_classes(vllm_config)
         if len(classes) != len(plan.children):
             raise ValueError(
