@@ -22,7 +22,7 @@ from kvcompose.e2e.flow import Served, decode_request, drop_prefix_cache, pd_req
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
 from kvcompose.examples import EXAMPLES
-from kvcompose.vllm.args import MODULE
+from kvcompose.testing.harness import connector_entry, multiconnector_config
 from kvcompose_nixl import UCX_ERROR_HANDLING_KEY
 
 pytestmark = pytest.mark.engine
@@ -54,32 +54,15 @@ def dropin(disk: Path) -> dict[str, Any]:
     (the tiers of :func:`three_tiers`), with no ``kvcompose`` entry. vLLM's own MultiConnector fails
     on this machine at engine start (SimpleCPUOffloadConnector's worker needs CUDA); the drop-in
     puts kvcompose's cpu-offload type, whose worker runs here, in its place."""
-    return {
-        "kv_connector": "MultiConnector",
-        "kv_connector_module_path": MODULE,
-        "kv_role": "kv_consumer",
-        "kv_connector_extra_config": {
-            "connectors": [
-                {
-                    "kv_connector": "SimpleCPUOffloadConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"cpu_bytes_to_use": 256 << 20},
-                },
-                {
-                    "kv_connector": "ExampleConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": str(disk)},
-                },
-                {
-                    "kv_connector": "NixlConnector",
-                    "kv_role": "kv_consumer",
-                    # vLLM's NixlConnector ignores this key; kvcompose's sets NIXL's UCX error handling
-                    # with it (one host: shared memory, not tcp; docs/e2e.md, cold start)
-                    "kv_connector_extra_config": {UCX_ERROR_HANDLING_KEY: "none", "enforce_handshake_compat": False},
-                },
-            ]
-        },
-    }
+    # vLLM's NixlConnector ignores the first key; kvcompose's sets NIXL's UCX error handling with it
+    # (one host: shared memory, not tcp; docs/e2e.md, cold start).
+    nixl = {UCX_ERROR_HANDLING_KEY: "none", "enforce_handshake_compat": False}
+    return multiconnector_config(
+        connector_entry("SimpleCPUOffloadConnector", cpu_bytes_to_use=256 << 20),
+        connector_entry("ExampleConnector", shared_storage_path=str(disk)),
+        connector_entry("NixlConnector", "kv_consumer", **nixl),
+        kv_role="kv_consumer",
+    )
 
 
 class Engines:

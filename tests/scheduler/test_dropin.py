@@ -12,38 +12,21 @@ from typing import Any
 
 import pytest
 
-from kvcompose.testing.harness import make_request, scheduler_for
-from kvcompose.vllm.args import MODULE
+from kvcompose.testing.harness import connector_entry, make_request, multiconnector_config, scheduler_for
 from kvcompose.vllm.connector import KVComposeConnector
 
 
 def dropin(disk: Path, role: str = "kv_consumer") -> dict[str, Any]:
-    """vLLM's documented MultiConnector (docs/features/disagg_prefill.md), pointed at kvcompose."""
-    return {
-        "kv_connector": "MultiConnector",
-        "kv_connector_module_path": MODULE,
-        "kv_role": role,
-        "kv_connector_extra_config": {
-            "connectors": [
-                {
-                    "kv_connector": "SimpleCPUOffloadConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24},
-                },
-                {
-                    "kv_connector": "ExampleConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": str(disk)},
-                },
-                {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"},
-                {
-                    "kv_connector": "ExampleConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": str(disk / "2")},
-                },
-            ]
-        },
-    }
+    """vLLM's documented MultiConnector shape (docs/features/disagg_prefill.md), pointed at kvcompose."""
+    nixl = connector_entry("NixlConnector", role)
+    nixl["kv_buffer_device"] = "cpu"
+    return multiconnector_config(
+        connector_entry("SimpleCPUOffloadConnector", cpu_bytes_to_use=1 << 24),
+        connector_entry("ExampleConnector", shared_storage_path=str(disk)),
+        nixl,
+        connector_entry("ExampleConnector", shared_storage_path=str(disk / "2")),
+        kv_role=role,
+    )
 
 
 def test_a_multiconnector_config_without_a_kvcompose_entry_is_composed(
