@@ -158,6 +158,57 @@ class ConnectorType:
         }
         return cfg
 
+    def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The ``options:`` that render ``config`` (a child's ``KVTransferConfig`` kwargs), or None.
+
+        The inverse of :meth:`vllm_config`, for ``kvcompose import`` and for a MultiConnector
+        config taken as it is: ``config`` names this type's :attr:`vllm_connector` (without a
+        module path, or with this type's own) and each other key is one the two key maps render.
+        ``kv_role`` is the child's role, not an option, and is ignored here. Override it when an
+        option picks the class (:meth:`connector_name`).
+        """
+        name = getattr(self, "vllm_connector", None)
+        if not name or config.get("kv_connector") != name:
+            return None
+        return self.options_from_keys(config)
+
+    def options_from_keys(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The options the two key maps read back from ``config``; None when a key has no option.
+
+        The connector's name is the caller's to check; the module path may be unset (vLLM's own
+        class, which this type stands for) or this type's.
+        """
+        if config.get("kv_connector_module_path") not in (None, self.vllm_module_path):
+            return None
+        top = {key: option for option, key in self.top_level_keys.items()}
+        extra = {key: option for option, key in self.extra_config_keys.items()}
+        options: dict[str, Any] = {}
+        for key, value in config.items():
+            if key in ("kv_connector", "kv_connector_module_path", "kv_role"):
+                continue
+            if key == "kv_connector_extra_config":
+                if not isinstance(value, Mapping):
+                    return None
+                for k, v in value.items():
+                    if k not in extra:
+                        return None
+                    options[extra[k]] = v
+            elif key in top:
+                options[top[key]] = value
+            else:
+                return None
+        return options
+
+    def specialised(self, options: Options) -> ConnectorType:
+        """This type as a child with these options sees it: ``self`` unless a trait is an option.
+
+        The class attributes above (``range_loads``, ``param_keys``, ...) are what every rule
+        reads; a type whose options declare some of them (the generic ``vllm`` type does)
+        returns an instance carrying the declared values. Called once per child when a
+        composition is resolved.
+        """
+        return self
+
     def describe(self, child: Child) -> str:
         """One sentence, in plain words, of what this child does in the composition."""
         return self.summary

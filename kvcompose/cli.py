@@ -1,4 +1,4 @@
-"""``kvcompose``: check, explain, plugins, schema, vllm-args, examples, demo, bench.
+"""``kvcompose``: check, explain, plugins, schema, vllm-args, import, examples, demo, bench.
 
 Exit status: 0 on success, 2 for a bad composition or bad usage (the error is printed as
 ``FILE:LINE:COL: key: message (hint)``, never as a traceback), 1 for a broken plugin; 141
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from kvcompose.bench.runner import BENCHMARKS
 from kvcompose.catalog import Plan
-from kvcompose.compose import load
+from kvcompose.compose import build, load
+from kvcompose.config import from_builtins
 from kvcompose.errors import CompositionError
 from kvcompose.examples import ExampleError
 from kvcompose.plugins import PluginError, get_plugins
@@ -72,6 +73,27 @@ def cmd_vllm_args(args: argparse.Namespace) -> int:
     from kvcompose.vllm.args import render
 
     print(render(_plan(args.file), args.style))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from kvcompose import migrate
+
+    if args.source in (None, "-"):
+        text, origin = sys.stdin.read(), "stdin"
+    elif not args.source.lstrip().startswith(("{", "-", "'", '"')) and Path(args.source).is_file():
+        text, origin = Path(args.source).read_text(), args.source
+    else:
+        text, origin = args.source, "the command line"
+    cfg = migrate.parse(text, origin)
+    data = migrate.composition_data(cfg, get_plugins().connector_types)
+    out = migrate.to_yaml(data, origin, migrate.left_behind(cfg))
+    build(from_builtins(data, origin))  # what is written must compose (vllm-args of it)
+    if args.output:
+        Path(args.output).write_text(out)
+        print(f"{args.output}: {migrate.describe(data)}", file=sys.stderr)
+    else:
+        print(out, end="")
     return 0
 
 
@@ -188,6 +210,22 @@ def parser() -> argparse.ArgumentParser:
         help="json: the value alone (default); shell: the whole flag, quoted",
     )
     s.set_defaults(func=cmd_vllm_args)
+    s = _command(
+        sub,
+        "import",
+        "a composition file from a vLLM --kv-transfer-config (MultiConnector JSON or one connector)",
+        'kvcompose import \'{"kv_connector":"MultiConnector","kv_role":"kv_both",...}\' > compose.yaml\n'
+        "kvcompose import kv-transfer-config.json -o compose.yaml\n"
+        "grep -o -e \"--kv-transfer-config '.*'\" serve.sh | kvcompose import",
+    )
+    s.add_argument(
+        "source",
+        nargs="?",
+        metavar="CONFIG",
+        help="the JSON (with or without the flag name and shell quotes), a file holding it, or - / nothing: stdin",
+    )
+    s.add_argument("-o", "--output", metavar="FILE", help="write the YAML here (default: stdout)")
+    s.set_defaults(func=cmd_import)
     s = _command(
         sub,
         "examples",

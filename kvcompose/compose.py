@@ -57,7 +57,7 @@ def build(source: Source, plugins: Plugins | None = None) -> Plan:
         except msgspec.ValidationError as exc:
             problems.append(msgspec_problem(exc, ("connectors", i, "options"), ctype.options))
             continue
-        children.append(Child(i, spec.name, ctype, spec.role, options))
+        children.append(Child(i, spec.name, ctype.specialised(options), spec.role, options))
     chosen: dict[str, Rule] = {}
     params: dict[str, Any] = {}
     built: dict[str, Any] = {}

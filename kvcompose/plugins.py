@@ -47,6 +47,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "kvcompose.rules.completion",
     "kvcompose.rules.faults",
     "kvcompose.rules.checks",
+    "kvcompose.generic",
 )
 
 trace_log = logging.getLogger("kvcompose.trace")

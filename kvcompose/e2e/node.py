@@ -279,9 +279,12 @@ class EngineNode:
         """The engine's Prometheus counters, flattened (see :func:`flatten_metrics`)."""
         return self.call("metrics")
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop the engine's own (device) prefix cache; the connectors keep what they hold."""
-        return self.call("reset_prefix_cache")
+    def reset_prefix_cache(self, connectors: bool = False) -> bool:
+        """Drop the engine's own (device) prefix cache; the connectors keep what they hold, unless
+        ``connectors``: then each child that implements vLLM's ``reset_cache`` drops its cache too
+        (the host tier does; a connector without ``reset_cache``, such as ExampleConnector's files
+        on disk, keeps it)."""
+        return self.call("reset_prefix_cache", reset_connector=connectors)
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
@@ -505,7 +508,9 @@ def _serve(spec: EngineSpec, reply: Callable[[dict[str, Any]], None]) -> None:
     ops: dict[str, Callable[..., Any]] = {
         "generate": functools.partial(_generate, llm),
         "metrics": lambda: flatten_metrics(llm.get_metrics()),
-        "reset_prefix_cache": lambda: bool(llm.reset_prefix_cache()),
+        "reset_prefix_cache": lambda reset_connector=False: bool(
+            llm.reset_prefix_cache(reset_connector=reset_connector)
+        ),
     }
     for line in sys.stdin:
         cmd = json.loads(line)

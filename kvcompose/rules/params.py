@@ -81,7 +81,14 @@ def _explain_owners(children: tuple[Child, ...], _: Any) -> str:
         for c in children
         if c.type.param_keys
     ]
-    return "params: kv_transfer_params merged by declared owner; " + ("; ".join(owners) or "no child declares keys")
+    text = "params: kv_transfer_params merged by declared owner; " + ("; ".join(owners) or "no child declares keys")
+    undeclared = [c.name for c in children if not c.type.param_keys]
+    if undeclared:
+        text += (
+            "; " + ", ".join(undeclared) + " declare no keys: a key no child declares goes to the first child "
+            "in YAML order that returns it"
+        )
+    return text
 
 
 @hookimpl

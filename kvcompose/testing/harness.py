@@ -30,7 +30,7 @@ from kvcompose.plugins import Plugins
 from kvcompose.testing.kv import TINY_MODEL as TINY_MODEL
 from kvcompose.testing.kv import make_engine_kv
 from kvcompose.testing.kv import make_vllm_config as make_vllm_config
-from kvcompose.vllm.args import kv_transfer_config
+from kvcompose.vllm.args import CHILDREN_KEY, CONNECTOR_NAME, MODULE, kv_transfer_config
 
 EOS_TOKEN_ID = 2
 
@@ -112,6 +112,25 @@ def scheduler_for(
     return make_scheduler(
         vllm_config, make_kv_cache_config(num_blocks, block_size=block_size, sliding_window=sliding_window)
     )
+
+
+def multiconnector_config(*entries: dict[str, Any], kv_role: str = "kv_both") -> dict[str, Any]:
+    """vLLM's MultiConnector config over ``entries`` (see :func:`connector_entry`), loaded as kvcompose's
+    composite: what a drop-in deployment passes (``docs/migrating.md``), no ``kvcompose`` entry."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": MODULE,
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {CHILDREN_KEY: list(entries)},
+    }
+
+
+def connector_entry(kv_connector: str, kv_role: str = "kv_both", /, **extra_config: Any) -> dict[str, Any]:
+    """One child of a MultiConnector config, its ``kv_connector_extra_config`` from the keywords."""
+    entry: dict[str, Any] = {"kv_connector": kv_connector, "kv_role": kv_role}
+    if extra_config:
+        entry["kv_connector_extra_config"] = extra_config
+    return entry
 
 
 def scheduler_from_yaml(

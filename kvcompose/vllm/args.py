@@ -53,8 +53,9 @@ def embedded(extra_config: Mapping[str, Any] | None) -> Source:
     data = (extra_config or {}).get(EXTRA_KEY)
     if data is None:
         raise ValueError(
-            f"kv_connector_extra_config has no {EXTRA_KEY!r} entry: start vLLM with the arguments "
-            "that `kvcompose vllm-args FILE` prints"
+            f"kv_connector_extra_config has no {EXTRA_KEY!r} entry and no {CHILDREN_KEY!r} list: start vLLM "
+            "with the arguments that `kvcompose vllm-args FILE` prints, or list the children as for "
+            "vLLM's MultiConnector"
         )
     return from_builtins(data["composition"], data.get("source", "<kv_connector_extra_config>"))
 

@@ -19,19 +19,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+from vllm.logger import init_logger
 
 from kvcompose.catalog import Plan
 from kvcompose.compose import build
+from kvcompose.config import to_builtins
+from kvcompose.migrate import announce_dropin, is_dropin, source
+from kvcompose.migrate import child_configs as listed_configs
 from kvcompose.rules.checks import layout_conflict
-from kvcompose.vllm.args import children_configs, embedded
 from kvcompose.vllm.health import ChildStatePromMetrics, ChildStateStats
 from kvcompose.vllm.loadstats import ChildLoadPromMetrics, ChildLoadStats
 from kvcompose.vllm.metadata import ComposedStats, qualname
 
+#: Under vLLM's logger, whose handler and ``VLLM_LOGGING_LEVEL`` an engine's log already has.
+vllm_log = init_logger("vllm.kvcompose")
 
-def plan_from_config(ktc: KVTransferConfig) -> Plan:
-    """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``."""
-    return build(embedded(ktc.kv_connector_extra_config))
+
+def plan_from_config(ktc: KVTransferConfig, announce: bool = False) -> Plan:
+    """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``, or
+    from a MultiConnector ``connectors`` list taken as it is (``announce``: say what was composed)."""
+    plan = build(source(ktc.kv_connector_extra_config, ktc.kv_role))
+    if announce and is_dropin(ktc.kv_connector_extra_config):
+        announce_dropin(to_builtins(plan.composition), vllm_log)
+    return plan
 
 
 def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:
@@ -42,7 +52,7 @@ def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:
     """
     return [
         KVTransferConfig(**{"engine_id": ktc.engine_id, **entry})
-        for entry in children_configs(ktc.kv_connector_extra_config)
+        for entry in listed_configs(ktc.kv_connector_extra_config, ktc.kv_role)
     ]
 
 
@@ -87,7 +97,8 @@ class ClassLevelAnswers:
 def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
     """The one layout the children need (None: any); raises when they disagree."""
     assert vllm_config.kv_transfer_config is not None
-    names = [c.name for c in embedded(vllm_config.kv_transfer_config.kv_connector_extra_config).composition.connectors]
+    ktc = vllm_config.kv_transfer_config
+    names = [c.name for c in source(ktc.kv_connector_extra_config, ktc.kv_role).composition.connectors]
     layouts = {
         name: cls.get_required_kvcache_layout(cfg)
         for name, (cls, cfg) in zip(names, child_classes(vllm_config), strict=True)
@@ -100,7 +111,7 @@ def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
 
 def requires_piecewise_for_cudagraph(extra_config: dict[str, Any]) -> bool:
     """Whether any child needs piecewise CUDA graphs."""
-    for entry in children_configs(extra_config):
+    for entry in listed_configs(extra_config):
         child_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**entry))
         if child_cls.requires_piecewise_for_cudagraph(entry.get("kv_connector_extra_config", {})):
             return True

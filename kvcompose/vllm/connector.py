@@ -86,8 +86,10 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        self.plan = plan = vllm_children.plan_from_config(ktc)
-        if role == KVConnectorRole.SCHEDULER:  # once per engine: its environment is the one that counts
+        # A drop-in config and the composition's warnings are told once per engine, by its
+        # scheduler (not again by each worker); the engine's environment is the one that counts.
+        self.plan = plan = vllm_children.plan_from_config(ktc, announce=role == KVConnectorRole.SCHEDULER)
+        if role == KVConnectorRole.SCHEDULER:
             for warning in plan.warnings:
                 log.warning("composition: %s", warning.render(plan.source.filename))
         classes = vllm_children.child_classes(vllm_config)

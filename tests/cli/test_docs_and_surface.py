@@ -27,12 +27,17 @@ def test_every_hook_is_documented(hook: str) -> None:
     assert f"### {hook}({args})" in (DOCS / "plugins.md").read_text(), f"docs/plugins.md lacks '### {hook}({args})'"
 
 
-def test_every_builtin_rule_is_documented() -> None:
+def test_every_builtin_rule_and_type_is_documented() -> None:
     text = (DOCS / "rules.md").read_text()
+    yaml_text = (DOCS / "yaml.md").read_text()
     for row in get_plugins().provided():
-        if row.provider == "kvcompose (built-in)":
-            assert f"**`{row.name}`**" in text, f"rule {row.kind} {row.name} missing from docs/rules.md"
-            assert f"`{row.kind}`" in text
+        if row.provider != "kvcompose (built-in)":
+            continue
+        if row.kind == "type":
+            assert f"### `type: {row.name}`" in yaml_text, f"connector type {row.name} missing from docs/yaml.md"
+            continue
+        assert f"**`{row.name}`**" in text, f"rule {row.kind} {row.name} missing from docs/rules.md"
+        assert f"`{row.kind}`" in text
 
 
 # vLLM's own guard for MultiConnector exempts these; the base versions are correct for a composite.

@@ -153,7 +153,7 @@ def test_child_may_carry_its_own_engine_id() -> None:
         kv_connector_extra_config={
             "connectors": [
                 {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": "mine"},
-                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
             ]
         },
     )

@@ -28,7 +28,7 @@ def test_env_blocks_a_plugin() -> None:
 
 def test_env_selects_plugins() -> None:
     types = Plugins(env={"KVCOMPOSE_PLUGINS": "cpu-offload"}).connector_types
-    assert set(types) == {"cpu-offload"}
+    assert set(types) == {"cpu-offload", "vllm"}  # built-ins (the generic vllm type) always load
 
 
 def test_env_selecting_a_missing_plugin_is_a_clear_error() -> None:

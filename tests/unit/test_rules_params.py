@@ -173,5 +173,9 @@ def test_explanations() -> None:
     assert own.explain is not None and st.explain is not None
     text = own.explain(children(), None)
     assert text.startswith("params: kv_transfer_params merged by declared owner; pd owns ")
-    assert "(6 keys)" in text and "host" not in text
+    assert "(6 keys)" in text
+    # children that declare nothing are named, with what happens to their keys
+    assert text.endswith(
+        "; host, extra declare no keys: a key no child declares goes to the first child in YAML order that returns it"
+    )
     assert "a key returned twice is an error" in st.explain(children(), None)

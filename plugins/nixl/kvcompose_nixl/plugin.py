@@ -19,7 +19,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -51,6 +51,8 @@ DEFAULT_SIDE_CHANNEL_PORT = 5600
 #: The vLLM class per mode. The names must stay vLLM's: vLLM looks for the literal
 #: "NixlConnector" with ``KVTransferConfig.has_connector`` (config/vllm.py, platforms/cpu.py).
 CONNECTOR_CLASS: dict[str, str] = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+#: The mode each of vLLM's registered NIXL names stands for (``NixlPullConnector`` is an alias).
+MODE_OF_CLASS: dict[str, str] = {"NixlPullConnector": "pull", **{cls: mode for mode, cls in CONNECTOR_CLASS.items()}}
 
 #: ``kv_transfer_params`` keys NixlConnector reads or returns, in pull and push mode.
 PARAM_KEYS: frozenset[str] = frozenset(
@@ -272,6 +274,14 @@ class NixlType(ConnectorType):
     def connector_name(self, child: Child) -> str:
         """``mode`` picks the class: pull is NixlConnector, push is NixlPushConnector."""
         return CONNECTOR_CLASS[child.options_as(NixlOptions).mode]
+
+    def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The options of a NIXL entry of a MultiConnector config; its class name gives ``mode``."""
+        mode = MODE_OF_CLASS.get(config.get("kv_connector", ""))
+        options = None if mode is None else self.options_from_keys(config)
+        if options is not None and mode != "pull":
+            options["mode"] = mode
+        return options
 
     def describe(self, child: Child) -> str:
         """What the child does for its role, in one or two plain sentences."""

@@ -1,0 +1,273 @@
+"""vLLM's ``--kv-transfer-config`` in, a composition out: ``kvcompose import`` and drop-in configs.
+
+A MultiConnector config lists its children under ``kv_connector_extra_config["connectors"]``.
+Each entry becomes a child named after its connector (``nixl``, ``nixl-2``, ``example``, ...) of
+the first connector type whose :meth:`~kvcompose.catalog.ConnectorType.options_from_vllm` reads
+the entry back whole (``NixlConnector`` -> ``nixl``, ``SimpleCPUOffloadConnector`` ->
+``cpu-offload``), or else of the generic ``vllm`` type, which passes the entry to vLLM as it is.
+The rules are kvcompose's defaults (``first-wins`` in list order, ``store: all``, ``metadata:
+merge``). No vLLM import here: ``kvcompose import`` runs without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+import yaml
+
+from kvcompose.catalog import ConnectorType, given_options
+from kvcompose.compose import build
+from kvcompose.config import DEFAULT_RULES, KEY, VLLM_ROLES, Source, dec_hook, from_builtins, msgspec_problem
+from kvcompose.errors import CompositionError, Problem
+from kvcompose.generic import TYPE_NAME, VllmType
+from kvcompose.plugins import get_plugins
+from kvcompose.vllm.args import CHILDREN_KEY, CONNECTOR_NAME, EXTRA_KEY, children_configs, embedded
+from kvcompose.vllm.register import REGISTERED_NAME
+
+log = logging.getLogger("kvcompose.vllm")
+
+#: The file name a drop-in composition's errors are reported against.
+DROPIN_SOURCE = "<MultiConnector connectors>"
+
+FLAG = "--kv-transfer-config"
+#: The names a composite goes by in a config (vLLM's, and the one kvcompose registers).
+COMPOSITE_NAMES = (CONNECTOR_NAME, REGISTERED_NAME)
+ROLE_OF_KV_ROLE = {kv_role: role for role, kv_role in VLLM_ROLES.items()}
+#: Top-level keys of a composite's config that describe the composite itself, not a child.
+COMPOSITE_KEYS = ("kv_connector", "kv_connector_module_path", "kv_role", "kv_connector_extra_config")
+
+
+def parse(text: str, filename: str = "<kv-transfer-config>") -> dict[str, Any]:
+    """The config from what a user has at hand: the JSON, or the flag and its value.
+
+    Takes ``{...}``, ``'{...}'`` (shell quotes), ``--kv-transfer-config '{...}'``,
+    ``--kv-transfer-config={...}``, or a whole ``vllm serve ...`` command line with the flag in
+    it (backslash-newline continuations included).
+    """
+    text = text.strip()
+    if not text:
+        raise CompositionError([Problem("no --kv-transfer-config value given", hint="pass the JSON, a file or stdin")])
+    value = text
+    if not text.startswith("{"):
+        try:
+            words = shlex.split(text.replace("\\\n", " "))
+        except ValueError as exc:
+            raise CompositionError([Problem(f"cannot split it as a shell would: {exc}")], filename) from None
+        value = _flag_value(words)
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as exc:
+        line, column = (exc.lineno, exc.colno) if value == text else (None, None)
+        raise CompositionError(
+            [Problem(f"not valid JSON: {exc.msg}", line=line, column=column, hint="the value of --kv-transfer-config")],
+            filename,
+        ) from None
+    if not isinstance(data, dict):
+        raise CompositionError([Problem("a --kv-transfer-config value is a JSON object")], filename)
+    return data
+
+
+def _flag_value(words: list[str]) -> str:
+    for i, word in enumerate(words):
+        if word.startswith(FLAG + "="):
+            return word.split("=", 1)[1]
+        if word == FLAG and i + 1 < len(words):
+            return words[i + 1]
+    if len(words) == 1:
+        return words[0]
+    raise CompositionError([Problem(f"no {FLAG} value in the command line")])
+
+
+def is_composite(cfg: Mapping[str, Any]) -> bool:
+    """vLLM's MultiConnector, kvcompose's, or a subclass of MultiConnector under another name
+    (Dynamo's ``PdConnector``): whatever lists its children under ``connectors``."""
+    listed = (cfg.get("kv_connector_extra_config") or {}).get(CHILDREN_KEY)
+    return cfg.get("kv_connector") in COMPOSITE_NAMES or isinstance(listed, list)
+
+
+def entries(cfg: Mapping[str, Any]) -> list[Any]:
+    """The children's configs: a composite's ``connectors`` list, or the single connector."""
+    if not is_composite(cfg):
+        return [cfg]
+    listed = (cfg.get("kv_connector_extra_config") or {}).get(CHILDREN_KEY)
+    if not isinstance(listed, list) or not listed:
+        raise CompositionError(
+            [Problem(f"a MultiConnector config lists its children under kv_connector_extra_config.{CHILDREN_KEY}")]
+        )
+    return listed
+
+
+def child_name(connector: str) -> str:
+    """``NixlConnector`` -> ``nixl``, ``LMCacheConnectorV1`` -> ``lm-cache``, ``a.b.MyConnector`` -> ``my``."""
+    base = connector.rsplit(".", 1)[-1]
+    base = re.sub(r"Connector(V\d+)?$", "", base) or base
+    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", base).lower()
+    return re.sub(r"[^a-z0-9_-]+", "-", words).strip("-")[:60] or "connector"
+
+
+def child_data(
+    entry: Any, index: int, name: str, types: Mapping[str, ConnectorType], default_role: str | None
+) -> dict[str, Any]:
+    """One composition child for one entry: a built-in type that reads it whole, else ``vllm``."""
+    at = ("kv_connector_extra_config", CHILDREN_KEY, index)
+    if not isinstance(entry, dict) or not isinstance(entry.get("kv_connector"), str):
+        raise CompositionError([Problem("a child config is an object with a kv_connector name", at)])
+    kv_role = entry.get("kv_role") or default_role or VLLM_ROLES["both"]
+    role = ROLE_OF_KV_ROLE.get(kv_role)
+    if role is None:
+        raise CompositionError(
+            [Problem(f"unknown kv_role {kv_role!r}", at + ("kv_role",), "one of " + ", ".join(ROLE_OF_KV_ROLE))]
+        )
+    for ctype in [t for t in types.values() if t.name != TYPE_NAME]:
+        options = ctype.options_from_vllm(entry)
+        if options is None:
+            continue
+        try:
+            converted = msgspec.convert(options, type=ctype.options, dec_hook=dec_hook)
+        except msgspec.ValidationError:
+            continue  # values this type refuses (a backend it does not know, ...): the generic type
+        given = given_options(converted)  # a value equal to vLLM's default is left out, as vllm-args does
+        return _child(name, ctype.name, role, {k: v for k, v in options.items() if k in given})
+    generic = types.get(TYPE_NAME) or VllmType()
+    options = generic.options_from_vllm(entry) or {}
+    try:
+        msgspec.convert(options, type=generic.options, dec_hook=dec_hook)
+    except msgspec.ValidationError as exc:
+        problem = msgspec_problem(exc, at, generic.options)
+        hint = problem.hint
+        if problem.message.startswith("unknown key"):
+            hint = (
+                "not a KVTransferConfig field, so vLLM would refuse it too; a connector's own setting "
+                "goes inside the entry's kv_connector_extra_config"
+            )
+        raise CompositionError([Problem(problem.message, tuple(k for k in problem.path if k != KEY), hint)]) from None
+    return _child(name, TYPE_NAME, role, options)
+
+
+def _child(name: str, type_name: str, role: str, options: dict[str, Any]) -> dict[str, Any]:
+    child: dict[str, Any] = {"name": name, "type": type_name, "role": role}
+    if options:
+        child["options"] = options
+    return child
+
+
+def composition_data(cfg: Mapping[str, Any], types: Mapping[str, ConnectorType]) -> dict[str, Any]:
+    """The composition (plain data) that composes the children ``cfg`` configures."""
+    embedded = (cfg.get("kv_connector_extra_config") or {}).get(EXTRA_KEY)
+    if is_composite(cfg) and isinstance(embedded, Mapping) and "composition" in embedded:
+        return dict(embedded["composition"])
+    listed = entries(cfg)
+    names: list[str] = []
+    for entry in listed:
+        base = child_name(str(entry.get("kv_connector", ""))) if isinstance(entry, dict) else "connector"
+        name, n = base, 1
+        while name in names:
+            n += 1
+            name = f"{base}-{n}"
+        names.append(name)
+    default_role = cfg.get("kv_role") if is_composite(cfg) else None
+    data: dict[str, Any] = {
+        "version": 1,
+        "connectors": [child_data(e, i, n, types, default_role) for i, (e, n) in enumerate(zip(listed, names))],
+    }
+    if cfg.get("kv_load_failure_policy") in ("fail", "recompute"):
+        data["load_failure"] = cfg["kv_load_failure_policy"]
+    return data
+
+
+def left_behind(cfg: Mapping[str, Any]) -> list[str]:
+    """Keys of a composite's config that no child carries (vLLM's MultiConnector ignores them too)."""
+    if not is_composite(cfg):
+        return []
+    top = [k for k in cfg if k not in COMPOSITE_KEYS and k != "kv_load_failure_policy"]
+    extra = [f"kv_connector_extra_config.{k}" for k in cfg.get("kv_connector_extra_config") or {} if k != CHILDREN_KEY]
+    name = cfg.get("kv_connector")
+    if name not in COMPOSITE_NAMES:
+        module = cfg.get("kv_connector_module_path")
+        where = f" from {module}" if module else ""
+        top.insert(0, f"the composite {name}{where} (kvcompose's composite takes its place)")
+    return top + extra
+
+
+def to_yaml(data: Mapping[str, Any], origin: str, dropped: list[str]) -> str:
+    """The composition file ``kvcompose import`` writes, with a header saying where it came from."""
+    rules = ", ".join(f"{kind}: {DEFAULT_RULES[kind]}" for kind in ("load", "store", "metadata"))
+    head = [
+        f"# Imported by `kvcompose import` from {origin}.",
+        f"# Rules: kvcompose's defaults ({rules}); the load order is the list order.",
+        "# `kvcompose vllm-args` of this file gives back a --kv-transfer-config composing the same children.",
+    ]
+    if dropped:
+        head.append("# Not carried over (no child reads them): " + ", ".join(dropped) + ".")
+    body = yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False, width=120)
+    return "\n".join(head) + "\n" + body
+
+
+def describe(data: Mapping[str, Any]) -> str:
+    """The children of an imported composition in one line: ``nixl (nixl, consumer), ...``."""
+    parts = []
+    for c in data["connectors"]:
+        kind = c["type"]
+        if kind == TYPE_NAME:
+            kind += " " + c["options"]["kv_connector"]
+        parts.append(f"{c['name']} ({kind}, {c['role']})")
+    return ", ".join(parts)
+
+
+_announced: set[str] = set()
+
+
+def announce_dropin(data: Mapping[str, Any], logger: logging.Logger = log) -> None:
+    """Log, once per process and composition, what a MultiConnector config without kvcompose's entry
+    became (the composite passes a logger under vLLM's, so the line is in vLLM's own log)."""
+    key = json.dumps(data, sort_keys=True, default=str)
+    if key in _announced:
+        return
+    _announced.add(key)
+    logger.info(
+        "kvcompose: MultiConnector config taken as it is (no %r entry), composed with kvcompose's defaults "
+        "(load: first-wins in list order, store: all, metadata: merge): %s; `kvcompose import` writes it as YAML",
+        EXTRA_KEY,
+        describe(data),
+    )
+
+
+# ------------------------------------------------------------------ drop-in (the composite's side)
+
+
+def source(extra_config: Mapping[str, Any] | None, kv_role: str | None = None) -> Source:
+    """The composition a composite's ``kv_connector_extra_config`` carries.
+
+    kvcompose's own entry when there is one (``kvcompose vllm-args``); else, for vLLM's plain
+    ``connectors`` list, the composition :func:`composition_data` makes of it (logged once).
+    ``kv_role`` is the composite's, for entries that leave theirs out.
+    """
+    extra = extra_config or {}
+    if not is_dropin(extra):
+        return embedded(extra)
+    cfg = {"kv_connector": CONNECTOR_NAME, "kv_role": kv_role, "kv_connector_extra_config": extra}
+    return from_builtins(composition_data(cfg, get_plugins().connector_types), DROPIN_SOURCE)
+
+
+def is_dropin(extra_config: Mapping[str, Any] | None) -> bool:
+    """vLLM's own ``connectors`` list without kvcompose's entry (a config written for MultiConnector)."""
+    extra = extra_config or {}
+    return EXTRA_KEY not in extra and CHILDREN_KEY in extra
+
+
+def child_configs(extra_config: Mapping[str, Any] | None, kv_role: str | None = None) -> list[dict[str, Any]]:
+    """The children's ``KVTransferConfig`` kwargs: as listed, or as the drop-in composition renders them.
+
+    A drop-in's entries for a built-in type are rendered by that type (kvcompose's NIXL and CPU
+    offload subclasses); a ``vllm`` child's entry comes back as it was.
+    """
+    extra = extra_config or {}
+    if not is_dropin(extra):
+        return children_configs(extra)
+    return [c.vllm_config() for c in build(source(extra, kv_role)).children]
