@@ -61,6 +61,11 @@ def _load(worker: SimpleCPUOffloadWorker, event: int, cpu: list[int], gpu: list[
     worker.wait_for_save()
 
 
+def _flush(worker: SimpleCPUOffloadWorker) -> None:
+    # vLLM's preemption path: synchronise every event in flight.
+    worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+
+
 def _assert_moved(kv: EngineKV, before: dict[str, torch.Tensor], src: list[int], dst: list[int]) -> None:
     """Every layer's ``dst`` blocks now hold the ``src`` bytes; every other block is untouched."""
     for name, view in kv.kv_caches.items():
@@ -111,6 +116,7 @@ def test_store_then_load_into_other_blocks(layout: str, num_layers: int, block_s
 
     src, host = [3, 4, 5, 11, 17], [0, 1, 2, 6, 7]
     _store(worker, 0, src, host)
+    _flush(worker)  # the copy runs on the store thread
     # Stores are reported as vLLM's worker reports them: no finished ids, one count per event.
     assert worker.get_finished(set()) == (None, None)
     meta = worker.build_connector_worker_meta()
@@ -121,6 +127,7 @@ def test_store_then_load_into_other_blocks(layout: str, num_layers: int, block_s
 
     dst = [20, 21, 22, 8, 1]
     _load(worker, 0, host, dst, ["req-a", "req-b"])
+    _flush(worker)
     # Loads are reported by request id in finished_recving.
     assert worker.get_finished(set()) == (None, {"req-a", "req-b"})
     assert worker.build_connector_worker_meta() is None
@@ -137,8 +144,10 @@ def test_overlaid_groups_are_copied_once() -> None:
     worker.register_kv_caches(kv.kv_caches)
     assert worker.gpu_kv_caches is not None and len(worker.gpu_kv_caches) == 2
     _store(worker, 0, [1, 2, 3], [4, 5, 6])
+    _flush(worker)
     worker.get_finished(set())
     _load(worker, 0, [4, 5, 6], [10, 11, 12], ["r"])
+    _flush(worker)
     assert worker.get_finished(set()) == (None, {"r"})
     _assert_moved(kv, before, [1, 2, 3], [10, 11, 12])
 
@@ -152,9 +161,11 @@ def test_events_complete_in_order_across_steps() -> None:
     worker.register_kv_caches(kv.kv_caches)
     for event in range(3):
         _store(worker, event, [event + 1], [event])
+        _flush(worker)
         assert worker.get_finished(set()) == (None, None)
         assert worker.build_connector_worker_meta().completed_store_events == {event: 1}
     _load(worker, 0, [0, 1, 2], [13, 14, 15], ["x"])
+    _flush(worker)
     assert worker.get_finished(set()) == (None, {"x"})
     _assert_moved(kv, before, [1, 2, 3], [13, 14, 15])
     # A preemption flush with nothing in flight is a no-op, as in vLLM.
@@ -206,11 +217,6 @@ def _disk_worker(kv: EngineKV, path: str, **kw: object) -> PortableSimpleCPUOffl
     )
     worker.register_kv_caches(kv.kv_caches)
     return worker
-
-
-def _flush(worker: SimpleCPUOffloadWorker) -> None:
-    # vLLM's preemption path: synchronise every event in flight.
-    worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
 
 
 @pytest.mark.parametrize(
