@@ -20,12 +20,19 @@ not from an import: the core reaches plugins only through what they register.
 
 Two block-id patterns: ``scattered`` (random ids on both sides: a fragmented pool) and
 ``consecutive`` (one run of ids on each side, what a fresh pool hands out).
+
+The disk tier (``backend: disk``; not in ``--quick``) is measured the same way against
+``sequential file I/O``: one ``pwrite`` (store cases) or ``pread`` (load cases) of the same
+bytes to a file in the same directory, opened with ``O_DIRECT`` as the plugin opens its file.
+The directory is ``$KVCOMPOSE_BENCH_DISK_DIR``, else the system's temporary directory.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,6 +53,8 @@ NUM_LAYERS = 8
 SUBJECT = "portable worker"
 MEMCPY = "contiguous memcpy"
 LOOP = "per-block copy loop"
+FILE_IO = "sequential file I/O"
+DISK_SIZES = (16 * KIB, 256 * KIB, 2 * MIB)
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ def _label(size: int) -> str:
     return f"{size // KIB} KiB" if size < MIB else f"{size // MIB} MiB"
 
 
-def portable_worker(vllm_config: Any, kv_cache_config: Any, cpu_bytes: int) -> Any:
+def portable_worker(vllm_config: Any, kv_cache_config: Any, cpu_bytes: int, **options: Any) -> Any:
     """The installed ``cpu-offload`` type's portable worker; a clear error without the plugin."""
     from kvcompose.plugins import get_plugins
 
@@ -86,7 +95,7 @@ def portable_worker(vllm_config: Any, kv_cache_config: Any, cpu_bytes: int) -> A
             "cpu_copy measures the cpu-offload plugin's portable worker: install kvcompose-cpu-offload "
             "(plugins/cpu_offload) and leave it enabled in KVCOMPOSE_PLUGINS"
         )
-    return make(vllm_config, kv_cache_config, cpu_bytes)
+    return make(vllm_config, kv_cache_config, cpu_bytes, **options)
 
 
 @contextmanager
@@ -109,9 +118,14 @@ def _ids(pattern: str, n: int, first: int, last: int, gen: torch.Generator) -> l
     return list(range(start, start + n))
 
 
-def targets(sizes: tuple[int, ...]) -> AllTargets:
-    """The issue's targets: median ratio to a contiguous memcpy, per case."""
+def targets(sizes: tuple[int, ...], disk_sizes: tuple[int, ...] = ()) -> AllTargets:
+    """The issue's targets: median ratio to a contiguous memcpy (disk: to sequential file I/O), per case."""
     items = []
+    # The sequential write/read bounds runs of consecutive disk slots; scattered slots are random
+    # I/O, bounded by the device's random rate, and are reported without a target.
+    for size in disk_sizes:
+        for direction in ("store", "load"):
+            items.append(CaseTarget(">=", 0.8, SUBJECT, FILE_IO, f"disk {direction} {_label(size)} consecutive"))
     for size in sizes:
         for pattern in PATTERNS:
             value = 0.9 if pattern == "consecutive" else 0.8 if size >= 256 * KIB else 0.5
@@ -123,7 +137,8 @@ def targets(sizes: tuple[int, ...]) -> AllTargets:
         SUBJECT,
         MEMCPY,
         items=tuple(items),
-        summary=f"{SUBJECT}/{MEMCPY}: scattered >= 0.5 below 256 KiB, >= 0.8 from 256 KiB; consecutive >= 0.9",
+        summary=f"{SUBJECT}/{MEMCPY}: scattered >= 0.5 below 256 KiB, >= 0.8 from 256 KiB; consecutive >= 0.9"
+        + (f"; disk, consecutive slots: {SUBJECT}/{FILE_IO} >= 0.8" if disk_sizes else ""),
     )
 
 
@@ -132,10 +147,14 @@ def run(
     sizes: tuple[int, ...] | None = None,
     repeats: int | None = None,
     bytes_per_copy: int | None = None,
+    disk_sizes: tuple[int, ...] | None = None,
 ) -> Result:
-    """Store and load throughput per block size and pattern; ratios to a contiguous memcpy."""
+    """Store and load throughput per block size and pattern; ratios to a contiguous memcpy
+    (host tier) and to sequential file I/O (disk tier, ``disk_sizes``: none in quick mode)."""
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
-    unknown = [s for s in sizes if s not in GEOMETRY]
+    disk_sizes = tuple(() if quick else DISK_SIZES) if disk_sizes is None else tuple(disk_sizes)
+    disk_dir = os.environ.get("KVCOMPOSE_BENCH_DISK_DIR") or tempfile.gettempdir()
+    unknown = [s for s in (*sizes, *disk_sizes) if s not in GEOMETRY]
     if unknown:
         raise ValueError(f"cpu_copy: no model geometry for block sizes {unknown}; choose from {list(GEOMETRY)}")
     per_copy = bytes_per_copy or (8 if quick else 64) * MIB
@@ -149,6 +168,10 @@ def run(
             c, r = _sweep(GEOMETRY[size], per_copy, reps, gen)
             cases += c
             ratios += r
+        for size in disk_sizes:
+            c, r = _disk_sweep(GEOMETRY[size], per_copy, reps, gen, disk_dir)
+            cases += c
+            ratios += r
     finally:
         torch.set_num_threads(threads)
     return Result(
@@ -158,7 +181,7 @@ def run(
         1e-9,
         cases,
         ratios,
-        targets(sizes),
+        targets(sizes, disk_sizes),
         reps,
         quick,
         [
@@ -167,25 +190,31 @@ def run(
             "portable worker: from the metadata to the bytes in place (copy thread included); "
             f"{MEMCPY}: one memmove of the same bytes; {LOOP}: torch dst[d].copy_(src[s]) per block and layer",
             "one thread per copy; the machine is shared (2 cores), so samples are interleaved and judged on medians",
-        ],
+        ]
+        + (
+            [
+                f"disk: the worker with backend disk (O_DIRECT) in {disk_dir}; {FILE_IO}: one pwrite (store) or "
+                "pread (load) of the same bytes, O_DIRECT, same directory"
+            ]
+            if disk_sizes
+            else []
+        ),
         {
             "bytes_per_copy": per_copy,
             "sizes": list(sizes),
             "layers": NUM_LAYERS,
             "threads": 1,
-            "geometry": {_label(s): GEOMETRY[s].model for s in sizes},
+            "geometry": {_label(s): GEOMETRY[s].model for s in (*sizes, *disk_sizes)},
+            "disk_sizes": list(disk_sizes),
+            "disk_dir": disk_dir if disk_sizes else None,
         },
     )
 
 
-def _sweep(geo: Geometry, per_copy: int, reps: int, gen: torch.Generator) -> tuple[list[Case], list[Any]]:
-    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
-
+def _engine_worker(geo: Geometry, pool: int, **options: Any) -> tuple[Any, Any]:
+    """An engine-laid-out KV cache of ``pool`` usable blocks and a portable worker registered on it."""
     from kvcompose.testing.kv import fill_random, make_engine_kv
 
-    size = geo.bytes
-    n = max(1, per_copy // (size * NUM_LAYERS))
-    pool = 2 * n  # room for the ids to scatter
     with _all_cores():
         kv = make_engine_kv(
             num_layers=NUM_LAYERS,
@@ -196,27 +225,52 @@ def _sweep(geo: Geometry, per_copy: int, reps: int, gen: torch.Generator) -> tup
             dtype=geo.dtype,
         )
         fill_random(kv)
-        worker = portable_worker(kv.vllm_config, kv.kv_cache_config, pool * size * NUM_LAYERS)
+        worker = portable_worker(kv.vllm_config, kv.kv_cache_config, pool * geo.bytes * NUM_LAYERS, **options)
         worker.register_kv_caches(kv.kv_caches)
-    regions = [(worker.gpu_kv_caches[name], worker.cpu_kv_caches[name]) for name in worker.gpu_kv_caches]
-    if [r.shape[1] * r.element_size() for r, _ in regions] != [size] * NUM_LAYERS:
-        raise RuntimeError(f"cpu_copy: expected {NUM_LAYERS} regions of {size} bytes per block from the engine layout")
-    nbytes = n * size * NUM_LAYERS
-    flat_src = torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen)
-    flat_dst = torch.zeros(nbytes, dtype=torch.int8)
+    return kv, worker
+
+
+def _through_worker(worker: Any, nbytes: int) -> Callable[[int, bool, list[int], list[int]], float]:
+    """A sample: one store or load through the worker's engine calls, until the bytes are in place."""
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
+
     flush = SimpleCPUOffloadMetadata(need_flush=True)
     event = 0
 
-    def through_worker(meta: SimpleCPUOffloadMetadata, issue: Callable[[], None]) -> float:
+    def sample(_r: int, is_store: bool, src: list[int], dst: list[int]) -> float:
+        nonlocal event
+        event += 1
+        if is_store:
+            meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=src, store_cpu_blocks=dst)
+        else:
+            meta = SimpleCPUOffloadMetadata(
+                load_event=event, load_cpu_blocks=src, load_gpu_blocks=dst, load_event_to_reqs={event: ["bench"]}
+            )
         worker.bind_connector_metadata(meta)
         t0 = time.perf_counter()
-        issue()
+        (worker.wait_for_save if is_store else worker.start_load_kv)()
         worker.handle_preemptions(flush)  # waits for the copy thread: the bytes are in place
         dt = time.perf_counter() - t0
         worker.get_finished(set())
         worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
         return nbytes / dt
+
+    return sample
+
+
+def _sweep(geo: Geometry, per_copy: int, reps: int, gen: torch.Generator) -> tuple[list[Case], list[Any]]:
+    size = geo.bytes
+    n = max(1, per_copy // (size * NUM_LAYERS))
+    pool = 2 * n  # room for the ids to scatter
+    kv, worker = _engine_worker(geo, pool)
+    regions = [(worker.gpu_kv_caches[name], worker.cpu_kv_caches[name]) for name in worker.gpu_kv_caches]
+    if [r.shape[1] * r.element_size() for r, _ in regions] != [size] * NUM_LAYERS:
+        raise RuntimeError(f"cpu_copy: expected {NUM_LAYERS} regions of {size} bytes per block from the engine layout")
+    nbytes = n * size * NUM_LAYERS
+    flat_src = torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen)
+    flat_dst = torch.zeros(nbytes, dtype=torch.int8)
+    through_worker = _through_worker(worker, nbytes)
 
     def memcpy(_r: int) -> float:
         t0 = time.perf_counter()
@@ -233,15 +287,7 @@ def _sweep(geo: Geometry, per_copy: int, reps: int, gen: torch.Generator) -> tup
                 src, dst = (dev_ids, host_ids) if is_store else (host_ids, dev_ids)
 
                 def subject(_r: int, src: list[int] = src, dst: list[int] = dst, is_store: bool = is_store) -> float:
-                    nonlocal event
-                    event += 1
-                    if is_store:
-                        meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=src, store_cpu_blocks=dst)
-                        return through_worker(meta, worker.wait_for_save)
-                    meta = SimpleCPUOffloadMetadata(
-                        load_event=event, load_cpu_blocks=src, load_gpu_blocks=dst, load_event_to_reqs={event: ["b"]}
-                    )
-                    return through_worker(meta, worker.start_load_kv)
+                    return through_worker(_r, is_store, src, dst)
 
                 def loop(_r: int, src: list[int] = src, dst: list[int] = dst, is_store: bool = is_store) -> float:
                     t0 = time.perf_counter()
@@ -280,3 +326,72 @@ def _check(
     for device, host in regions:
         if not torch.equal(host[host_idx], device[dev_idx]):
             raise RuntimeError(f"cpu_copy: the worker did not move the blocks ({label})")
+
+
+def _disk_sweep(
+    geo: Geometry, per_copy: int, reps: int, gen: torch.Generator, directory: str
+) -> tuple[list[Case], list[Any]]:
+    """The disk tier's stores and loads against one sequential write and read of the same bytes."""
+    size = geo.bytes
+    n = max(1, per_copy // (size * NUM_LAYERS))
+    pool = 2 * n
+    nbytes = n * size * NUM_LAYERS
+    os.makedirs(directory, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="kvcompose-bench-disk-", dir=directory)
+    kv, worker = _engine_worker(
+        geo,
+        pool,
+        kv_offload_backend="disk",
+        disk_path=os.path.join(tmp, "kv.bin"),
+        disk_capacity_bytes=pool * size * NUM_LAYERS,
+    )
+    through_worker = _through_worker(worker, nbytes)
+    regions = list(worker.gpu_kv_caches.values())
+    plain = os.path.join(tmp, "sequential.bin")
+    fd = os.open(plain, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+    buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT wants
+    buf.write(os.urandom(min(nbytes, MIB)) * (nbytes // min(nbytes, MIB)))
+
+    def sequential(_r: int, is_store: bool) -> float:
+        t0 = time.perf_counter()
+        done = os.pwritev(fd, [buf], 0) if is_store else os.preadv(fd, [buf], 0)
+        dt = time.perf_counter() - t0
+        if done != nbytes:
+            raise RuntimeError(f"cpu_copy: short sequential {'write' if is_store else 'read'} ({done} of {nbytes})")
+        return nbytes / dt
+
+    cases: list[Case] = []
+    ratios = []
+    try:
+        sequential(0, True)  # allocate the file's blocks before the first timed write
+        for pattern in PATTERNS:
+            dev_ids, slots = _ids(pattern, n, 1, pool + 1, gen), _ids(pattern, n, 0, pool, gen)
+            for direction in ("store", "load"):
+                is_store = direction == "store"
+                src, dst = (dev_ids, slots) if is_store else (slots, dev_ids)
+                label = f"disk {direction} {_label(size)} {pattern}"
+
+                def subject(_r: int, src: list[int] = src, dst: list[int] = dst, is_store: bool = is_store) -> float:
+                    return through_worker(_r, is_store, src, dst)
+
+                def baseline(_r: int, is_store: bool = is_store) -> float:
+                    return sequential(_r, is_store)
+
+                if not is_store:  # what the store wrote comes back into scrambled blocks
+                    before = [r[dev_ids].clone() for r in regions]
+                    for r in regions:
+                        r[dev_ids] = -1
+                    subject(0)
+                    if not all(torch.equal(r[dev_ids], b) for r, b in zip(regions, before)):
+                        raise RuntimeError(f"cpu_copy: the disk tier did not bring the blocks back ({label})")
+                samples = interleave({FILE_IO: baseline, SUBJECT: subject}, reps)
+                extra = {"block_bytes": size, "blocks": n, "layers": NUM_LAYERS, "pattern": pattern, "tier": "disk"}
+                cases.append(Case(label, samples, {**extra, "direction": direction, "model": geo.model}))
+                ratios.append(ratio(label, samples, SUBJECT, FILE_IO, higher_is_better=True))
+    finally:
+        os.close(fd)
+        buf.close()
+        worker.shutdown()
+        os.unlink(plain)
+        os.rmdir(tmp)
+    return cases, ratios

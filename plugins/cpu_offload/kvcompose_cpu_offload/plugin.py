@@ -79,7 +79,10 @@ class CpuOffloadOptions(Options):
     ] = None
     disk_buffer_slots: Annotated[
         PositiveInt | None,
-        Meta(description="disk backend: staging slots per direction (disk_buffer_slots; vLLM's default is 2)"),
+        Meta(
+            description="disk backend: staging slots per direction (disk_buffer_slots; vLLM's default is 2; "
+            "vLLM's CUDA worker only: the portable worker sizes its staging itself)"
+        ),
     ] = None
     use_page_cache: Annotated[
         bool | None,

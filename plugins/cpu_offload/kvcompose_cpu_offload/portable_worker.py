@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -44,6 +45,13 @@ if TYPE_CHECKING:
 
 # A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
 logger = init_logger(f"vllm.{__name__}")
+
+#: The most bytes one disk-tier I/O call moves (a run of consecutive slots): large enough that
+#: a disk streams at its sequential rate (measured in docs/performance.md, benchmark 4).
+STAGING_BYTES = 8 << 20
+
+# The most pieces one pwritev/preadv takes (Linux's UIO_MAXIOV).
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 # --------------------------------------------------------------------------- block copies
 
@@ -324,13 +332,24 @@ class HostCopyBackend(CopyThreads):
 
 
 class PortableDiskBackend(CopyThreads, DiskBackend):
-    """Disk tier: the same file format and I/O as vLLM's ``DiskBackend``, without CUDA.
+    """Disk tier: the same file format and file handling as vLLM's ``DiskBackend``, without CUDA.
 
-    vLLM stages each block through pinned buffers with a DMA copy; here the KV regions are host
-    memory already, so staging is a plain copy into ``O_DIRECT``-aligned buffers (``_alloc_aligned``
-    from vLLM), and the ``pwritev``/``preadv`` calls, the file handling and ``shutdown`` are
-    vLLM's. Loads and stores each run on their own thread (:class:`CopyThreads`), as in vLLM,
-    so a slow disk never stalls a forward pass and loads never queue behind stores.
+    vLLM stages each block through pinned buffers with a DMA copy and writes it with one
+    ``pwritev`` per block. Here the KV regions are host memory already, and the I/O goes one
+    run of consecutive disk slots at a time (sorted by slot, up to :data:`STAGING_BYTES` or
+    ``IOV_MAX`` pieces a call), since a disk moves large requests far faster than small ones:
+
+    * where every block of every region sits on an ``O_DIRECT`` boundary (or the page cache is
+      used), in place: ``pwritev``/``preadv`` straight from and into the KV cache;
+    * otherwise staged: the run's blocks are copied into one of two ``O_DIRECT``-aligned
+      buffers (``_alloc_aligned`` from vLLM) laid out as the file is, and one ``pwrite`` or
+      ``pread`` moves the buffer, on an I/O helper thread while the other buffer is being
+      filled or emptied (vLLM's pipeline of DMA and I/O, with memory copies for the DMA).
+
+    The file layout (a slot is every region's block in order), the file's creation and
+    ``shutdown`` are vLLM's. Loads and stores each run on their own thread
+    (:class:`CopyThreads`), as in vLLM, so a slow disk never stalls a forward pass and loads
+    never queue behind stores.
     """
 
     _what = "disk"
@@ -344,12 +363,18 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
         num_buffer_slots: int = 2,
         use_page_cache: bool = False,
     ) -> None:
-        """Allocate staging buffers, create the backing file and start the I/O threads."""
+        """Allocate staging buffers, create the backing file and start the I/O threads.
+
+        ``num_buffer_slots`` (vLLM's ``disk_buffer_slots``) sizes vLLM's per-block staging; this
+        backend sizes its two buffers itself (:data:`STAGING_BYTES`, at least one block), so
+        that a disk gets requests large enough to stream, and keeps it only for the record.
+        """
         self._total_block_bytes = total_block_bytes
         self._num_buffer_slots = num_buffer_slots
         self._tensor_names = list(device_regions)
         self._regions = [device_regions[n] for n in self._tensor_names]
         self._per_tensor_bpb = [t.stride(0) * t.element_size() for t in self._regions]
+        self._region_arrays = [as_array(r).reshape(r.shape[0], -1).view(np.int8) for r in self._regions]
 
         if not use_page_cache:
             # O_DIRECT needs every iovec (one per region and block) aligned, not just the sum.
@@ -361,20 +386,29 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
                     "per region; set the option use_page_cache (vLLM key use_page_cache: true) "
                     "to write through the page cache instead"
                 )
-
-        self._store_buffer_caches = {}
-        self._load_buffer_caches = {}
-        for name, bpb in zip(self._tensor_names, self._per_tensor_bpb):
-            self._store_buffer_caches[name] = _alloc_aligned(num_buffer_slots, bpb)
-            self._load_buffer_caches[name] = _alloc_aligned(num_buffer_slots, bpb)
-        self._store_slot_views = [
-            [memoryview(self._store_buffer_caches[n][slot].numpy()) for n in self._tensor_names]
-            for slot in range(num_buffer_slots)
-        ]
-        self._load_slot_views = [
-            [memoryview(self._load_buffer_caches[n][slot].numpy()) for n in self._tensor_names]
-            for slot in range(num_buffer_slots)
-        ]
+        self._in_place = use_page_cache or all(
+            r.data_ptr() % _ALIGNMENT == 0 and r[0].is_contiguous() for r in self._regions
+        )
+        # Blocks larger than the staging size go one at a time, so that copying one overlaps
+        # writing the previous one.
+        self._run_slots = max(1, STAGING_BYTES // total_block_bytes)
+        if self._in_place:
+            self._run_slots = min(self._run_slots, max(1, _IOV_MAX // len(self._regions)))
+            self._staging: dict[bool, list[np.ndarray]] = {}
+        else:
+            # Per direction, two buffers laid out as the file: [slot, region bytes...].
+            self._staging = {
+                d: [as_array(_alloc_aligned(self._run_slots, total_block_bytes)) for _ in range(2)]
+                for d in (True, False)
+            }
+            self._io_helpers = {
+                d: ThreadPoolExecutor(1, f"kv-offload-disk-{'store' if d else 'load'}-io") for d in (True, False)
+            }
+        self._columns = []
+        start = 0
+        for bpb in self._per_tensor_bpb:
+            self._columns.append(slice(start, start + bpb))
+            start += bpb
 
         # Same file handling as vLLM's DiskBackend.init: blocks encode user prompts, so the
         # file is created fresh (O_EXCL, mode 0600, no symlink following), never reopened.
@@ -388,42 +422,100 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
         self._disk_path = disk_path
         os.ftruncate(self._fd, num_disk_slots * total_block_bytes)
         logger.info(
-            "PortableDiskBackend: path=%s, slots=%d, %.2f GB, staging %dx%d bytes (page_cache=%s)",
+            "PortableDiskBackend: path=%s, slots=%d, %.2f GB, I/O up to %d blocks a call, %s (page_cache=%s)",
             disk_path,
             num_disk_slots,
             num_disk_slots * total_block_bytes / 2**30,
-            num_buffer_slots,
-            total_block_bytes,
+            self._run_slots,
+            "in place" if self._in_place else "staged",
             use_page_cache,
         )
 
         self._start_threads()
 
-    def _chunks(self, a: list[int], b: list[int]) -> Iterator[list[tuple[int, int]]]:
-        pairs = list(zip(a, b))
-        n = self._num_buffer_slots
-        for i in range(0, len(pairs), n):
-            yield pairs[i : i + n]
+    def _slot_runs(self, blocks: list[int], slots: list[int]) -> list[tuple[int, list[int]]]:
+        """``(first_slot, blocks)`` per run of consecutive disk slots, in slot order, each at
+        most one I/O call long."""
+        runs: list[tuple[int, list[int]]] = []
+        for slot, blk in sorted(zip(slots, blocks)):
+            if runs:
+                first, run = runs[-1]
+                if slot == first + len(run) and len(run) < self._run_slots:
+                    run.append(blk)
+                    continue
+            runs.append((slot, [blk]))
+        return runs
+
+    def _io(self, pieces: list[Any], slot: int, nbytes: int, write: bool) -> None:
+        offset = slot * self._total_block_bytes
+        done = os.pwritev(self._fd, pieces, offset) if write else os.preadv(self._fd, pieces, offset)
+        if done != nbytes:
+            raise OSError(f"short {'write' if write else 'read'}: {done} of {nbytes} bytes at offset {offset}")
+
+    def _stage(self, run: list[int], buf: np.ndarray, to_buffer: bool) -> None:
+        """Copy the run's blocks into (or out of) the first ``len(run)`` slots of ``buf``."""
+        runs = contiguous_runs(run, range(len(run)))
+        for region, column in zip(self._region_arrays, self._columns):
+            staged = buf[:, column]
+            if to_buffer:
+                copy_runs(region, staged, runs)
+            else:
+                copy_runs(staged, region, [(d, s, n) for s, d, n in runs])
+
+    def _transfer(self, blocks: list[int], slots: list[int], write: bool) -> None:
+        if len(blocks) != len(slots):
+            raise ValueError(f"{len(blocks)} blocks but {len(slots)} disk slots")
+        runs = self._slot_runs(blocks, slots)
+        size = self._total_block_bytes
+        if self._in_place:
+            for slot, run in runs:
+                pieces = [memoryview(a[b]) for b in run for a in self._region_arrays]
+                self._io(pieces, slot, len(run) * size, write)
+            return
+        bufs, helper = self._staging[write], self._io_helpers[write]
+        pending: Future[None] | None = None
+        try:
+            if write:
+                # Fill one buffer while the other is being written.
+                for i, (slot, run) in enumerate(runs):
+                    buf = bufs[i % 2]
+                    self._stage(run, buf, to_buffer=True)
+                    if pending is not None:
+                        pending.result()
+                    pending = helper.submit(self._io, [buf[: len(run)]], slot, len(run) * size, True)
+            elif runs:
+                # Read the next run into one buffer while the other is being emptied.
+                first_slot, first = runs[0]
+                pending = helper.submit(self._io, [bufs[0][: len(first)]], first_slot, len(first) * size, False)
+                for i, (_slot, run) in enumerate(runs):
+                    pending.result()
+                    pending = None
+                    if i + 1 < len(runs):
+                        nslot, nrun = runs[i + 1]
+                        nbuf = bufs[(i + 1) % 2][: len(nrun)]
+                        pending = helper.submit(self._io, [nbuf], nslot, len(nrun) * size, False)
+                    self._stage(run, bufs[i % 2], to_buffer=False)
+            if pending is not None:
+                pending.result()
+                pending = None
+        finally:
+            if pending is not None:  # an error above: let the I/O in flight end before the buffer is reused
+                with contextlib.suppress(BaseException):
+                    pending.result()
 
     def store(self, device_blocks: list[int], disk_slots: list[int]) -> None:
-        """Device block -> staging slot (copy) -> file (``pwritev``), a batch of slots at a time."""
-        store_bufs = [self._store_buffer_caches[n] for n in self._tensor_names]
-        for chunk in self._chunks(device_blocks, disk_slots):
-            for slot, (blk, _) in enumerate(chunk):
-                for region, buf in zip(self._regions, store_bufs):
-                    buf[slot].copy_(region[blk])
-            for slot, (_, disk_slot) in enumerate(chunk):
-                self._writev_slot(slot, disk_slot * self._total_block_bytes)
+        """Device blocks -> file slots, a run of consecutive slots per I/O call."""
+        self._transfer(device_blocks, disk_slots, write=True)
 
     def load(self, disk_slots: list[int], device_blocks: list[int]) -> None:
-        """File (``preadv``) -> staging slot -> device block (copy), a batch of slots at a time."""
-        load_bufs = [self._load_buffer_caches[n] for n in self._tensor_names]
-        for chunk in self._chunks(disk_slots, device_blocks):
-            for slot, (disk_slot, _) in enumerate(chunk):
-                self._readv_slot(slot, disk_slot * self._total_block_bytes)
-            for slot, (_, blk) in enumerate(chunk):
-                for region, buf in zip(self._regions, load_bufs):
-                    region[blk].copy_(buf[slot])
+        """File slots -> device blocks, a run of consecutive slots per I/O call."""
+        self._transfer(device_blocks, disk_slots, write=False)
+
+    def shutdown(self) -> None:
+        """vLLM's shutdown (drain the threads, unlink the file), then stop the I/O helpers."""
+        super().shutdown()
+        for helper in getattr(self, "_io_helpers", {}).values():
+            helper.shutdown(wait=True)
 
 
 # --------------------------------------------------------------------------- the worker

@@ -173,7 +173,8 @@ def _worker_with_a_held_store(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Gat
 def _pool_holds_the_store(kv: Any, worker: PortableSimpleCPUOffloadWorker) -> bool:
     assert worker.cpu_kv_caches is not None and worker.gpu_kv_caches is not None
     return all(
-        torch.equal(worker.cpu_kv_caches[n][[0, 1, 2]], worker.gpu_kv_caches[n][[3, 4, 9]]) for n in worker.gpu_kv_caches
+        torch.equal(worker.cpu_kv_caches[n][[0, 1, 2]], worker.gpu_kv_caches[n][[3, 4, 9]])
+        for n in worker.gpu_kv_caches
     )
 
 

@@ -287,3 +287,33 @@ def test_events() -> None:
     bad.set_done(OSError("disk full"))
     with pytest.raises(RuntimeError, match="store failed: disk full"):
         bad.query()
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["in_place", "staged"])
+def test_disk_file_layout_is_vllms_whether_in_place_or_staged(tmp_path: os.PathLike[str], aligned: bool) -> None:
+    """Slot ``k`` of the file holds every region's block in order (vLLM's format), and loads bring
+    it back, whether the blocks are written from the KV cache itself or through staging buffers."""
+    nb, bpb, regions_n = 8, 4096, 3
+    raw = torch.randint(-128, 128, (regions_n * nb * bpb + 2 * 4096,), dtype=torch.int8)
+    start = -raw.data_ptr() % 4096 + (0 if aligned else 64)  # an O_DIRECT boundary, or just off one
+    regions = {f"r{i}": raw[start + i * nb * bpb : start + (i + 1) * nb * bpb].view(nb, bpb) for i in range(regions_n)}
+    before = {n: r.clone() for n, r in regions.items()}
+    path = os.path.join(tmp_path, "kv.bin")
+    backend = PortableDiskBackend()
+    # O_DIRECT: blocks off a 4 KiB boundary go through the (aligned) staging buffers.
+    backend.init(regions, path, 6, regions_n * bpb, num_buffer_slots=2)
+    events: list[tuple[int, object]] = []
+    backend.launch_copy([5, 1, 2, 7], [3, 0, 1, 4], True, 0, events)
+    events[-1][1].synchronize()  # type: ignore[attr-defined]
+    data = open(path, "rb").read()
+    for blk, slot in zip([5, 1, 2, 7], [3, 0, 1, 4]):
+        want = b"".join(before[f"r{i}"][blk].numpy().tobytes() for i in range(regions_n))
+        assert data[slot * regions_n * bpb : (slot + 1) * regions_n * bpb] == want, (blk, slot)
+    for r in regions.values():
+        r.fill_(0)
+    backend.launch_copy([4, 3, 0], [2, 6, 0], False, 1, events)
+    events[-1][1].synchronize()  # type: ignore[attr-defined]
+    for n, r in regions.items():
+        assert torch.equal(r[[2, 6, 0]], before[n][[7, 5, 1]]), n
+        assert not r[[1, 3, 4, 5, 7]].any(), n
+    backend.shutdown()
