@@ -23,6 +23,7 @@ from kvcompose_cpu_offload.portable_worker import (
     ThreadEvent,
     contiguous_runs,
     copy_blocks,
+    stack_regions,
 )
 
 CONNECTOR = {
@@ -99,6 +100,25 @@ def test_copy_blocks(src_ids: list[int], dst_ids: list[int]) -> None:
         assert torch.equal(dst[d], src[s])
     untouched = [b for b in range(8) if b not in dst_ids]
     assert not dst[untouched].any()
+
+
+def test_stack_regions_groups_evenly_spaced_layers_and_nothing_that_could_alias() -> None:
+    raw = torch.arange(4 * 6 * 8, dtype=torch.int8)
+    layers = [raw[i * 48 : (i + 1) * 48].view(6, 8) for i in range(4)]  # layer-outermost
+    ((first, view),) = stack_regions(layers)
+    assert first == 0 and view.shape == (6, 4, 8)
+    assert all(torch.equal(view[:, i], layers[i]) for i in range(4))
+    # Block-outermost: each block holds every layer's row in turn.
+    interleaved = [raw.view(6, 4, 8)[:, i] for i in range(4)]
+    ((_, view),) = stack_regions(interleaved)
+    assert all(torch.equal(view[:, i], interleaved[i]) for i in range(4))
+    # Uneven spacing, another allocation, or overlapping rows: groups of one.
+    uneven = [layers[0], layers[1], layers[3]]
+    assert [i for i, _ in stack_regions(uneven)] == [0, 2]
+    other = [layers[0], torch.zeros(6, 8, dtype=torch.int8)]
+    assert [i for i, _ in stack_regions(other)] == [0, 1]
+    overlapping = [raw[i * 4 : i * 4 + 48].view(6, 8) for i in range(3)]
+    assert [i for i, _ in stack_regions(overlapping)] == [0, 1, 2]
 
 
 # --------------------------------------------------------------------------- host-memory tier
