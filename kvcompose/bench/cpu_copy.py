@@ -1,55 +1,145 @@
-"""Benchmark 4: the CPU tier's copy path, the portable worker's backend vs a torch gather/scatter.
+"""Benchmark 4: the CPU tier's data path, the portable worker against the memory's limit.
 
-Subject: ``TorchCopyBackend.launch_copy`` of the cpu-offload plugin (what the portable worker
-runs for every store and load), over a ``[num_blocks, block_bytes]`` KV region and a pool region
-of the same shape, as vLLM's worker lays them out. Baseline: ``index_select`` + ``index_copy_``
-of the same blocks with index tensors built beforehand (the bound on one thread here).
+Subject: the cpu-offload plugin's portable worker (vLLM's ``SimpleCPUOffloadWorker`` with host
+copies), driven as an engine drives it: ``bind_connector_metadata`` then ``wait_for_save`` (a
+store) or ``start_load_kv`` (a load), then ``handle_preemptions`` with ``need_flush`` to wait
+for the copy thread, so a sample is the time until the bytes are in place. The KV cache is
+laid out by vLLM's own code (:func:`kvcompose.testing.kv.make_engine_kv`: the CPU platform's
+``LBHNC`` layout, one ``[blocks, heads, tokens, K|V]`` view per layer in one allocation), and
+the worker derives its regions from it as vLLM's worker does.
 
-The backend comes from the installed ``cpu-offload`` connector type (its ``copy_backend()``),
+Baselines, in the same run and interleaved:
+
+* ``contiguous memcpy``: one ``memmove`` of the same number of bytes between two contiguous
+  buffers, the limit of one thread on this machine (the targets are ratios to it);
+* ``per-block copy loop``: ``dst[d].copy_(src[s])`` per block and layer region, the obvious
+  torch loop.
+
+The worker comes from the installed ``cpu-offload`` connector type (its ``portable_worker()``),
 not from an import: the core reaches plugins only through what they register.
 
-Two block-id patterns: ``scattered`` (a random permutation: a fragmented pool) and ``runs``
-(consecutive ids, what a fresh pool hands out; the backend copies each run as one slice).
+Two block-id patterns: ``scattered`` (random ids on both sides: a fragmented pool) and
+``consecutive`` (one run of ids on each side, what a fresh pool hands out).
+
+The disk tier (``backend: disk``; not in ``--quick``) is measured the same way against
+``sequential file I/O``: one ``pwrite`` (store cases) or ``pread`` (load cases) of the same
+bytes to a file in the same directory, opened with ``O_DIRECT`` as the plugin opens its file.
+The directory is ``$KVCOMPOSE_BENCH_DISK_DIR``, else the system's temporary directory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvcompose.bench.measure import interleave, pick, ratio, repeats_for
-from kvcompose.bench.report import Case, Result, Target
+from kvcompose.bench.report import AllTargets, Case, CaseTarget, Result
 
 KIB = 1024
-SIZES = (16 * KIB, 64 * KIB, 256 * KIB, 2048 * KIB)
-QUICK_SIZES = (16 * KIB, 2048 * KIB)
-PATTERNS = ("scattered", "runs")
+MIB = 1024 * KIB
+SIZES = (16 * KIB, 64 * KIB, 256 * KIB, 2 * MIB)
+QUICK_SIZES = (16 * KIB, 2 * MIB)
+PATTERNS = ("scattered", "consecutive")
+NUM_LAYERS = 8
+SUBJECT = "portable worker"
+MEMCPY = "contiguous memcpy"
+LOOP = "per-block copy loop"
+FILE_IO = "sequential file I/O"
+DISK_SIZES = (16 * KIB, 256 * KIB, 2 * MIB)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A model shape whose per-layer KV page (one block of one layer, K and V) is ``bytes``."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    model: str
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+
+#: Per-layer page size -> a real model's attention shape that has it (bfloat16 KV).
+GEOMETRY = {
+    16 * KIB: Geometry(16, 2, 128, "Qwen2.5-1.5B (2 KV heads), 16-token blocks"),
+    64 * KIB: Geometry(16, 8, 128, "Llama-3-8B (8 KV heads), 16-token blocks"),
+    256 * KIB: Geometry(16, 32, 128, "Llama-2-7B (32 KV heads), 16-token blocks"),
+    2 * MIB: Geometry(128, 32, 128, "Llama-2-7B (32 KV heads), 128-token blocks"),
+}
 
 
 def _label(size: int) -> str:
-    return f"{size // KIB} KiB" if size < 1024 * KIB else f"{size // (1024 * KIB)} MiB"
+    return f"{size // KIB} KiB" if size < MIB else f"{size // MIB} MiB"
 
 
-def _ids(pattern: str, n: int, pool: int, gen: torch.Generator) -> list[int]:
+def portable_worker(vllm_config: Any, kv_cache_config: Any, cpu_bytes: int, **options: Any) -> Any:
+    """The installed ``cpu-offload`` type's portable worker; a clear error without the plugin."""
+    from kvcompose.plugins import get_plugins
+
+    make = getattr(get_plugins().connector_types.get("cpu-offload"), "portable_worker", None)
+    if make is None:
+        raise RuntimeError(
+            "cpu_copy measures the cpu-offload plugin's portable worker: install kvcompose-cpu-offload "
+            "(plugins/cpu_offload) and leave it enabled in KVCOMPOSE_PLUGINS"
+        )
+    return make(vllm_config, kv_cache_config, cpu_bytes, **options)
+
+
+@contextmanager
+def _all_cores() -> Iterator[None]:
+    # vLLM's CPU platform pins the process to one core when it builds a config; give the copy
+    # thread back what the benchmark started with.
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+
+
+def _ids(pattern: str, n: int, first: int, last: int, gen: torch.Generator) -> list[int]:
+    """``n`` distinct block ids in ``[first, last)``: random, or one run at a random start."""
     if pattern == "scattered":
-        return torch.randperm(pool, generator=gen)[:n].tolist()
-    start = int(torch.randint(0, pool - n + 1, (1,), generator=gen))
+        return (torch.randperm(last - first, generator=gen)[:n] + first).tolist()
+    start = first + int(torch.randint(0, last - first - n + 1, (1,), generator=gen))
     return list(range(start, start + n))
 
 
-def copy_backend() -> Any:
-    """A new copy backend from the installed ``cpu-offload`` type; a clear error without the plugin."""
-    from kvcompose.plugins import get_plugins
-
-    make = getattr(get_plugins().connector_types.get("cpu-offload"), "copy_backend", None)
-    if make is None:
-        raise RuntimeError(
-            "cpu_copy measures the cpu-offload plugin's copy backend: install kvcompose-cpu-offload "
-            "(plugins/cpu_offload) and leave it enabled in KVCOMPOSE_PLUGINS"
-        )
-    return make()
+def targets(sizes: tuple[int, ...], disk_sizes: tuple[int, ...] = ()) -> AllTargets:
+    """The issue's targets: median ratio to a contiguous memcpy (disk: to sequential file I/O), per case."""
+    items = []
+    # The sequential write/read bounds runs of consecutive disk slots; scattered slots are random
+    # I/O, bounded by the device's random rate, and are reported without a target.
+    for size in disk_sizes:
+        for direction in ("store", "load"):
+            items.append(CaseTarget(">=", 0.8, SUBJECT, FILE_IO, f"disk {direction} {_label(size)} consecutive"))
+    for size in sizes:
+        for pattern in PATTERNS:
+            value = 0.9 if pattern == "consecutive" else 0.8 if size >= 256 * KIB else 0.5
+            for direction in ("store", "load"):
+                items.append(CaseTarget(">=", value, SUBJECT, MEMCPY, f"{direction} {_label(size)} {pattern}"))
+    return AllTargets(
+        ">=",
+        0.5,
+        SUBJECT,
+        MEMCPY,
+        items=tuple(items),
+        summary=f"{SUBJECT}/{MEMCPY}: scattered >= 0.5 below 256 KiB, >= 0.8 from 256 KiB; consecutive >= 0.9"
+        + (f"; disk, consecutive slots: {SUBJECT}/{FILE_IO} >= 0.8" if disk_sizes else ""),
+    )
 
 
 def run(
@@ -57,83 +147,251 @@ def run(
     sizes: tuple[int, ...] | None = None,
     repeats: int | None = None,
     bytes_per_copy: int | None = None,
+    disk_sizes: tuple[int, ...] | None = None,
 ) -> Result:
-    """Store and load throughput per block size and pattern; ratio portable / torch gather-scatter."""
+    """Store and load throughput per block size and pattern; ratios to a contiguous memcpy
+    (host tier) and to sequential file I/O (disk tier, ``disk_sizes``: none in quick mode)."""
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
-    per_copy = bytes_per_copy or (8 if quick else 64) * 1024 * KIB
+    disk_sizes = tuple(() if quick else DISK_SIZES) if disk_sizes is None else tuple(disk_sizes)
+    disk_dir = os.environ.get("KVCOMPOSE_BENCH_DISK_DIR") or tempfile.gettempdir()
+    unknown = [s for s in (*sizes, *disk_sizes) if s not in GEOMETRY]
+    if unknown:
+        raise ValueError(f"cpu_copy: no model geometry for block sizes {unknown}; choose from {list(GEOMETRY)}")
+    per_copy = bytes_per_copy or (8 if quick else 64) * MIB
     reps = repeats or repeats_for(quick, full=9)
     gen = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the bound is one thread's; vLLM may have changed the count
+    torch.set_num_threads(1)  # one thread: the worker copies on one copy thread per direction
     try:
-        cases, ratios = _sweep(sizes, per_copy, reps, gen)
+        cases, ratios = [], []
+        for size in sizes:
+            c, r = _sweep(GEOMETRY[size], per_copy, reps, gen)
+            cases += c
+            ratios += r
+        for size in disk_sizes:
+            c, r = _disk_sweep(GEOMETRY[size], per_copy, reps, gen, disk_dir)
+            cases += c
+            ratios += r
     finally:
         torch.set_num_threads(threads)
     return Result(
         "cpu_copy",
-        "CPU tier copy path: portable worker vs torch gather/scatter",
+        f"CPU tier data path: portable worker vs {MEMCPY}",
         "GB/s",
         1e-9,
         cases,
         ratios,
-        Target(">=", 0.8, "portable worker", "torch gather/scatter"),
+        targets(sizes, disk_sizes),
         reps,
         quick,
         [
-            "one torch thread (the copy runs in the worker's thread); the baseline's index tensors are built "
-            "beforehand, the portable worker builds its own from the block lists on every call",
-            "'runs' = consecutive block ids: the portable worker copies each run as one slice, which beats a gather",
-        ],
-        {"bytes_per_copy": per_copy, "sizes": list(sizes), "threads": 1},
+            f"engine-laid-out KV ({NUM_LAYERS} layers, vLLM's CPU layout LBHNC, bfloat16); a block is one layer's "
+            "page (K and V); a sample moves every layer's page of each block",
+            "portable worker: from the metadata to the bytes in place (copy thread included); "
+            f"{MEMCPY}: one memmove of the same bytes; {LOOP}: torch dst[d].copy_(src[s]) per block and layer",
+            "one thread per copy; the machine is shared (2 cores), so samples are interleaved and judged on medians",
+        ]
+        + (
+            [
+                f"disk: the worker with backend disk (O_DIRECT) in {disk_dir}; {FILE_IO}: one pwrite (store) or "
+                "pread (load) of the same bytes, O_DIRECT, same directory"
+            ]
+            if disk_sizes
+            else []
+        ),
+        {
+            "bytes_per_copy": per_copy,
+            "sizes": list(sizes),
+            "layers": NUM_LAYERS,
+            "threads": 1,
+            "geometry": {_label(s): GEOMETRY[s].model for s in (*sizes, *disk_sizes)},
+            "disk_sizes": list(disk_sizes),
+            "disk_dir": disk_dir if disk_sizes else None,
+        },
     )
 
 
-def _sweep(sizes: tuple[int, ...], per_copy: int, reps: int, gen: torch.Generator) -> tuple[list[Case], list[Any]]:
+def _engine_worker(geo: Geometry, pool: int, **options: Any) -> tuple[Any, Any]:
+    """An engine-laid-out KV cache of ``pool`` usable blocks and a portable worker registered on it."""
+    from kvcompose.testing.kv import fill_random, make_engine_kv
+
+    with _all_cores():
+        kv = make_engine_kv(
+            num_layers=NUM_LAYERS,
+            block_size=geo.block_size,
+            num_blocks=pool + 1,  # block 0 is vLLM's null block
+            num_kv_heads=geo.num_kv_heads,
+            head_size=geo.head_size,
+            dtype=geo.dtype,
+        )
+        fill_random(kv)
+        worker = portable_worker(kv.vllm_config, kv.kv_cache_config, pool * geo.bytes * NUM_LAYERS, **options)
+        worker.register_kv_caches(kv.kv_caches)
+    return kv, worker
+
+
+def _through_worker(worker: Any, nbytes: int) -> Callable[[int, bool, list[int], list[int]], float]:
+    """A sample: one store or load through the worker's engine calls, until the bytes are in place."""
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
+
+    flush = SimpleCPUOffloadMetadata(need_flush=True)
+    event = 0
+
+    def sample(_r: int, is_store: bool, src: list[int], dst: list[int]) -> float:
+        nonlocal event
+        event += 1
+        if is_store:
+            meta = SimpleCPUOffloadMetadata(store_event=event, store_gpu_blocks=src, store_cpu_blocks=dst)
+        else:
+            meta = SimpleCPUOffloadMetadata(
+                load_event=event, load_cpu_blocks=src, load_gpu_blocks=dst, load_event_to_reqs={event: ["bench"]}
+            )
+        worker.bind_connector_metadata(meta)
+        t0 = time.perf_counter()
+        (worker.wait_for_save if is_store else worker.start_load_kv)()
+        worker.handle_preemptions(flush)  # waits for the copy thread: the bytes are in place
+        dt = time.perf_counter() - t0
+        worker.get_finished(set())
+        worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        return nbytes / dt
+
+    return sample
+
+
+def _sweep(geo: Geometry, per_copy: int, reps: int, gen: torch.Generator) -> tuple[list[Case], list[Any]]:
+    size = geo.bytes
+    n = max(1, per_copy // (size * NUM_LAYERS))
+    pool = 2 * n  # room for the ids to scatter
+    kv, worker = _engine_worker(geo, pool)
+    regions = [(worker.gpu_kv_caches[name], worker.cpu_kv_caches[name]) for name in worker.gpu_kv_caches]
+    if [r.shape[1] * r.element_size() for r, _ in regions] != [size] * NUM_LAYERS:
+        raise RuntimeError(f"cpu_copy: expected {NUM_LAYERS} regions of {size} bytes per block from the engine layout")
+    nbytes = n * size * NUM_LAYERS
+    flat_src = torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen)
+    flat_dst = torch.zeros(nbytes, dtype=torch.int8)
+    through_worker = _through_worker(worker, nbytes)
+
+    def memcpy(_r: int) -> float:
+        t0 = time.perf_counter()
+        ctypes.memmove(flat_dst.data_ptr(), flat_src.data_ptr(), nbytes)
+        return nbytes / (time.perf_counter() - t0)
+
     cases: list[Case] = []
     ratios = []
-    for size in sizes:
-        n = max(1, per_copy // size)
-        pool = 2 * n  # room for the ids to scatter
-        device = torch.randint(0, 255, (pool, size), dtype=torch.uint8, generator=gen)
-        host = torch.zeros((pool, size), dtype=torch.uint8)
-        backend = copy_backend()
-        backend.init({"kv": device}, {"kv": host})
+    try:
         for pattern in PATTERNS:
-            dev_ids, host_ids = _ids(pattern, n, pool, gen), _ids(pattern, n, pool, gen)
-            events: list[tuple[int, Any]] = []
+            dev_ids, host_ids = _ids(pattern, n, 1, pool + 1, gen), _ids(pattern, n, 0, pool, gen)
             for direction in ("store", "load"):
                 is_store = direction == "store"
-                # launch_copy takes (source ids, destination ids): device -> pool, or pool -> device.
                 src, dst = (dev_ids, host_ids) if is_store else (host_ids, dev_ids)
-                a, b = (device, host) if is_store else (host, device)
-                s_idx, d_idx = torch.tensor(src), torch.tensor(dst)
 
-                def portable(_r: int, src: list[int] = src, dst: list[int] = dst, is_store: bool = is_store) -> float:
-                    events.clear()
+                def subject(_r: int, src: list[int] = src, dst: list[int] = dst, is_store: bool = is_store) -> float:
+                    return through_worker(_r, is_store, src, dst)
+
+                def loop(_r: int, src: list[int] = src, dst: list[int] = dst, is_store: bool = is_store) -> float:
                     t0 = time.perf_counter()
-                    backend.launch_copy(src, dst, is_store, 0, events)
-                    return n * size / (time.perf_counter() - t0)
+                    for device, host in regions:
+                        a, b = (device, host) if is_store else (host, device)
+                        for s, d in zip(src, dst):
+                            b[d].copy_(a[s])
+                    return nbytes / (time.perf_counter() - t0)
 
-                def gather(
-                    _r: int,
-                    a: torch.Tensor = a,
-                    b: torch.Tensor = b,
-                    s_idx: torch.Tensor = s_idx,
-                    d_idx: torch.Tensor = d_idx,
-                ) -> float:
-                    t0 = time.perf_counter()
-                    b.index_copy_(0, d_idx, a.index_select(0, s_idx))
-                    return n * size / (time.perf_counter() - t0)
-
-                portable(0), gather(0)  # first touch of the pages
-                samples = interleave({"torch gather/scatter": gather, "portable worker": portable}, reps)
+                _check(regions, subject, dev_ids, host_ids, is_store, f"{direction} {_label(size)} {pattern}")
+                memcpy(0), loop(0)  # first touch of the pages
+                samples = interleave({MEMCPY: memcpy, LOOP: loop, SUBJECT: subject}, reps)
                 label = f"{direction} {_label(size)} {pattern}"
-                cases.append(
-                    Case(label, samples, {"block_bytes": size, "blocks": n, "pattern": pattern, "direction": direction})
-                )
-                ratios.append(ratio(label, samples, "portable worker", "torch gather/scatter", higher_is_better=True))
-            # What was timed really copied: the pool holds the device blocks it stored.
-            if not torch.equal(host[torch.tensor(host_ids)], device[torch.tensor(dev_ids)]):
-                raise RuntimeError(f"cpu_copy: the pool does not hold the stored blocks ({_label(size)}, {pattern})")
-        del device, host
+                extra = {"block_bytes": size, "blocks": n, "layers": NUM_LAYERS, "pattern": pattern}
+                cases.append(Case(label, samples, {**extra, "direction": direction, "model": geo.model}))
+                ratios.append(ratio(label, samples, SUBJECT, MEMCPY, higher_is_better=True))
+                ratios.append(ratio(label, samples, SUBJECT, LOOP, higher_is_better=True))
+    finally:
+        worker.shutdown()
+    return cases, ratios
+
+
+def _check(
+    regions: list[tuple[torch.Tensor, torch.Tensor]],
+    subject: Callable[[int], float],
+    dev_ids: list[int],
+    host_ids: list[int],
+    is_store: bool,
+    label: str,
+) -> None:
+    """One copy by the worker alone, into a scrambled destination: what is timed really copies."""
+    dev_idx, host_idx = torch.tensor(dev_ids), torch.tensor(host_ids)
+    for device, host in regions:
+        (host if is_store else device)[host_idx if is_store else dev_idx] = -1
+    subject(0)
+    for device, host in regions:
+        if not torch.equal(host[host_idx], device[dev_idx]):
+            raise RuntimeError(f"cpu_copy: the worker did not move the blocks ({label})")
+
+
+def _disk_sweep(
+    geo: Geometry, per_copy: int, reps: int, gen: torch.Generator, directory: str
+) -> tuple[list[Case], list[Any]]:
+    """The disk tier's stores and loads against one sequential write and read of the same bytes."""
+    size = geo.bytes
+    n = max(1, per_copy // (size * NUM_LAYERS))
+    pool = 2 * n
+    nbytes = n * size * NUM_LAYERS
+    os.makedirs(directory, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="kvcompose-bench-disk-", dir=directory)
+    kv, worker = _engine_worker(
+        geo,
+        pool,
+        kv_offload_backend="disk",
+        disk_path=os.path.join(tmp, "kv.bin"),
+        disk_capacity_bytes=pool * size * NUM_LAYERS,
+    )
+    through_worker = _through_worker(worker, nbytes)
+    regions = list(worker.gpu_kv_caches.values())
+    plain = os.path.join(tmp, "sequential.bin")
+    fd = os.open(plain, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+    buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT wants
+    buf.write(os.urandom(min(nbytes, MIB)) * (nbytes // min(nbytes, MIB)))
+
+    def sequential(_r: int, is_store: bool) -> float:
+        t0 = time.perf_counter()
+        done = os.pwritev(fd, [buf], 0) if is_store else os.preadv(fd, [buf], 0)
+        dt = time.perf_counter() - t0
+        if done != nbytes:
+            raise RuntimeError(f"cpu_copy: short sequential {'write' if is_store else 'read'} ({done} of {nbytes})")
+        return nbytes / dt
+
+    cases: list[Case] = []
+    ratios = []
+    try:
+        sequential(0, True)  # allocate the file's blocks before the first timed write
+        for pattern in PATTERNS:
+            dev_ids, slots = _ids(pattern, n, 1, pool + 1, gen), _ids(pattern, n, 0, pool, gen)
+            for direction in ("store", "load"):
+                is_store = direction == "store"
+                src, dst = (dev_ids, slots) if is_store else (slots, dev_ids)
+                label = f"disk {direction} {_label(size)} {pattern}"
+
+                def subject(_r: int, src: list[int] = src, dst: list[int] = dst, is_store: bool = is_store) -> float:
+                    return through_worker(_r, is_store, src, dst)
+
+                def baseline(_r: int, is_store: bool = is_store) -> float:
+                    return sequential(_r, is_store)
+
+                if not is_store:  # what the store wrote comes back into scrambled blocks
+                    before = [r[dev_ids].clone() for r in regions]
+                    for r in regions:
+                        r[dev_ids] = -1
+                    subject(0)
+                    if not all(torch.equal(r[dev_ids], b) for r, b in zip(regions, before)):
+                        raise RuntimeError(f"cpu_copy: the disk tier did not bring the blocks back ({label})")
+                samples = interleave({FILE_IO: baseline, SUBJECT: subject}, reps)
+                extra = {"block_bytes": size, "blocks": n, "layers": NUM_LAYERS, "pattern": pattern, "tier": "disk"}
+                cases.append(Case(label, samples, {**extra, "direction": direction, "model": geo.model}))
+                ratios.append(ratio(label, samples, SUBJECT, FILE_IO, higher_is_better=True))
+    finally:
+        os.close(fd)
+        buf.close()
+        worker.shutdown()
+        os.unlink(plain)
+        os.rmdir(tmp)
     return cases, ratios

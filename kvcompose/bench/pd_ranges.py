@@ -82,7 +82,7 @@ from typing import Any
 
 from kvcompose.bench.measure import Ratio, Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock
-from kvcompose.bench.report import Case, Result, Target
+from kvcompose.bench.report import AllTargets, Case, CaseTarget, Result
 from kvcompose.e2e.node import BLOCK_SIZE, MAX_MODEL_LEN
 from kvcompose.examples import EXAMPLES
 
@@ -315,36 +315,6 @@ class Totals:
 
 
 # ---------------------------------------------------------------------------- targets and result
-
-
-@dataclass(frozen=True)
-class CaseTarget(Target):
-    """A target on one case's ratio (``ranges/pd-first`` is a ratio in several cases)."""
-
-    case: str = ""
-    why: str = ""
-
-    def applies(self, r: Ratio) -> bool:
-        return r.case == self.case and super().applies(r)
-
-    def __str__(self) -> str:
-        return f"{self.case}: {self.subject}/{self.baseline} {self.op} {self.value:.4g}"
-
-
-@dataclass(frozen=True)
-class AllTargets(Target):
-    """Several case targets as one :class:`Target`: met when each is met on its own ratio."""
-
-    items: tuple[CaseTarget, ...] = ()
-
-    def applies(self, r: Ratio) -> bool:
-        return any(t.applies(r) for t in self.items)
-
-    def met(self, r: Ratio) -> bool:
-        return all(t.met(r) for t in self.items if t.applies(r))
-
-    def __str__(self) -> str:
-        return "; ".join(str(t) for t in self.items)
 
 
 NIXL_CASE = "NIXL bytes"

@@ -72,6 +72,38 @@ class Target:
         return f"{self.subject}/{self.baseline} {self.op} {self.value:g}"
 
 
+@dataclass(frozen=True)
+class CaseTarget(Target):
+    """A target on one case's ratio (``ranges/pd-first`` is a ratio in several cases)."""
+
+    case: str = ""
+    why: str = ""
+
+    def applies(self, r: Ratio) -> bool:
+        return r.case == self.case and super().applies(r)
+
+    def __str__(self) -> str:
+        return f"{self.case}: {self.subject}/{self.baseline} {self.op} {self.value:.4g}"
+
+
+@dataclass(frozen=True)
+class AllTargets(Target):
+    """Several case targets as one :class:`Target`: met when each is met on its own ratio."""
+
+    items: tuple[CaseTarget, ...] = ()
+    #: Printed instead of every item when set (a benchmark with a target per case).
+    summary: str = ""
+
+    def applies(self, r: Ratio) -> bool:
+        return any(t.applies(r) for t in self.items)
+
+    def met(self, r: Ratio) -> bool:
+        return all(t.met(r) for t in self.items if t.applies(r))
+
+    def __str__(self) -> str:
+        return self.summary or "; ".join(str(t) for t in self.items)
+
+
 @dataclass
 class Case:
     """One row of a benchmark: a size or a setting, with every subject's samples."""

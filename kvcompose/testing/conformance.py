@@ -237,10 +237,12 @@ def plain_request_runs_to_completion(s: Subject) -> None:
     assert s.worker is not None
     req = s.fresh_request()
     s.scheduler.add_request(req)
-    # Prefill and sample EOS, then let the worker finish what the finish started (async saves).
+    # Prefill and sample EOS, then step on, as vLLM's engine loop does, while the worker
+    # finishes what the finish started (async saves, reported in later steps).
     for _ in range(4):
         s.worker.engine_step(eos=True)
     try:
+        s.worker.drain(eos=True)
         assert_scheduler_empty(s.scheduler)
     except AssertionError as exc:
         raise s.violation(

@@ -48,6 +48,7 @@ block that comes back from another tier can be checked byte for byte::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -299,25 +300,50 @@ class WorkerHarness:
 
         return self._schedule_and_update(run, eos=eos)
 
-    def drain(self, *, max_steps: int = 5, **engine_step_kw: Any) -> list[SchedulerOutput]:
+    def drain(self, *, max_steps: int = 5, timeout_s: float = 30.0, **engine_step_kw: Any) -> list[SchedulerOutput]:
         """Engine steps until the scheduler's connector has no push work pending.
 
         Push work is what keeps vLLM's engine loop stepping with no request left
         (``Scheduler.has_requests``): stores not yet acknowledged by the worker (the
         CPU-offload tier holds the stored blocks until then), P-side writes in flight. Returns
-        the scheduler outputs of the steps it ran (none if nothing was pending);
-        ``engine_step_kw`` as :meth:`engine_step`. Raises ``AssertionError`` if work is still
-        pending after ``max_steps`` steps.
+        the scheduler outputs of the steps it ran (none if nothing was pending); the bounds
+        and ``engine_step_kw`` as :meth:`step_until`.
+        """
+
+        def settled(_outs: list[SchedulerOutput]) -> bool:
+            conn = self.scheduler.connector
+            return conn is None or not conn.has_pending_push_work()
+
+        return self.step_until(
+            settled, "push work still pending", max_steps=max_steps, timeout_s=timeout_s, **engine_step_kw
+        )
+
+    def step_until(
+        self,
+        done: Callable[[list[SchedulerOutput]], bool],
+        what: str = "condition not met",
+        *,
+        max_steps: int = 5,
+        timeout_s: float = 30.0,
+        **engine_step_kw: Any,
+    ) -> list[SchedulerOutput]:
+        """Engine steps until ``done(outputs so far)`` holds (checked before each step); the outputs.
+
+        A worker that copies on its own threads (as vLLM's do on CUDA streams) reports a
+        transfer in some later step than the one that issued it, and vLLM's engine loop simply
+        steps on. So after ``max_steps`` steps this goes on, with a millisecond's pause between
+        steps to let those threads run, until ``timeout_s`` has passed; then it raises
+        ``AssertionError`` naming ``what``. ``engine_step_kw`` as :meth:`engine_step`.
         """
         outs: list[SchedulerOutput] = []
-        for _ in range(max_steps + 1):
-            conn = self.scheduler.connector
-            if conn is None or not conn.has_pending_push_work():
-                return outs
-            if len(outs) == max_steps:
-                break
+        deadline = time.monotonic() + timeout_s
+        while not done(outs):
+            if len(outs) >= max_steps:
+                if time.monotonic() >= deadline:
+                    raise AssertionError(f"{what} after {len(outs)} engine steps and {timeout_s:g} s")
+                time.sleep(0.001)
             outs.append(self.engine_step(**engine_step_kw)[0])
-        raise AssertionError(f"drain: push work still pending after {max_steps} engine steps")
+        return outs
 
     # ------------------------------------------------------------------ block contents
 

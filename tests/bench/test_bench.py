@@ -82,13 +82,18 @@ def test_both_composites_do_the_same_scheduler_work() -> None:
 
 
 def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
-    from kvcompose.bench.cpu_copy import run
+    from kvcompose.bench.cpu_copy import LOOP, MEMCPY, NUM_LAYERS, SUBJECT, run
 
-    r = run(quick=True, sizes=(16 * 1024,), repeats=5, bytes_per_copy=256 * 1024)
+    r = run(quick=True, sizes=(16 * 1024,), repeats=5, bytes_per_copy=NUM_LAYERS * 16 * 1024 * 8)
     assert [c.label for c in r.cases] == [
         "store 16 KiB scattered",
         "load 16 KiB scattered",
-        "store 16 KiB runs",
-        "load 16 KiB runs",
+        "store 16 KiB consecutive",
+        "load 16 KiB consecutive",
     ]
+    assert all(set(c.samples) == {MEMCPY, LOOP, SUBJECT} for c in r.cases)
     assert all(len(s.values) == 5 for c in r.cases for s in c.samples.values())
+    assert {(x.subject, x.baseline) for x in r.ratios} == {(SUBJECT, MEMCPY), (SUBJECT, LOOP)}
+    # Every case carries its own target against the memcpy, and the JSON says whether it was met.
+    assert all(r.target is not None and r.target.applies(x) for x in r.ratios if x.baseline == MEMCPY)
+    assert r.to_json()["target"]["met"] in (True, False)

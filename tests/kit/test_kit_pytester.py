@@ -34,7 +34,7 @@ def test_store_to_all_then_the_cpu_tier_loads(kvcompose_worker):
     first = make_request(96, block_size=32)
     h.scheduler.add_request(first)
     h.engine_step(eos=True)
-    h.engine_step()  # the CPU tier's worker stores the blocks and acknowledges them
+    h.drain()  # the CPU tier's worker stores the blocks (on its copy thread) and acknowledges them
     assert h.scheduler.reset_prefix_cache()  # forget the device copy
     again = make_request(96, block_size=32, prompt=first.prompt_token_ids)
     tokens, is_async = h.scheduler.connector.get_num_new_matched_tokens(again, 0)

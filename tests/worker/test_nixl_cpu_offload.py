@@ -84,6 +84,7 @@ def test_nixl_wins_a_remote_prefill_and_the_cpu_child_loads_nothing(fake_nixl: F
     assert out.num_scheduled_tokens == {req.request_id: 1}  # 127 pulled, 1 recomputed
     assert req.num_computed_tokens == 128
     d.engine_step()
+    d.drain()  # the host tier's stores of the pulled blocks, reported from its copy thread
     assert_scheduler_empty(d.scheduler)
 
 
@@ -94,6 +95,7 @@ def test_store_to_all_then_the_cpu_tier_wins_a_repeated_prompt(fake_nixl: FakeNi
     h.engine_step()
     out2, _ = h.engine_step(eos=True)
     assert out2.kv_connector_metadata.children["host"].store_event >= 0  # the cpu child stores, nixl present
+    h.drain()  # the store runs on the host tier's copy thread; the tier serves A once it is reported
     # Push A out of the device prefix cache.
     for k in range(3):
         h.scheduler.add_request(
@@ -129,6 +131,7 @@ def test_prefill_side_returns_nixl_params_with_blocks_held(fake_nixl: FakeNixl) 
     d.engine_step()  # the decode engine reads the blocks and notifies
     p.engine_step()
     assert p.last_output.finished_sending == {req.request_id}
+    p.drain()  # the prefill's host tier stored the prompt on its copy thread
     assert_scheduler_empty(p.scheduler)
 
 

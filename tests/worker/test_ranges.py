@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request, RequestStatus
 
@@ -88,28 +89,34 @@ def decode(d: WorkerHarness, prompt: list[int], params: dict[str, Any]) -> Reque
 
 def until_loaded(d: WorkerHarness, req: Request, steps: int = 8) -> tuple[set[int], set[str]]:
     """Engine steps until vLLM's scheduler sees the request's load complete; the invalid blocks
-    and failed loads the worker reported on the way (a child may report before the barrier)."""
+    and failed loads the worker reported on the way (a child may report before the barrier).
+    The host tier copies on its own thread, so its part may land a few steps (and moments) later."""
     invalid: set[int] = set()
     failed: set[str] = set()
-    for i in range(steps + 1):
-        if i:  # the step that started the load may have finished it too
-            d.engine_step()
+    loaded = False
+
+    def seen(_outs: list[SchedulerOutput]) -> bool:
+        nonlocal invalid, failed, loaded
         out = d.last_output
         assert out is not None
         invalid |= out.invalid_block_ids or set()
         failed |= out.failed_recving or set()
-        if req.request_id in (out.finished_recving or ()):
-            return invalid, failed
-    raise AssertionError(f"{req.request_id}: no finished_recving in {steps} steps")
+        loaded = loaded or req.request_id in (out.finished_recving or ())
+        return loaded
+
+    # The step that started the load may have finished it too.
+    d.step_until(seen, f"{req.request_id}: no finished_recving", max_steps=steps)
+    return invalid, failed
 
 
 def scheduled(d: WorkerHarness, req: Request, steps: int = 3) -> int:
     """Prompt tokens the decode instance computes for ``req`` once its load is over."""
-    for _ in range(steps):
-        so, _ = d.engine_step(eos=True)
-        if req.request_id in so.num_scheduled_tokens:
-            return int(so.num_scheduled_tokens[req.request_id])
-    raise AssertionError(f"{req.request_id} was not scheduled in {steps} steps")
+
+    def ran(outs: list[SchedulerOutput]) -> bool:
+        return any(req.request_id in o.num_scheduled_tokens for o in outs)
+
+    outs = d.step_until(ran, f"{req.request_id} was not scheduled", max_steps=steps, eos=True)
+    return int(outs[-1].num_scheduled_tokens[req.request_id])
 
 
 def block_ids(d: WorkerHarness, req: Request) -> list[int]:
@@ -153,6 +160,7 @@ def test_host_prefix_then_the_rest_over_nixl(pd: tuple[WorkerHarness, WorkerHarn
     assert_blocks_hold(d, req, turn2, 6)
     assert scheduled(d, req) == 1  # 4 blocks + 63 tokens loaded, the last one computed
     d.engine_step()
+    d.drain()
     assert_scheduler_empty(d.scheduler)
     # The decode's read notified the prefill instance, which frees its blocks.
     p.engine_step()
@@ -272,16 +280,26 @@ def test_an_abort_during_the_load_frees_everything_and_no_late_report_reaches_vl
     d.engine_step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     d.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
-    seen = []
-    for _ in range(8):
+    seen: list[set[str]] = []
+
+    def reported(outs: list[SchedulerOutput]) -> bool:
+        if outs:
+            assert d.last_output is not None
+            seen.append(set(d.last_output.finished_recving or ()))
+        return any(req.request_id in s for s in seen)
+
+    d.step_until(reported, "the aborted load was never reported", max_steps=8)
+    for _ in range(4):
         d.engine_step()
         assert d.last_output is not None
         seen.append(set(d.last_output.finished_recving or ()))
     # vLLM frees a request aborted mid-load on its one load report, which comes once.
     assert sum(req.request_id in s for s in seen) == 1
+    d.drain()
     assert_scheduler_empty(d.scheduler)
     for _ in range(3):
         p.engine_step()
+    p.drain()
     assert_scheduler_empty(p.scheduler)  # the prefill instance was notified and freed its blocks
 
 

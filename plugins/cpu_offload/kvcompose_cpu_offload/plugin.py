@@ -79,7 +79,10 @@ class CpuOffloadOptions(Options):
     ] = None
     disk_buffer_slots: Annotated[
         PositiveInt | None,
-        Meta(description="disk backend: staging slots per direction (disk_buffer_slots; vLLM's default is 2)"),
+        Meta(
+            description="disk backend: staging slots per direction (disk_buffer_slots; vLLM's default is 2; "
+            "vLLM's CUDA worker only: the portable worker sizes its staging itself)"
+        ),
     ] = None
     use_page_cache: Annotated[
         bool | None,
@@ -129,16 +132,16 @@ class CpuOffloadType(ConnectorType):
         "use_page_cache": "use_page_cache",
     }
 
-    def copy_backend(self) -> Any:
-        """A new host-memory copy backend of the portable worker (vLLM's ``launch_copy`` contract).
+    def portable_worker(self, vllm_config: Any, kv_cache_config: Any, cpu_capacity_bytes: int, **options: Any) -> Any:
+        """A new portable worker (the CPU platform's ``SimpleCPUOffloadWorker``), vLLM's arguments.
 
         ``kvcompose bench cpu-copy`` measures it through this type, because the core never imports
         a plugin package. Imported on call: it needs torch and vLLM, and describing a composition
         must work without them.
         """
-        from kvcompose_cpu_offload.portable_worker import TorchCopyBackend
+        from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 
-        return TorchCopyBackend()
+        return PortableSimpleCPUOffloadWorker(vllm_config, kv_cache_config, cpu_capacity_bytes, **options)
 
     def describe(self, child: Child) -> str:
         """What the child does, in one sentence (``kvcompose check`` / ``explain``)."""

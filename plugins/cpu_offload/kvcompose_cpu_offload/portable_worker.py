@@ -1,4 +1,4 @@
-"""A worker for vLLM's SimpleCPUOffload that copies blocks with plain torch ops.
+"""A worker for vLLM's SimpleCPUOffload that copies blocks with host memory copies on copy threads.
 
 vLLM's ``SimpleCPUOffloadWorker`` moves blocks with ``cuMemcpyBatchAsync`` on CUDA streams
 (``DmaCopyBackend``), pins its pool with ``cudaHostRegister`` and waits on CUDA events, so it
@@ -7,11 +7,13 @@ cannot start on a platform without CUDA (on vLLM's CPU platform it fails with
 
 :class:`PortableSimpleCPUOffloadWorker` subclasses it and replaces only those parts:
 
-* the copy backend (:class:`TorchCopyBackend`, or :class:`PortableDiskBackend` for the disk
+* the copy backend (:class:`HostCopyBackend`, or :class:`PortableDiskBackend` for the disk
   tier), which keeps the ``launch_copy`` contract of vLLM's backends: each transfer appends an
-  ``(event_idx, event)`` pair to the worker's event list, and the event answers ``query()`` and
-  ``synchronize()`` like a ``torch.Event``;
-* the host pool allocation (no ``cudaHostRegister``);
+  ``(event_idx, event)`` pair to the worker's event list and runs on a store or load thread
+  (:class:`CopyThreads`, the counterpart of vLLM's CUDA side streams), and the event answers
+  ``query()`` and ``synchronize()`` like a ``torch.Event``;
+* the host pool allocation (no ``cudaHostRegister``; laid out so a block of every layer is one
+  copy, see :func:`stack_regions`);
 * ``wait_for_save`` (no compute-done CUDA event to record).
 
 Everything else is vLLM's own code, inherited unchanged: how raw ``[num_blocks, block_bytes]``
@@ -25,10 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.simple_kv_offload.disk_backend import _ALIGNMENT, O_DIRECT, DiskBackend, _alloc_aligned
@@ -41,10 +46,12 @@ if TYPE_CHECKING:
 # A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
 logger = init_logger(f"vllm.{__name__}")
 
-# Below this average run length a per-run slice copy costs more Python calls than it saves in
-# memory traffic, so scattered block lists go through one gather and one scatter instead.
-_MIN_AVG_RUN = 4
+#: The most bytes one disk-tier I/O call moves (a run of consecutive slots): large enough that
+#: a disk streams at its sequential rate (measured in docs/performance.md, benchmark 4).
+STAGING_BYTES = 8 << 20
 
+# The most pieces one pwritev/preadv takes (Linux's UIO_MAXIOV).
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 # --------------------------------------------------------------------------- block copies
 
@@ -64,23 +71,83 @@ def contiguous_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tupl
     return runs
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-    """Copy rows ``src[src_ids[i]]`` to ``dst[dst_ids[i]]`` (dim 0 is the block index).
+def as_array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor (no copy); dtypes numpy lacks are viewed as same-size ints."""
+    if t.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        t = t.view(torch.int16 if t.element_size() == 2 else torch.int8)
+    return t.detach().numpy()
 
-    Runs of consecutive blocks (the usual case: pools hand out neighbouring blocks) become one
-    slice copy each, a single pass over memory; scattered lists use ``index_select`` and
-    ``index_copy_``. Tensors may be on different devices.
+
+def copy_runs(src: np.ndarray, dst: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> None:
+    """Copy ``src[s : s + n]`` to ``dst[d : d + n]`` for each run (dim 0 is the block index).
+
+    One numpy assignment per run: numpy copies the run's bytes with ``memmove`` per contiguous
+    piece and releases the GIL while it does, so a copy thread leaves the engine's thread free.
+    Measured against the alternatives in docs/performance.md (benchmark 4).
     """
-    if not src_ids and not dst_ids:
-        return
-    runs = contiguous_runs(src_ids, dst_ids)
-    if len(runs) * _MIN_AVG_RUN <= len(src_ids) or len(runs) == 1:
-        for s, d, n in runs:
-            dst[d : d + n].copy_(src[s : s + n])
-        return
-    s_idx = torch.tensor(list(src_ids), dtype=torch.long, device=src.device)
-    d_idx = torch.tensor(list(dst_ids), dtype=torch.long, device=dst.device)
-    dst.index_copy_(0, d_idx, src.index_select(0, s_idx).to(dst.device))
+    for s, d, n in runs:
+        if n == 1:
+            dst[d] = src[s]
+        else:
+            dst[d : d + n] = src[s : s + n]
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    """Copy rows ``src[src_ids[i]]`` to ``dst[dst_ids[i]]`` (dim 0 is the block index, host tensors).
+
+    Runs of consecutive blocks (what a fresh pool hands out) become one slice copy each.
+    """
+    copy_runs(as_array(src), as_array(dst), contiguous_runs(src_ids, dst_ids))
+
+
+def stack_regions(regions: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """Group regions that sit at equal distances in one allocation into ``[blocks, k, ...]`` views.
+
+    vLLM lays the layers of one KV allocation out at a fixed layer stride, so the worker's
+    per-layer ``[num_blocks, block_bytes]`` regions are slices of one strided tensor. Viewing
+    them as ``[num_blocks, layers, block_bytes]`` lets one assignment copy a block of every
+    layer: a Python call per block instead of one per block and layer. Returns
+    ``(first_region_index, view)`` pairs covering every region in order; a region that fits no
+    group is a group of one.
+    """
+    groups: list[tuple[int, list[torch.Tensor]]] = []
+    for i, r in enumerate(regions):
+        if groups and _extends(groups[-1][1], r):
+            groups[-1][1].append(r)
+        else:
+            groups.append((i, [r]))
+    out = []
+    for i, members in groups:
+        first = members[0]
+        step = (members[1].data_ptr() - first.data_ptr()) // first.element_size() if len(members) > 1 else 0
+        view = first.as_strided(
+            (first.shape[0], len(members), *first.shape[1:]),
+            (first.stride(0), step, *first.stride()[1:]),
+        )
+        out.append((i, view))
+    return out
+
+
+def _extends(members: list[torch.Tensor], r: torch.Tensor) -> bool:
+    """Whether ``r`` continues ``members`` at the same distance without sharing a byte with them."""
+    first = members[0]
+    if r.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        return False
+    if (r.shape, r.stride(), r.dtype) != (first.shape, first.stride(), first.dtype) or r.dim() < 2:
+        return False
+    if not r[0].is_contiguous():
+        return False
+    step = (members[1] if len(members) > 1 else r).data_ptr() - first.data_ptr()
+    if step <= 0 or step % r.element_size() or r.data_ptr() - members[-1].data_ptr() != step:
+        return False
+    step //= r.element_size()
+    row, block_stride = r[0].numel(), r.stride(0)
+    # Disjoint spans (layer-outermost: one region per layer), or rows interleaved inside each
+    # block's stride (block-outermost); anything else could alias.
+    return step >= r.shape[0] * block_stride or (step >= row and len(members) * step + row <= block_stride)
+
+
+# --------------------------------------------------------------------------- completion events
 
 
 class CompletedEvent:
@@ -99,7 +166,7 @@ class CompletedEvent:
 
 
 class ThreadEvent:
-    """A transfer event completed by an I/O thread; an I/O error is re-raised to the caller.
+    """A transfer event completed by a copy thread; a copy error is re-raised to the caller.
 
     Re-raising matters: reporting a failed store as complete would let the scheduler serve a
     block that was never written, and never reporting it would hold its GPU block forever.
@@ -131,130 +198,40 @@ class ThreadEvent:
         self._raise_if_failed()
 
 
-class TorchCopyBackend:
-    """Host-memory tier: copies blocks between the engine's KV regions and the pool synchronously.
+# --------------------------------------------------------------------------- copy threads
 
-    Same ``launch_copy`` contract as vLLM's ``DmaCopyBackend``. The copy runs in the caller's
-    thread: on the CPU platform the "device" KV cache and the pool are both DRAM, the forward
-    pass has finished by the time the worker issues stores, and a copy thread would compete
-    with the model for the same cores while making completion timing nondeterministic.
+
+class CopyThreads:
+    """A store thread and a load thread, each fed by a FIFO queue: the side streams of the CPU tier.
+
+    Implements vLLM's ``launch_copy`` contract for a backend that defines ``store(src, dst)`` and
+    ``load(src, dst)`` (synchronous copies of paired block lists). ``launch_copy`` puts the
+    transfer's event on the worker's list *before* the copy runs, so the worker's completion
+    polling (``get_finished``) reports it only once its bytes are in place, and its preemption
+    flush (``handle_preemptions``) waits for every copy in flight. Loads never queue behind
+    stores, as with vLLM's two CUDA streams. The scheduler keeps a block referenced until the
+    transfer that reads or writes it is reported, so no block is reused under a copy.
     """
 
-    def __init__(self) -> None:
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    _what: ClassVar[str] = "copy"
+    _store_queue: queue.SimpleQueue[Any]
+    _load_queue: queue.SimpleQueue[Any]
+    _store_thread: threading.Thread | None
+    _load_thread: threading.Thread | None
 
-    def init(self, device_regions: dict[str, torch.Tensor], host_regions: dict[str, torch.Tensor]) -> None:
-        """Pair each ``[num_blocks, block_bytes]`` device region with its pool region by name."""
-        if device_regions.keys() != host_regions.keys():
-            raise ValueError("device and host regions name different tensors")
-        self._pairs = [(device_regions[n], host_regions[n]) for n in device_regions]
+    def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        raise NotImplementedError
 
-    def launch_copy(
-        self,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-        is_store: bool,
-        event_idx: int,
-        events_list: list[tuple[int, Any]],
-        wait_event: Any = None,
-    ) -> None:
-        """Copy the blocks (store: device -> pool; load: pool -> device) and record completion."""
-        for device, host in self._pairs:
-            if is_store:
-                copy_blocks(device, host, src_blocks, dst_blocks)
-            else:
-                copy_blocks(host, device, src_blocks, dst_blocks)
-        events_list.append((event_idx, CompletedEvent()))
+    def load(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        raise NotImplementedError
 
-    def shutdown(self) -> None:
-        """Nothing to stop: copies are synchronous."""
-
-
-class PortableDiskBackend(DiskBackend):
-    """Disk tier: the same file format and I/O as vLLM's ``DiskBackend``, without CUDA.
-
-    vLLM stages each block through pinned buffers with a DMA copy; here the KV regions are host
-    memory already, so staging is a plain copy into ``O_DIRECT``-aligned buffers (``_alloc_aligned``
-    from vLLM), and the ``pwritev``/``preadv`` calls, the file handling and ``shutdown`` are
-    vLLM's. Loads and stores each run on their own thread, as in vLLM, so a slow disk never
-    stalls a forward pass and loads never queue behind stores. Events are put on the worker's
-    list when a transfer is submitted (not when it finishes), so a preemption flush waits for
-    every transfer in flight.
-    """
-
-    def init(  # type: ignore[override]  # no CUDA streams to pass
-        self,
-        device_regions: dict[str, torch.Tensor],
-        disk_path: str,
-        num_disk_slots: int,
-        total_block_bytes: int,
-        num_buffer_slots: int = 2,
-        use_page_cache: bool = False,
-    ) -> None:
-        """Allocate staging buffers, create the backing file and start the I/O threads."""
-        self._total_block_bytes = total_block_bytes
-        self._num_buffer_slots = num_buffer_slots
-        self._tensor_names = list(device_regions)
-        self._regions = [device_regions[n] for n in self._tensor_names]
-        self._per_tensor_bpb = [t.stride(0) * t.element_size() for t in self._regions]
-
-        if not use_page_cache:
-            # O_DIRECT needs every iovec (one per region and block) aligned, not just the sum.
-            bad = [b for b in self._per_tensor_bpb if b % _ALIGNMENT]
-            if bad:
-                raise ValueError(
-                    f"the disk backend writes with O_DIRECT, which needs KV blocks in multiples of "
-                    f"{_ALIGNMENT} bytes, but this model's blocks are {self._per_tensor_bpb} bytes "
-                    "per region; set the option use_page_cache (vLLM key use_page_cache: true) "
-                    "to write through the page cache instead"
-                )
-
-        self._store_buffer_caches = {}
-        self._load_buffer_caches = {}
-        for name, bpb in zip(self._tensor_names, self._per_tensor_bpb):
-            self._store_buffer_caches[name] = _alloc_aligned(num_buffer_slots, bpb)
-            self._load_buffer_caches[name] = _alloc_aligned(num_buffer_slots, bpb)
-        self._store_slot_views = [
-            [memoryview(self._store_buffer_caches[n][slot].numpy()) for n in self._tensor_names]
-            for slot in range(num_buffer_slots)
-        ]
-        self._load_slot_views = [
-            [memoryview(self._load_buffer_caches[n][slot].numpy()) for n in self._tensor_names]
-            for slot in range(num_buffer_slots)
-        ]
-
-        # Same file handling as vLLM's DiskBackend.init: blocks encode user prompts, so the
-        # file is created fresh (O_EXCL, mode 0600, no symlink following), never reopened.
-        os.makedirs(os.path.dirname(disk_path) or ".", exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(disk_path)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        if not use_page_cache:
-            flags |= O_DIRECT
-        self._fd = os.open(disk_path, flags, 0o600)
-        self._disk_path = disk_path
-        os.ftruncate(self._fd, num_disk_slots * total_block_bytes)
-        logger.info(
-            "PortableDiskBackend: path=%s, slots=%d, %.2f GB, staging %dx%d bytes (page_cache=%s)",
-            disk_path,
-            num_disk_slots,
-            num_disk_slots * total_block_bytes / 2**30,
-            num_buffer_slots,
-            total_block_bytes,
-            use_page_cache,
-        )
-
+    def _start_threads(self) -> None:
+        name = self._what.replace(" ", "-")
         self._store_thread = threading.Thread(
-            target=self._io_loop,
-            args=(self._store_queue, self._do_store),
-            name="kv-offload-disk-store",
-            daemon=True,
+            target=self._io_loop, args=(self._store_queue, True), name=f"kv-offload-{name}-store", daemon=True
         )
         self._load_thread = threading.Thread(
-            target=self._io_loop,
-            args=(self._load_queue, self._do_load),
-            name="kv-offload-disk-load",
-            daemon=True,
+            target=self._io_loop, args=(self._load_queue, False), name=f"kv-offload-{name}-load", daemon=True
         )
         self._store_thread.start()
         self._load_thread.start()
@@ -268,53 +245,277 @@ class PortableDiskBackend(DiskBackend):
         events_list: list[tuple[int, Any]],
         wait_event: Any = None,
     ) -> None:
-        """Queue the transfer for the store or load thread and register its event now."""
+        """Queue the transfer for the store or load thread and register its event now.
+
+        ``wait_event`` (vLLM's compute-done CUDA event) has no counterpart: on the CPU platform
+        the forward pass has finished writing the KV when the worker issues its stores.
+        """
         if len(src_blocks) != len(dst_blocks):
             raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destinations")
-        event = ThreadEvent("disk store" if is_store else "disk load")
+        event = ThreadEvent(f"{self._what} {'store' if is_store else 'load'}")
         events_list.append((event_idx, event))
-        q = self._store_queue if is_store else self._load_queue
-        q.put((list(src_blocks), list(dst_blocks), event))
+        (self._store_queue if is_store else self._load_queue).put((list(src_blocks), list(dst_blocks), event))
 
-    @staticmethod
-    def _io_loop(q: Any, work: Any) -> None:
+    def _io_loop(self, q: queue.SimpleQueue[Any], is_store: bool) -> None:
         while True:
             item = q.get()
-            if item is None:  # DiskBackend.shutdown's sentinel
+            if item is None:  # the shutdown sentinel, queued behind every transfer: a drain
                 return
             src_blocks, dst_blocks, event = item
             try:
-                work(src_blocks, dst_blocks)
+                (self.store if is_store else self.load)(src_blocks, dst_blocks)
             except BaseException as exc:  # reported through the event, on the engine's thread
                 event.set_done(exc)
             else:
                 event.set_done()
 
-    def _chunks(self, a: list[int], b: list[int]) -> Iterator[list[tuple[int, int]]]:
-        pairs = list(zip(a, b))
-        n = self._num_buffer_slots
-        for i in range(0, len(pairs), n):
-            yield pairs[i : i + n]
 
-    def _do_store(self, device_blocks: list[int], disk_slots: list[int]) -> None:  # type: ignore[override]
-        """Device block -> staging slot (copy) -> file (``pwritev``), a batch of slots at a time."""
-        store_bufs = [self._store_buffer_caches[n] for n in self._tensor_names]
-        for chunk in self._chunks(device_blocks, disk_slots):
-            for slot, (blk, _) in enumerate(chunk):
-                for region, buf in zip(self._regions, store_bufs):
-                    buf[slot].copy_(region[blk])
-            for slot, (_, disk_slot) in enumerate(chunk):
-                self._writev_slot(slot, disk_slot * self._total_block_bytes)
+class HostCopyBackend(CopyThreads):
+    """Host-memory tier: copies blocks between the engine's KV regions and the pool on copy threads.
 
-    def _do_load(self, disk_slots: list[int], device_blocks: list[int]) -> None:  # type: ignore[override]
-        """File (``preadv``) -> staging slot -> device block (copy), a batch of slots at a time."""
-        load_bufs = [self._load_buffer_caches[n] for n in self._tensor_names]
-        for chunk in self._chunks(disk_slots, device_blocks):
-            for slot, (disk_slot, _) in enumerate(chunk):
-                self._readv_slot(slot, disk_slot * self._total_block_bytes)
-            for slot, (_, blk) in enumerate(chunk):
-                for region, buf in zip(self._regions, load_bufs):
-                    region[blk].copy_(buf[slot])
+    Same ``launch_copy`` contract as vLLM's ``DmaCopyBackend``. On the CPU platform the
+    "device" KV cache and the pool are both DRAM, so a transfer is a set of memory copies
+    (:func:`copy_runs`), one per run of consecutive blocks and group of evenly spaced layers
+    (:func:`stack_regions`). They run on :class:`CopyThreads`, so the engine step that issues
+    a store does not wait for it.
+    """
+
+    _what = "host copy"
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._store_queue = queue.SimpleQueue()
+        self._load_queue = queue.SimpleQueue()
+        self._store_thread = None
+        self._load_thread = None
+        self._stopped = False
+
+    def init(self, device_regions: dict[str, torch.Tensor], host_regions: dict[str, torch.Tensor]) -> None:
+        """Pair the device and pool regions by name, stack evenly spaced ones, start the threads.
+
+        Each region is ``[num_blocks, ...]`` with the block index first. Regions are stacked
+        only where both sides stack the same way (the worker allocates its pool to match).
+        """
+        if device_regions.keys() != host_regions.keys():
+            raise ValueError("device and host regions name different tensors")
+        names = list(device_regions)
+        dev = stack_regions([device_regions[n] for n in names])
+        host = stack_regions([host_regions[n] for n in names])
+        if [i for i, _ in dev] == [i for i, _ in host]:
+            self._pairs = [(as_array(d), as_array(h)) for (_, d), (_, h) in zip(dev, host)]
+        else:
+            self._pairs = [(as_array(device_regions[n]), as_array(host_regions[n])) for n in names]
+        if self._store_thread is None:
+            self._start_threads()
+
+    def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""
+        runs = contiguous_runs(src_blocks, dst_blocks)
+        for device, host in self._pairs:
+            copy_runs(device, host, runs)
+
+    def load(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Copy pool blocks ``src_blocks`` to device blocks ``dst_blocks`` now, in the caller's thread."""
+        runs = contiguous_runs(src_blocks, dst_blocks)
+        for device, host in self._pairs:
+            copy_runs(host, device, runs)
+
+    def shutdown(self) -> None:
+        """Let the copies already queued finish, then stop the threads (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for q, t in ((self._store_queue, self._store_thread), (self._load_queue, self._load_thread)):
+            if t is not None:
+                q.put(None)
+                t.join()
+
+
+class PortableDiskBackend(CopyThreads, DiskBackend):
+    """Disk tier: the same file format and file handling as vLLM's ``DiskBackend``, without CUDA.
+
+    vLLM stages each block through pinned buffers with a DMA copy and writes it with one
+    ``pwritev`` per block. Here the KV regions are host memory already, and the I/O goes one
+    run of consecutive disk slots at a time (sorted by slot, up to :data:`STAGING_BYTES` or
+    ``IOV_MAX`` pieces a call), since a disk moves large requests far faster than small ones:
+
+    * where every block of every region sits on an ``O_DIRECT`` boundary (or the page cache is
+      used), in place: ``pwritev``/``preadv`` straight from and into the KV cache;
+    * otherwise staged: the run's blocks are copied into one of two ``O_DIRECT``-aligned
+      buffers (``_alloc_aligned`` from vLLM) laid out as the file is, and one ``pwrite`` or
+      ``pread`` moves the buffer, on an I/O helper thread while the other buffer is being
+      filled or emptied (vLLM's pipeline of DMA and I/O, with memory copies for the DMA).
+
+    The file layout (a slot is every region's block in order), the file's creation and
+    ``shutdown`` are vLLM's. Loads and stores each run on their own thread
+    (:class:`CopyThreads`), as in vLLM, so a slow disk never stalls a forward pass and loads
+    never queue behind stores.
+    """
+
+    _what = "disk"
+
+    def init(  # type: ignore[override]  # no CUDA streams to pass
+        self,
+        device_regions: dict[str, torch.Tensor],
+        disk_path: str,
+        num_disk_slots: int,
+        total_block_bytes: int,
+        num_buffer_slots: int = 2,
+        use_page_cache: bool = False,
+    ) -> None:
+        """Allocate staging buffers, create the backing file and start the I/O threads.
+
+        ``num_buffer_slots`` (vLLM's ``disk_buffer_slots``) sizes vLLM's per-block staging; this
+        backend sizes its two buffers itself (:data:`STAGING_BYTES`, at least one block), so
+        that a disk gets requests large enough to stream, and keeps it only for the record.
+        """
+        self._total_block_bytes = total_block_bytes
+        self._num_buffer_slots = num_buffer_slots
+        self._tensor_names = list(device_regions)
+        self._regions = [device_regions[n] for n in self._tensor_names]
+        self._per_tensor_bpb = [t.stride(0) * t.element_size() for t in self._regions]
+        self._region_arrays = [as_array(r).reshape(r.shape[0], -1).view(np.int8) for r in self._regions]
+
+        if not use_page_cache:
+            # O_DIRECT needs every iovec (one per region and block) aligned, not just the sum.
+            bad = [b for b in self._per_tensor_bpb if b % _ALIGNMENT]
+            if bad:
+                raise ValueError(
+                    f"the disk backend writes with O_DIRECT, which needs KV blocks in multiples of "
+                    f"{_ALIGNMENT} bytes, but this model's blocks are {self._per_tensor_bpb} bytes "
+                    "per region; set the option use_page_cache (vLLM key use_page_cache: true) "
+                    "to write through the page cache instead"
+                )
+        self._in_place = use_page_cache or all(
+            r.data_ptr() % _ALIGNMENT == 0 and r[0].is_contiguous() for r in self._regions
+        )
+        # Blocks larger than the staging size go one at a time, so that copying one overlaps
+        # writing the previous one.
+        self._run_slots = max(1, STAGING_BYTES // total_block_bytes)
+        if self._in_place:
+            self._run_slots = min(self._run_slots, max(1, _IOV_MAX // len(self._regions)))
+            self._staging: dict[bool, list[np.ndarray]] = {}
+        else:
+            # Per direction, two buffers laid out as the file: [slot, region bytes...].
+            self._staging = {
+                d: [as_array(_alloc_aligned(self._run_slots, total_block_bytes)) for _ in range(2)]
+                for d in (True, False)
+            }
+            self._io_helpers = {
+                d: ThreadPoolExecutor(1, f"kv-offload-disk-{'store' if d else 'load'}-io") for d in (True, False)
+            }
+        self._columns = []
+        start = 0
+        for bpb in self._per_tensor_bpb:
+            self._columns.append(slice(start, start + bpb))
+            start += bpb
+
+        # Same file handling as vLLM's DiskBackend.init: blocks encode user prompts, so the
+        # file is created fresh (O_EXCL, mode 0600, no symlink following), never reopened.
+        os.makedirs(os.path.dirname(disk_path) or ".", exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(disk_path)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        if not use_page_cache:
+            flags |= O_DIRECT
+        self._fd = os.open(disk_path, flags, 0o600)
+        self._disk_path = disk_path
+        os.ftruncate(self._fd, num_disk_slots * total_block_bytes)
+        logger.info(
+            "PortableDiskBackend: path=%s, slots=%d, %.2f GB, I/O up to %d blocks a call, %s (page_cache=%s)",
+            disk_path,
+            num_disk_slots,
+            num_disk_slots * total_block_bytes / 2**30,
+            self._run_slots,
+            "in place" if self._in_place else "staged",
+            use_page_cache,
+        )
+
+        self._start_threads()
+
+    def _slot_runs(self, blocks: list[int], slots: list[int]) -> list[tuple[int, list[int]]]:
+        """``(first_slot, blocks)`` per run of consecutive disk slots, in slot order, each at
+        most one I/O call long."""
+        runs: list[tuple[int, list[int]]] = []
+        for slot, blk in sorted(zip(slots, blocks)):
+            if runs:
+                first, run = runs[-1]
+                if slot == first + len(run) and len(run) < self._run_slots:
+                    run.append(blk)
+                    continue
+            runs.append((slot, [blk]))
+        return runs
+
+    def _io(self, pieces: list[Any], slot: int, nbytes: int, write: bool) -> None:
+        offset = slot * self._total_block_bytes
+        done = os.pwritev(self._fd, pieces, offset) if write else os.preadv(self._fd, pieces, offset)
+        if done != nbytes:
+            raise OSError(f"short {'write' if write else 'read'}: {done} of {nbytes} bytes at offset {offset}")
+
+    def _stage(self, run: list[int], buf: np.ndarray, to_buffer: bool) -> None:
+        """Copy the run's blocks into (or out of) the first ``len(run)`` slots of ``buf``."""
+        runs = contiguous_runs(run, range(len(run)))
+        for region, column in zip(self._region_arrays, self._columns):
+            staged = buf[:, column]
+            if to_buffer:
+                copy_runs(region, staged, runs)
+            else:
+                copy_runs(staged, region, [(d, s, n) for s, d, n in runs])
+
+    def _transfer(self, blocks: list[int], slots: list[int], write: bool) -> None:
+        if len(blocks) != len(slots):
+            raise ValueError(f"{len(blocks)} blocks but {len(slots)} disk slots")
+        runs = self._slot_runs(blocks, slots)
+        size = self._total_block_bytes
+        if self._in_place:
+            for slot, run in runs:
+                pieces = [memoryview(a[b]) for b in run for a in self._region_arrays]
+                self._io(pieces, slot, len(run) * size, write)
+            return
+        bufs, helper = self._staging[write], self._io_helpers[write]
+        pending: Future[None] | None = None
+        try:
+            if write:
+                # Fill one buffer while the other is being written.
+                for i, (slot, run) in enumerate(runs):
+                    buf = bufs[i % 2]
+                    self._stage(run, buf, to_buffer=True)
+                    if pending is not None:
+                        pending.result()
+                    pending = helper.submit(self._io, [buf[: len(run)]], slot, len(run) * size, True)
+            elif runs:
+                # Read the next run into one buffer while the other is being emptied.
+                first_slot, first = runs[0]
+                pending = helper.submit(self._io, [bufs[0][: len(first)]], first_slot, len(first) * size, False)
+                for i, (_slot, run) in enumerate(runs):
+                    pending.result()
+                    pending = None
+                    if i + 1 < len(runs):
+                        nslot, nrun = runs[i + 1]
+                        nbuf = bufs[(i + 1) % 2][: len(nrun)]
+                        pending = helper.submit(self._io, [nbuf], nslot, len(nrun) * size, False)
+                    self._stage(run, bufs[i % 2], to_buffer=False)
+            if pending is not None:
+                pending.result()
+                pending = None
+        finally:
+            if pending is not None:  # an error above: let the I/O in flight end before the buffer is reused
+                with contextlib.suppress(BaseException):
+                    pending.result()
+
+    def store(self, device_blocks: list[int], disk_slots: list[int]) -> None:
+        """Device blocks -> file slots, a run of consecutive slots per I/O call."""
+        self._transfer(device_blocks, disk_slots, write=True)
+
+    def load(self, disk_slots: list[int], device_blocks: list[int]) -> None:
+        """File slots -> device blocks, a run of consecutive slots per I/O call."""
+        self._transfer(device_blocks, disk_slots, write=False)
+
+    def shutdown(self) -> None:
+        """vLLM's shutdown (drain the threads, unlink the file), then stop the I/O helpers."""
+        super().shutdown()
+        for helper in getattr(self, "_io_helpers", {}).values():
+            helper.shutdown(wait=True)
 
 
 # --------------------------------------------------------------------------- the worker
@@ -403,7 +604,7 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
             disk_buffer_slots=disk_buffer_slots,
             use_page_cache=use_page_cache,
         )
-        self._backend: TorchCopyBackend | PortableDiskBackend | None = None  # type: ignore[assignment]
+        self._backend: HostCopyBackend | PortableDiskBackend | None = None  # type: ignore[assignment]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's region derivation and sizing, then our pool and backend (``_init_*_mode``)."""
@@ -416,18 +617,22 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         total_bytes_per_block: int,
         device: torch.device,
     ) -> None:
-        # As vLLM's, minus cudaHostRegister: the pool is ordinary (unpinned) host memory.
-        self.cpu_kv_caches = {
-            name: torch.zeros((self.num_cpu_blocks, *t.shape[1:]), dtype=t.dtype, device="cpu")
-            for name, t in unique_gpu_caches.items()
-        }
+        # As vLLM's, minus cudaHostRegister: the pool is ordinary (unpinned) host memory. Regions
+        # the device side stacks (evenly spaced layers, see stack_regions) share one pool tensor
+        # laid out [block, layer, bytes], so a block of every layer is one copy on both sides.
+        names = list(unique_gpu_caches)
+        self.cpu_kv_caches = {}
+        for first, view in stack_regions([unique_gpu_caches[n] for n in names]):
+            pool = torch.zeros((self.num_cpu_blocks, *view.shape[1:]), dtype=view.dtype, device="cpu")
+            for j in range(view.shape[1]):
+                self.cpu_kv_caches[names[first + j]] = pool[:, j]
         logger.info(
             "PortableSimpleCPUOffloadWorker [CPU]: %d regions, %d host blocks (%.2f GB)",
             len(unique_gpu_caches),
             self.num_cpu_blocks,
             self.num_cpu_blocks * total_bytes_per_block / 2**30,
         )
-        backend = TorchCopyBackend()
+        backend = HostCopyBackend()
         backend.init(unique_gpu_caches, self.cpu_kv_caches)
         self._backend = backend
 
@@ -455,10 +660,12 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         self._backend = backend
 
     def wait_for_save(self) -> None:
-        """Issue this step's stores.
+        """Queue this step's stores on the store thread and return without waiting for them.
 
         vLLM orders them after a compute-done event on the current CUDA stream; here the
         forward pass has run to completion when this is called, so no ordering is needed.
+        ``get_finished`` reports each store once its copy is done; until then the scheduler
+        keeps the blocks it reads and writes referenced.
         """
         metadata = self._connector_metadata
         if metadata is not None and metadata.store_gpu_blocks:
@@ -473,6 +680,6 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
             )
 
     def shutdown(self) -> None:
-        """Stop the backend (for the disk tier: join the I/O threads, remove the file)."""
+        """Stop the backend: copies in flight finish first (the disk tier also removes its file)."""
         if self._backend is not None:
             self._backend.shutdown()

@@ -55,14 +55,13 @@ def metas(outs: list[SchedulerOutput]) -> list[SimpleCPUOffloadMetadata]:
 
 
 def run(h: WorkerHarness, req: Request, max_steps: int = 20) -> list[SchedulerOutput]:
-    """Engine steps (with the stand-in forward) until ``req`` finishes; their scheduler outputs."""
+    """Engine steps (with the stand-in forward) until ``req`` finishes and the tier has stored
+    what it took from it (its copies run on the worker's store thread); the scheduler outputs."""
     h.scheduler.add_request(req)
-    outs = []
-    for _ in range(max_steps):
-        outs.append(h.engine_step(write_blocks=True)[0])
-        if req.is_finished():
-            return outs
-    raise AssertionError(f"{req.request_id} did not finish in {max_steps} steps")
+    outs = h.step_until(
+        lambda _: req.is_finished(), f"{req.request_id} did not finish", max_steps=max_steps, write_blocks=True
+    )
+    return outs + h.drain(write_blocks=True)
 
 
 def prompt(seed: int) -> list[int]:
@@ -95,8 +94,11 @@ def test_store_evict_load(engine: WorkerHarness) -> None:
     (load,) = [m for m in metas([first]) if m.load_gpu_blocks]
     assert len(load.load_gpu_blocks) == 4 and load.load_event_to_reqs[load.load_event] == ["A2"]
 
-    # The portable worker finished the load in that step and reported A2 in finished_recving;
-    # the scheduler now computes only the tail of the prompt.
+    # The portable worker copies on its load thread and reports A2 in finished_recving once
+    # the bytes are in place; until then A2 waits. Then the scheduler computes only the tail.
+    waited = h.step_until(lambda _: "A2" in h.scheduler.finished_recving_kv_req_ids, "A2's load not reported")
+    assert all(o.num_scheduled_tokens == {} for o in waited)
+    assert a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     second, _ = h.engine_step(write_blocks=True)
     assert not metas([second])[0].load_gpu_blocks
     assert second.num_scheduled_tokens == {"A2": PROMPT - 4 * BLOCK}

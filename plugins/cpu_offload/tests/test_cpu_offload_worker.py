@@ -23,6 +23,7 @@ from kvcompose_cpu_offload.portable_worker import (
     ThreadEvent,
     contiguous_runs,
     copy_blocks,
+    stack_regions,
 )
 
 CONNECTOR = {
@@ -61,6 +62,11 @@ def _load(worker: SimpleCPUOffloadWorker, event: int, cpu: list[int], gpu: list[
     worker.wait_for_save()
 
 
+def _flush(worker: SimpleCPUOffloadWorker) -> None:
+    # vLLM's preemption path: synchronise every event in flight.
+    worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+
+
 def _assert_moved(kv: EngineKV, before: dict[str, torch.Tensor], src: list[int], dst: list[int]) -> None:
     """Every layer's ``dst`` blocks now hold the ``src`` bytes; every other block is untouched."""
     for name, view in kv.kv_caches.items():
@@ -96,6 +102,25 @@ def test_copy_blocks(src_ids: list[int], dst_ids: list[int]) -> None:
     assert not dst[untouched].any()
 
 
+def test_stack_regions_groups_evenly_spaced_layers_and_nothing_that_could_alias() -> None:
+    raw = torch.arange(4 * 6 * 8, dtype=torch.int8)
+    layers = [raw[i * 48 : (i + 1) * 48].view(6, 8) for i in range(4)]  # layer-outermost
+    ((first, view),) = stack_regions(layers)
+    assert first == 0 and view.shape == (6, 4, 8)
+    assert all(torch.equal(view[:, i], layers[i]) for i in range(4))
+    # Block-outermost: each block holds every layer's row in turn.
+    interleaved = [raw.view(6, 4, 8)[:, i] for i in range(4)]
+    ((_, view),) = stack_regions(interleaved)
+    assert all(torch.equal(view[:, i], interleaved[i]) for i in range(4))
+    # Uneven spacing, another allocation, or overlapping rows: groups of one.
+    uneven = [layers[0], layers[1], layers[3]]
+    assert [i for i, _ in stack_regions(uneven)] == [0, 2]
+    other = [layers[0], torch.zeros(6, 8, dtype=torch.int8)]
+    assert [i for i, _ in stack_regions(other)] == [0, 1]
+    overlapping = [raw[i * 4 : i * 4 + 48].view(6, 8) for i in range(3)]
+    assert [i for i, _ in stack_regions(overlapping)] == [0, 1, 2]
+
+
 # --------------------------------------------------------------------------- host-memory tier
 
 
@@ -111,6 +136,7 @@ def test_store_then_load_into_other_blocks(layout: str, num_layers: int, block_s
 
     src, host = [3, 4, 5, 11, 17], [0, 1, 2, 6, 7]
     _store(worker, 0, src, host)
+    _flush(worker)  # the copy runs on the store thread
     # Stores are reported as vLLM's worker reports them: no finished ids, one count per event.
     assert worker.get_finished(set()) == (None, None)
     meta = worker.build_connector_worker_meta()
@@ -121,6 +147,7 @@ def test_store_then_load_into_other_blocks(layout: str, num_layers: int, block_s
 
     dst = [20, 21, 22, 8, 1]
     _load(worker, 0, host, dst, ["req-a", "req-b"])
+    _flush(worker)
     # Loads are reported by request id in finished_recving.
     assert worker.get_finished(set()) == (None, {"req-a", "req-b"})
     assert worker.build_connector_worker_meta() is None
@@ -137,8 +164,10 @@ def test_overlaid_groups_are_copied_once() -> None:
     worker.register_kv_caches(kv.kv_caches)
     assert worker.gpu_kv_caches is not None and len(worker.gpu_kv_caches) == 2
     _store(worker, 0, [1, 2, 3], [4, 5, 6])
+    _flush(worker)
     worker.get_finished(set())
     _load(worker, 0, [4, 5, 6], [10, 11, 12], ["r"])
+    _flush(worker)
     assert worker.get_finished(set()) == (None, {"r"})
     _assert_moved(kv, before, [1, 2, 3], [10, 11, 12])
 
@@ -152,9 +181,11 @@ def test_events_complete_in_order_across_steps() -> None:
     worker.register_kv_caches(kv.kv_caches)
     for event in range(3):
         _store(worker, event, [event + 1], [event])
+        _flush(worker)
         assert worker.get_finished(set()) == (None, None)
         assert worker.build_connector_worker_meta().completed_store_events == {event: 1}
     _load(worker, 0, [0, 1, 2], [13, 14, 15], ["x"])
+    _flush(worker)
     assert worker.get_finished(set()) == (None, {"x"})
     _assert_moved(kv, before, [1, 2, 3], [13, 14, 15])
     # A preemption flush with nothing in flight is a no-op, as in vLLM.
@@ -206,11 +237,6 @@ def _disk_worker(kv: EngineKV, path: str, **kw: object) -> PortableSimpleCPUOffl
     )
     worker.register_kv_caches(kv.kv_caches)
     return worker
-
-
-def _flush(worker: SimpleCPUOffloadWorker) -> None:
-    # vLLM's preemption path: synchronise every event in flight.
-    worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
 
 
 @pytest.mark.parametrize(
@@ -281,3 +307,33 @@ def test_events() -> None:
     bad.set_done(OSError("disk full"))
     with pytest.raises(RuntimeError, match="store failed: disk full"):
         bad.query()
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["in_place", "staged"])
+def test_disk_file_layout_is_vllms_whether_in_place_or_staged(tmp_path: os.PathLike[str], aligned: bool) -> None:
+    """Slot ``k`` of the file holds every region's block in order (vLLM's format), and loads bring
+    it back, whether the blocks are written from the KV cache itself or through staging buffers."""
+    nb, bpb, regions_n = 8, 4096, 3
+    raw = torch.randint(-128, 128, (regions_n * nb * bpb + 2 * 4096,), dtype=torch.int8)
+    start = -raw.data_ptr() % 4096 + (0 if aligned else 64)  # an O_DIRECT boundary, or just off one
+    regions = {f"r{i}": raw[start + i * nb * bpb : start + (i + 1) * nb * bpb].view(nb, bpb) for i in range(regions_n)}
+    before = {n: r.clone() for n, r in regions.items()}
+    path = os.path.join(tmp_path, "kv.bin")
+    backend = PortableDiskBackend()
+    # O_DIRECT: blocks off a 4 KiB boundary go through the (aligned) staging buffers.
+    backend.init(regions, path, 6, regions_n * bpb, num_buffer_slots=2)
+    events: list[tuple[int, object]] = []
+    backend.launch_copy([5, 1, 2, 7], [3, 0, 1, 4], True, 0, events)
+    events[-1][1].synchronize()  # type: ignore[attr-defined]
+    data = open(path, "rb").read()
+    for blk, slot in zip([5, 1, 2, 7], [3, 0, 1, 4]):
+        want = b"".join(before[f"r{i}"][blk].numpy().tobytes() for i in range(regions_n))
+        assert data[slot * regions_n * bpb : (slot + 1) * regions_n * bpb] == want, (blk, slot)
+    for r in regions.values():
+        r.fill_(0)
+    backend.launch_copy([4, 3, 0], [2, 6, 0], False, 1, events)
+    events[-1][1].synchronize()  # type: ignore[attr-defined]
+    for n, r in regions.items():
+        assert torch.equal(r[[2, 6, 0]], before[n][[7, 5, 1]]), n
+        assert not r[[1, 3, 4, 5, 7]].any(), n
+    backend.shutdown()
