@@ -39,6 +39,9 @@ from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
 
 SIDES = ("NixlConnector", "kvcompose")
+#: A third side on request (``run(sides=ALL_SIDES)``, a fourth engine): the composite with its
+#: NIXL child alone, which tells the composite's own cost from the host tier's work.
+ALL_SIDES = (*SIDES, "kvcompose-pd-only")
 IN_FLIGHT = 16
 BATCH = 64  # requests per side and round (quick: 32)
 ROUNDS = 5  # quick: the minimum, 3 -> 640 requests in all (quick: 192)
@@ -134,8 +137,10 @@ def run(
     echo: Callable[[str], None] = print,
     work: Path | None = None,
     batch: int | None = None,
+    sides: tuple[str, ...] = SIDES,
 ) -> Result:
-    """Requests per second behind the router, one sample per side and round; the ratio."""
+    """Requests per second behind the router, one sample per side and round; each side's ratio
+    to ``NixlConnector`` (the first of ``sides``)."""
     from kvcompose.e2e.model import make_model
     from kvcompose.e2e.node import EngineSpec, free_ports, wait_all_ready
     from kvcompose.e2e.router import RouterNode
@@ -147,13 +152,13 @@ def run(
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-serve-"))
     model = str(make_model(0))
     decode_yaml = EXAMPLES / "pd-decode.yaml"
-    samples = {side: Samples() for side in SIDES}
-    tallies = {side: Tally() for side in SIDES}
+    samples = {side: Samples() for side in sides}
+    tallies = {side: Tally() for side in sides}
     moved: dict[str, dict[str, float]] = {}
     nodes: list[Any] = []
     with engine_lock(echo=echo):
         try:
-            p_port, *d_ports = free_ports(3)
+            p_port, *d_ports = free_ports(1 + len(ALL_SIDES))
             prefill = ServerNode(EngineSpec("prefill", model, str(EXAMPLES / "pd-prefill.yaml"), p_port), logs)
             nodes.append(prefill)
             specs = {
@@ -166,42 +171,49 @@ def run(
                     kv_config=nixl_alone(decode_yaml, d_ports[1]),
                     num_gpu_blocks=DECODE_BLOCKS,
                 ),
+                "kvcompose-pd-only": EngineSpec(
+                    "decode-kvcompose-pd-only",
+                    model,
+                    str(pd_only(decode_yaml, logs)),
+                    d_ports[2],
+                    num_gpu_blocks=DECODE_BLOCKS,
+                ),
             }
-            decodes = {side: ServerNode(specs[side], logs) for side in SIDES}
+            decodes = {side: ServerNode(specs[side], logs) for side in sides}
             nodes += decodes.values()
             t0 = time.monotonic()
             wait_all_ready([prefill, *decodes.values()])
             started_s = time.monotonic() - t0
             routers = {
-                side: RouterNode([prefill], [decodes[side]], model, logs, name=f"router-{side}") for side in SIDES
+                side: RouterNode([prefill], [decodes[side]], model, logs, name=f"router-{side}") for side in sides
             }
             nodes += routers.values()
             for r in routers.values():
                 r.wait_ready()
             workload = Workload()
-            for side in SIDES:  # NIXL handshakes, first-request warm-up
+            for side in sides:  # NIXL handshakes, first-request warm-up
                 run_batch(routers[side].port, model, workload.batch(2), Tally())
-            before = {side: decodes[side].metrics() for side in SIDES}
+            before = {side: decodes[side].metrics() for side in sides}
             for r in range(rounds):
-                for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                for side in sides if r % 2 == 0 else sides[::-1]:
                     rps = run_batch(routers[side].port, model, workload.batch(per_batch), tallies[side])
                     samples[side].values.append(rps)
                     echo(f"   round {r + 1}/{rounds} {side}: {rps:.2f} req/s")
-            for side in SIDES:
+            for side in sides:
                 after = decodes[side].metrics()
                 moved[side] = {k: v - before[side].get(k, 0.0) for k, v in after.items() if v != before[side].get(k)}
         finally:
             for n in reversed(nodes):
                 n.close()
     label = f"{IN_FLIGHT} in flight, {per_batch}-request batches, {PREFIXES} shared {PREFIX_TOKENS}-token prefixes"
-    extra = {side: _side_report(tallies[side], moved.get(side, {})) for side in SIDES}
-    for side in SIDES:  # a side that did not do P/D measured something else
+    extra = {side: _side_report(tallies[side], moved.get(side, {})) for side in sides}
+    for side in sides:  # a side that did not do P/D measured something else
         if not extra[side]["nixl_bytes"]:
             raise RuntimeError(
                 f"serve: decode {side} pulled nothing over NIXL ({extra[side]['computed_prompt_tokens']} prompt "
                 f"tokens computed on decode); see {logs}/decode-{side}.log"
             )
-    for side in SIDES:
+    for side in sides:
         e = extra[side]
         echo(
             f"   {side}: TTFT p50 {e['ttft_p50_ms']} ms, p90 {e['ttft_p90_ms']} ms, "
@@ -213,7 +225,7 @@ def run(
         "req/s",
         1.0,
         [Case(label, samples, {"sides": extra, "engines_start_s": round(started_s, 1), "engine_logs": str(logs)})],
-        [ratio(label, samples, "kvcompose", "NixlConnector", higher_is_better=True)],
+        [ratio(label, samples, side, sides[0], higher_is_better=True) for side in sides[1:]],
         Target(">=", 0.98, "kvcompose", "NixlConnector"),
         rounds,
         quick,
@@ -244,3 +256,16 @@ def _side_report(tally: Tally, moved: dict[str, float]) -> dict[str, Any]:
         "host_loads": int(moved.get(loads_key("host"), 0)),
         "computed_prompt_tokens": int(moved.get(COMPUTED, 0)),
     }
+
+
+def pd_only(decode_yaml: Path, directory: Path) -> Path:
+    """``decode_yaml`` with its NIXL child alone (same options, default rules), under ``directory``."""
+    import yaml
+
+    data = yaml.safe_load(decode_yaml.read_text())
+    data["connectors"] = [c for c in data["connectors"] if c["type"] == "nixl"]
+    data.pop("rules", None)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "pd-decode-pd-only.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

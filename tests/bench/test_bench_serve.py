@@ -6,6 +6,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,15 @@ def test_a_batchs_failures_are_counted_not_raised(sse: ThreadingHTTPServer) -> N
     tally = serve.Tally()
     assert serve.run_batch(sse.server_port, "m", [[1]] * 5, tally) > 0
     assert tally.errors == 5 and len(tally.first_errors) == 3 and not tally.ttft_s
+
+
+def test_the_pd_only_side_is_the_decode_composition_without_its_host_tier(tmp_path: Path) -> None:
+    from kvcompose.compose import build
+    from kvcompose.config import load_file
+
+    plan = build(load_file(serve.pd_only(EXAMPLES / "pd-decode.yaml", tmp_path)))
+    assert [(c.name, c.type.name) for c in plan.children] == [("pd", "nixl")]
+    full = build(load_file(EXAMPLES / "pd-decode.yaml"))
+    (pd,) = [c for c in full.children if c.name == "pd"]
+    assert plan.children[0].options == pd.options and plan.children[0].role == pd.role
+    assert serve.ALL_SIDES[: len(serve.SIDES)] == serve.SIDES
