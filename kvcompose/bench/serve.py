@@ -37,6 +37,9 @@ from typing import Any
 from kvcompose.bench.measure import Samples, ratio, repeats_for
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
+from kvcompose.e2e.flow import delta
+from kvcompose.e2e.node import EngineSpec
+from kvcompose.e2e.server import HOST
 
 SIDES = ("NixlConnector", "kvcompose")
 #: A third side on request (``run(sides=ALL_SIDES)``, a fourth engine): the composite with its
@@ -117,7 +120,7 @@ def run_batch(router_port: int, model: str, prompts: list[list[int]], tally: Tal
 
     def one(prompt: list[int]) -> None:
         try:
-            tally.ttft_s.append(stream_completion("127.0.0.1", router_port, model, prompt))
+            tally.ttft_s.append(stream_completion(HOST, router_port, model, prompt))
         except Exception as exc:  # every failure is counted and shown, none stops the run
             tally.error(f"{type(exc).__name__}: {exc}"[:300])
 
@@ -142,7 +145,7 @@ def run(
     """Requests per second behind the router, one sample per side and round; each side's ratio
     to ``NixlConnector`` (the first of ``sides``)."""
     from kvcompose.e2e.model import make_model
-    from kvcompose.e2e.node import EngineSpec, free_ports, wait_all_ready
+    from kvcompose.e2e.node import free_ports, wait_all_ready
     from kvcompose.e2e.router import RouterNode
     from kvcompose.e2e.server import ServerNode
     from kvcompose.examples import EXAMPLES
@@ -158,28 +161,13 @@ def run(
     nodes: list[Any] = []
     with engine_lock(echo=echo):
         try:
-            p_port, *d_ports = free_ports(1 + len(ALL_SIDES))
+            p_port, *d_ports = free_ports(1 + len(sides))
             prefill = ServerNode(EngineSpec("prefill", model, str(EXAMPLES / "pd-prefill.yaml"), p_port), logs)
             nodes.append(prefill)
-            specs = {
-                "kvcompose": EngineSpec(
-                    "decode-kvcompose", model, str(decode_yaml), d_ports[0], num_gpu_blocks=DECODE_BLOCKS
-                ),
-                "NixlConnector": EngineSpec(
-                    "decode-NixlConnector",
-                    model,
-                    kv_config=nixl_alone(decode_yaml, d_ports[1]),
-                    num_gpu_blocks=DECODE_BLOCKS,
-                ),
-                "kvcompose-pd-only": EngineSpec(
-                    "decode-kvcompose-pd-only",
-                    model,
-                    str(pd_only(decode_yaml, logs)),
-                    d_ports[2],
-                    num_gpu_blocks=DECODE_BLOCKS,
-                ),
+            decodes = {
+                side: ServerNode(decode_spec(side, model, decode_yaml, port, logs), logs)
+                for side, port in zip(sides, d_ports)
             }
-            decodes = {side: ServerNode(specs[side], logs) for side in sides}
             nodes += decodes.values()
             t0 = time.monotonic()
             wait_all_ready([prefill, *decodes.values()])
@@ -201,7 +189,7 @@ def run(
                     echo(f"   round {r + 1}/{rounds} {side}: {rps:.2f} req/s")
             for side in sides:
                 after = decodes[side].metrics()
-                moved[side] = {k: v - before[side].get(k, 0.0) for k, v in after.items() if v != before[side].get(k)}
+                moved[side] = delta(before[side], after)
         finally:
             for n in reversed(nodes):
                 n.close()
@@ -256,6 +244,18 @@ def _side_report(tally: Tally, moved: dict[str, float]) -> dict[str, Any]:
         "host_loads": int(moved.get(loads_key("host"), 0)),
         "computed_prompt_tokens": int(moved.get(COMPUTED, 0)),
     }
+
+
+def decode_spec(side: str, model: str, decode_yaml: Path, port: int, logs: Path) -> EngineSpec:
+    """The decode server of ``side``, its NIXL side channel on ``port``."""
+    name = f"decode-{side}"
+    if side == "kvcompose":
+        return EngineSpec(name, model, str(decode_yaml), port, num_gpu_blocks=DECODE_BLOCKS)
+    if side == "kvcompose-pd-only":
+        return EngineSpec(name, model, str(pd_only(decode_yaml, logs)), port, num_gpu_blocks=DECODE_BLOCKS)
+    if side == "NixlConnector":
+        return EngineSpec(name, model, kv_config=nixl_alone(decode_yaml, port), num_gpu_blocks=DECODE_BLOCKS)
+    raise ValueError(f"unknown side {side!r}; choose from {ALL_SIDES}")
 
 
 def pd_only(decode_yaml: Path, directory: Path) -> Path:

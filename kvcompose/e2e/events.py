@@ -8,7 +8,7 @@ gathers its workers' ``get_kv_connector_kv_cache_events``), so the host tier's s
 evictions leave the engine with medium ``CPU``: a router subscribed to the socket learns which
 prefixes an instance holds in host memory after its device cache dropped them.
 
-:class:`EventListener` is such a subscriber, for tests and the demo: it decodes the batches with
+:class:`EventListener` is such a subscriber, for the tests: it decodes the batches with
 vLLM's own types (``vllm.distributed.kv_events``), as vllm-router's ``kv_aware`` policy does
 with ``--kv-event-source``.
 """

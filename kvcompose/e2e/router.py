@@ -100,7 +100,6 @@ class RouterNode:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.policy = policy
         self.argv = router_argv([p.url for p in prefills], [d.url for d in decodes], self.port, metrics_port, policy)
         self._log = open(self.log_path, "w")
         # Its own process group: close() signals exactly the processes started here.

@@ -96,3 +96,15 @@ def test_the_pd_only_side_is_the_decode_composition_without_its_host_tier(tmp_pa
     (pd,) = [c for c in full.children if c.name == "pd"]
     assert plan.children[0].options == pd.options and plan.children[0].role == pd.role
     assert serve.ALL_SIDES[: len(serve.SIDES)] == serve.SIDES
+
+
+def test_each_side_gets_its_decode_server_and_an_unknown_side_is_refused(tmp_path: Path) -> None:
+    decode = EXAMPLES / "pd-decode.yaml"
+    bare = serve.decode_spec("NixlConnector", "m", decode, 4321, tmp_path)
+    assert bare.kv_config == serve.nixl_alone(decode, 4321) and bare.composition is None
+    assert serve.decode_spec("kvcompose", "m", decode, 4322, tmp_path).composition == str(decode)
+    only = serve.decode_spec("kvcompose-pd-only", "m", decode, 4323, tmp_path)
+    assert only.composition == str(tmp_path / "pd-decode-pd-only.yaml")
+    assert all(s.num_gpu_blocks == serve.DECODE_BLOCKS for s in (bare, only))
+    with pytest.raises(ValueError, match="unknown side 'nope'"):
+        serve.decode_spec("nope", "m", decode, 1, tmp_path)
