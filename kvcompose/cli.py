@@ -135,6 +135,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run(http=args.http, decodes=args.decodes)
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from kvcompose.e2e.node import stopped_on_interrupt
+    from kvcompose.soak.plan import QUICK, SoakOptions
+    from kvcompose.soak.run import run
+
+    base = QUICK if args.quick else SoakOptions()
+    given = {k: getattr(args, k) for k in ("requests", "concurrency", "seed") if getattr(args, k) is not None}
+    try:
+        options = dataclasses.replace(base, **given)
+    except ValueError as exc:
+        print(f"kvcompose soak: {exc}", file=sys.stderr)
+        return 2
+    with stopped_on_interrupt():
+        report = run(options, Path(args.work) if args.work else None, echo=lambda line: print(line, flush=True))
+    print()
+    print(report.render())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=1))
+    return 1 if report.problems else 0
+
+
 class _Versions(argparse.Action):
     """``--version``: kvcompose's, its plugins' and the vLLM and NIXL found (read only when asked)."""
 
@@ -279,6 +303,22 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
     s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
     s.set_defaults(func=cmd_bench)
+    s = _command(
+        sub,
+        "soak",
+        "the serving stack under load with faults: servers killed and restarted, clients hanging up, "
+        "a child raising; then every engine must be quiet and answers equal a baseline",
+        "kvcompose soak                       # 1,000 requests, 32 at a time (about 10 minutes)\n"
+        "kvcompose soak --quick               # CI's short variant\n"
+        "kvcompose soak --seed 7 --json soak.json",
+    )
+    s.add_argument("--requests", type=int, help="requests to send (default 1000; --quick: 160)")
+    s.add_argument("--concurrency", type=int, help="clients sending at once (default 32; --quick: 8)")
+    s.add_argument("--seed", type=int, help="draws the prompts, hang-ups and fault moments (default 0)")
+    s.add_argument("--quick", action="store_true", help="the short variant CI runs")
+    s.add_argument("--work", metavar="DIR", help="where the logs and the decode composition go (default: a temp dir)")
+    s.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    s.set_defaults(func=cmd_soak)
     return p
 
 

@@ -76,7 +76,8 @@ def router_argv(
 class RouterNode:
     """One router process in front of ``prefills`` and ``decodes`` (anything with a ``url``: a
     :class:`~kvcompose.e2e.server.ServerNode`), choosing among them by ``policy``
-    (:func:`router_argv`); its log is ``<name>.log`` in ``log_dir``, beside the engines'. Call
+    (:func:`router_argv`; ``args``: more of the router's own flags); its log is ``<name>.log`` in
+    ``log_dir``, beside the engines'. Call
     :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
 
     def __init__(
@@ -88,6 +89,7 @@ class RouterNode:
         port: int | None = None,
         policy: str = "round_robin",
         name: str = "router",
+        args: Sequence[str] = (),
     ) -> None:
         if importlib.util.find_spec("vllm_router") is None:
             raise NodeError(
@@ -101,6 +103,7 @@ class RouterNode:
         self.log_path = log_dir / f"{name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.argv = router_argv([p.url for p in prefills], [d.url for d in decodes], self.port, metrics_port, policy)
+        self.argv += args
         self._log = open(self.log_path, "w")
         # Its own process group: close() signals exactly the processes started here.
         self.proc = start_group(

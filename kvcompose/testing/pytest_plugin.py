@@ -37,24 +37,14 @@ if TYPE_CHECKING:
     from kvcompose.testing.fake_nixl import FakeNixl
     from kvcompose.testing.worker import WorkerHarness
 
-TYPES_PLUGIN_NAME = "kvcompose.testing.types"
-
 
 @pytest.fixture
 def kvcompose_plugins() -> Iterator[Plugins]:
     """The global plugin manager (the one vLLM's composed connector uses) with the test types."""
-    import kvcompose.testing.types as types
-    from kvcompose.plugins import get_plugins
+    from kvcompose.testing.types import registered
 
-    plugins = get_plugins()
-    if plugins.pm.is_registered(types):  # registered by an outer scope (a conftest): leave it
+    with registered() as plugins:
         yield plugins
-        return
-    plugins.register(types, name=TYPES_PLUGIN_NAME)
-    try:
-        yield plugins
-    finally:
-        plugins.unregister(types)
 
 
 @pytest.fixture

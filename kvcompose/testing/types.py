@@ -6,13 +6,19 @@ Nothing here imports vLLM: the classes vLLM instantiates live in :mod:`kvcompose
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import msgspec
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, ConnectorType, Options
+
+if TYPE_CHECKING:
+    from kvcompose.plugins import Plugins
 
 
 class RecordOptions(Options):
@@ -157,6 +163,29 @@ class FaultyType(RecordType):
 @hookimpl
 def kvcompose_connector_types() -> list[ConnectorType]:
     return [RecordType(), RecordRangeType(), RecordPDType(), FaultyType()]
+
+
+#: The plugin name under which :func:`registered` registers this module.
+PLUGIN_NAME = "kvcompose.testing.types"
+
+
+@contextmanager
+def registered(plugins: Plugins | None = None) -> Iterator[Plugins]:
+    """Within: these types in ``plugins`` (default: the process-wide manager, the one vLLM's
+    composed connector uses), so this process can check and render a composition that uses
+    them. Left as found: types an outer scope registered stay registered."""
+    from kvcompose.plugins import get_plugins
+
+    plugins = plugins or get_plugins()
+    module = sys.modules[__name__]
+    if plugins.pm.is_registered(module):
+        yield plugins
+        return
+    plugins.register(module, name=PLUGIN_NAME)
+    try:
+        yield plugins
+    finally:
+        plugins.unregister(module)
 
 
 #: The entry-point name under which :func:`install_entry_point` offers these types.

@@ -1,0 +1,211 @@
+"""The load: clients sending the plan's requests, and the fault injector.
+
+Clients are threads, :attr:`SoakOptions.concurrency` of them, each taking the next request of the
+plan until none is left. A request is sent through the router; when it fails (a server is down or
+restarting and the router answers an error) the client sends it again after a pause, doubling
+from half a second up to :data:`MAX_BACKOFF_S`, as a client with retries would, at most
+:data:`MAX_ATTEMPTS` times. So the run's requests all reach a healthy stack in the end, and a
+fault planned "after N requests" falls in traffic, not in a burst of retries.
+
+Requests the plan marks as hung up are sent one of two ways, alternately: through the router,
+the client closing the connection at a random moment (what a user closing a tab does; the router
+stops at the stage it reached); or as the proxy flow directly against the servers (prefill with
+``do_remote_decode``, then decode with prefill's ``kv_transfer_params``), the client hanging up
+milliseconds after decode has the request, while decode waits for its NIXL pull: vLLM's server
+aborts a request whose client went away, mid-transfer.
+
+Every attempt's outcome is one of :data:`OUTCOMES`; nothing a server does stops the run.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvcompose.e2e.server import HOST, completion_body, parse_completion
+from kvcompose.soak.plan import Request
+
+#: answered: 200 with tokens. http-error: an error status (a clean failure). dropped: the
+#: connection failed without an HTTP answer. hung: no answer within the timeout. hung-up: the
+#: client closed the connection on purpose (the request is aborted).
+OUTCOMES = ("answered", "http-error", "dropped", "hung", "hung-up")
+FINAL = ("answered", "hung-up")
+#: A hang guard: every request here is answered in seconds when the stack is healthy.
+REQUEST_TIMEOUT_S = 120.0
+MAX_BACKOFF_S = 8.0
+#: About four minutes of retrying at the longest pause: longer than a server's restart.
+MAX_ATTEMPTS = 32
+
+
+@dataclass
+class Outcome:
+    """One attempt at one request."""
+
+    index: int
+    attempt: int
+    kind: str
+    sent_at: float  # seconds since the load started
+    latency_s: float
+    path: str  # "router" or "direct"
+    detail: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class Urls(Protocol):
+    """Where the requests go (:class:`~kvcompose.soak.stack.Stack`)."""
+
+    def port(self, role: str) -> int: ...
+
+
+def send(port: int, body: dict[str, Any], hang_up_after: float | None = None) -> tuple[str, str, dict[str, Any] | None]:
+    """POST ``body`` to ``/v1/completions`` on ``port``: ``(outcome, detail, answer)``; with
+    ``hang_up_after``, the client closes the connection that many seconds after sending."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        if hang_up_after is not None:
+            time.sleep(hang_up_after)
+            conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+            return "hung-up", f"after {hang_up_after * 1e3:.0f} ms", None
+        resp = conn.getresponse()
+        raw = resp.read()
+        if resp.status != 200:
+            return "http-error", f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}", None
+        return "answered", "", json.loads(raw)
+    except TimeoutError:
+        return "hung", f"no answer in {REQUEST_TIMEOUT_S:.0f} s", None
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return "dropped", f"{type(exc).__name__}: {exc}"[:200], None
+    finally:
+        conn.close()
+
+
+class Load:
+    """The clients: :meth:`run` sends every request of ``requests``."""
+
+    def __init__(self, requests: list[Request], urls: Urls, model: str, max_tokens: int) -> None:
+        self._requests = requests
+        self._urls = urls
+        self._model = model
+        self._max_tokens = max_tokens
+        self._next = 0
+        self._lock = threading.Lock()
+        self.outcomes: list[Outcome] = []
+        self._latencies: list[float] = []
+        self.t0 = time.monotonic()
+
+    @property
+    def sent(self) -> int:
+        """Requests taken by a client so far (retries not counted)."""
+        return self._next
+
+    def _take(self) -> Request | None:
+        with self._lock:
+            if self._next >= len(self._requests):
+                return None
+            self._next += 1
+            return self._requests[self._next - 1]
+
+    def _typical_latency(self) -> float:
+        with self._lock:
+            return statistics.median(self._latencies[-200:]) if self._latencies else 0.5
+
+    def _attempt(self, r: Request) -> tuple[str, str, str, dict[str, Any] | None]:
+        body = completion_body(self._model, r.prompt, self._max_tokens)
+        if r.hang_up is None:
+            return ("router", *send(self._urls.port("router"), body))
+        if r.hang_up.path == "router":
+            return ("router", *send(self._urls.port("router"), body, r.hang_up.at * self._typical_latency()))
+        # The proxy flow by hand, hanging up on decode while it pulls.
+        kind, detail, answer = send(
+            self._urls.port("prefill"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        )
+        if answer is None:
+            return "direct", kind, detail, None
+        decode_body = {**body, "kv_transfer_params": answer.get("kv_transfer_params")}
+        return ("direct", *send(self._urls.port("decode"), decode_body, r.hang_up.at))
+
+    def _client(self) -> None:
+        while (r := self._take()) is not None:
+            for attempt in range(MAX_ATTEMPTS):
+                sent = time.monotonic()
+                path, kind, detail, answer = self._attempt(r)
+                latency = time.monotonic() - sent
+                out = Outcome(r.index, attempt, kind, sent - self.t0, latency, path, detail)
+                if answer is not None:
+                    parsed = parse_completion(answer, latency)
+                    out.token_ids, out.logprobs = parsed["token_ids"], parsed["logprobs"]
+                with self._lock:
+                    self.outcomes.append(out)
+                    if kind == "answered":
+                        self._latencies.append(latency)
+                if kind in FINAL:
+                    break
+                time.sleep(min(MAX_BACKOFF_S, 0.5 * 2**attempt))
+
+    def run(self, concurrency: int, progress: Callable[[], None] | None = None) -> None:
+        """Send every request with ``concurrency`` clients; ``progress`` is called every second."""
+        self.t0 = time.monotonic()
+        threads = [threading.Thread(target=self._client, daemon=True) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        while alive := [t for t in threads if t.is_alive()]:
+            alive[0].join(1.0)
+            if progress is not None:
+                progress()
+
+
+class Servers(Protocol):
+    """What the injector needs of the stack (:class:`~kvcompose.soak.stack.Stack`)."""
+
+    def kill(self, role: str) -> None: ...
+
+    def restart(self, role: str) -> None: ...
+
+
+class Injector:
+    """Kills each ``(count, role)`` server of ``kills`` (SIGKILL) once ``load`` has sent ``count``
+    requests, then restarts it (returning once it is healthy); what happened and when is in
+    :attr:`events`, the outages in :attr:`outages`."""
+
+    def __init__(self, load: Load, servers: Servers, kills: list[tuple[int, str]]) -> None:
+        self._load = load
+        self._servers = servers
+        self._kills = sorted(kills)
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+        self.outages: list[tuple[str, float, float]] = []  # (server, killed at, healthy at), load seconds
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _now(self) -> float:
+        return time.monotonic() - self._load.t0
+
+    def _run(self) -> None:
+        try:
+            for at, name in self._kills:
+                while self._load.sent < at:
+                    time.sleep(0.02)
+                killed = self._now()
+                self._servers.kill(name)
+                self.events.append(f"{killed:7.1f} s  {name} killed (SIGKILL) after {self._load.sent} requests sent")
+                self._servers.restart(name)
+                back = self._now()
+                self.outages.append((name, killed, back))
+                self.events.append(f"{back:7.1f} s  {name} restarted and healthy ({back - killed:.1f} s down)")
+        except BaseException as exc:  # reported by the run; the clients go on
+            self.error = exc
+            self.events.append(f"{self._now():7.1f} s  fault injection failed: {exc}")

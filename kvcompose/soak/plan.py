@@ -1,0 +1,142 @@
+"""What a soak run does, drawn from one seed: its size, the requests, and the faults and when.
+
+Everything random in a run comes from :func:`plan` (``random.Random(seed)``), so a run that found
+a fault can be replayed with the same ``--seed``: the same prompts, the same requests hung up, the
+same moments (counted in requests sent) at which the prefill and the decode are killed, and the
+same calls at which the best-effort child raises.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvcompose.e2e.flow import token_prompt
+from kvcompose.examples import EXAMPLES
+
+#: The kit's ``faulty`` child composed into the decode server: a best-effort tier that holds
+#: nothing (``matched_tokens: 0``) and raises when its faults fire.
+FLAKY = "flaky"
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    """The size of a run (``kvcompose soak``'s options)."""
+
+    requests: int = 1000
+    concurrency: int = 32
+    seed: int = 0
+    #: Share of requests whose client hangs up before the answer (the request is aborted).
+    hangups: float = 0.05
+    #: Answered requests compared with a single-engine baseline afterwards.
+    sample: int = 40
+    max_tokens: int = 16
+    #: Shared prefixes the prompts start with (a system prompt, a document): both children load.
+    #: More than the decode's device cache keeps beside the requests in flight, so prefixes
+    #: leave it and come back from the host tier.
+    prefixes: int = 32
+
+    def __post_init__(self) -> None:
+        if self.requests < 20 or self.concurrency < 1 or not 0 <= self.hangups < 1 or self.sample < 1:
+            raise ValueError(
+                "--requests must be >= 20 (faults are placed between 15% and 75% of them), "
+                "--concurrency >= 1, the hang-up share in [0, 1), the sample >= 1"
+            )
+
+
+#: CI's short variant: every fault kind, once each, in a few minutes.
+QUICK = SoakOptions(requests=160, concurrency=8, sample=16)
+
+PREFIX_TOKENS = 256  # 8 blocks: a host-tier hit is worth a load
+NEW_TOKENS = (40, 200)
+
+
+#: The direct hang-up's moment: seconds after decode has the request (its NIXL pull takes
+#: milliseconds here, so most land mid-pull or just before it).
+DIRECT_HANG_UP_S = (0.0, 0.03)
+
+
+@dataclass(frozen=True)
+class HangUp:
+    """When a request's client hangs up. ``router``: through the router, ``at`` times the answered
+    requests' median latency so far (early: at prefill; later: at decode). ``direct``: the proxy
+    flow by hand, ``at`` seconds after decode has the request (mid NIXL pull)."""
+
+    path: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the run: its prompt, and when its client hangs up (None: it waits)."""
+
+    index: int
+    prompt: list[int]
+    hang_up: HangUp | None
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The run's faults: request counts at which a server is killed, the flaky child's faults."""
+
+    kill_prefill_at: int
+    kill_decode_at: int
+    flaky_faults: tuple[dict[str, Any], ...]
+
+    def describe(self) -> list[str]:
+        out = [
+            f"SIGKILL the prefill server once {self.kill_prefill_at} requests were sent, then restart it",
+            f"SIGKILL the decode server once {self.kill_decode_at} requests were sent, then restart it",
+        ]
+        out += [
+            f"{FLAKY} raises in {f['call']} after {f['after']} calls, {f['times']} time(s) (each decode process)"
+            for f in self.flaky_faults
+        ]
+        return out
+
+
+def plan(options: SoakOptions) -> tuple[list[Request], FaultPlan]:
+    """The requests and the faults of a run with ``options`` (deterministic in its seed)."""
+    rng = random.Random(options.seed)
+    n = options.requests
+    prefixes = [token_prompt(70_000 + options.seed * 100 + i, PREFIX_TOKENS) for i in range(options.prefixes)]
+    requests = []
+    for i in range(n):
+        prompt = prefixes[rng.randrange(len(prefixes))] + token_prompt(
+            80_000 + options.seed * 100_000 + i, rng.randint(*NEW_TOKENS)
+        )
+        hang = None
+        if rng.random() < options.hangups:
+            if rng.random() < 0.5:
+                hang = HangUp("direct", rng.uniform(*DIRECT_HANG_UP_S))
+            else:
+                hang = HangUp("router", rng.uniform(0.1, 1.2))
+        requests.append(Request(i, prompt, hang))
+    # Lookups on the decode: at least one per request it receives; its worker saves every step.
+    faults = (
+        {"call": "get_num_new_matched_tokens", "action": "raise", "after": rng.randint(n // 20, n // 5), "times": 2},
+        {"call": "get_num_new_matched_tokens", "action": "raise", "after": rng.randint(n // 3, n // 2), "times": 3},
+        {"call": "wait_for_save", "action": "raise", "after": rng.randint(n // 10, n // 3), "times": 1},
+    )
+    return requests, FaultPlan(
+        kill_prefill_at=rng.randint(int(n * 0.15), int(n * 0.35)),
+        kill_decode_at=rng.randint(int(n * 0.55), int(n * 0.75)),
+        flaky_faults=faults,
+    )
+
+
+def decode_composition(faults: FaultPlan, directory: Path) -> Path:
+    """The shipped ``pd-decode.yaml`` with the flaky child first (every lookup passes through it)
+    and a breaker on it, written under ``directory``."""
+    data = yaml.safe_load((EXAMPLES / "pd-decode.yaml").read_text())
+    flaky = {"name": FLAKY, "type": "faulty", "options": {"matched_tokens": 0, "faults": list(faults.flaky_faults)}}
+    data["connectors"] = [flaky, *data["connectors"]]
+    data["rules"]["faults"] = {"use": "breaker", "children": [FLAKY], "failures": 1, "cooldown_s": 3, "successes": 2}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "soak-decode.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

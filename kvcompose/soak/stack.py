@@ -1,0 +1,166 @@
+"""The soak's serving stack: a prefill and a decode server behind vLLM's router, each server
+replaceable by a fresh process on the same ports (what a supervisor such as systemd or a
+Kubernetes pod restart does), and a sampler of every engine's gauges through the run."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvcompose.e2e.node import EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.router import RouterNode
+from kvcompose.e2e.server import ServerNode
+from kvcompose.examples import EXAMPLES
+from kvcompose.testing.types import install_entry_point
+
+#: Decode's device blocks per client: a prompt of up to 456 tokens and its answer take 15, so
+#: the requests in flight fit and the prefixes (32 of 8 blocks) do not all stay beside them.
+BLOCKS_PER_CLIENT = 16
+#: The router checks its workers every 2 s (default 60 s) and retries a tripped worker after 5 s
+#: (default 60 s), so a restarted server is back in rotation seconds after it is healthy.
+ROUTER_ARGS = ("--health-check-interval-secs", "2", "--cb-timeout-duration-secs", "5")
+#: Restart deadline for one server (a CPU engine starts in 30-50 s, more while the other serves).
+RESTART_TIMEOUT_S = 240.0
+#: The servers of the stack (besides the router), as a request meets them.
+ROLES = ("prefill", "decode")
+#: The gauges that must be back to 0 on every engine once the load is over, by what they show.
+GAUGES = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+    "host_pinned_blocks": "vllm:simple_kv_offload_used_blocks",
+    "host_pending_store_blocks": "vllm:simple_kv_offload_pending_store_blocks",
+}
+#: Counters read with them (per server process: a restarted server counts from 0).
+COUNTERS = {
+    "finished": "vllm:request_success{finished_reason=length}",
+    "stopped": "vllm:request_success{finished_reason=stop}",
+    "aborted": "vllm:request_success{finished_reason=abort}",
+    "host_loads": "vllm:kvcompose_loads{child=host}",
+    "pd_loads": "vllm:kvcompose_loads{child=pd}",
+    "host_stored": "vllm:simple_kv_offload_save_outcomes{outcome=stored}",
+}
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the run started
+    role: str
+    process: str  # the server's name: ``decode``, then ``decode-2`` after a restart, ...
+    values: dict[str, float]  # GAUGES and COUNTERS
+
+
+class Stack:
+    """Prefill (``pd-prefill.yaml``), decode (``decode_yaml``, the kit's types importable) and the
+    router; :meth:`kill` and :meth:`restart` replace a server, keeping its HTTP and NIXL ports."""
+
+    def __init__(self, model: str, decode_yaml: Path, logs: Path, concurrency: int) -> None:
+        self.model = model
+        self.logs = logs
+        site = install_entry_point(logs.parent / "site")
+        self._env = {
+            "decode": {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)},
+            "prefill": {},
+        }
+        p_side, d_side = free_ports(2)
+        blocks = BLOCKS_PER_CLIENT * concurrency + 32
+        specs = {  # in ROLES order
+            "prefill": EngineSpec("prefill", model, str(EXAMPLES / "pd-prefill.yaml"), p_side),
+            "decode": EngineSpec("decode", model, str(decode_yaml), d_side, num_gpu_blocks=blocks),
+        }
+        self.servers: dict[str, ServerNode] = {}
+        #: Every server process started, killed ones included, with whether the soak killed it.
+        self.processes: list[tuple[ServerNode, bool]] = []
+        self._restarts = 0
+        try:
+            for role, spec in specs.items():
+                self._start(role, spec)
+            wait_all_ready(list(self.servers.values()))
+            self.router = RouterNode([self.servers["prefill"]], [self.servers["decode"]], model, logs, args=ROUTER_ARGS)
+        except BaseException:
+            self._close_servers()
+            raise
+        try:
+            self.router.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, role: str, spec: EngineSpec, port: int | None = None) -> ServerNode:
+        node = ServerNode(spec, self.logs, port, self._env[role])
+        self.servers[role] = node
+        self.processes.append((node, False))
+        return node
+
+    def port(self, role: str) -> int:
+        """The HTTP port of ``router``, ``prefill`` or ``decode`` (a restart keeps it)."""
+        return self.router.port if role == "router" else self.servers[role].port
+
+    def kill(self, role: str) -> None:
+        """SIGKILL ``role``'s server, engine core and all."""
+        node = self.servers[role]
+        node.kill()
+        self.processes = [(n, k or n is node) for n, k in self.processes]
+
+    def restart(self, role: str) -> None:
+        """A fresh server for ``role`` on the killed one's ports (its log: ``<role>-<n>.log``);
+        returns once it answers ``/health``."""
+        old = self.servers[role]
+        self._restarts += 1
+        node = self._start(role, replace(old.spec, name=f"{role}-{self._restarts + 1}"), old.port)
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while not node.poll_ready(1.0):
+            if time.monotonic() > deadline:
+                raise NodeError(f"{node.name}: not healthy {RESTART_TIMEOUT_S:.0f} s after the restart")
+
+    def read(self, t: float) -> list[Sample]:
+        """:data:`GAUGES` and :data:`COUNTERS` of every server that answers now."""
+        out = []
+        for role, node in list(self.servers.items()):
+            try:
+                metrics = node.metrics()
+            except NodeError:  # down or restarting
+                continue
+            values = {k: metrics.get(name, 0.0) for k, name in (GAUGES | COUNTERS).items()}
+            out.append(Sample(t, role, node.name, values))
+        return out
+
+    def probe(self) -> None:
+        """A request shorter than a block to every live server: it stores and loads nothing, and
+        its steps publish fresh gauges (vLLM publishes them only in steps that run)."""
+        for node in self.servers.values():
+            try:
+                node.complete(list(range(1, 6)), 1)
+            except NodeError:
+                continue
+
+    def close(self) -> None:
+        self.router.close()
+        self._close_servers()
+
+    def _close_servers(self) -> None:
+        for node, _ in self.processes:
+            node.close()
+
+
+class Sampler:
+    """Reads every server's gauges once a second in the background, into :attr:`samples`."""
+
+    def __init__(self, stack: Stack, t0: float) -> None:
+        self.samples: list[Sample] = []
+        self._stack = stack
+        self._t0 = t0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.samples += self._stack.read(time.monotonic() - self._t0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
