@@ -41,7 +41,7 @@ COUNTERS = {
     "aborted": "vllm:request_success{finished_reason=abort}",
     "host_loads": "vllm:kvcompose_loads{child=host}",
     "pd_loads": "vllm:kvcompose_loads{child=pd}",
-    "host_stored": "vllm:simple_kv_offload_save_outcomes{outcome=stored}",
+    "withheld_reports": "vllm:kvcompose_withheld_reports",
 }
 
 

@@ -399,7 +399,10 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if connector_output.finished_recving:
             kept = self._completion.admit(connector_output.finished_recving, self._loads.waiting)
             self._loads.waiting -= kept
-            self.dropped_completions += len(connector_output.finished_recving) - len(kept)
+            withheld = len(connector_output.finished_recving) - len(kept)
+            if withheld:
+                self.dropped_completions += withheld
+                self._loads.stats.withheld(withheld)
             connector_output.finished_recving = kept
         composed_meta = connector_output.kv_connector_worker_meta
         composed_events = connector_output.kv_cache_events

@@ -10,6 +10,12 @@ end and become Prometheus counters::
     vllm:kvcompose_loads{child="host"}        requests whose external KV that child loaded
     vllm:kvcompose_loaded_tokens{child="pd"}  tokens that child loaded
     vllm:kvcompose_loaded_bytes{child="pd"}   bytes of KV it wrote into the engine's blocks
+    vllm:kvcompose_withheld_reports           load reports vLLM no longer waited for, withheld
+
+A withheld report is one for a request vLLM's scheduler no longer waits for: a second worker's
+duplicate, or a child's late report after the request's load was settled (an abort mid-pull
+followed by the transfer's own completion). vLLM asserts on such a report
+(``assert req_id in self.requests``) and its engine dies; the composite counts it instead.
 
 Under ``load: ranges`` one request counts as a load of each child that served a range of it.
 Bytes are the whole blocks of the child's range times the bytes of one block over every layer
@@ -35,37 +41,44 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 STATS_KEY = "kvcompose:loads"
 #: The per-child counters, in the order :meth:`ChildLoadStats.load` takes them.
 _PER_CHILD = ("loads", "tokens", "bytes")
+#: The counters of the composite as a whole.
+_TOTALS = ("lookups", "withheld")
 
 
 @dataclass
 class ChildLoadStats(KVConnectorStats):
-    """``data = {"lookups": n, "loads": {child: n}, "tokens": {child: n}, "bytes": {child: n}}``
-    since the last report."""
+    """``data = {"lookups": n, "withheld": n, "loads": {child: n}, "tokens": {child: n},
+    "bytes": {child: n}}`` since the last report."""
 
     def __post_init__(self) -> None:
-        self.data.setdefault("lookups", 0)
+        for key in _TOTALS:
+            self.data.setdefault(key, 0)
         for key in _PER_CHILD:
             self.data.setdefault(key, {})
 
     def lookup(self) -> None:
         self.data["lookups"] += 1
 
+    def withheld(self, reports: int) -> None:
+        self.data["withheld"] += reports
+
     def load(self, child: str, tokens: int, nbytes: int = 0) -> None:
         for key, n in zip(_PER_CHILD, (1, tokens, nbytes), strict=True):
             self.data[key][child] = self.data[key].get(child, 0) + n
 
     def reset(self) -> None:
-        self.data = {"lookups": 0, **{key: {} for key in _PER_CHILD}}
+        self.data = {**{key: 0 for key in _TOTALS}, **{key: {} for key in _PER_CHILD}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        self.data["lookups"] += other.data.get("lookups", 0)
+        for key in _TOTALS:
+            self.data[key] += other.data.get(key, 0)
         for key in _PER_CHILD:
             for child, n in other.data.get(key, {}).items():
                 self.data[key][child] = self.data[key].get(child, 0) + n
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {"lookups": self.data["lookups"]}
+        out: dict[str, int | float] = {key: self.data[key] for key in _TOTALS}
         for child, n in self.data["loads"].items():
             out[f"{child}.loads"] = n
             out[f"{child}.loaded_tokens"] = self.data["tokens"].get(child, 0)
@@ -73,7 +86,7 @@ class ChildLoadStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return self.data["lookups"] == 0 and not self.data["loads"]
+        return not any(self.data[key] for key in _TOTALS) and not self.data["loads"]
 
 
 class ChildLoadPromMetrics(KVConnectorPromMetrics):
@@ -88,6 +101,12 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         child_labels = [*labelnames, "child"]
+        self._withheld = self._counter_cls(
+            name="vllm:kvcompose_withheld_reports",
+            labelnames=labelnames,
+            documentation="Load reports for requests vLLM no longer waited for (late or duplicate), withheld from "
+            "its scheduler, which asserts on them.",
+        )
         self._lookups = self._counter_cls(
             name="vllm:kvcompose_lookups",
             labelnames=labelnames,
@@ -113,6 +132,8 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
         labels = self.per_engine_labelvalues[engine_idx]
         if transfer_stats_data.get("lookups"):
             self._lookups.labels(*labels).inc(transfer_stats_data["lookups"])
+        if transfer_stats_data.get("withheld"):
+            self._withheld.labels(*labels).inc(transfer_stats_data["withheld"])
         for key, counter in (("loads", self._loads), ("tokens", self._tokens), ("bytes", self._bytes)):
             for child, n in transfer_stats_data.get(key, {}).items():
                 counter.labels(*labels, child).inc(n)

@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.outputs import KVConnectorOutput
 
 from kvcompose.rules.metadata import MetadataMismatch
 from kvcompose.testing.harness import make_request, step
+from kvcompose.vllm.loadstats import STATS_KEY
 from kvcompose.vllm.metadata import ComposedHandshakeMetadata, ComposedMetadata, ComposedStats, ComposedWorkerMetadata
 
 #: The kit's fixtures are factories (kvcompose_scheduler, kvcompose_worker).
@@ -84,6 +86,10 @@ def test_finished_recving_only_from_the_owner_and_only_once(kvcompose_worker: Fa
     step(sched, finished_recving={req.request_id})
     step(sched, finished_recving={req.request_id})
     assert conn.dropped_completions == 1
+    # Counted for vllm:kvcompose_withheld_reports (a step drains the stats: one report here).
+    conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id}))
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and stats.data[STATS_KEY].data["withheld"] == 1
 
 
 def test_failed_recving_only_from_the_owner(kvcompose_worker: Factory) -> None:

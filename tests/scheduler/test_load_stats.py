@@ -36,7 +36,13 @@ def test_the_winning_child_is_counted_with_its_tokens(kvcompose_scheduler: Facto
     kv = sched.kv_cache_config
     block_bytes = sum(t.size for t in kv.kv_cache_tensors) // kv.num_blocks  # every layer's share of a block
     blocks = 32 // sched.vllm_config.cache_config.block_size
-    assert loads.data == {"lookups": 1, "loads": {"b": 1}, "tokens": {"b": 32}, "bytes": {"b": blocks * block_bytes}}
+    assert loads.data == {
+        "lookups": 1,
+        "withheld": 0,
+        "loads": {"b": 1},
+        "tokens": {"b": 32},
+        "bytes": {"b": blocks * block_bytes},
+    }
     # Reported once: the next report starts from zero.
     assert STATS_KEY not in (conn.get_kv_connector_stats() or ComposedStats()).data
 
@@ -48,7 +54,7 @@ def test_a_lookup_without_a_hit_counts_no_load(kvcompose_scheduler: Factory) -> 
     sched.schedule()  # update_from_output would drain the stats into the scheduler's own
     stats = conn.get_kv_connector_stats()
     assert isinstance(stats, ComposedStats)
-    assert stats.data[STATS_KEY].data == {"lookups": 1, "loads": {}, "tokens": {}, "bytes": {}}
+    assert stats.data[STATS_KEY].data == {"lookups": 1, "withheld": 0, "loads": {}, "tokens": {}, "bytes": {}}
 
 
 def test_counters_survive_the_trip_to_the_front_end(kvcompose_scheduler: Factory) -> None:
@@ -67,7 +73,7 @@ def test_counters_survive_the_trip_to_the_front_end(kvcompose_scheduler: Factory
 def test_aggregate_adds_per_child() -> None:
     x = ChildLoadStats(data={"lookups": 2, "loads": {"a": 1}, "tokens": {"a": 32}})
     x.aggregate(ChildLoadStats(data={"lookups": 1, "loads": {"a": 1, "b": 1}, "tokens": {"a": 8, "b": 4}}))
-    assert x.data == {"lookups": 3, "loads": {"a": 2, "b": 1}, "tokens": {"a": 40, "b": 4}, "bytes": {}}
+    assert x.data == {"lookups": 3, "withheld": 0, "loads": {"a": 2, "b": 1}, "tokens": {"a": 40, "b": 4}, "bytes": {}}
 
 
 def test_prometheus_counters_labelled_by_child(kvcompose_scheduler: Factory) -> None:
