@@ -63,7 +63,9 @@ class SoakReport:
     def render(self) -> str:
         r, a = self.requests, self.attempts
         c = self.comparison
-        aborted = {role: sum(v["aborted"] for p, v in self.counters.items() if p.startswith(role)) for role in ROLES}
+        aborted = {
+            role: sum(v["aborted_mid_load"] for p, v in self.counters.items() if p.startswith(role)) for role in ROLES
+        }
         lines = [
             f"soak: {sum(r.values())} P/D requests, {self.options['concurrency']} at a time, "
             f"seed {self.options['seed']}, {self.wall_s:.0f} s",
@@ -77,8 +79,8 @@ class SoakReport:
             f"  answered           {r['answered']:6d}   latency p50 {self.latency_p50_s * 1e3:.0f} ms, "
             f"p99 {self.latency_p99_s * 1e3:.0f} ms",
             f"  hung up by client  {r['hung-up']:6d}   ({self.hang_ups['router']} through the router at a random "
-            f"moment, {self.hang_ups['direct']} on decode mid NIXL pull); aborted by vLLM: decode "
-            f"{aborted['decode']:g}, prefill {aborted['prefill']:g}",
+            f"moment, {self.hang_ups['direct']} on decode mid NIXL pull); aborted while their KV was loading "
+            f"(vllm:kvcompose_aborted_loads): decode {aborted['decode']:g}, prefill {aborted['prefill']:g}",
             f"  gave up            {r['gave-up']:6d}   (failed on every retry)",
             f"attempts ({sum(a.values())}; a client sends a failed request again after a pause):",
             f"  failed cleanly     {a['http-error']:6d}   (an HTTP error; {self.failed_during_outages} while a "

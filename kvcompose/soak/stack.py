@@ -31,14 +31,15 @@ GAUGES = {
     "running": "vllm:num_requests_running",
     "waiting": "vllm:num_requests_waiting",
     "kv_usage": "vllm:kv_cache_usage_perc",
-    "host_pinned_blocks": "vllm:simple_kv_offload_used_blocks",
+    "host_pinned_blocks": "vllm:simple_kv_offload_used_blocks",  # less the pool's null block: read()
     "host_pending_store_blocks": "vllm:simple_kv_offload_pending_store_blocks",
 }
 #: Counters read with them (per server process: a restarted server counts from 0).
 COUNTERS = {
     "finished": "vllm:request_success{finished_reason=length}",
     "stopped": "vllm:request_success{finished_reason=stop}",
-    "aborted": "vllm:request_success{finished_reason=abort}",
+    # vLLM counts no client abort in request_success; the composite counts those mid-load.
+    "aborted_mid_load": "vllm:kvcompose_aborted_loads",
     "host_loads": "vllm:kvcompose_loads{child=host}",
     "pd_loads": "vllm:kvcompose_loads{child=pd}",
     "withheld_reports": "vllm:kvcompose_withheld_reports",
@@ -125,6 +126,8 @@ class Stack:
             except NodeError:  # down or restarting
                 continue
             values = {k: metrics.get(name, 0.0) for k, name in (GAUGES | COUNTERS).items()}
+            # vLLM's host pool is a BlockPool: its first block is the null block, never free.
+            values["host_pinned_blocks"] = max(0.0, values["host_pinned_blocks"] - 1)
             out.append(Sample(t, role, node.name, values))
         return out
 

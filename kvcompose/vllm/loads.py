@@ -98,6 +98,8 @@ class RequestLoads:
 
     def finished(self, request_id: str, delaying: tuple[int, ...]) -> None:
         """The request finished; ``delaying`` children hold its blocks until they report."""
+        if request_id in self.waiting:  # aborted mid-load: vLLM frees its blocks on the report
+            self.stats.aborted()
         self._selected.pop(request_id, None)
         self._loading.pop(request_id, None)
         self._looked_up.discard(request_id)

@@ -11,11 +11,14 @@ end and become Prometheus counters::
     vllm:kvcompose_loaded_tokens{child="pd"}  tokens that child loaded
     vllm:kvcompose_loaded_bytes{child="pd"}   bytes of KV it wrote into the engine's blocks
     vllm:kvcompose_withheld_reports           load reports vLLM no longer waited for, withheld
+    vllm:kvcompose_aborted_loads              requests that finished while their load was in flight
 
 A withheld report is one for a request vLLM's scheduler no longer waits for: a second worker's
 duplicate, or a child's late report after the request's load was settled (an abort mid-pull
 followed by the transfer's own completion). vLLM asserts on such a report
-(``assert req_id in self.requests``) and its engine dies; the composite counts it instead.
+(``assert req_id in self.requests``) and its engine dies; the composite counts it instead. An
+aborted load is a request that finished (vLLM aborts it: its client went away) while vLLM still
+waited for its external KV; vLLM frees its blocks when the load reports.
 
 Under ``load: ranges`` one request counts as a load of each child that served a range of it.
 Bytes are the whole blocks of the child's range times the bytes of one block over every layer
@@ -42,12 +45,12 @@ STATS_KEY = "kvcompose:loads"
 #: The per-child counters, in the order :meth:`ChildLoadStats.load` takes them.
 _PER_CHILD = ("loads", "tokens", "bytes")
 #: The counters of the composite as a whole.
-_TOTALS = ("lookups", "withheld")
+_TOTALS = ("lookups", "withheld", "aborted")
 
 
 @dataclass
 class ChildLoadStats(KVConnectorStats):
-    """``data = {"lookups": n, "withheld": n, "loads": {child: n}, "tokens": {child: n},
+    """``data = {"lookups": n, "withheld": n, "aborted": n, "loads": {child: n}, "tokens": {child: n},
     "bytes": {child: n}}`` since the last report."""
 
     def __post_init__(self) -> None:
@@ -61,6 +64,9 @@ class ChildLoadStats(KVConnectorStats):
 
     def withheld(self, reports: int) -> None:
         self.data["withheld"] += reports
+
+    def aborted(self) -> None:
+        self.data["aborted"] += 1
 
     def load(self, child: str, tokens: int, nbytes: int = 0) -> None:
         for key, n in zip(_PER_CHILD, (1, tokens, nbytes), strict=True):
@@ -107,6 +113,11 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
             documentation="Load reports for requests vLLM no longer waited for (late or duplicate), withheld from "
             "its scheduler, which asserts on them.",
         )
+        self._aborted = self._counter_cls(
+            name="vllm:kvcompose_aborted_loads",
+            labelnames=labelnames,
+            documentation="Requests that finished (were aborted) while their external KV was still loading.",
+        )
         self._lookups = self._counter_cls(
             name="vllm:kvcompose_lookups",
             labelnames=labelnames,
@@ -134,6 +145,8 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
             self._lookups.labels(*labels).inc(transfer_stats_data["lookups"])
         if transfer_stats_data.get("withheld"):
             self._withheld.labels(*labels).inc(transfer_stats_data["withheld"])
+        if transfer_stats_data.get("aborted"):
+            self._aborted.labels(*labels).inc(transfer_stats_data["aborted"])
         for key, counter in (("loads", self._loads), ("tokens", self._tokens), ("bytes", self._bytes)):
             for child, n in transfer_stats_data.get(key, {}).items():
                 counter.labels(*labels, child).inc(n)

@@ -8,8 +8,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import Gauge, Histogram
+from vllm.v1.request import RequestStatus
 
-from kvcompose.testing.harness import make_request
+from kvcompose.testing.harness import make_request, step
 from kvcompose.vllm.connector import KVComposeConnector
 from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadPromMetrics, ChildLoadStats
 from kvcompose.vllm.metadata import ComposedStats
@@ -39,6 +40,7 @@ def test_the_winning_child_is_counted_with_its_tokens(kvcompose_scheduler: Facto
     assert loads.data == {
         "lookups": 1,
         "withheld": 0,
+        "aborted": 0,
         "loads": {"b": 1},
         "tokens": {"b": 32},
         "bytes": {"b": blocks * block_bytes},
@@ -54,7 +56,14 @@ def test_a_lookup_without_a_hit_counts_no_load(kvcompose_scheduler: Factory) -> 
     sched.schedule()  # update_from_output would drain the stats into the scheduler's own
     stats = conn.get_kv_connector_stats()
     assert isinstance(stats, ComposedStats)
-    assert stats.data[STATS_KEY].data == {"lookups": 1, "withheld": 0, "loads": {}, "tokens": {}, "bytes": {}}
+    assert stats.data[STATS_KEY].data == {
+        "lookups": 1,
+        "withheld": 0,
+        "aborted": 0,
+        "loads": {},
+        "tokens": {},
+        "bytes": {},
+    }
 
 
 def test_counters_survive_the_trip_to_the_front_end(kvcompose_scheduler: Factory) -> None:
@@ -73,7 +82,14 @@ def test_counters_survive_the_trip_to_the_front_end(kvcompose_scheduler: Factory
 def test_aggregate_adds_per_child() -> None:
     x = ChildLoadStats(data={"lookups": 2, "loads": {"a": 1}, "tokens": {"a": 32}})
     x.aggregate(ChildLoadStats(data={"lookups": 1, "loads": {"a": 1, "b": 1}, "tokens": {"a": 8, "b": 4}}))
-    assert x.data == {"lookups": 3, "withheld": 0, "loads": {"a": 2, "b": 1}, "tokens": {"a": 40, "b": 4}, "bytes": {}}
+    assert x.data == {
+        "lookups": 3,
+        "withheld": 0,
+        "aborted": 0,
+        "loads": {"a": 2, "b": 1},
+        "tokens": {"a": 40, "b": 4},
+        "bytes": {},
+    }
 
 
 def test_prometheus_counters_labelled_by_child(kvcompose_scheduler: Factory) -> None:
@@ -93,3 +109,18 @@ def test_prometheus_counters_labelled_by_child(kvcompose_scheduler: Factory) -> 
         )
         == 64
     )
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_is_counted_once(kvcompose_scheduler: Factory) -> None:
+    sched = kvcompose_scheduler(TWO.format(a=0, b=32))
+    conn = sched.connector
+    req = make_request(64)
+    sched.add_request(req)
+    step(sched)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    stats = conn.get_kv_connector_stats()
+    assert isinstance(stats, ComposedStats) and stats.data[STATS_KEY].data["aborted"] == 1
+    # vLLM frees the request's blocks on its load report, which still reaches it (not withheld).
+    step(sched, finished_recving={req.request_id})
+    assert not sched.requests and conn.dropped_completions == 0
