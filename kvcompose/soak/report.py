@@ -96,9 +96,10 @@ class SoakReport:
         ]
         for role, gauges in self.quiet.items():
             lines.append("  " + role.ljust(8) + "  ".join(f"{k} {v:g}" for k, v in gauges.items()))
+        held = self.prefill_held_after_decode_kill
         lines.append(
-            f"  prefill KV usage held for the killed decode: up to {self.prefill_held_after_decode_kill:.1%}, "
-            "released by lease expiry"
+            f"  prefill KV usage in the 30 s after the decode was killed: up to {held:.1%} (its running "
+            "requests, and the blocks it held for the dead decode until their NIXL lease expired)"
         )
         lines += ["", "per server process (counters since it started):"]
         for proc, values in self.counters.items():
