@@ -51,6 +51,7 @@ class SoakReport:
     settle_s: float
     counters: dict[str, dict[str, float]]  # server process -> COUNTERS at its last reading
     prefill_held_after_decode_kill: float  # max prefill KV usage in the seconds after the kill
+    lease_releases: int  # requests whose blocks the prefill released on NIXL lease expiry (its log)
     breaker_changes: list[str]
     processes: list[str]
     comparison: Comparison
@@ -100,6 +101,10 @@ class SoakReport:
         lines.append(
             f"  prefill KV usage in the 30 s after the decode was killed: up to {held:.1%} (its running "
             "requests, and the blocks it held for the dead decode until their NIXL lease expired)"
+        )
+        lines.append(
+            f"  prefill released the blocks of {self.lease_releases} request(s) on NIXL lease expiry "
+            '(vLLM\'s log: "Releasing expired KV blocks ... retrieved by 0 remote worker(s)")'
         )
         lines += ["", "per server process (counters since it started):"]
         for proc, values in self.counters.items():

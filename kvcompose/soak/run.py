@@ -75,7 +75,9 @@ def run(options: SoakOptions, work: Path | None = None, echo: Callable[[str], No
             quiet, settle_s = _quiet(stack, time.monotonic())
             sampler.stop()
             processes, deaths = _processes(stack)
-            breaker = _breaker_changes(logs)
+            breaker = _logged(logs, "decode", rf"connector {FLAKY}: breaker (open|half-open|closed):")
+            # vLLM's NIXL worker on the prefill, when a lease runs out before any decode read.
+            lease_releases = len(_logged(logs, "prefill", r"Releasing expired KV blocks for request"))
         finally:
             stack.close()
         comparison = _compare(load.outcomes, {r.index: r.prompt for r in requests}, options, model, logs, echo)
@@ -118,6 +120,7 @@ def run(options: SoakOptions, work: Path | None = None, echo: Callable[[str], No
         settle_s=settle_s,
         counters=last_counters(sampler.samples, tuple(COUNTERS)),
         prefill_held_after_decode_kill=_held(sampler, injector),
+        lease_releases=lease_releases,
         breaker_changes=breaker,
         processes=processes,
         comparison=comparison,
@@ -173,11 +176,11 @@ def _processes(stack: Stack) -> tuple[list[str], list[str]]:
     return lines, deaths
 
 
-def _breaker_changes(logs: Path) -> list[str]:
-    """The flaky child's breaker changes, over every decode process's log."""
+def _logged(logs: Path, role: str, pattern: str) -> list[str]:
+    """``pattern``'s matches over the logs of every process of ``role``, in start order."""
     out: list[str] = []
-    for path in sorted(logs.glob("decode*.log")):
-        out += re.findall(rf"connector {FLAKY}: breaker (open|half-open|closed):", path.read_text(errors="replace"))
+    for path in sorted(logs.glob(f"{role}*.log")):
+        out += re.findall(pattern, path.read_text(errors="replace"))
     return out
 
 

@@ -17,7 +17,7 @@ from kvcompose.compose import load
 from kvcompose.e2e.node import free_ports
 from kvcompose.soak.drive import Injector, Load, Outcome, send
 from kvcompose.soak.plan import FLAKY, QUICK, SoakOptions, decode_composition, plan
-from kvcompose.soak.report import by_request, during, quiet_problems
+from kvcompose.soak.report import Comparison, SoakReport, by_request, during, quiet_problems
 
 
 def test_a_plan_is_drawn_from_its_seed_alone() -> None:
@@ -156,3 +156,44 @@ def test_an_engine_not_back_to_zero_is_named_with_what_it_holds() -> None:
     quiet = {"prefill": {"running": 0.0, "kv_usage": 0.25}, "decode": {"running": 0.0}}
     assert quiet_problems(quiet) == ["prefill: not back to 0 once quiet: {'kv_usage': 0.25}"]
     assert quiet_problems({"decode": {"running": 0.0}}) == ["prefill: no reading once quiet (server not answering)"]
+
+
+def test_the_report_names_every_figure_and_each_failed_check() -> None:
+    report = SoakReport(
+        options={"concurrency": 8, "seed": 3},
+        faults=["SIGKILL the prefill server once 30 requests were sent, then restart it"],
+        events=["    4.7 s  prefill killed (SIGKILL) after 36 requests sent"],
+        wall_s=200.0,
+        requests={"answered": 149, "hung-up": 11, "gave-up": 0},
+        hang_ups={"router": 4, "direct": 7},
+        attempts={"answered": 149, "http-error": 136, "dropped": 0, "hung": 0, "hung-up": 11},
+        first_errors=["http-error: HTTP 500: Transparent proxy request failed"],
+        failed_during_outages=136,
+        latency_p50_s=1.041,
+        latency_p99_s=5.265,
+        quiet={"prefill": {"running": 0.0}, "decode": {"running": 0.0}},
+        settle_s=1.0,
+        counters={"decode": {"aborted_mid_load": 3.0}, "decode-3": {"aborted_mid_load": 1.0}},
+        prefill_held_after_decode_kill=0.486,
+        lease_releases=32,
+        breaker_changes=["open", "half-open", "closed"],
+        processes=["prefill: killed by the soak (SIGKILL), as planned"],
+        comparison=Comparison(compared=16, bit_equal=16, tokens_equal=16),
+        problems=[],
+        logs="/tmp/x",
+    )
+    text = report.render()
+    for figure in (
+        "answered              149   latency p50 1041 ms, p99 5265 ms",
+        "(vllm:kvcompose_aborted_loads): decode 4, prefill 0",
+        "failed cleanly        136",
+        "up to 48.6%",
+        "the blocks of 32 request(s) on NIXL lease expiry",
+        "open 1x, half-open 1x, closed 1x",
+        "token ids equal 16/16, bit for bit 16/16",
+        "result: PASS",
+    ):
+        assert figure in text, figure
+    report.problems = ["decode: not back to 0 once quiet: {'kv_usage': 0.5}"]
+    assert report.render().endswith("result: FAIL\n  - decode: not back to 0 once quiet: {'kv_usage': 0.5}")
+    assert json.loads(json.dumps(report.as_dict()))["requests"]["answered"] == 149
