@@ -139,7 +139,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from kvcompose.e2e.node import stopped_on_interrupt
+    from kvcompose.e2e.node import NodeError, stopped_on_interrupt
     from kvcompose.soak.plan import QUICK, SoakOptions
     from kvcompose.soak.run import run
 
@@ -150,8 +150,12 @@ def cmd_soak(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvcompose soak: {exc}", file=sys.stderr)
         return 2
-    with stopped_on_interrupt():
-        report = run(options, Path(args.work) if args.work else None, echo=lambda line: print(line, flush=True))
+    try:
+        with stopped_on_interrupt():
+            report = run(options, Path(args.work) if args.work else None, echo=lambda line: print(line, flush=True))
+    except NodeError as exc:  # the stack did not start: nothing was measured
+        print(f"kvcompose soak: {exc}", file=sys.stderr)
+        return 1
     print()
     print(report.render())
     if args.json:
