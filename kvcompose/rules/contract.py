@@ -10,7 +10,8 @@ vLLM calls it; it decides nothing itself.
 kind           decides
 =============  ====================================================================
 load           who loads which tokens of a request (lookup), how
-               ``update_state_after_alloc`` splits them, whose completion ends the load
+               ``update_state_after_alloc`` splits them, whose completion ends the load,
+               which part waits for the request's next schedule (a mixed load's sync part)
 store          which children receive the save hooks
 metadata       how the children's per-step metadata travels scheduler -> workers
 params         how the children's ``kv_transfer_params`` are merged
