@@ -10,7 +10,8 @@ vLLM calls it; it decides nothing itself.
 kind           decides
 =============  ====================================================================
 load           who loads which tokens of a request (lookup), how
-               ``update_state_after_alloc`` splits them, whose completion ends the load
+               ``update_state_after_alloc`` splits them, whose completion ends the load,
+               which part waits for the request's next schedule (a mixed load's sync part)
 store          which children receive the save hooks
 metadata       how the children's per-step metadata travels scheduler -> workers
 params         how the children's ``kv_transfer_params`` are merged
@@ -107,8 +108,9 @@ class LoadRule(Protocol):
     """Rule kind ``load``: lookup, allocation split and load completion (scheduler half).
 
     Called by the composite at vLLM's ``get_num_new_matched_tokens`` (:meth:`select`) and
-    ``update_state_after_alloc`` (:meth:`allocate`, then :meth:`awaited`). The worker half of a
-    load is the completion rule's: it waits for the children :meth:`awaited` names.
+    ``update_state_after_alloc`` (:meth:`allocate`, then :meth:`awaited` and :meth:`deferred`;
+    :meth:`resume` at the request's next schedule when something was deferred). The worker half
+    of a load is the completion rule's: it waits for the children :meth:`awaited` names.
     """
 
     def bind(self, engine: EngineFacts) -> None:
@@ -165,6 +167,41 @@ class LoadRule(Protocol):
         children reported (the completion rule keeps that barrier). Empty for a synchronous load.
         """
         return tuple(c.child for c in contributions if c.is_async and c.tokens > 0)
+
+    def deferred(self, contributions: tuple[Contribution, ...]) -> tuple[Contribution, ...]:
+        """Of :meth:`allocate`'s contributions, those whose ``update_state_after_alloc`` waits
+        for the request's next schedule (the second phase of allocation).
+
+        A synchronous connector loads in the step that schedules the request (vLLM's
+        ``ExampleConnector`` requires the request among that step's new requests), but vLLM
+        does not schedule a request with an asynchronous load until that load completes. So a
+        load that mixes both runs in two phases: at the first ``update_state_after_alloc`` the
+        deferred children are not called at all (their lookup stays pending, as when vLLM
+        cannot allocate); when :meth:`awaited` reported and vLLM schedules the request, they are
+        called with the tokens :meth:`resume` gives them, and load in that step, before the
+        forward pass that reads their KV. The default defers the synchronous contributions of
+        a load that also has an asynchronous one; nothing otherwise.
+        """
+        if any(c.is_async and c.tokens > 0 for c in contributions):
+            return tuple(c for c in contributions if not c.is_async and c.tokens > 0)
+        return ()
+
+    def resume(self, deferred: tuple[Contribution, ...], kept: int) -> tuple[Contribution, ...]:
+        """The deferred contributions to give at the request's first schedule after its
+        asynchronous load (:meth:`deferred`), cut to what vLLM kept of the load.
+
+        ``kept`` is how many tokens beyond the local prefix vLLM counts as loaded now: all of
+        the selection's after a clean load, fewer after an awaited child failed (vLLM then
+        recomputes from the failed child's first invalid block). The default gives each deferred
+        contribution the part of its range below ``kept``: one wholly beyond it is dropped (vLLM
+        computes those tokens), so no child loads KV vLLM will not read.
+        """
+        out = []
+        for c in deferred:
+            tokens = min(c.tokens, kept - c.start)
+            if tokens > 0:
+                out.append(c if tokens == c.tokens else Contribution(c.child, c.start, tokens, c.is_async))
+        return tuple(out)
 
 
 @runtime_checkable

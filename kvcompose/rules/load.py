@@ -6,8 +6,9 @@ the rules walk children in YAML order themselves instead of using pluggy's ``fir
 (which runs LIFO and skips ``None``). ``first-wins`` and ``longest-hit`` pick one child;
 ``ranges`` chains several, each loading the range after the one above it. The allocation split
 and load completion are :class:`~kvcompose.rules.contract.LoadRule`'s defaults for all three:
-each contributor gets its own tokens, the others 0, and the load completes when every async
-contributor has reported.
+each contributor gets its own tokens, the others 0, the load completes when every async
+contributor has reported, and in a chain that mixes synchronous and asynchronous contributors
+the synchronous ones load when vLLM schedules the request after that.
 """
 
 from __future__ import annotations
@@ -79,12 +80,13 @@ class Ranges(LoadRule):
     child is asked with ``num_computed_tokens`` advanced by the tokens covered so far (vLLM's
     own contract: it answers for the tokens beyond that point), so a host tier's prefix and a
     P/D pull of the rest serve one request. The chain ends after a range whose end is not on a
-    block boundary (the next range could not start on one), before a child whose declared
-    alignment the next start misses, and before a contributor whose ``is_async`` differs from
-    the first's (vLLM waits for a request's load as a whole). A child that cannot load a range
-    away from the local prefix end (``ConnectorType.range_loads`` false) is offered only that
-    end: after a contribution it is skipped, so for it the rule is ``first-wins``. A ``None``
-    makes the request wait a step, as under ``first-wins``.
+    block boundary (the next range could not start on one), and before a child whose declared
+    alignment the next start misses. Synchronous and asynchronous contributors mix: the load is
+    asynchronous when any contributor is, and the synchronous ranges load when vLLM schedules
+    the request after the asynchronous ones arrived (:meth:`LoadRule.deferred`). A child that
+    cannot load a range away from the local prefix end (``ConnectorType.range_loads`` false) is
+    offered only that end: after a contribution it is skipped, so for it the rule is
+    ``first-wins``. A ``None`` makes the request wait a step, as under ``first-wins``.
 
     One KV cache group only: the ranges are in tokens of one block table (``bind`` refuses an
     engine with several groups, e.g. sliding-window layers, rather than load them wrong).
@@ -137,15 +139,13 @@ class Ranges(LoadRule):
                 return NOT_READY
             if tokens <= 0:
                 continue
-            if contributions and is_async != contributions[0].is_async:
-                break
             contributions.append(Contribution(i, covered, tokens, is_async))
             covered += tokens
             if (num_computed_tokens + covered) % self._block_size:
                 break
         if not contributions:
             return NO_HIT
-        return Selection(covered, contributions[0].is_async, tuple(contributions))
+        return Selection(covered, any(c.is_async for c in contributions), tuple(contributions))
 
 
 def _explain_first(children: tuple[Any, ...], _: Any) -> str:
@@ -173,7 +173,8 @@ def _explain_ranges(children: tuple[Child, ...], _: Any) -> str:
     return (
         "load: ranges, one request from several children: "
         + "; then ".join(parts)
-        + " (models with one KV cache group: an engine with sliding-window or hybrid layers, or context "
+        + " (a synchronous child's range loads when the request is scheduled after the asynchronous ones "
+        "arrived; models with one KV cache group: an engine with sliding-window or hybrid layers, or context "
         "parallelism, refuses to start with this rule)"
     )
 

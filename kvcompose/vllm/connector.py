@@ -168,6 +168,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         """Names of the children loading (or chosen to load) a request's external KV."""
         return tuple(self.names[c.child] for c in self._loads.contributions(request_id))
 
+    def deferred_loaders(self, request_id: str) -> tuple[str, ...]:
+        """Names of the children whose part of a request's load waits for the request's next
+        schedule (a synchronous range of a mixed load, :meth:`LoadRule.deferred`)."""
+        d = self._loads.deferred.get(request_id)
+        return tuple(self.names[c.child] for c in d.contributions) if d is not None else ()
+
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
         return all(c.supports_divergent_local_hybrid_hits for c in self._connectors)
@@ -356,13 +362,16 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             lambda i, n: fns[i](request, n), self.calls.active, num_computed_tokens, request.kv_transfer_params
         )
         if sel.tokens is not None:
-            self._loads.selected(request.request_id, sel)
+            self._loads.selected(request.request_id, sel, num_computed_tokens)
         return sel.tokens, sel.is_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        tokens = {c.child: c.tokens for c in self._loads.allocate(request.request_id, num_external_tokens)}
+        # ``held``: children whose part of a mixed load waits for the request's next schedule
+        # (LoadRule.deferred); vLLM's blocks then are the request's whole block list again.
+        tokens, held = self._loads.allocate(request, blocks, num_external_tokens)
         for i, fn in self.calls["update_state_after_alloc"]:
-            fn(request, blocks, tokens.get(i, 0))
+            if i not in held:
+                fn(request, blocks, tokens.get(i, 0))
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         contribs = self._loads.contributions(request.request_id)
@@ -390,10 +399,23 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.calls.monitor.watched:  # a child with failures: a bypassed one may come back now
             self.calls.step()
+        loads = self._loads
+        if loads.deferred:
+            # vLLM cached these blocks when the request's asynchronous load arrived; their
+            # synchronous part is not loaded yet (the request was not scheduled since), so no
+            # other request may hit them (docs/rules.md, ranges).
+            unloaded = loads.unloaded_blocks()
+            if unloaded:
+                self._kv_cache_manager.evict_blocks(unloaded)
+        if loads.sync_load_now:
+            # A deferred part loads in this step: vLLM's workers then start the loads before the
+            # forward pass (as vLLM's HiSparse connector asks too), not after it.
+            scheduler_output.has_sync_kv_loads = True
+            loads.sync_load_now = False
         metas: list[Any] = [None] * len(self._connectors)  # a bypassed child's slot stays None
         for i, fn in self.calls["build_connector_meta"]:
             metas[i] = fn(scheduler_output)
-        return ComposedMetadata(self.plan.metadata.pack(metas), *self._loads.take_announcements())
+        return ComposedMetadata(self.plan.metadata.pack(metas), *loads.take_announcements())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.finished_recving:

@@ -1,21 +1,25 @@
 """The scheduler half's per-request load state, kept between vLLM's calls.
 
 The load rule decides; this records what it decided for each request until the request
-finishes, what the workers must be told in the next step's metadata, and which child served
-each load (the ``vllm:kvcompose_*`` counters).
+finishes, what the workers must be told in the next step's metadata, which child served each
+load (the ``vllm:kvcompose_*`` counters), and the synchronous part of a mixed load that waits
+for the request's next schedule (:meth:`LoadRule.deferred`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcompose.rules.contract import Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.vllm.loadstats import ChildLoadStats
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 log = logging.getLogger("kvcompose.vllm")
 
@@ -29,9 +33,26 @@ def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
     return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """The synchronous part of a request's load, held until vLLM schedules the request after its
+    asynchronous part arrived."""
+
+    request: Request
+    contributions: tuple[Contribution, ...]
+    #: The request's local prefix at the lookup (contributions start after it).
+    local: int
+    #: The load's end, in the request's tokens (local prefix + every allocated contribution).
+    end: int
+    #: The blocks of the deferred ranges: vLLM puts them in its prefix cache when the
+    #: asynchronous part arrives, before they hold their KV.
+    block_ids: tuple[int, ...]
+
+
 class RequestLoads:
     """Per request: the load rule's selection, what ``update_state_after_alloc`` gave each
-    contributor, and whether vLLM waits for the load (``WAITING_FOR_REMOTE_KVS``)."""
+    contributor, whether vLLM waits for the load (``WAITING_FOR_REMOTE_KVS``), and the
+    contributions deferred to the request's next schedule."""
 
     def __init__(self, rule: LoadRule, names: Sequence[str], engine: EngineFacts, block_bytes: int = 0) -> None:
         rule.bind(engine)
@@ -39,9 +60,14 @@ class RequestLoads:
         self._names = tuple(names)
         self._block_size = engine.block_size
         self._block_bytes = block_bytes
-        self._selected: dict[str, Selection] = {}
+        self._selected: dict[str, tuple[Selection, int]] = {}
         self._loading: dict[str, tuple[Contribution, ...]] = {}
         self._looked_up: set[str] = set()
+        #: Request -> the synchronous part of its load, not yet given to its children.
+        self.deferred: dict[str, Deferred] = {}
+        #: A deferred part was given this step: its children load before the step's forward
+        #: pass (the scheduler output's ``has_sync_kv_loads``).
+        self.sync_load_now = False
         #: Requests whose async load vLLM waits for; left only when the load's report arrives
         #: (vLLM frees a request that finished mid-load only on that report).
         self.waiting: set[str] = set()
@@ -54,55 +80,131 @@ class RequestLoads:
         self.new_abandoned: dict[str, tuple[int, ...]] = {}
         self.stats = ChildLoadStats()
 
-    def selected(self, request_id: str, selection: Selection) -> None:
-        """A lookup's answer (never a ``NOT_READY``); a re-lookup replaces the earlier one."""
+    def selected(self, request_id: str, selection: Selection, num_computed_tokens: int) -> None:
+        """A lookup's answer (never a ``NOT_READY``) at the local prefix ``num_computed_tokens``;
+        a re-lookup replaces the earlier one, and drops a deferred part (vLLM looks a request up
+        again only when it kept nothing of its load)."""
         if request_id not in self._looked_up:
             self._looked_up.add(request_id)
             self.stats.lookup()
+        if self.deferred:
+            self.deferred.pop(request_id, None)
         if selection.contributions:
-            self._selected[request_id] = selection
+            self._selected[request_id] = (selection, num_computed_tokens)
         else:
             self._selected.pop(request_id, None)
 
-    def allocate(self, request_id: str, num_external_tokens: int) -> tuple[Contribution, ...]:
-        """The load rule's split of what vLLM allocated; records it and what vLLM now waits for."""
-        sel = self._selected.get(request_id)
-        contribs = self._rule.allocate(sel, num_external_tokens) if sel is not None else ()
-        if contribs:
-            self._loading[request_id] = contribs
-            for c in contribs:
-                blocks = -(-c.tokens // self._block_size)  # a range starts on a block boundary
-                self.stats.load(self._names[c.child], c.tokens, blocks * self._block_bytes)
-            if len(contribs) > 1:
-                log.debug(
-                    "%s: %s (tokens beyond the local prefix)",
-                    request_id,
-                    " + ".join(f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})" for c in contribs),
-                )
-            awaited = self._rule.awaited(contribs)
-            if awaited:
-                self.waiting.add(request_id)
-                self.new_loads[request_id] = awaited
-        return contribs
+    def allocate(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> tuple[dict[int, int], tuple[int, ...]]:
+        """At ``update_state_after_alloc``: each child's tokens (a child left out gets 0), and the
+        children not to call now (their part is deferred). Records the load rule's split and
+        what vLLM now waits for; at the request's first schedule after its asynchronous load,
+        gives the deferred part instead."""
+        request_id = request.request_id
+        if self.deferred and request_id in self.deferred and request_id not in self.waiting:
+            return self._resume(self.deferred.pop(request_id)), ()
+        entry = self._selected.get(request_id)
+        contribs = self._rule.allocate(entry[0], num_external_tokens) if entry is not None else ()
+        if not contribs:
+            return {}, ()
+        self._loading[request_id] = contribs
+        awaited = self._rule.awaited(contribs)
+        # Deferring is for a load vLLM waits for: a synchronous one is not scheduled again.
+        held = self._rule.deferred(contribs) if awaited else ()
+        for c in contribs:
+            if c not in held:
+                self._count(c)
+        if len(contribs) > 1:
+            log.debug(
+                "%s: %s (tokens beyond the local prefix)",
+                request_id,
+                " + ".join(
+                    f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})" + (" deferred" if c in held else "")
+                    for c in contribs
+                ),
+            )
+        if awaited:
+            self.waiting.add(request_id)
+            self.new_loads[request_id] = awaited
+        if held:
+            assert entry is not None
+            local = entry[1]
+            ids = blocks.get_block_ids()[0]
+            bs = self._block_size
+            self.deferred[request_id] = Deferred(
+                request,
+                held,
+                local,
+                local + sum(c.tokens for c in contribs),
+                tuple(b for c in held for b in ids[(local + c.start) // bs : -(-(local + c.start + c.tokens) // bs)]),
+            )
+        tokens = {c.child: c.tokens for c in contribs if c not in held}
+        return tokens, tuple(c.child for c in held)
+
+    def _resume(self, d: Deferred) -> dict[int, int]:
+        """The request is scheduled after its asynchronous load: what the rule gives the
+        deferred children of what vLLM kept of the load."""
+        request = d.request
+        computed = request.num_computed_tokens
+        # vLLM recomputes the last token of a load that reaches the request's end.
+        kept = (d.end if computed == request.num_tokens - 1 == d.end - 1 else computed) - d.local
+        given = self._rule.resume(d.contributions, kept)
+        for c in given:
+            self._count(c)
+        if given != d.contributions:
+            log.info(
+                "%s: vLLM kept %d of the load's tokens beyond the local prefix (an awaited child failed); "
+                "deferred %s given %s",
+                request.request_id,
+                kept,
+                ", ".join(f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})" for c in d.contributions),
+                ", ".join(f"{self._names[c.child]} {c.tokens}" for c in given) or "nothing",
+            )
+        if given:
+            self.sync_load_now = True
+        return {c.child: c.tokens for c in given}
+
+    def _count(self, c: Contribution) -> None:
+        blocks = -(-c.tokens // self._block_size)  # a range starts on a block boundary
+        self.stats.load(self._names[c.child], c.tokens, blocks * self._block_bytes)
+
+    def unloaded_blocks(self) -> set[int]:
+        """Blocks of deferred ranges that vLLM may have put in its prefix cache before they were
+        loaded: those of requests whose asynchronous load arrived and that were not scheduled
+        since (no free blocks, for one). A request whose load vLLM kept nothing of is looked up
+        again from scratch: its deferred part is dropped, and its blocks were freed."""
+        out: set[int] = set()
+        for request_id, d in list(self.deferred.items()):
+            if request_id in self.waiting:
+                continue
+            if d.request.num_computed_tokens == 0:
+                del self.deferred[request_id]
+            else:
+                out.update(d.block_ids)
+        return out
 
     def contributions(self, request_id: str, num_external_tokens: int | None = None) -> tuple[Contribution, ...]:
         """Who loads the request: the rule's split of ``num_external_tokens`` when given, else as
-        allocated (or, asked before allocation, as selected)."""
-        sel = self._selected.get(request_id)
-        if sel is not None and num_external_tokens is not None:
-            return self._rule.allocate(sel, num_external_tokens)
+        allocated (or, asked before allocation, as selected). A deferred part counts."""
+        entry = self._selected.get(request_id)
+        if entry is not None and num_external_tokens is not None:
+            return self._rule.allocate(entry[0], num_external_tokens)
         contribs = self._loading.get(request_id)
         if contribs is None:
-            contribs = sel.contributions if sel is not None else ()
+            contribs = entry[0].contributions if entry is not None else ()
         return contribs
 
     def finished(self, request_id: str, delaying: tuple[int, ...]) -> None:
-        """The request finished; ``delaying`` children hold its blocks until they report."""
+        """The request finished; ``delaying`` children hold its blocks until they report. A
+        deferred part not given yet is dropped."""
         if request_id in self.waiting:  # aborted mid-load: vLLM frees its blocks on the report
             self.stats.aborted()
         self._selected.pop(request_id, None)
         self._loading.pop(request_id, None)
         self._looked_up.discard(request_id)
+        if self.deferred:
+            self.deferred.pop(request_id, None)
         if delaying:
             self.new_saves[request_id] = delaying
 

@@ -4,8 +4,11 @@ Decode composes three children: ``host`` (cpu-offload, host memory), ``disk`` (v
 ``ExampleConnector`` through ``type: vllm``: one safetensors file per layer and prompt under
 ``shared_storage_path``) and ``pd`` (nixl). A prompt decode computed is stored by every child
 (``store: all``); with the device prefix cache and the host tier dropped, the same prompt is
-served from disk and the answer is the single-engine baseline's, bit for bit. Run under
-``flock /tmp/kvcompose-engines.lock``.
+served from disk and the answer is the single-engine baseline's, bit for bit. Under
+``load: ranges`` one request is assembled from all three: the host tier's prefix, the disk's
+middle (a synchronous load, run when vLLM schedules the request after the asynchronous ones)
+and NIXL's tail. Run under ``flock /tmp/kvcompose-engines.lock``; ``pytest -s`` prints each
+request's split.
 """
 
 from __future__ import annotations
@@ -29,14 +32,18 @@ pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 16
 CHILDREN = ("host", "disk", "pd")
-PROMPTS = {"local": token_prompt(20, 500), "pd": token_prompt(21, 450)}
+#: "sibling" shares only the first 256 tokens (16 blocks) with "local"; as long, so that its
+#: prefix's KV comes from a forward pass of the same shape.
+SHARED = 256
+LOCAL = token_prompt(20, 500)
+PROMPTS = {"local": LOCAL, "pd": token_prompt(21, 450), "sibling": LOCAL[:SHARED] + token_prompt(22, 500 - SHARED)}
 
 
 def three_tiers(disk: Path, load: str) -> str:
     """The decode composition: the shipped P/D decode example with a disk tier between its two."""
     data = yaml.safe_load((EXAMPLES / "pd-decode.yaml").read_text())
     host, pd = data["connectors"]
-    disk_child = {
+    disk_child: dict[str, Any] = {
         "name": "disk",
         "type": "vllm",
         "options": {
@@ -44,6 +51,10 @@ def three_tiers(disk: Path, load: str) -> str:
             "kv_connector_extra_config": {"shared_storage_path": str(disk)},
         },
     }
+    if load == "ranges":
+        # ExampleConnector asked at s answers the tokens of its file beyond s, and loads its whole
+        # file (the prefix before s again, the same tokens' KV): it serves a range (docs/yaml.md).
+        disk_child["options"]["range_loads"] = True
     data["connectors"] = [host, disk_child, pd]
     data["rules"]["load"] = load
     return yaml.safe_dump(data, sort_keys=False)
@@ -86,6 +97,9 @@ class Engines:
         self.decode: EngineNode | None = None
 
     def decode_with(self, load: str) -> EngineNode:
+        """The three-tier decode engine for ``load``: the running one when it is that one."""
+        if self.decode is not None and self.decode.spec.name == f"decode-{load}":
+            return self.decode
         disk = self.tmp / f"disk-{load}"
         path = self.tmp / f"three-tiers-{load}.yaml"
         path.write_text(three_tiers(disk, load))
@@ -161,10 +175,10 @@ def test_first_wins_serves_a_prompt_from_disk_after_host_and_device_were_dropped
     assert pulled.equals(engines.expected["pd"])
 
 
-def test_ranges_serve_host_then_nixl_and_disk_when_host_is_gone(engines: Engines) -> None:
-    """Under ``load: ranges`` the disk tier (ExampleConnector: synchronous, not range-aware) loads
-    only from the local prefix end, alone: the rule does not chain a synchronous load with the
-    asynchronous host and NIXL loads (vLLM waits for a request's load as a whole)."""
+def test_ranges_serve_host_then_nixl_and_disk_then_nixl_when_host_is_gone(engines: Engines) -> None:
+    """Under ``load: ranges`` the disk tier (ExampleConnector, synchronous) chains with the
+    asynchronous NIXL pull: disk loads the prompt's full blocks when vLLM schedules the request
+    after NIXL's tail arrived."""
     decode = engines.decode_with("ranges")
     ids = PROMPTS["pd"]
     first = pd_request(engines.prefill, decode, ids, MAX_TOKENS, children=CHILDREN)
@@ -172,13 +186,40 @@ def test_ranges_serve_host_then_nixl_and_disk_when_host_is_gone(engines: Engines
     host_then_pd = pd_request(engines.prefill, decode, ids, MAX_TOKENS, children=CHILDREN)
     drop_device_and_host(decode)
     from_disk = pd_request(engines.prefill, decode, ids, MAX_TOKENS, children=CHILDREN)
-    for label, s in (("pulled", first), ("host + pd", host_then_pd), ("disk", from_disk)):
+    for label, s in (("pulled", first), ("host + pd", host_then_pd), ("disk + pd", from_disk)):
         report(label, s, engines.expected["pd"])
     assert first.loaded == {"pd": len(ids)}
     host = len(ids) // BLOCK_SIZE * BLOCK_SIZE
     assert host_then_pd.loaded == {"host": host, "pd": len(ids) - host}
-    assert from_disk.loaded == {"disk": full_blocks(ids)}
+    assert from_disk.loaded == {"disk": full_blocks(ids), "pd": len(ids) - full_blocks(ids)}
     assert all(s.equals(engines.expected["pd"]) for s in (first, host_then_pd, from_disk))
+
+
+def test_ranges_assemble_one_request_from_host_disk_and_nixl(engines: Engines) -> None:
+    """Disk holds the whole prompt, the host tier only the prefix it shares with a sibling
+    prompt, the prefill instance everything: host loads ``[0, 256)``, disk ``[256, 480)`` (its
+    file ends at the last full block before the prompt's last token) and NIXL ``[480, 500)``."""
+    decode = engines.decode_with("ranges")
+    ids = PROMPTS["local"]
+    first = decode_request(decode, ids, MAX_TOKENS, None, children=CHILDREN)  # disk stores the prompt
+    drop_device_and_host(decode)
+    sibling = decode_request(decode, PROMPTS["sibling"], MAX_TOKENS, None, children=CHILDREN)  # host: the prefix
+    drop_prefix_cache(decode)
+    assembled = pd_request(engines.prefill, decode, ids, MAX_TOKENS, children=CHILDREN)
+    report("computed", first, engines.expected["local"])
+    report("sibling, computed", sibling, engines.expected["sibling"])
+    report("host + disk + pd", assembled, engines.expected["local"])
+    disk_end = full_blocks(ids)
+    print(
+        f"one request, {len(ids)} tokens: host [0, {SHARED}) + disk [{SHARED}, {disk_end}) + pd [{disk_end}, "
+        f"{len(ids)}); counters {assembled.loaded}; NIXL bytes {assembled.nixl_bytes}; "
+        f"computed on decode {assembled.computed_tokens}"
+    )
+    assert first.children == () and sibling.children == ()
+    assert assembled.loaded == {"host": SHARED, "disk": disk_end - SHARED, "pd": len(ids) - disk_end}
+    assert assembled.nixl_bytes > 0 and assembled.failed_transfers == 0
+    assert first.equals(engines.expected["local"]) and sibling.equals(engines.expected["sibling"])
+    assert assembled.equals(engines.expected["local"])
 
 
 def test_dropin_multiconnector_config_runs_the_three_tiers(engines: Engines) -> None:

@@ -1,5 +1,5 @@
 """Load rules (``first-wins``, ``longest-hit``, ``ranges``) and the LoadRule defaults (``allocate``,
-``awaited``).
+``awaited``, ``deferred``, ``resume``).
 
 Only public behaviour, no vLLM: a scripted ``ask`` stands in for the children's
 ``get_num_new_matched_tokens`` and records every call, so "not asked" is counted, not assumed.
@@ -291,6 +291,37 @@ def test_select_allocate_awaited_together(is_async: bool, num_external_tokens: i
     assert rule.awaited(rule.allocate(sel, num_external_tokens)) == awaited
 
 
+# ------------------------------------------------------------------ deferred, resume (the Protocol's defaults)
+
+MIXED = (
+    Contribution(0, 0, 64, True),  # host
+    Contribution(1, 64, 128, False),  # disk: synchronous
+    Contribution(2, 192, 20, True),  # pd
+)
+
+
+def test_deferred_is_the_sync_part_of_a_load_with_an_async_part() -> None:
+    assert FirstWins().deferred(MIXED) == (MIXED[1],)
+    assert FirstWins().deferred(MIXED[1:2]) == ()  # a synchronous load alone runs at once
+    assert FirstWins().deferred((MIXED[0], MIXED[2])) == ()
+    assert FirstWins().deferred((Contribution(0, 0, 0, True), MIXED[1])) == ()  # nothing async to wait for
+    assert FirstWins().deferred(()) == ()
+
+
+@pytest.mark.parametrize(
+    ("kept", "given"),
+    [
+        (212, (MIXED[1],)),  # the whole load arrived
+        (192, (MIXED[1],)),  # pd failed at its first block: disk's range is still needed
+        (64, ()),  # host's range was kept, disk's is beyond what vLLM kept: dropped
+        (0, ()),  # host failed at its first block: vLLM computes the rest
+        (128, (Contribution(1, 64, 64, False),)),  # cut at what vLLM kept
+    ],
+)
+def test_resume_gives_the_deferred_part_below_what_vllm_kept(kept: int, given: tuple[Contribution, ...]) -> None:
+    assert FirstWins().resume((MIXED[1],), kept) == given
+
+
 # ------------------------------------------------------------------ ranges
 
 RANGE_CHILDREN = """
@@ -351,11 +382,31 @@ def test_ranges_waits_for_a_child_that_is_not_ready() -> None:
     assert select(rule, {0: (32, True), 1: (0, False), 2: (None, False)})[0] is NOT_READY
 
 
-def test_ranges_without_a_hit_and_with_a_mixed_mode() -> None:
+def test_ranges_without_a_hit() -> None:
     rule, _ = ranges()
     assert select(rule, {0: (0, False), 1: (0, False), 2: (0, False)})[0] == NO_HIT
-    sel, _ = select(rule, {0: (32, True), 1: (0, False), 2: (16, False)})
-    assert sel == chain((0, 0, 32))  # vLLM waits for a request's load as a whole: async only
+
+
+@pytest.mark.parametrize(
+    ("modes", "is_async", "deferred"),
+    [
+        ((True, False), True, (Contribution(2, 32, 16, False),)),  # async host, sync rest
+        ((False, True), True, (Contribution(0, 0, 32, False),)),  # sync prefix, async rest
+        ((False, False), False, ()),  # all sync: one phase, as before
+        ((True, True), True, ()),  # all async: one phase, as before
+    ],
+)
+def test_ranges_chains_sync_and_async_contributors_and_defers_the_sync_ones(
+    modes: tuple[bool, bool], is_async: bool, deferred: tuple[Contribution, ...]
+) -> None:
+    rule, _ = ranges()
+    sel, ask = select(rule, {0: (32, modes[0]), 1: (0, False), 2: (16, modes[1])})
+    assert ask.calls == [(0, 0), (2, 32)]
+    assert sel.tokens == 48 and sel.is_async is is_async  # vLLM waits when any part is async
+    assert sel.contributions == (Contribution(0, 0, 32, modes[0]), Contribution(2, 32, 16, modes[1]))
+    allocated = rule.allocate(sel, 48)
+    assert rule.deferred(allocated) == deferred
+    assert rule.awaited(allocated) == tuple(c.child for c in allocated if c.is_async)
 
 
 def test_ranges_vllm_allocating_fewer_tokens_cuts_the_last_ranges() -> None:
