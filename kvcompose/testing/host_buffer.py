@@ -29,11 +29,12 @@ method is missing:
 :func:`host_buffer_platform` changes exactly those: while it is active, the three modules above
 see :class:`HostBufferPlatform` as ``current_platform``, which is vLLM's CPU platform in every
 attribute but ``device_type`` (``"tpu"``: the platform whose only NIXL buffer is the host one,
-``_NIXL_SUPPORTED_DEVICE["tpu"] == ("cpu",)``) and the two block copies (the CUDA platform's
-code, written out because ``vllm.platforms.cuda`` does not import without CUDA; tests pin the
-text to vLLM's). Everything else runs unchanged: vLLM's NIXL worker and scheduler code (host
-buffer allocation and registration, the save and receive paths, the side-channel handshake),
-vLLM's ``copy_kv_blocks``, and NIXL itself.
+``_NIXL_SUPPORTED_DEVICE["tpu"] == ("cpu",)``) and the two block copies, which are the CUDA
+platform's own functions compiled from vLLM's source (:func:`vllm_block_copies`: that module does
+not import without CUDA). Everything else runs unchanged: vLLM's NIXL worker and scheduler code
+(host buffer allocation and registration, the save and receive paths, the side-channel
+handshake), vLLM's ``copy_kv_blocks``, and NIXL itself. ``tests/worker/test_host_buffer.py``
+pins every line named here.
 
 What is simulated: the "device". The KV cache the worker is given is host memory that stands for
 accelerator memory, so the device <-> host copies are host-to-host ``index`` copies here and the
@@ -45,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -57,42 +59,59 @@ PLATFORM_READERS = (
 )
 #: The accelerator the stand-in platform claims to be.
 DEVICE_TYPE = "tpu"
+#: The platform methods ``copy_kv_blocks`` calls, which the CPU platform lacks.
+BLOCK_COPIES = ("insert_blocks_to_device", "swap_out_blocks_to_host")
+#: The platform module they are taken from.
+COPIES_FROM = "vllm.platforms.cuda"
 
 
-def insert_blocks_to_device(
-    src_cache: torch.Tensor,
-    dst_cache: torch.Tensor,
-    src_block_indices: torch.Tensor,
-    dst_block_indices: torch.Tensor,
-) -> None:
-    """Copy blocks from src_cache to dst_cache on GPU."""
-    _src_cache = src_cache[src_block_indices]
-    dst_cache[dst_block_indices] = _src_cache.to(dst_cache.device)
+def vllm_block_copies(module: str = COPIES_FROM, names: tuple[str, ...] = BLOCK_COPIES) -> dict[str, Any]:
+    """The block copies of a vLLM platform, compiled from its source (the first parameter, the
+    platform class, unbound).
 
+    ``vllm.platforms.cuda`` does not import without CUDA (it loads ``vllm._C_stable_libtorch``),
+    but its ``insert_blocks_to_device`` / ``swap_out_blocks_to_host`` are plain torch indexing,
+    which runs on host tensors as it does on device ones. Compiled under the file's own name, so
+    a traceback points into vLLM's source.
+    """
+    import ast
+    import importlib.util
 
-def swap_out_blocks_to_host(
-    src_cache: torch.Tensor,
-    dst_cache: torch.Tensor,
-    src_block_indices: torch.Tensor,
-    dst_block_indices: torch.Tensor,
-) -> None:
-    """Copy blocks from GPU to host (CPU)."""
-    _src_cache = src_cache[src_block_indices]
-    dst_cache[dst_block_indices] = _src_cache.cpu()
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"host buffer: vLLM has no module {module} to take its block copies from")
+    tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
+    found: dict[str, list[ast.FunctionDef]] = {name: [] for name in names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name in found:
+            found[node.name].append(node)
+    wrong = {name: len(defs) for name, defs in found.items() if len(defs) != 1}
+    if wrong:
+        raise RuntimeError(
+            f"host buffer: expected one definition each of {list(names)} in {spec.origin}, found {wrong}; "
+            "the kit's stand-in platform needs vLLM's block copies (kvcompose/testing/host_buffer.py)"
+        )
+    defs = [found[name][0] for name in names]
+    for d in defs:
+        d.decorator_list = []  # @classmethod: bound to the stand-in's class below
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile(ast.Module(body=list(defs), type_ignores=[]), spec.origin, "exec"), namespace)
+    return {name: namespace[name] for name in names}
 
 
 class HostBufferPlatform:
     """vLLM's current platform, seen as an accelerator that stages NIXL transfers in host memory.
 
-    Every attribute is the wrapped platform's except :data:`DEVICE_TYPE` and the two block copies.
+    Every attribute is the wrapped platform's except :data:`DEVICE_TYPE` and the block copies
+    (:func:`vllm_block_copies`).
     """
 
     device_type = DEVICE_TYPE
-    insert_blocks_to_device = staticmethod(insert_blocks_to_device)
-    swap_out_blocks_to_host = staticmethod(swap_out_blocks_to_host)
 
-    def __init__(self, platform: Any) -> None:
+    def __init__(self, platform: Any, copies: dict[str, Any]) -> None:
         self._platform = platform
+        for name, fn in copies.items():
+            setattr(self, name, fn.__get__(type(self)))  # as classmethods of this class
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._platform, name)
@@ -121,7 +140,7 @@ def host_buffer_platform() -> Iterator[HostBufferPlatform]:
     modules = [importlib.import_module(name) for name in PLATFORM_READERS]
     if _users == 0:
         _originals.update({m.__name__: m.current_platform for m in modules})
-        stand_in = HostBufferPlatform(_originals[PLATFORM_READERS[0]])
+        stand_in = HostBufferPlatform(_originals[PLATFORM_READERS[0]], vllm_block_copies())
         for m in modules:
             m.current_platform = stand_in  # type: ignore[attr-defined]
     _users += 1
@@ -132,11 +151,6 @@ def host_buffer_platform() -> Iterator[HostBufferPlatform]:
         if _users == 0:
             for m in modules:
                 m.current_platform = _originals.pop(m.__name__)  # type: ignore[attr-defined]
-
-
-def host_buffer_active() -> bool:
-    """Whether a :func:`host_buffer_platform` block is open in this process."""
-    return _users > 0
 
 
 @dataclass(frozen=True)

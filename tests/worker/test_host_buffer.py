@@ -25,15 +25,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler, ba
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nixl_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import _NIXL_SUPPORTED_DEVICE
 
-from kvcompose.testing import host_buffer
 from kvcompose.testing.fake_nixl import FakeNixl, nixl_worker
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, prefill_request
 from kvcompose.testing.host_buffer import (
+    BLOCK_COPIES,
+    COPIES_FROM,
     DEVICE_TYPE,
     PLATFORM_READERS,
     CopyLog,
     HostBufferPlatform,
     host_buffer_platform,
+    vllm_block_copies,
 )
 from kvcompose.testing.kv import fill_random
 from kvcompose.testing.worker import WorkerHarness
@@ -103,18 +105,24 @@ def test_the_stand_in_reaches_every_module_of_the_path_that_reads_the_platform()
         assert importlib.import_module(name).current_platform is vllm.platforms.current_platform
 
 
-def _function_bodies(path: Path, names: tuple[str, ...]) -> dict[str, str]:
-    tree = ast.parse(path.read_text())
-    found = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in names}
-    return {name: ast.dump(ast.Module(body=found[name].body, type_ignores=[])) for name in names}
-
-
-def test_the_stand_ins_block_copies_are_the_cuda_platforms() -> None:
-    """``vllm.platforms.cuda`` does not import without CUDA, so its source is compared instead."""
-    spec = importlib.util.find_spec("vllm.platforms.cuda")
+def test_the_stand_ins_block_copies_are_the_cuda_platforms_classmethods() -> None:
+    """Compiled from ``vllm/platforms/cuda.py`` (which does not import without CUDA): vLLM's code."""
+    spec = importlib.util.find_spec(COPIES_FROM)
     assert spec is not None and spec.origin is not None
-    names = ("insert_blocks_to_device", "swap_out_blocks_to_host")
-    assert _function_bodies(Path(spec.origin), names) == _function_bodies(Path(host_buffer.__file__), names)
+    tree = ast.parse(Path(spec.origin).read_text())
+    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in BLOCK_COPIES}
+    for name in BLOCK_COPIES:  # classmethods: the stand-in binds its class as their first argument
+        assert [ast.unparse(d) for d in defs[name].decorator_list] == ["classmethod"], name
+        assert defs[name].args.args[0].arg == "cls", name
+    with host_buffer_platform() as stand_in:
+        for name in BLOCK_COPIES:
+            code = getattr(stand_in, name).__func__.__code__
+            assert (code.co_filename, code.co_firstlineno) == (spec.origin, defs[name].lineno), name
+
+
+def test_block_copies_missing_from_vllm_are_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match=r"expected one definition each of \['no_such_copy'\] in .*cuda.py"):
+        vllm_block_copies(names=("no_such_copy",))
 
 
 def test_vllms_copy_op_cannot_copy_on_the_cpu_platform() -> None:
@@ -200,17 +208,13 @@ def test_the_setting_turns_vllms_host_buffer_path_on_and_only_it(fake_nixl: Fake
 
 
 def composition(role: str, port: int) -> str:
-    return f"""
-version: 1
-connectors:
-  - name: pd
-    type: nixl
-    role: {role}
-    options: {{buffer_device: cpu, side_channel_host: 127.0.0.1, side_channel_port: {port}}}
-  - name: host
-    type: cpu-offload
-    options: {{cpu_bytes: 4MiB}}
-"""
+    """``pd`` (NIXL over host buffers) and a host tier beside it."""
+    nixl = f"{{buffer_device: cpu, side_channel_host: 127.0.0.1, side_channel_port: {port}}}"
+    return (
+        "version: 1\nconnectors:\n"
+        f"  - {{name: pd, type: nixl, role: {role}, options: {nixl}}}\n"
+        "  - {name: host, type: cpu-offload, options: {cpu_bytes: 4MiB}}\n"
+    )
 
 
 def test_pd_read_through_host_buffers_with_a_host_tier_beside_nixl(fake_nixl: FakeNixl) -> None:

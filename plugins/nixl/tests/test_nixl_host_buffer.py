@@ -191,7 +191,8 @@ def test_prefill_to_decode_through_host_buffers_every_byte_then_the_host_tier_se
         f"\nhost-buffer path: prefill d2h blocks {list(done.block_ids)} ({moved} B) -> NIXL READ {nixl_bytes} B "
         f"-> decode h2d blocks {ids} ({moved} B); every byte of {len(ids)} blocks x {len(d.layer_names)} layers "
         f"checked in the decode's KV cache and host buffer; copy op handed to: prefill "
-        f"{list(prefill.started.host_buffer_ops_to or ())}, decode {d.host_buffer_ops_to} (host: never)"
+        f"{list(prefill.started.host_buffer_ops_to or ())}, decode {d.host_buffer_ops_to} "
+        f"(never to: {[n for n in d.connector.names if n not in d.host_buffer_ops_to]})"
     )
     finish(d, prefill, "prefill-A")
 
