@@ -431,12 +431,12 @@ class WorkerHarness:
         )
 
     def _host_buffers(self) -> dict[str, torch.Tensor]:
-        from kvcompose.testing.fake_nixl import nixl_worker
-
-        buffers = nixl_worker(self).host_xfer_buffers
-        if not buffers:
-            raise ValueError("the NIXL worker has no host buffer (build the harness with host_buffer=True)")
-        return buffers
+        """The host transfer buffers of the (NIXL) worker that has them."""
+        for child in self._children().values():
+            buffers = getattr(getattr(child, "connector_worker", None), "host_xfer_buffers", None)
+            if buffers:
+                return dict(buffers)
+        raise ValueError("no worker here has a host transfer buffer (build the harness with host_buffer=True)")
 
     def _forward_writer(self, out: SchedulerOutput, then: LayerWrite | None) -> LayerWrite:
         """The per-layer write of :meth:`engine_step`'s ``write_blocks`` for one scheduler output.
