@@ -10,8 +10,8 @@ call the ``CopyBlocksOp`` the model runner hands over with ``set_host_xfer_buffe
 ``copy_kv_blocks``, which calls the platform's ``swap_out_blocks_to_host`` /
 ``insert_blocks_to_device`` per layer.
 
-On vLLM 0.32's CPU platform the path is off, decided from one platform fact, and one platform
-method is missing:
+On vLLM 0.32's CPU platform the path is off, decided from one platform fact, and the two
+platform methods its copy op calls are missing:
 
 - ``nixl/base_worker.py:682,696-697``: ``self.device_type = current_platform.device_type``, then
   ``if self.device_type == "cpu": self.use_host_buffer = False``;
@@ -197,8 +197,9 @@ class CopyLog:
 
 
 def record_receivers(connectors: dict[str, Any], method: str = "set_host_xfer_buffer_ops") -> list[str]:
-    """Wrap ``method`` on each of ``connectors`` (by name) (instance attribute): the returned list
-    fills with the names of those it is called on, and each call goes on to the connector's own.
+    """Wrap ``method`` on each of ``connectors`` (name -> connector, as an instance attribute):
+    the returned list fills with the names of those it is called on, and each call goes on to
+    the connector's own method.
 
     The composite resolves a child's method when it first forwards that call, so wrap before it.
     """
