@@ -50,16 +50,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvcompose.testing.host_buffer import CopyLog, host_buffer_platform, record_receivers
 from kvcompose.testing.kv import CPU_LAYOUT, EngineKV, make_engine_kv, pattern_for
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        CopyBlocksOp,
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+    )
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import KVConnectorOutput
@@ -98,6 +104,13 @@ def ensure_single_rank_distributed(vllm_config: VllmConfig) -> None:
         ensure_model_parallel_initialized(1, 1)
 
 
+def _vllm_copy_op() -> CopyBlocksOp:
+    """The copy op vLLM's model runner hands to the connector (``copy_kv_blocks``)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+
+    return copy_kv_blocks
+
+
 class WorkerHarness:
     """A worker-role connector over engine-shaped CPU KV caches, and one step at a time.
 
@@ -108,6 +121,13 @@ class WorkerHarness:
     caches are registered and the host-buffer copy op is set, as the model runner does at start.
     Workers that check the attention kernel's block size (NIXL's) need ``block_size=32`` (a
     multiple of 32: vLLM's CPU attention backend); build requests with the same block size.
+
+    With ``host_buffer`` vLLM's NIXL workers and schedulers built here take the host-buffer path
+    of an accelerator NIXL cannot register (the TPU path), with this harness's KV caches standing
+    for device memory (:mod:`kvcompose.testing.host_buffer`: what is real, what is simulated,
+    and the lines of vLLM that decide it); the copy op is then a :class:`CopyLog` around vLLM's
+    ``copy_kv_blocks`` (:attr:`copy_op`), and :attr:`host_buffer_ops_to` names the connectors
+    it was handed to.
     """
 
     def __init__(
@@ -123,6 +143,7 @@ class WorkerHarness:
         layout: str = CPU_LAYOUT,
         sliding_window: int | None = None,
         register: bool = True,
+        host_buffer: bool = False,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -144,6 +165,14 @@ class WorkerHarness:
             vllm_config=vllm_config,
         )
         ensure_single_rank_distributed(vllm_config)
+        # Open for the connectors' whole life: they read the platform again when they copy.
+        self._platform = ExitStack()
+        if host_buffer:
+            self._platform.enter_context(host_buffer_platform())
+        #: The copy op :meth:`register` hands over: vLLM's ``copy_kv_blocks``, logged with ``host_buffer``.
+        self.copy_op: CopyBlocksOp = CopyLog() if host_buffer else _vllm_copy_op()
+        #: With ``host_buffer``: the connectors (children, by name) the copy op was handed to.
+        self.host_buffer_ops_to: list[str] | None = None
         cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
         #: The worker-role connector under test.
         self.connector: KVConnectorBase_V1 = cls(vllm_config, KVConnectorRole.WORKER, self.kv.kv_cache_config)
@@ -200,10 +229,30 @@ class WorkerHarness:
 
     def register(self) -> None:
         """What the model runner does once the caches exist: register them, set the copy op."""
-        from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
-
+        if isinstance(self.copy_op, CopyLog):
+            self.host_buffer_ops_to = record_receivers(self._children())
         self.connector.register_kv_caches(self.kv.kv_caches)
-        self.connector.set_host_xfer_buffer_ops(copy_kv_blocks)
+        self.connector.set_host_xfer_buffer_ops(self.copy_op)
+
+    def publish_handshake(self) -> None:
+        """What the engine core does once its workers registered their KV caches: hand the
+        worker's handshake metadata (NIXL's agent metadata) to the scheduler's connector, whose
+        side-channel listener then serves it to peers (vLLM's ZMQ handshake, in a thread)."""
+        meta = self.connector.get_handshake_metadata()
+        conn = self.scheduler.connector
+        if meta is not None and conn is not None:
+            conn.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
+
+    def _children(self) -> dict[str, KVConnectorBase_V1]:
+        """The connectors that receive engine calls: the children by name, or the connector itself."""
+        from kvcompose.vllm.connector import KVComposeConnector
+
+        if isinstance(self.connector, KVComposeConnector):
+            return dict(zip(self.connector.names, self.connector.sub_connectors, strict=True))
+        children = getattr(self.connector, "_connectors", None)
+        if children is not None:
+            return {type(c).__name__: c for c in children}
+        return {type(self.connector).__name__: self.connector}
 
     def idle_metadata(self) -> KVConnectorMetadata:
         """The metadata the scheduler-role connector builds for a step with no request.
@@ -357,17 +406,37 @@ class WorkerHarness:
         index = self.kv.layer_names.index(layer)
         return pattern_for([*prefix, -1 - index], view.numel() * view.element_size())
 
-    def block_bytes(self, layer: str, block_id: int) -> torch.Tensor:
-        """A copy of one layer's block as flat bytes (int8): compares exactly, NaN patterns included."""
-        return self.kv.kv_caches[layer][block_id].contiguous().view(torch.int8).reshape(-1).clone()
+    def block_bytes(self, layer: str, block_id: int, *, host_buffer: bool = False) -> torch.Tensor:
+        """A copy of one layer's block as flat bytes (int8): compares exactly, NaN patterns included.
+
+        ``host_buffer``: the block in the NIXL worker's host transfer buffer instead of the KV cache.
+        """
+        caches = self._host_buffers() if host_buffer else self.kv.kv_caches
+        return caches[layer][block_id].contiguous().view(torch.int8).reshape(-1).clone()
 
     def holds_prefix(
-        self, block_id: int, prefix: list[int] | tuple[int, ...], layers: Iterable[str] | None = None
+        self,
+        block_id: int,
+        prefix: list[int] | tuple[int, ...],
+        layers: Iterable[str] | None = None,
+        *,
+        host_buffer: bool = False,
     ) -> bool:
         """Whether ``block_id`` holds, in every layer (or ``layers``), the bytes the stand-in
-        forward writes for ``prefix``."""
+        forward writes for ``prefix`` (``host_buffer``: in the NIXL worker's host buffer)."""
         names = self.kv.layer_names if layers is None else list(layers)
-        return all(torch.equal(self.block_bytes(n, block_id), self.expected_block(prefix, n)) for n in names)
+        return all(
+            torch.equal(self.block_bytes(n, block_id, host_buffer=host_buffer), self.expected_block(prefix, n))
+            for n in names
+        )
+
+    def _host_buffers(self) -> dict[str, torch.Tensor]:
+        """The host transfer buffers of the (NIXL) worker that has them."""
+        for child in self._children().values():
+            buffers = getattr(getattr(child, "connector_worker", None), "host_xfer_buffers", None)
+            if buffers:
+                return dict(buffers)
+        raise ValueError("no worker here has a host transfer buffer (build the harness with host_buffer=True)")
 
     def _forward_writer(self, out: SchedulerOutput, then: LayerWrite | None) -> LayerWrite:
         """The per-layer write of :meth:`engine_step`'s ``write_blocks`` for one scheduler output.
@@ -417,9 +486,12 @@ class WorkerHarness:
 
     def shutdown(self) -> None:
         """Shut the worker connector (and the scheduler's connector, if one was built) down."""
-        self.connector.shutdown()
-        if self._scheduler is not None and self._scheduler.connector is not None:
-            self._scheduler.connector.shutdown()
+        try:
+            self.connector.shutdown()
+            if self._scheduler is not None and self._scheduler.connector is not None:
+                self._scheduler.connector.shutdown()
+        finally:
+            self._platform.close()
 
     def __enter__(self) -> WorkerHarness:
         return self
