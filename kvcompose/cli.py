@@ -135,6 +135,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run(http=args.http, decodes=args.decodes)
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from kvcompose.e2e.node import NodeError
+    from kvcompose.e2e.server import ServerClient
+    from kvcompose.e2e.warmup import warm
+
+    try:
+        prefills = [ServerClient.at(u) for u in args.prefill]
+        decodes = [ServerClient.at(u) for u in args.decode]
+        warmed = warm(prefills, decodes, echo=print)
+    except NodeError as exc:
+        print(f"kvcompose warmup: {exc}", file=sys.stderr)
+        return 1
+    cold = [w for w in warmed if w.nixl_bytes <= 0]
+    for w in cold:
+        print(
+            f"kvcompose warmup: {w.prefill} -> {w.decode} moved nothing over NIXL: is the decode a kv_consumer "
+            "composition with a nixl child, and the prefill a kv_producer?",
+            file=sys.stderr,
+        )
+    return 1 if cold else 0
+
+
 def cmd_soak(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -307,6 +329,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
     s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
     s.set_defaults(func=cmd_bench)
+    s = _command(
+        sub,
+        "warmup",
+        "one small P/D request through every prefill/decode pair, so that no user request pays a "
+        "pair's first NIXL handshake and transfer (run after a deploy or a scale-out, before traffic)",
+        "kvcompose warmup --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200\n"
+        "kvcompose warmup --prefill $P1 --prefill $P2 --decode $D1 --decode $D2   # all 4 pairs",
+    )
+    s.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill server (repeatable)")
+    s.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode server (repeatable)")
+    s.set_defaults(func=cmd_warmup)
     s = _command(
         sub,
         "soak",

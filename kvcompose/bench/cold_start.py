@@ -16,6 +16,10 @@ sample is the decode engine's own time to first token (vLLM's ``first_token_late
 holds the NIXL handshake and pull. Every prompt is new. The figure per side is the first
 request's TTFT over the median TTFT of the requests after it; the target is at most 2.
 
+Each side runs twice per round: ``cold`` (the first request is a user's) and ``warmed`` (the pair
+first gets ``kvcompose warmup``'s one small P/D request, :func:`kvcompose.e2e.warmup.warm`, and the
+first measured request comes after it: what a user sees when instances are warmed before traffic).
+
 ``error_handling`` sets the NIXL children's ``ucx_error_handling`` (the examples say ``none``);
 ``run(error_handling="peer")`` measures NIXL's default, the cold start before the fix
 (``docs/performance.md`` 5d has both tables).
@@ -35,6 +39,8 @@ from kvcompose.e2e.node import EngineNode, EngineSpec, free_ports, wait_all_read
 from kvcompose.examples import EXAMPLES
 
 SIDES = ("NixlConnector", "kvcompose")
+#: Without and with a warm-up request before the measured ones.
+VARIANTS = ("cold", "warmed")
 PAIRS = 3  # fresh pairs per side (quick: 1)
 REQUESTS = 6  # per pair: the first, then the steady ones
 PROMPT_TOKENS = 600
@@ -54,9 +60,13 @@ def engine_spec(side: str, role: str, model: str, port: int, error_handling: str
     raise ValueError(f"unknown side {side!r}")
 
 
-def pair_ttfts(side: str, error_handling: str, model: str, logs: Path, seed: int, requests: int) -> list[float]:
-    """Start a fresh pair of ``side`` and time ``requests`` P/D requests in a row (decode TTFTs)."""
+def pair_ttfts(
+    side: str, error_handling: str, model: str, logs: Path, seed: int, requests: int, warmup: bool = False
+) -> list[float]:
+    """Start a fresh pair of ``side`` and time ``requests`` P/D requests in a row (decode TTFTs);
+    with ``warmup``, after one warm-up request (:func:`kvcompose.e2e.warmup.warm`)."""
     from kvcompose.e2e.flow import decode_request, token_prompt
+    from kvcompose.e2e.warmup import warm
 
     nodes = [
         EngineNode(engine_spec(side, role, model, port, error_handling), logs)
@@ -65,6 +75,8 @@ def pair_ttfts(side: str, error_handling: str, model: str, logs: Path, seed: int
     try:
         wait_all_ready(nodes)
         prefill, decode = nodes
+        if warmup:
+            warm([prefill], [decode])
         ttfts = []
         for i in range(requests):
             prompt = token_prompt(seed + i, PROMPT_TOKENS)
@@ -92,13 +104,16 @@ def run(
     pairs = repeats or (1 if quick else PAIRS)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-cold-"))
     model = str(make_model(0))
-    runs: dict[str, list[list[float]]] = {s: [] for s in SIDES}
+    series = [(side, variant) for variant in VARIANTS for side in SIDES]
+    runs: dict[str, list[list[float]]] = {_label(*s): [] for s in series}
     with engine_lock(echo=echo):
         for k in range(pairs):
-            for side in SIDES if k % 2 == 0 else SIDES[::-1]:
-                ttfts = pair_ttfts(side, error_handling, model, logs, 1_000 * (len(runs[side]) + 1) + 100 * k, REQUESTS)
-                runs[side].append(ttfts)
-                echo(f"   {side} pair {k + 1}: TTFT ms " + " ".join(f"{t * 1e3:.0f}" for t in ttfts))
+            for side, variant in series if k % 2 == 0 else series[::-1]:
+                label = _label(side, variant)
+                seed = 1_000 * (len(runs[label]) + 1) + 100 * k + (50 if variant == "warmed" else 0)
+                ttfts = pair_ttfts(side, error_handling, model, logs, seed, REQUESTS, warmup=variant == "warmed")
+                runs[label].append(ttfts)
+                echo(f"   {label} pair {k + 1}: TTFT ms " + " ".join(f"{t * 1e3:.0f}" for t in ttfts))
     cases, ratios = [], []
     for side, rows in runs.items():
         first, steady = Samples([r[0] for r in rows]), Samples([t for r in rows for t in r[1:]])
@@ -116,13 +131,19 @@ def run(
         pairs,
         quick,
         [
-            f"{pairs} fresh prefill/decode pair(s) per side, the sides alternating pair by pair; {REQUESTS} P/D "
+            f"{pairs} fresh prefill/decode pair(s) per side and variant, alternating pair by pair; {REQUESTS} P/D "
             f"requests per pair ({PROMPT_TOKENS}-token prompts, all new); a sample is the decode engine's TTFT "
             "(vLLM's first_token_latency: the NIXL handshake and pull are in it)",
             "first: each pair's first request; steady: the requests after it; ratio = first / steady "
             "(best = fastest first over fastest steady); worst_first_over_steady in the JSON",
             "kvcompose: the shipped examples; NixlConnector: each example's NIXL child alone (vLLM's NixlConnector "
             "via the nixl plugin, same options)",
+            "cold: the pair's first request is measured; after warm-up: `kvcompose warmup`'s one small P/D request "
+            "first (not measured), then the measured ones",
         ],
         {"pairs": pairs, "requests": REQUESTS, "error_handling": error_handling, "engine_logs": str(logs)},
     )
+
+
+def _label(side: str, variant: str) -> str:
+    return side if variant == "cold" else f"{side} after warm-up"

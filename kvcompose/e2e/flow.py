@@ -53,7 +53,10 @@ def tokens_key(child: str) -> str:
 
 class Engine(Protocol):
     """What the flow needs from an engine: an offline node (``node.EngineNode``) or an HTTP
-    server (``server.ServerNode``)."""
+    server (``server.ServerNode``, ``server.ServerClient``)."""
+
+    @property
+    def name(self) -> str: ...
 
     def generate(
         self,

@@ -254,6 +254,10 @@ class EngineNode:
             raise NodeError(f"{self.spec.name}: {op} failed: {msg['error']}")
         return msg["result"]
 
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -9,7 +9,8 @@ prints). It answers the calls the proxy flow makes (:class:`kvcompose.e2e.flow.E
 ``GET /metrics`` parsed into the keys :func:`~kvcompose.e2e.node.flatten_metrics` writes, and
 ``POST /reset_prefix_cache`` (a dev-mode route, so the server runs with ``VLLM_SERVER_DEV_MODE=1``).
 The server loads the demo model's tokenizer, so :meth:`ServerNode.complete` (text prompts) and
-:meth:`ServerNode.chat` (``/v1/chat/completions``) work too.
+:meth:`ServerNode.chat` (``/v1/chat/completions``) work too. :class:`ServerClient` makes the same
+calls to a server started elsewhere (``kvcompose warmup``).
 """
 
 from __future__ import annotations
@@ -222,15 +223,102 @@ def parse_chat(answer: dict[str, Any], wall_s: float) -> dict[str, Any]:
     }
 
 
-class ServerNode:
-    """One vLLM API server process; the same calls as :class:`~kvcompose.e2e.node.EngineNode`."""
+class ServerClient:
+    """The calls the proxy flow makes (:class:`kvcompose.e2e.flow.Engine`) to a vLLM API server
+    already running at ``url`` (serving ``model``), over HTTP."""
+
+    def __init__(self, name: str, url: str, model: str, died: Callable[[], str] | None = None) -> None:
+        self.url = url
+        self.model = model
+        self._name = name
+        self._http = HttpClient(name, url, died or (lambda: f"server at {url}"))
+        #: completions answered 200 (here or, through :meth:`answered_elsewhere`, sent by a
+        #: router), so that metrics() can wait for the counters to catch up
+        self._answered = 0
+
+    @classmethod
+    def at(cls, url: str, timeout: float = CALL_TIMEOUT_S) -> ServerClient:
+        """A client of the server at ``url``, serving the model its ``/v1/models`` names first."""
+        url = url.rstrip("/")
+        probe = HttpClient(url, url, lambda: f"server at {url}")
+        models = json.loads(probe.request("GET", "/v1/models", timeout=timeout))["data"]
+        if not models:
+            raise NodeError(f"{url}: GET /v1/models lists no model")
+        client = cls(url, url, models[0]["id"])
+        # What it answered before us: metrics() waits for the counters of our requests only.
+        client._answered = int(answered(parse_metrics(probe.request("GET", "/metrics", timeout=timeout).decode())))
+        return client
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        kv_transfer_params: list[dict[str, Any] | None] | None = None,
+        timeout: float = CALL_TIMEOUT_S,
+    ) -> list[dict[str, Any]]:
+        """One ``/v1/completions`` request per prompt (:func:`completion_body`); dicts shaped like
+        the offline node's (:func:`parse_completion`)."""
+        results = []
+        for i, prompt in enumerate(prompts):
+            body = completion_body(self.model, prompt, max_tokens)
+            kv = kv_transfer_params[i] if kv_transfer_params else None
+            if kv is not None:
+                body["kv_transfer_params"] = kv
+            t0 = time.perf_counter()
+            answer = self._http.post("/v1/completions", body, timeout)
+            self._answered += 1
+            results.append(parse_completion(answer, time.perf_counter() - t0))
+        return results
+
+    def complete(self, prompt: str | list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        """``POST /v1/completions`` (greedy unless ``extra`` says otherwise); the answer as is."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return self._answer("/v1/completions", body)
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        """``POST /v1/chat/completions`` (the model's chat template; greedy unless ``extra`` says
+        otherwise); the answer as is."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return self._answer("/v1/chat/completions", body)
+
+    def _answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        answer = self._http.post(path, body)
+        self._answered += 1
+        return answer
+
+    def answered_elsewhere(self, n: int = 1) -> None:
+        """Count ``n`` requests that reached this server from someone else (a router) and were
+        answered, so that :meth:`metrics` waits for their counters too."""
+        self._answered += n
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics``, parsed; waits (bounded) until every answered completion is counted."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while True:
+            got = parse_metrics(self._http.request("GET", "/metrics").decode())
+            if answered(got) >= self._answered or time.monotonic() >= deadline:
+                return got
+            time.sleep(0.05)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the engine's own (device) prefix cache; the connectors keep what they hold."""
+        return bool(json.loads(self._http.request("POST", "/reset_prefix_cache"))["success"])
+
+
+class ServerNode(ServerClient):
+    """One vLLM API server process started here; the same calls as
+    :class:`~kvcompose.e2e.node.EngineNode`."""
 
     def __init__(
         self, spec: EngineSpec, log_dir: Path, port: int | None = None, extra_env: dict[str, str] | None = None
     ) -> None:
         self.spec = spec
         self.port = port if port is not None else free_ports(1)[0]
-        self.url = f"http://{HOST}:{self.port}"
+        super().__init__(spec.name, f"http://{HOST}:{self.port}", spec.model, self._state)
         self.log_path = log_dir / f"{spec.name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         # Dev mode adds /reset_prefix_cache, which the repeated turns need.
@@ -245,16 +333,8 @@ class ServerNode:
             stderr=subprocess.STDOUT,
             env=env,
         )
-        self._http = HttpClient(spec.name, self.url, self._state)
         self.stage = "importing vllm"
         self.ready_info: dict[str, Any] | None = None
-        #: completions answered 200 (here or, through :meth:`answered_elsewhere`, sent by a
-        #: router), so that metrics() can wait for the counters to catch up
-        self._answered = 0
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
     def _state(self) -> str:
         state = "exited" if self.proc.poll() is not None else "running"
@@ -286,61 +366,6 @@ class ServerNode:
         for marker, stage in STAGES:
             if marker in text:
                 self.stage = stage
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_tokens: int,
-        kv_transfer_params: list[dict[str, Any] | None] | None = None,
-        timeout: float = CALL_TIMEOUT_S,
-    ) -> list[dict[str, Any]]:
-        """One ``/v1/completions`` request per prompt (:func:`completion_body`); dicts shaped like
-        the offline node's (:func:`parse_completion`)."""
-        results = []
-        for i, prompt in enumerate(prompts):
-            body = completion_body(self.spec.model, prompt, max_tokens)
-            kv = kv_transfer_params[i] if kv_transfer_params else None
-            if kv is not None:
-                body["kv_transfer_params"] = kv
-            t0 = time.perf_counter()
-            answer = self._http.post("/v1/completions", body, timeout)
-            self._answered += 1
-            results.append(parse_completion(answer, time.perf_counter() - t0))
-        return results
-
-    def complete(self, prompt: str | list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-        """``POST /v1/completions`` (greedy unless ``extra`` says otherwise); the answer as is."""
-        body = {"model": self.spec.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-        return self._answer("/v1/completions", body)
-
-    def chat(self, messages: list[dict[str, str]], max_tokens: int, **extra: Any) -> dict[str, Any]:
-        """``POST /v1/chat/completions`` (the model's chat template; greedy unless ``extra`` says
-        otherwise); the answer as is."""
-        body = {"model": self.spec.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
-        return self._answer("/v1/chat/completions", body)
-
-    def _answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        answer = self._http.post(path, body)
-        self._answered += 1
-        return answer
-
-    def answered_elsewhere(self, n: int = 1) -> None:
-        """Count ``n`` requests that reached this server from someone else (a router) and were
-        answered, so that :meth:`metrics` waits for their counters too."""
-        self._answered += n
-
-    def metrics(self) -> dict[str, float]:
-        """``/metrics``, parsed; waits (bounded) until every answered completion is counted."""
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while True:
-            got = parse_metrics(self._http.request("GET", "/metrics").decode())
-            if answered(got) >= self._answered or time.monotonic() >= deadline:
-                return got
-            time.sleep(0.05)
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop the engine's own (device) prefix cache; the connectors keep what they hold."""
-        return bool(json.loads(self._http.request("POST", "/reset_prefix_cache"))["success"])
 
     # ------------------------------------------------------------------ process
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcompose.cli import main
 from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose.e2e.flow import EXTERNAL, delta, drop_prefix_cache, routed_request, same_output, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
@@ -126,3 +127,14 @@ def test_a_prompt_the_servers_refuse_is_a_clear_error_and_the_stack_stays_up(sta
     (again,) = stack.router.generate([PROMPT], MAX_TOKENS)
     stack.decode.answered_elsewhere()
     assert same_output(again["token_ids"], again["logprobs"], stack.expected["ids"])
+
+
+def test_warmup_sends_one_small_pd_request_through_the_pair(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvcompose warmup`` against the running servers (its own clients, found by URL)."""
+    before = stack.decode.metrics()
+    assert main(["warmup", "--prefill", stack.prefill.url, "--decode", stack.decode.url]) == 0
+    out = capsys.readouterr().out
+    assert f"{stack.prefill.url} -> {stack.decode.url}: warm" in out and "B over NIXL" in out
+    stack.decode.answered_elsewhere()
+    moved = delta(before, stack.decode.metrics())
+    assert moved.get(EXTERNAL, 0) == 2 * BLOCK_SIZE  # the warm-up's two whole blocks, pulled
