@@ -387,6 +387,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if not contribs:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         fns = self.calls.by_child("get_external_cache_hit_sources")
+        if len(contribs) == 1:  # one loader, the usual case: its own answer, not a copy
+            fn = fns.get(contribs[0].child)
+            return {} if fn is None else fn(request, contribs[0].tokens)
         sources: dict[CacheHitSource, int] = {}
         for c in contribs:
             if c.child in fns:
