@@ -13,6 +13,7 @@ Usage: ``python scripts/scheduler_opcodes.py [--requests 1 16 128] [--steps 100]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from types import FrameType
@@ -26,6 +27,8 @@ SIDES = ("MultiConnector", "kvcompose")
 def _where(frame: FrameType) -> str:
     code = frame.f_code
     path = code.co_filename.split("site-packages/")[-1]
+    if os.path.isabs(path) and path.startswith(os.getcwd() + os.sep):
+        path = os.path.relpath(path)
     return f"{path}:{code.co_qualname}"
 
 
