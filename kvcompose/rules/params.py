@@ -33,6 +33,8 @@ class Owners(ParamsRule):
         self._warned: set[tuple[int, str]] = set()
 
     def merge(self, results: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+        if not any(results):  # most finished requests: no child returned params
+            return None
         merged: dict[str, Any] = {}
         source: dict[str, int] = {}
         for i, params in enumerate(results):
@@ -62,6 +64,8 @@ class Strict(ParamsRule):
         self.names = [c.name for c in children]
 
     def merge(self, results: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+        if not any(results):  # most finished requests: no child returned params
+            return None
         merged: dict[str, Any] = {}
         source: dict[str, int] = {}
         for i, params in enumerate(results):

@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcompose.vllm")
 
+#: "No child sent any", shared by every step that has none (read, never written).
+_NONE: dict[str, Any] = {}
+
 
 class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     """Children and rules from a kvcompose composition, behind vLLM's connector interface.
@@ -176,7 +179,10 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
-        return all(c.supports_divergent_local_hybrid_hits for c in self._connectors)
+        for c in self._connectors:  # asked per lookup: a loop, not a generator
+            if not c.supports_divergent_local_hybrid_hits:
+                return False
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -301,22 +307,21 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         # Every step, on the scheduler and each worker: one loop, no helper call or second pass
         # (docs/performance.md: scheduler step, before/after).
         data: dict[str, KVConnectorStats] = {}
-        classes: dict[str, str] = {}
         for i, fn in self.calls["get_kv_connector_stats"]:
             stats = fn()
             if stats is not None:
-                name = self.names[i]
-                data[name], classes[name] = stats, self._classes[name]
+                data[self.names[i]] = stats
         loads = self._loads.take_stats()
         if loads is not None:
-            data[STATS_KEY], classes[STATS_KEY] = loads, self._classes[STATS_KEY]
+            data[STATS_KEY] = loads
         changes = self.calls.monitor.take_changes()
         if changes:
             health = ChildStateStats()
             for child, state in changes.items():
                 health.changed(self._instance, self.names[child], state)
-            data[HEALTH_KEY], classes[HEALTH_KEY] = health, self._classes[HEALTH_KEY]
-        return ComposedStats(data=data, connector_classes=classes) if data else None
+            data[HEALTH_KEY] = health
+        # The class table is shared, not copied: ComposedStats never writes into it.
+        return ComposedStats(data, self._classes) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         children = self.calls.named("get_kv_connector_kv_cache_events")
@@ -389,6 +394,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if not contribs:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         fns = self.calls.by_child("get_external_cache_hit_sources")
+        if len(contribs) == 1:  # one loader, the usual case: its own answer, not a copy
+            fn = fns.get(contribs[0].child)
+            return {} if fn is None else fn(request, contribs[0].tokens)
         sources: dict[CacheHitSource, int] = {}
         for c in contribs:
             if c.child in fns:
@@ -415,7 +423,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         metas: list[Any] = [None] * len(self._connectors)  # a bypassed child's slot stays None
         for i, fn in self.calls["build_connector_meta"]:
             metas[i] = fn(scheduler_output)
-        return ComposedMetadata(self.plan.metadata.pack(metas), *loads.take_announcements())
+        started, saves, abandoned = loads.take_announcements()
+        return ComposedMetadata(self.plan.metadata.pack(metas), started, saves, abandoned)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.finished_recving:
@@ -428,8 +437,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             connector_output.finished_recving = kept
         composed_meta = connector_output.kv_connector_worker_meta
         composed_events = connector_output.kv_cache_events
-        metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else {}
-        events = composed_events.children if isinstance(composed_events, ComposedKVEvents) else {}
+        metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else _NONE
+        events = composed_events.children if isinstance(composed_events, ComposedKVEvents) else _NONE
         try:  # each child sees only its own worker metadata and KV events
             for i, fn in self.calls["update_connector_output"]:
                 connector_output.kv_connector_worker_meta = metas.get(self.names[i])
@@ -439,14 +448,14 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             connector_output.kv_connector_worker_meta = composed_meta
             connector_output.kv_cache_events = composed_events
 
-    def _finished(self, request: Request, method: str, *args: Any) -> tuple[bool, dict[str, Any] | None]:
+    def _finished(self, request: Request, method: str, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         results: list[dict[str, Any] | None] = [None] * len(self._connectors)
         delaying: list[int] = []
         for i, fn in self.calls[method]:
-            delay, results[i] = fn(request, *args)
+            delay, results[i] = fn(request, block_ids)
             if delay:
                 delaying.append(i)
-        self._loads.finished(request.request_id, tuple(delaying))
+        self._loads.finished(request.request_id, tuple(delaying) if delaying else ())
         return bool(delaying), self.plan.params.merge(results)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -474,8 +483,16 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         )
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for _, fn in self.calls["take_events"]:
-            yield from fn()
+        # Every step: no generator of ours around the children's (one child: its own iterable).
+        entries = self.calls["take_events"]
+        if not entries:
+            return ()
+        if len(entries) == 1:
+            return entries[0][1]()
+        events: list[KVCacheEvent] = []
+        for _, fn in entries:
+            events.extend(fn())
+        return events
 
     def has_pending_block_frees(self) -> bool:
         return any([fn() for _, fn in self.calls["has_pending_block_frees"]])

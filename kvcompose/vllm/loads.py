@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcompose.vllm")
 
 _NOTHING: dict[str, tuple[int, ...]] = {}
+_NO_ANNOUNCEMENTS = (_NOTHING, _NOTHING, _NOTHING)
 
 
 def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
@@ -232,6 +233,8 @@ class RequestLoads:
         here: with async scheduling the scheduler may add to them while a worker still reads
         the last step's metadata.
         """
+        if not (self.new_loads or self.new_saves or self.new_abandoned):
+            return _NO_ANNOUNCEMENTS
         loads, saves = self.new_loads, self.new_saves
         if loads:
             self.new_loads = {}

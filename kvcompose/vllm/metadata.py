@@ -101,7 +101,8 @@ class ComposedStats(KVConnectorStats):
     even for connectors that are not in vLLM's registry.
     """
 
-    #: child name -> "module:Class" of the child connector (for Prometheus dispatch)
+    #: child name -> "module:Class" of the child connector (for Prometheus dispatch); may name
+    #: more children than ``data`` holds, and may be shared: never written into.
     connector_classes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,7 +128,7 @@ class ComposedStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if isinstance(other, ComposedStats):
-            self.connector_classes.update(other.connector_classes)
+            self.connector_classes = {**self.connector_classes, **other.connector_classes}
         for name, stats in other.data.items():
             mine = self.data.get(name)
             self.data[name] = stats if mine is None else mine.aggregate(stats)
@@ -141,7 +142,10 @@ class ComposedStats(KVConnectorStats):
         return {f"{name}.{k}": v for name, s in self.data.items() for k, v in s.reduce().items()}
 
     def is_empty(self) -> bool:
-        return all(s.is_empty() for s in self.data.values())
+        for s in self.data.values():  # every step: no generator (docs/performance.md: fifth round)
+            if not s.is_empty():
+                return False
+        return True
 
 
 class ComposedKVEvents(KVConnectorKVEvents):
