@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from kvcompose.e2e.flow import Engine, pd_request, token_prompt
 from kvcompose.e2e.node import BLOCK_SIZE
 
-#: Two whole blocks and one more token: the decode pulls real blocks, then computes a token.
+#: Two whole blocks and one more token: the decode pulls the KV of all of them (two blocks and a
+#: partial one) and computes none.
 WARMUP_TOKENS = 2 * BLOCK_SIZE + 1
 
 

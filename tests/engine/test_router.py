@@ -21,6 +21,7 @@ from kvcompose.e2e.model import kv_bytes_per_token, make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, NodeError, free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.warmup import WARMUP_TOKENS
 from kvcompose.examples import EXAMPLES
 from tests.engine.stack import Nodes, module_stack
 
@@ -137,4 +138,4 @@ def test_warmup_sends_one_small_pd_request_through_the_pair(stack: Stack, capsys
     assert f"{stack.prefill.url} -> {stack.decode.url}: warm" in out and "B over NIXL" in out
     stack.decode.answered_elsewhere()
     moved = delta(before, stack.decode.metrics())
-    assert moved.get(EXTERNAL, 0) == 2 * BLOCK_SIZE  # the warm-up's two whole blocks, pulled
+    assert moved.get(EXTERNAL, 0) == WARMUP_TOKENS  # the decode pulled every token's KV, computed none
