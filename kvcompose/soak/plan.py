@@ -60,6 +60,10 @@ NEW_TOKENS = (40, 200)
 DIRECT_HANG_UP_S = (0.0, 0.03)
 
 
+#: How a client hangs up (:class:`HangUp`).
+HANG_UP_PATHS = ("router", "direct")
+
+
 @dataclass(frozen=True)
 class HangUp:
     """When a request's client hangs up. ``router``: through the router, ``at`` times the answered

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvcompose.soak.drive import FINAL, OUTCOMES, Outcome
+from kvcompose.soak.plan import HANG_UP_PATHS, Request
 from kvcompose.soak.stack import GAUGES, ROLES, Sample
 
 #: Answers that differ from the baseline by at most this much in a token's logprob are "close"
@@ -146,6 +147,11 @@ def by_request(outcomes: list[Outcome]) -> dict[str, int]:
     """Requests by final outcome: answered, hung-up, or gave-up (no attempt got through)."""
     got = Counter(o.kind if o.kind in FINAL else "gave-up" for o in finals(outcomes).values())
     return {k: got.get(k, 0) for k in ("answered", "hung-up", "gave-up")}
+
+
+def hang_ups(requests: list[Request]) -> dict[str, int]:
+    """The plan's hang-ups by path (``router``, ``direct``), zeros included."""
+    return {path: sum(1 for r in requests if r.hang_up and r.hang_up.path == path) for path in HANG_UP_PATHS}
 
 
 def during(outcomes: list[Outcome], outages: list[tuple[str, float, float]], slack_s: float = 15.0) -> int:

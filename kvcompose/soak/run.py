@@ -20,7 +20,6 @@ import dataclasses
 import re
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from kvcompose.soak.report import (
     by_request,
     count,
     during,
+    hang_ups,
     last_counters,
     quantile,
     quiet_problems,
@@ -110,7 +110,7 @@ def run(options: SoakOptions, work: Path | None = None, echo: Callable[[str], No
         events=injector.events,
         wall_s=time.monotonic() - t_start,
         requests=requests_by,
-        hang_ups=dict(Counter(r.hang_up.path for r in requests if r.hang_up) + Counter(router=0, direct=0)),
+        hang_ups=hang_ups(requests),
         attempts=attempts,
         first_errors=_first_errors(load.outcomes),
         failed_during_outages=during(load.outcomes, injector.outages),

@@ -17,7 +17,7 @@ from kvcompose.compose import load
 from kvcompose.e2e.node import free_ports
 from kvcompose.soak.drive import Injector, Load, Outcome, send
 from kvcompose.soak.plan import FLAKY, QUICK, SoakOptions, decode_composition, plan
-from kvcompose.soak.report import Comparison, SoakReport, by_request, during, quiet_problems
+from kvcompose.soak.report import Comparison, SoakReport, by_request, during, hang_ups, quiet_problems
 
 
 def test_a_plan_is_drawn_from_its_seed_alone() -> None:
@@ -30,6 +30,8 @@ def test_a_plan_is_drawn_from_its_seed_alone() -> None:
     assert 0.15 * n <= fa.kill_prefill_at <= 0.35 * n < 0.55 * n <= fa.kill_decode_at <= 0.75 * n
     hang = [r.hang_up for r in a if r.hang_up is not None]
     assert {h.path for h in hang} == {"router", "direct"}
+    assert hang_ups(a) == {p: sum(h.path == p for h in hang) for p in ("router", "direct")}
+    assert hang_ups(plan(SoakOptions(requests=20, hangups=0.0))[0]) == {"router": 0, "direct": 0}
     # Prompts share prefixes (the host tier's work): a prefix of 256 tokens recurs.
     assert len({tuple(r.prompt[:256]) for r in a}) <= QUICK.prefixes < len(a)
 
