@@ -240,13 +240,13 @@ class ServerClient:
     def at(cls, url: str, timeout: float = CALL_TIMEOUT_S) -> ServerClient:
         """A client of the server at ``url``, serving the model its ``/v1/models`` names first."""
         url = url.rstrip("/")
-        probe = HttpClient(url, url, lambda: f"server at {url}")
-        models = json.loads(probe.request("GET", "/v1/models", timeout=timeout))["data"]
+        client = cls(url, url, "")
+        models = json.loads(client._http.request("GET", "/v1/models", timeout=timeout))["data"]
         if not models:
             raise NodeError(f"{url}: GET /v1/models lists no model")
-        client = cls(url, url, models[0]["id"])
+        client.model = models[0]["id"]
         # What it answered before us: metrics() waits for the counters of our requests only.
-        client._answered = int(answered(parse_metrics(probe.request("GET", "/metrics", timeout=timeout).decode())))
+        client._answered = int(answered(client._scrape(timeout)))
         return client
 
     @property
@@ -299,10 +299,13 @@ class ServerClient:
         """``/metrics``, parsed; waits (bounded) until every answered completion is counted."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while True:
-            got = parse_metrics(self._http.request("GET", "/metrics").decode())
+            got = self._scrape()
             if answered(got) >= self._answered or time.monotonic() >= deadline:
                 return got
             time.sleep(0.05)
+
+    def _scrape(self, timeout: float = CALL_TIMEOUT_S) -> dict[str, float]:
+        return parse_metrics(self._http.request("GET", "/metrics", timeout=timeout).decode())
 
     def reset_prefix_cache(self) -> bool:
         """Drop the engine's own (device) prefix cache; the connectors keep what they hold."""

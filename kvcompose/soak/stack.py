@@ -4,7 +4,6 @@ Kubernetes pod restart does), and a sampler of every engine's gauges through the
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -61,11 +60,7 @@ class Stack:
     def __init__(self, model: str, decode_yaml: Path, logs: Path, concurrency: int) -> None:
         self.model = model
         self.logs = logs
-        site = install_entry_point(logs.parent / "site")
-        self._env = {
-            "decode": {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)},
-            "prefill": {},
-        }
+        self._env = {"decode": install_entry_point(logs.parent / "site"), "prefill": {}}
         p_side, d_side = free_ports(2)
         blocks = BLOCKS_PER_CLIENT * concurrency + 32
         specs = {  # in ROLES order
@@ -75,7 +70,6 @@ class Stack:
         self.servers: dict[str, ServerNode] = {}
         #: Every server process started, killed ones included, with whether the soak killed it.
         self.processes: list[tuple[ServerNode, bool]] = []
-        self._restarts = 0
         try:
             for role, spec in specs.items():
                 self._start(role, spec)
@@ -107,11 +101,10 @@ class Stack:
         self.processes = [(n, k or n is node) for n, k in self.processes]
 
     def restart(self, role: str) -> None:
-        """A fresh server for ``role`` on the killed one's ports (its log: ``<role>-<n>.log``);
-        returns once it answers ``/health``."""
+        """A fresh server for ``role`` on the killed one's ports (its log: ``<role>-<n>.log``, ``n``
+        the server processes started before it); returns once it answers ``/health``."""
         old = self.servers[role]
-        self._restarts += 1
-        node = self._start(role, replace(old.spec, name=f"{role}-{self._restarts + 1}"), old.port)
+        node = self._start(role, replace(old.spec, name=f"{role}-{len(self.processes)}"), old.port)
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while not node.poll_ready(1.0):
             if time.monotonic() > deadline:

@@ -6,6 +6,7 @@ Nothing here imports vLLM: the classes vLLM instantiates live in :mod:`kvcompose
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -192,13 +193,13 @@ def registered(plugins: Plugins | None = None) -> Iterator[Plugins]:
 ENTRY_POINT = "kit-types"
 
 
-def install_entry_point(site: Path) -> Path:
+def install_entry_point(site: Path) -> dict[str, str]:
     """Offer these types to other processes as an installed plugin would: a distribution in
-    ``site`` whose ``kvcompose`` entry point is this module. Put ``site`` on a process's
-    ``PYTHONPATH`` and a real engine there can run ``type: faulty`` (the kit's fixtures register
-    the types only in the test's own process)."""
+    ``site`` whose ``kvcompose`` entry point is this module. Returns the environment to add to a
+    process's (``PYTHONPATH`` with ``site`` first): a real engine started with it can run
+    ``type: faulty`` (the kit's fixtures register the types only in the test's own process)."""
     dist = site / "kvcompose_kit_types-0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcompose-kit-types\nVersion: 0\n")
     (dist / "entry_points.txt").write_text(f"[kvcompose]\n{ENTRY_POINT} = {__name__}\n")
-    return site
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}

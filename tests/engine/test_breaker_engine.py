@@ -10,7 +10,6 @@ Run under ``flock /tmp/kvcompose-engines.lock`` on a shared machine.
 
 from __future__ import annotations
 
-import os
 import re
 import tempfile
 import time
@@ -56,11 +55,10 @@ def engines() -> Iterator[tuple[EngineNode, EngineNode]]:
         root = Path(tmp)
         composition = root / "breaker.yaml"
         composition.write_text(COMPOSITION)
-        site = install_entry_point(root / "site")
-        path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+        kit_types = install_entry_point(root / "site")
         model = str(make_model(0))
         baseline = EngineNode(EngineSpec("baseline", model), root / "logs")
-        composed = EngineNode(EngineSpec("breaker", model, str(composition)), root / "logs", {"PYTHONPATH": path})
+        composed = EngineNode(EngineSpec("breaker", model, str(composition)), root / "logs", kit_types)
         try:
             wait_all_ready([baseline, composed])
             yield baseline, composed
