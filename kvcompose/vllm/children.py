@@ -27,9 +27,11 @@ from kvcompose.config import to_builtins
 from kvcompose.migrate import announce_dropin, is_dropin, source
 from kvcompose.migrate import child_configs as listed_configs
 from kvcompose.rules.checks import layout_conflict
-from kvcompose.vllm.health import ChildStatePromMetrics, ChildStateStats
-from kvcompose.vllm.loadstats import ChildLoadPromMetrics, ChildLoadStats
-from kvcompose.vllm.metadata import ComposedStats, qualname
+from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
+from kvcompose.vllm.health import ChildStatePromMetrics
+from kvcompose.vllm.loadstats import STATS_KEY as LOADS_KEY
+from kvcompose.vllm.loadstats import ChildLoadPromMetrics
+from kvcompose.vllm.metadata import ComposedStats
 
 #: Under vLLM's logger, whose handler and ``VLLM_LOGGING_LEVEL`` an engine's log already has.
 vllm_log = init_logger("vllm.kvcompose")
@@ -54,6 +56,11 @@ def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:
         KVTransferConfig(**{"engine_id": ktc.engine_id, **entry})
         for entry in listed_configs(ktc.kv_connector_extra_config, ktc.kv_role)
     ]
+
+
+def child_names(ktc: KVTransferConfig) -> list[str]:
+    """The children's names, in the order of :func:`child_configs`."""
+    return [c.name for c in source(ktc.kv_connector_extra_config, ktc.kv_role).composition.connectors]
 
 
 def child_classes(vllm_config: VllmConfig) -> list[tuple[type[KVConnectorBase_V1], VllmConfig]]:
@@ -97,8 +104,7 @@ class ClassLevelAnswers:
 def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
     """The one layout the children need (None: any); raises when they disagree."""
     assert vllm_config.kv_transfer_config is not None
-    ktc = vllm_config.kv_transfer_config
-    names = [c.name for c in source(ktc.kv_connector_extra_config, ktc.kv_role).composition.connectors]
+    names = child_names(vllm_config.kv_transfer_config)
     layouts = {
         name: cls.get_required_kvcache_layout(cfg)
         for name, (cls, cfg) in zip(names, child_classes(vllm_config), strict=True)
@@ -119,7 +125,8 @@ def requires_piecewise_for_cudagraph(extra_config: dict[str, Any]) -> bool:
 
 
 class ComposedPromMetrics(KVConnectorPromMetrics):
-    """Dispatches each child's stats to the Prometheus metrics of its class."""
+    """Dispatches each child's stats, found by the child's name, to the Prometheus metrics of
+    its class (one metric family per class: two children of one class share it)."""
 
     def __init__(
         self,
@@ -129,19 +136,23 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._by_class: dict[str, KVConnectorPromMetrics] = {}
-        for child_cls, cfg in child_classes(vllm_config):
-            key = qualname(child_cls)
-            if key in self._by_class:
-                continue  # one metric family per class: a second registration would clash
-            prom = child_cls.build_prom_metrics(cfg, metric_types, labelnames, per_engine_labelvalues)
+        assert vllm_config.kv_transfer_config is not None
+        by_class: dict[type[KVConnectorBase_V1], KVConnectorPromMetrics | None] = {}
+        self._by_name: dict[str, KVConnectorPromMetrics] = {}
+        names = child_names(vllm_config.kv_transfer_config)
+        for name, (child_cls, cfg) in zip(names, child_classes(vllm_config), strict=True):
+            if child_cls not in by_class:  # a second registration of one family would clash
+                by_class[child_cls] = child_cls.build_prom_metrics(
+                    cfg, metric_types, labelnames, per_engine_labelvalues
+                )
+            prom = by_class[child_cls]
             if prom is not None:
-                self._by_class[key] = prom
-        for stats, prom in ((ChildLoadStats, ChildLoadPromMetrics), (ChildStateStats, ChildStatePromMetrics)):
-            self._by_class[qualname(stats)] = prom(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+                self._by_name[name] = prom
+        for key, prom_cls in ((LOADS_KEY, ChildLoadPromMetrics), (HEALTH_KEY, ChildStatePromMetrics)):
+            self._by_name[key] = prom_cls(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for entry in transfer_stats_data.values():
-            prom = self._by_class.get(entry.get("connector", "")) if isinstance(entry, dict) else None
-            if prom is not None:
+        for name, entry in transfer_stats_data.items():
+            prom = self._by_name.get(name)
+            if prom is not None and isinstance(entry, dict):
                 prom.observe(entry["data"], engine_idx)

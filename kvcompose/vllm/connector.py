@@ -45,7 +45,7 @@ from kvcompose.vllm.children import ClassLevelAnswers
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
 from kvcompose.vllm.health import ChildStateStats, instance_name
 from kvcompose.vllm.loads import RequestLoads, block_bytes
-from kvcompose.vllm.loadstats import STATS_KEY, ChildLoadStats
+from kvcompose.vllm.loadstats import STATS_KEY
 from kvcompose.vllm.metadata import (
     ComposedHandshakeMetadata,
     ComposedKVEvents,
@@ -53,7 +53,6 @@ from kvcompose.vllm.metadata import (
     ComposedStats,
     ComposedWorkerMetadata,
     from_vllm_results,
-    qualname,
     to_vllm_results,
 )
 
@@ -105,9 +104,6 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self._connectors: list[KVConnectorBase_V1] = [cls(cfg, role, kv_cache_config) for cls, cfg in classes]
         self.names: tuple[str, ...] = plan.names
         self._all_hma = all(supports_hma(c) for c in self._connectors)
-        self._classes = {n: qualname(type(c)) for n, c in zip(self.names, self._connectors, strict=True)}
-        self._classes[STATS_KEY] = qualname(ChildLoadStats)
-        self._classes[HEALTH_KEY] = qualname(ChildStateStats)
         self._instance = instance_name(role == KVConnectorRole.SCHEDULER)
         host = plan.host_buffer_owner
         self.calls = CallTable(
@@ -320,8 +316,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             for child, state in changes.items():
                 health.changed(self._instance, self.names[child], state)
             data[HEALTH_KEY] = health
-        # The class table is shared, not copied: ComposedStats never writes into it.
-        return ComposedStats(data, self._classes) if data else None
+        return ComposedStats(data) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         children = self.calls.named("get_kv_connector_kv_cache_events")
@@ -433,7 +428,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             withheld = len(connector_output.finished_recving) - len(kept)
             if withheld:
                 self.dropped_completions += withheld
-                self._loads.stats.withheld(withheld)
+                self._loads.counts().withheld(withheld)
             connector_output.finished_recving = kept
         composed_meta = connector_output.kv_connector_worker_meta
         composed_events = connector_output.kv_cache_events

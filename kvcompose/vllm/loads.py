@@ -79,7 +79,16 @@ class RequestLoads:
         #: Loads of ``new_loads`` whose child failed before the workers were told (request ->
         #: those children): the workers report them failed instead of waiting for them.
         self.new_abandoned: dict[str, tuple[int, ...]] = {}
-        self.stats = ChildLoadStats()
+        #: The load counters of the next report; none until something is counted, so that the
+        #: usual step, which counts nothing, asks nothing (docs/performance.md: sixth round).
+        self._report: ChildLoadStats | None = None
+
+    def counts(self) -> ChildLoadStats:
+        """The load counters of the next report (started by the first count since the last)."""
+        report = self._report
+        if report is None:
+            report = self._report = ChildLoadStats()
+        return report
 
     def selected(self, request_id: str, selection: Selection, num_computed_tokens: int) -> None:
         """A lookup's answer (never a ``NOT_READY``) at the local prefix ``num_computed_tokens``;
@@ -87,7 +96,7 @@ class RequestLoads:
         again only when it kept nothing of its load)."""
         if request_id not in self._looked_up:
             self._looked_up.add(request_id)
-            self.stats.lookup()
+            self.counts().lookup()
         if self.deferred:
             self.deferred.pop(request_id, None)
         if selection.contributions:
@@ -168,7 +177,7 @@ class RequestLoads:
 
     def _count(self, c: Contribution) -> None:
         blocks = -(-c.tokens // self._block_size)  # a range starts on a block boundary
-        self.stats.load(self._names[c.child], c.tokens, blocks * self._block_bytes)
+        self.counts().load(self._names[c.child], c.tokens, blocks * self._block_bytes)
 
     def unloaded_blocks(self) -> set[int]:
         """Blocks of deferred ranges that vLLM may have put in its prefix cache before they were
@@ -200,7 +209,7 @@ class RequestLoads:
         """The request finished; ``delaying`` children hold its blocks until they report. A
         deferred part not given yet is dropped."""
         if request_id in self.waiting:  # aborted mid-load: vLLM frees its blocks on the report
-            self.stats.aborted()
+            self.counts().aborted()
         self._selected.pop(request_id, None)
         self._loading.pop(request_id, None)
         self._looked_up.discard(request_id)
@@ -217,11 +226,9 @@ class RequestLoads:
                 self.new_abandoned[request_id] = self.new_abandoned.get(request_id, ()) + (child,)
 
     def take_stats(self) -> ChildLoadStats | None:
-        """The load counters since the last call, if any."""
-        if self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, ChildLoadStats()
-        return stats
+        """The load counters since the last call, if anything was counted."""
+        report, self._report = self._report, None
+        return report
 
     def take_announcements(
         self,

@@ -98,37 +98,26 @@ class ComposedStats(KVConnectorStats):
     """Stats per child, keyed by the child's name (two children of one class stay apart).
 
     Each entry remembers its stats class, so the front end can rebuild it from a plain dict
-    even for connectors that are not in vLLM's registry.
+    even for connectors that are not in vLLM's registry; the front end's Prometheus metrics
+    find the child's class by the entry's name (:class:`~kvcompose.vllm.children.ComposedPromMetrics`).
     """
-
-    #: child name -> "module:Class" of the child connector (for Prometheus dispatch); may name
-    #: more children than ``data`` holds, and may be shared: never written into.
-    connector_classes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         # vLLM calls this every step; a loop, not a comprehension (a frame per call on CPython
         # 3.11), and cached class names (docs/performance.md: scheduler step, before/after).
         out: dict[str, Any] = {}
-        classes = self.connector_classes
         for name, s in self.data.items():
-            out[name] = {"class": qualname(type(s)), "connector": classes.get(name, ""), "data": s.to_dict()}
+            out[name] = {"class": qualname(type(s)), "data": s.to_dict()}
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ComposedStats:
         out: dict[str, KVConnectorStats] = {}
-        classes: dict[str, str] = {}
         for name, entry in data.items():
-            if isinstance(entry, KVConnectorStats):
-                out[name] = entry
-            else:
-                out[name] = _resolve(entry["class"])(data=entry["data"])
-                classes[name] = entry.get("connector", "")
-        return cls(data=out, connector_classes=classes)
+            out[name] = entry if isinstance(entry, KVConnectorStats) else _resolve(entry["class"])(data=entry["data"])
+        return cls(data=out)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        if isinstance(other, ComposedStats):
-            self.connector_classes = {**self.connector_classes, **other.connector_classes}
         for name, stats in other.data.items():
             mine = self.data.get(name)
             self.data[name] = stats if mine is None else mine.aggregate(stats)

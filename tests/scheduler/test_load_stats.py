@@ -111,6 +111,24 @@ def test_prometheus_counters_labelled_by_child(kvcompose_scheduler: Factory) -> 
     )
 
 
+def test_the_front_end_finds_each_entrys_metrics_by_its_name(kvcompose_scheduler: Factory) -> None:
+    # The path vLLM's front end takes: the composite's stats as a plain dict, into the metrics
+    # the composite's class built from the engine's config.
+    registry = CollectorRegistry()
+    C = functools.partial(Counter, registry=registry)
+    sched = kvcompose_scheduler(TWO.format(a=16, b=0))
+    types = {Counter: C, Gauge: Gauge, Histogram: Histogram}
+    labels = {"model_name": "m", "engine": "0"}
+    prom = KVComposeConnector.build_prom_metrics(sched.vllm_config, types, list(labels), {0: list(labels.values())})  # type: ignore[arg-type]
+    sched.add_request(make_request(64))
+    sched.schedule()
+    stats = sched.connector.get_kv_connector_stats()
+    assert prom is not None and stats is not None
+    prom.observe({**stats.to_dict(), "not-a-child": {"class": "x:Y", "data": {}}})  # an unknown name is skipped
+    assert registry.get_sample_value("vllm:kvcompose_lookups_total", labels) == 1
+    assert registry.get_sample_value("vllm:kvcompose_loads_total", {**labels, "child": "a"}) == 1
+
+
 def test_a_request_aborted_while_its_load_is_in_flight_is_counted_once(kvcompose_scheduler: Factory) -> None:
     sched = kvcompose_scheduler(TWO.format(a=0, b=32))
     conn = sched.connector
