@@ -166,11 +166,7 @@ class LoadRule(Protocol):
         vLLM sees one load per request: it leaves ``WAITING_FOR_REMOTE_KVS`` when each of these
         children reported (the completion rule keeps that barrier). Empty for a synchronous load.
         """
-        awaited = []  # per allocation: a loop, not a generator (a frame per call on CPython 3.11)
-        for c in contributions:
-            if c.is_async and c.tokens > 0:
-                awaited.append(c.child)
-        return tuple(awaited)
+        return tuple(c.child for c in contributions if c.is_async and c.tokens > 0)
 
     def deferred(self, contributions: tuple[Contribution, ...]) -> tuple[Contribution, ...]:
         """Of :meth:`allocate`'s contributions, those whose ``update_state_after_alloc`` waits
@@ -186,16 +182,9 @@ class LoadRule(Protocol):
         forward pass that reads their KV. The default defers the synchronous contributions of
         a load that also has an asynchronous one; nothing otherwise.
         """
-        if len(contributions) < 2:  # one contributor (the usual load) has nothing to wait for
-            return ()
-        mixed, sync = False, []
-        for c in contributions:
-            if c.tokens > 0:
-                if c.is_async:
-                    mixed = True
-                else:
-                    sync.append(c)
-        return tuple(sync) if mixed else ()
+        if any(c.is_async and c.tokens > 0 for c in contributions):
+            return tuple(c for c in contributions if not c.is_async and c.tokens > 0)
+        return ()
 
     def resume(self, deferred: tuple[Contribution, ...], kept: int) -> tuple[Contribution, ...]:
         """The deferred contributions to give at the request's first schedule after its

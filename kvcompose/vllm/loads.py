@@ -149,11 +149,8 @@ class RequestLoads:
                 local + sum(c.tokens for c in contribs),
                 tuple(b for c in held for b in ids[(local + c.start) // bs : -(-(local + c.start + c.tokens) // bs)]),
             )
-        tokens = {}  # per allocation: loops, not comprehensions (a frame each on CPython 3.11)
-        for c in contribs:
-            if c not in held:
-                tokens[c.child] = c.tokens
-        return tokens, tuple(c.child for c in held) if held else ()
+        tokens = {c.child: c.tokens for c in contribs if c not in held}
+        return tokens, tuple(c.child for c in held)
 
     def _resume(self, d: Deferred) -> dict[int, int]:
         """The request is scheduled after its asynchronous load: what the rule gives the
