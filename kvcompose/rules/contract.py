@@ -356,9 +356,7 @@ class Isolation(FaultMonitor):
         return "open" if child in self._open else "closed"
 
     def take_changes(self) -> dict[int, ChildState]:
-        changes = self._changes
-        if changes:  # most steps change nothing: no new dict for them
-            self._changes = {}
+        changes, self._changes = self._changes, {}
         return changes
 
 

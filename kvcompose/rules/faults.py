@@ -122,9 +122,7 @@ class Breaker(FaultMonitor):
         return c.state if c is not None else "closed"
 
     def take_changes(self) -> dict[int, ChildState]:
-        changes = self._changes
-        if changes:  # most steps change nothing: no new dict for them
-            self._changes = {}
+        changes, self._changes = self._changes, {}
         return changes
 
     def _open(self, child: int, c: _Child, why: str) -> None:

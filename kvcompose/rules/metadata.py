@@ -25,12 +25,9 @@ class Merge(MetadataRule):
         self.names = tuple(names)
 
     def pack(self, metas: Sequence[Any]) -> dict[str, Any]:
-        try:  # every step: zip checks the count (no frame of ours, unlike a len() test first)
-            return dict(zip(self.names, metas, strict=True))
-        except ValueError:
-            raise MetadataMismatch(
-                f"{len(metas)} metadata entries for {len(self.names)} children {self.names}"
-            ) from None
+        if len(metas) != len(self.names):
+            raise MetadataMismatch(f"{len(metas)} metadata entries for {len(self.names)} children {self.names}")
+        return dict(zip(self.names, metas))
 
     def unpack(self, payload: Mapping[str, Any]) -> list[Any]:
         if tuple(payload) != self.names:
