@@ -79,8 +79,7 @@ class RequestLoads:
         #: Loads of ``new_loads`` whose child failed before the workers were told (request ->
         #: those children): the workers report them failed instead of waiting for them.
         self.new_abandoned: dict[str, tuple[int, ...]] = {}
-        #: The load counters of the next report; none until something is counted, so that the
-        #: usual step, which counts nothing, asks nothing (docs/performance.md: sixth round).
+        #: The load counters of the next report: none until something is counted.
         self._report: ChildLoadStats | None = None
 
     def counts(self) -> ChildLoadStats:
