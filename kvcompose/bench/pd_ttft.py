@@ -19,8 +19,9 @@ engine's own time from the request's arrival to its first token (vLLM's ``first_
 the pull, the scheduling and the connector hooks are in it, the client's IPC is not. The sides
 alternate request by request (the order flipping every repeat), so both share the machine's
 moments of load. NIXL READ is one-sided (the decode engine reads the prefill engine's memory), so
-which engine prefilled does not enter the decode's time beyond the finished-notification. Every
-prompt is new; one request each way before timing does the NIXL handshakes.
+which engine prefilled does not enter the decode's time beyond the finished-notification, once
+the prefill engine is idle again: the decode is sent :data:`SETTLE_S` after the prefill answered.
+Every prompt is new; one request each way before timing does the NIXL handshakes.
 
 Why the baseline goes through the nixl plugin's module path: vLLM's NIXL agent polls without
 sleeping, so an idle engine's worker burns a whole core (measured here: ~100% CPU at idle) and on
@@ -54,6 +55,13 @@ SIDES = ("NixlConnector", "kvcompose")
 PAIRS = (SIDES, ("NixlConnector", "kvcompose-pd-only"))
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
 REPEATS = 20  # measured requests per side and pair (quick: the minimum, 5); single TTFTs swing 10x here
+#: Pause between a prefill's answer and its decode: the prefill engine's own work after a request
+#: (its free, the NIXL notification, its host tier's stores) is done before the decode is timed.
+#: Here both engines share two cores, so without it that work landed in one side's TTFT at random
+#: (one engine of a pair twice as slow as the other, whichever its connector; docs/performance.md
+#: 5b); between two hosts it would not. The decode's TTFT is timed inside its engine, so the
+#: pause is not in it.
+SETTLE_S = 0.1
 
 
 # ---------------------------------------------------------------------------- the engine lock
@@ -182,6 +190,7 @@ def measure_pair(
             (other,) = [n for s, n in nodes.items() if s != side]
             prompt = token_prompt(next(seed), PROMPT_TOKENS)
             (p,) = other.generate([prompt], 1, [{"do_remote_decode": True}])
+            time.sleep(SETTLE_S)
             d = decode_request(nodes[side], prompt, 1, p["kv_transfer_params"])
             if d.nixl_bytes <= 0 or d.computed_tokens >= PROMPT_TOKENS:
                 raise RuntimeError(
@@ -241,7 +250,8 @@ def run(
         [
             "per pair: two engines, both kv_both, each prefilling for the other; a sample is one request's TTFT "
             "inside the decode engine (arrival to first token: NIXL pull, scheduling, connector hooks); the sides "
-            "alternate request by request",
+            f"alternate request by request; each decode is sent {SETTLE_S:g} s after its prefill answered (the prefill "
+            "engine idle again: the two engines share this host's cores)",
             "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
             "kvcompose-pd-only: the same composite with the NIXL child alone (the composite's own cost, without "
             "the host tier's lookups and stores); NixlConnector: the NIXL child with no composite (vLLM's "
