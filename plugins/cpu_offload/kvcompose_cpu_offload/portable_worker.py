@@ -277,13 +277,24 @@ class HostCopyBackend(CopyThreads):
     "device" KV cache and the pool are both DRAM, so a transfer is a set of memory copies
     (:func:`copy_runs`), one per run of consecutive blocks and group of evenly spaced layers
     (:func:`stack_regions`). They run on :class:`CopyThreads`, so the engine step that issues
-    a store does not wait for it.
+    a store does not wait for it; a transfer of at most :attr:`inline_copy_bytes` is copied in
+    the engine's thread instead (see there).
     """
 
     _what = "host copy"
+    #: Transfers of at most this many bytes are copied in the calling (engine) thread, their
+    #: event complete on return, instead of on a copy thread. Handing a transfer to a thread
+    #: wakes it in the middle of the engine's step, between the forward pass and the sampling of
+    #: the first token: on a busy host (here, 2 cores shared by two engines) the woken thread
+    #: takes the engine thread's core and the step waits 1-15 ms for it back, against 0.05 ms to
+    #: copy a 600-token prompt's 18 blocks of 32 KiB in place (docs/performance.md, 5d). 1 MiB
+    #: copies in about 0.1 ms; larger transfers (a 16-token block of an 8B model is 2 MiB) keep
+    #: the thread, so the step still never waits for a large copy. 0: every transfer on a thread.
+    inline_copy_bytes: ClassVar[int] = 1 << 20
 
     def __init__(self) -> None:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._block_bytes = 0
         self._store_queue = queue.SimpleQueue()
         self._load_queue = queue.SimpleQueue()
         self._store_thread = None
@@ -305,8 +316,35 @@ class HostCopyBackend(CopyThreads):
             self._pairs = [(as_array(d), as_array(h)) for (_, d), (_, h) in zip(dev, host)]
         else:
             self._pairs = [(as_array(device_regions[n]), as_array(host_regions[n])) for n in names]
+        self._block_bytes = sum(device[0].nbytes for device, _ in self._pairs)
         if self._store_thread is None:
             self._start_threads()
+
+    def launch_copy(
+        self,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        is_store: bool,
+        event_idx: int,
+        events_list: list[tuple[int, Any]],
+        wait_event: Any = None,
+    ) -> None:
+        """As :meth:`CopyThreads.launch_copy`, except that a transfer of at most
+        :attr:`inline_copy_bytes` is copied now, in the caller's thread (its event registered in
+        order and complete on return; a copy error is re-raised by the event, as from a thread)."""
+        if len(src_blocks) * self._block_bytes > self.inline_copy_bytes:
+            super().launch_copy(src_blocks, dst_blocks, is_store, event_idx, events_list, wait_event)
+            return
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destinations")
+        event = ThreadEvent(f"{self._what} {'store' if is_store else 'load'}")
+        events_list.append((event_idx, event))
+        try:
+            (self.store if is_store else self.load)(src_blocks, dst_blocks)
+        except Exception as exc:  # reported through the event, as a copy thread's error is
+            event.set_done(exc)
+        else:
+            event.set_done()
 
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""
