@@ -245,7 +245,8 @@ class CopyThreads:
         events_list: list[tuple[int, Any]],
         wait_event: Any = None,
     ) -> None:
-        """Queue the transfer for the store or load thread and register its event now.
+        """Queue the transfer for the store or load thread (or copy it now, see
+        :meth:`copies_in_place`) and register its event now.
 
         ``wait_event`` (vLLM's compute-done CUDA event) has no counterpart: on the CPU platform
         the forward pass has finished writing the KV when the worker issues its stores.
@@ -254,20 +255,30 @@ class CopyThreads:
             raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destinations")
         event = ThreadEvent(f"{self._what} {'store' if is_store else 'load'}")
         events_list.append((event_idx, event))
-        (self._store_queue if is_store else self._load_queue).put((list(src_blocks), list(dst_blocks), event))
+        if self.copies_in_place(len(src_blocks)):
+            self._run(src_blocks, dst_blocks, is_store, event)
+        else:
+            (self._store_queue if is_store else self._load_queue).put((list(src_blocks), list(dst_blocks), event))
+
+    def copies_in_place(self, num_blocks: int) -> bool:
+        """Whether a transfer of ``num_blocks`` blocks is copied now, in the caller's thread, instead
+        of on a copy thread (its event then complete when ``launch_copy`` returns). Never, here."""
+        return False
+
+    def _run(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool, event: ThreadEvent) -> None:
+        try:
+            (self.store if is_store else self.load)(src_blocks, dst_blocks)
+        except BaseException as exc:  # reported through the event, on the engine's thread
+            event.set_done(exc)
+        else:
+            event.set_done()
 
     def _io_loop(self, q: queue.SimpleQueue[Any], is_store: bool) -> None:
         while True:
             item = q.get()
             if item is None:  # the shutdown sentinel, queued behind every transfer: a drain
                 return
-            src_blocks, dst_blocks, event = item
-            try:
-                (self.store if is_store else self.load)(src_blocks, dst_blocks)
-            except BaseException as exc:  # reported through the event, on the engine's thread
-                event.set_done(exc)
-            else:
-                event.set_done()
+            self._run(item[0], item[1], is_store, item[2])
 
 
 class HostCopyBackend(CopyThreads):
@@ -320,31 +331,10 @@ class HostCopyBackend(CopyThreads):
         if self._store_thread is None:
             self._start_threads()
 
-    def launch_copy(
-        self,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-        is_store: bool,
-        event_idx: int,
-        events_list: list[tuple[int, Any]],
-        wait_event: Any = None,
-    ) -> None:
-        """As :meth:`CopyThreads.launch_copy`, except that a transfer of at most
-        :attr:`inline_copy_bytes` is copied now, in the caller's thread (its event registered in
-        order and complete on return; a copy error is re-raised by the event, as from a thread)."""
-        if len(src_blocks) * self._block_bytes > self.inline_copy_bytes:
-            super().launch_copy(src_blocks, dst_blocks, is_store, event_idx, events_list, wait_event)
-            return
-        if len(src_blocks) != len(dst_blocks):
-            raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destinations")
-        event = ThreadEvent(f"{self._what} {'store' if is_store else 'load'}")
-        events_list.append((event_idx, event))
-        try:
-            (self.store if is_store else self.load)(src_blocks, dst_blocks)
-        except Exception as exc:  # reported through the event, as a copy thread's error is
-            event.set_done(exc)
-        else:
-            event.set_done()
+    def copies_in_place(self, num_blocks: int) -> bool:
+        """Whether a transfer of ``num_blocks`` blocks is copied in the caller's thread
+        (:attr:`inline_copy_bytes`)."""
+        return num_blocks * self._block_bytes <= self.inline_copy_bytes
 
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""
