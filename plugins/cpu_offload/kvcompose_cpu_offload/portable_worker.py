@@ -245,7 +245,8 @@ class CopyThreads:
         events_list: list[tuple[int, Any]],
         wait_event: Any = None,
     ) -> None:
-        """Queue the transfer for the store or load thread and register its event now.
+        """Queue the transfer for the store or load thread (or copy it now, see
+        :meth:`copies_in_place`) and register its event now.
 
         ``wait_event`` (vLLM's compute-done CUDA event) has no counterpart: on the CPU platform
         the forward pass has finished writing the KV when the worker issues its stores.
@@ -254,20 +255,30 @@ class CopyThreads:
             raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destinations")
         event = ThreadEvent(f"{self._what} {'store' if is_store else 'load'}")
         events_list.append((event_idx, event))
-        (self._store_queue if is_store else self._load_queue).put((list(src_blocks), list(dst_blocks), event))
+        if self.copies_in_place(len(src_blocks)):
+            self._run(src_blocks, dst_blocks, is_store, event)
+        else:
+            (self._store_queue if is_store else self._load_queue).put((list(src_blocks), list(dst_blocks), event))
+
+    def copies_in_place(self, num_blocks: int) -> bool:
+        """Whether a transfer of ``num_blocks`` blocks is copied now, in the caller's thread, instead
+        of on a copy thread (its event then complete when ``launch_copy`` returns). Never, here."""
+        return False
+
+    def _run(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool, event: ThreadEvent) -> None:
+        try:
+            (self.store if is_store else self.load)(src_blocks, dst_blocks)
+        except BaseException as exc:  # reported through the event, on the engine's thread
+            event.set_done(exc)
+        else:
+            event.set_done()
 
     def _io_loop(self, q: queue.SimpleQueue[Any], is_store: bool) -> None:
         while True:
             item = q.get()
             if item is None:  # the shutdown sentinel, queued behind every transfer: a drain
                 return
-            src_blocks, dst_blocks, event = item
-            try:
-                (self.store if is_store else self.load)(src_blocks, dst_blocks)
-            except BaseException as exc:  # reported through the event, on the engine's thread
-                event.set_done(exc)
-            else:
-                event.set_done()
+            self._run(item[0], item[1], is_store, item[2])
 
 
 class HostCopyBackend(CopyThreads):
@@ -277,13 +288,24 @@ class HostCopyBackend(CopyThreads):
     "device" KV cache and the pool are both DRAM, so a transfer is a set of memory copies
     (:func:`copy_runs`), one per run of consecutive blocks and group of evenly spaced layers
     (:func:`stack_regions`). They run on :class:`CopyThreads`, so the engine step that issues
-    a store does not wait for it.
+    a store does not wait for it; a transfer of at most :attr:`inline_copy_bytes` is copied in
+    the engine's thread instead (see there).
     """
 
     _what = "host copy"
+    #: Transfers of at most this many bytes are copied in the calling (engine) thread, their
+    #: event complete on return, instead of on a copy thread. Handing a transfer to a thread
+    #: wakes it in the middle of the engine's step, between the forward pass and the sampling of
+    #: the first token: on a busy host (here, 2 cores shared by two engines) the woken thread
+    #: takes the engine thread's core and the step waits 1-15 ms for it back, against 0.05 ms to
+    #: copy a 600-token prompt's 18 blocks of 32 KiB in place (docs/performance.md, 5d). 1 MiB
+    #: copies in about 0.1 ms; larger transfers (a 16-token block of an 8B model is 2 MiB) keep
+    #: the thread, so the step still never waits for a large copy. 0: every transfer on a thread.
+    inline_copy_bytes: ClassVar[int] = 1 << 20
 
     def __init__(self) -> None:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._block_bytes = 0
         self._store_queue = queue.SimpleQueue()
         self._load_queue = queue.SimpleQueue()
         self._store_thread = None
@@ -305,8 +327,14 @@ class HostCopyBackend(CopyThreads):
             self._pairs = [(as_array(d), as_array(h)) for (_, d), (_, h) in zip(dev, host)]
         else:
             self._pairs = [(as_array(device_regions[n]), as_array(host_regions[n])) for n in names]
+        self._block_bytes = sum(device[0].nbytes for device, _ in self._pairs)
         if self._store_thread is None:
             self._start_threads()
+
+    def copies_in_place(self, num_blocks: int) -> bool:
+        """Whether a transfer of ``num_blocks`` blocks is copied in the caller's thread
+        (:attr:`inline_copy_bytes`)."""
+        return num_blocks * self._block_bytes <= self.inline_copy_bytes
 
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""

@@ -50,6 +50,12 @@ class Gate:
         self.open_.set()
 
 
+@pytest.fixture(autouse=True)
+def every_copy_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the copy threads: no transfer is small enough to be copied in place."""
+    monkeypatch.setattr(HostCopyBackend, "inline_copy_bytes", 0)
+
+
 @pytest.fixture
 def engine() -> Iterator[WorkerHarness]:
     h = WorkerHarness(

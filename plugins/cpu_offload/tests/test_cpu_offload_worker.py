@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from kvcompose.testing.kv import EngineKV, fill_random, make_engine_kv
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 from kvcompose_cpu_offload.portable_worker import (
     CompletedEvent,
+    HostCopyBackend,
     PortableDiskBackend,
     PortableSimpleCPUOffloadWorker,
     ThreadEvent,
@@ -190,6 +192,68 @@ def test_events_complete_in_order_across_steps() -> None:
     _assert_moved(kv, before, [1, 2, 3], [13, 14, 15])
     # A preemption flush with nothing in flight is a no-op, as in vLLM.
     worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+
+
+def test_small_transfers_are_copied_in_the_engine_thread_and_large_ones_on_the_copy_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transfer of at most ``inline_copy_bytes`` is done when ``wait_for_save`` / ``start_load_kv``
+    return (no thread woken inside the engine's step) and is reported in that step; a larger one
+    runs on the store or load thread. Both move the same bytes."""
+    kv = make_engine_kv(num_layers=2, block_size=16, num_blocks=24)
+    fill_random(kv, seed=11)
+    before = _snapshot(kv)
+    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
+    worker.register_kv_caches(kv.kv_caches)
+    block_bytes = sum(_bytes(view[0]).numel() for view in kv.kv_caches.values())
+    monkeypatch.setattr(HostCopyBackend, "inline_copy_bytes", 2 * block_bytes)
+    threads: list[str] = []
+    for method in ("store", "load"):
+        original = getattr(HostCopyBackend, method)
+
+        def recorded(backend: HostCopyBackend, src: list[int], dst: list[int], _original=original) -> None:
+            threads.append(threading.current_thread().name)
+            _original(backend, src, dst)
+
+        monkeypatch.setattr(HostCopyBackend, method, recorded)
+
+    _store(worker, 0, [3, 4], [0, 1])  # two blocks: in place
+    assert threads == [threading.current_thread().name]
+    worker.get_finished(set())  # the same step: already complete, no flush needed
+    assert worker.build_connector_worker_meta().completed_store_events == {0: 1}
+    worker.clear_connector_metadata()
+    _store(worker, 1, [5, 6, 7], [2, 3, 4])  # three blocks: the store thread
+    _flush(worker)
+    assert threads[1] == "kv-offload-host-copy-store"
+    worker.get_finished(set())
+    worker.clear_connector_metadata()
+
+    _load(worker, 0, [0, 1], [20, 21], ["small"])
+    assert threads[2] == threading.current_thread().name
+    assert worker.get_finished(set()) == (None, {"small"})
+    worker.clear_connector_metadata()
+    _load(worker, 1, [2, 3, 4], [12, 13, 14], ["large"])
+    _flush(worker)
+    assert threads[3] == "kv-offload-host-copy-load"
+    assert worker.get_finished(set()) == (None, {"large"})
+    _assert_moved(kv, before, [3, 4, 5, 6, 7], [20, 21, 12, 13, 14])
+    worker.shutdown()
+
+
+def test_an_in_place_copy_error_surfaces_through_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed in-place store is reported as a thread's is: by the event, on the engine thread."""
+    kv = make_engine_kv(num_blocks=16)
+    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
+    worker.register_kv_caches(kv.kv_caches)
+
+    def broken(backend: HostCopyBackend, src: list[int], dst: list[int]) -> None:
+        raise OSError("pool gone")
+
+    monkeypatch.setattr(HostCopyBackend, "store", broken)
+    _store(worker, 0, [1], [0])
+    with pytest.raises(RuntimeError, match="host copy store failed: pool gone"):
+        worker.get_finished(set())
+    worker.shutdown()
 
 
 def test_vllm_worker_fails_here_and_the_connector_swaps_it() -> None:
