@@ -129,7 +129,7 @@ connectors:
 )
 
 
-#: Side ``kvcompose-pd-only`` (not run by default): the same composite with its NIXL child
+#: Side ``kvcompose-pd-only`` (the second pair of :data:`PAIRS`): the same composite with its NIXL child
 #: alone, to tell the composite's own cost from the host tier's work (its lookups and stores).
 PD_ONLY = "version: 1\nconnectors:\n" + NIXL_CHILD
 
