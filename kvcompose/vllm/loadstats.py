@@ -54,9 +54,6 @@ class ChildLoadStats(KVConnectorStats):
     "bytes": {child: n}}`` since the last report."""
 
     def __post_init__(self) -> None:
-        if not self.data:  # the scheduler starts one per report with counts: no loops then
-            self.reset()
-            return
         for key in _TOTALS:
             self.data.setdefault(key, 0)
         for key in _PER_CHILD:
@@ -80,7 +77,7 @@ class ChildLoadStats(KVConnectorStats):
         counted_bytes[child] = counted_bytes.get(child, 0) + nbytes
 
     def reset(self) -> None:
-        self.data = {"lookups": 0, "withheld": 0, "aborted": 0, "loads": {}, "tokens": {}, "bytes": {}}
+        self.data = {**{key: 0 for key in _TOTALS}, **{key: {} for key in _PER_CHILD}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in _TOTALS:
@@ -99,10 +96,7 @@ class ChildLoadStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        # The scheduler asks every step: no generator (a frame per call on CPython 3.11;
-        # docs/performance.md: fifth round).
-        data = self.data
-        return not (data["lookups"] or data["withheld"] or data["aborted"] or data["loads"])
+        return not any(self.data[key] for key in _TOTALS) and not self.data["loads"]
 
 
 class ChildLoadPromMetrics(KVConnectorPromMetrics):
