@@ -8,6 +8,7 @@ breaker, let back.
 
 from __future__ import annotations
 
+import dis
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,22 +38,62 @@ NEUTRAL: dict[str, Any] = {
 }
 
 #: Calls whose implementation in vLLM's base class answers a constant that the composite's
-#: combination ignores (``None``, ``False``, an empty set or tuple) or does nothing. A child that
-#: inherits one unchanged is not called (docs/performance.md: worker step, before/after).
+#: combination ignores (an empty set or tuple, ``False``). A child that inherits one unchanged is
+#: not called (docs/performance.md: worker step, before/after).
 CONSTANT_IN_BASE = frozenset(
     {
-        "get_kv_connector_stats",
-        "get_kv_connector_kv_cache_events",
-        "build_connector_worker_meta",
         "get_block_ids_with_load_errors",
-        "finish_forward",
-        "reset_capture_state",
-        "on_new_request",
         "take_events",
         "has_pending_block_frees",
         "register_finished_partial_tail",
     }
 )
+
+#: Calls whose ``None`` answer the composite's combination drops (or whose answer it ignores). A
+#: child whose implementation of one has an empty body (vLLM's base class for most of them,
+#: NixlConnector's and the CPU tier's per-layer hooks) does nothing and answers ``None``, so it
+#: is not called (docs/performance.md: seventh round).
+NONE_IS_NOTHING = frozenset(
+    {
+        "register_kv_caches",
+        "set_host_xfer_buffer_ops",
+        "bind_kv_cache_manager",
+        "bind_gpu_block_pool",
+        "on_new_request",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "update_connector_output",
+        "bind_connector_metadata",
+        "clear_connector_metadata",
+        "handle_preemptions",
+        "start_load_kv",
+        "wait_for_layer_load",
+        "save_kv_layer",
+        "wait_for_save",
+        "finish_forward",
+        "reset_capture_state",
+        "get_kv_connector_stats",
+        "get_kv_connector_kv_cache_events",
+        "get_handshake_metadata",
+        "build_connector_worker_meta",
+        "get_mem_pool_context",
+        "set_xfer_handshake_metadata_pp_aware",
+    }
+)
+
+#: The instructions of a function that does nothing and answers ``None`` (``pass``, ``...``, a
+#: docstring alone or a bare ``return``), as CPython 3.11 and 3.12+ compile it.
+_EMPTY_BODIES = ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+_NOT_BODY = frozenset({"RESUME", "NOP", "CACHE"})
+
+
+def has_empty_body(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` (a function or bound method) does nothing but answer ``None``."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:  # a builtin, a partial, a mock: it may do something
+        return False
+    body = [(ins.opname, ins.argval) for ins in dis.get_instructions(code) if ins.opname not in _NOT_BODY]
+    return body in _EMPTY_BODIES
 
 
 #: Calls vLLM makes once per layer per step.
@@ -165,14 +206,17 @@ class CallTable(dict[str, list[Entry]]):
         return [
             (i, self._bind(i, method))
             for i in among
-            if (only is None or i in only) and not self._inherits_constant(i, method)
+            if (only is None or i in only) and not self._does_nothing(i, method)
         ]
 
-    def _inherits_constant(self, i: int, method: str) -> bool:
-        if method not in CONSTANT_IN_BASE or self._trace:  # tracing logs every child call
+    def _does_nothing(self, i: int, method: str) -> bool:
+        """Whether ``child i``'s ``method`` is known to do nothing the composite would use."""
+        if self._trace:  # tracing logs every child call
             return False
         fn = getattr(self._children[i], method)  # an instance attribute (a test's patch) is the child's own
-        return getattr(fn, "__func__", None) is getattr(KVConnectorBase_V1, method)
+        if method in NONE_IS_NOTHING:
+            return has_empty_body(fn)
+        return method in CONSTANT_IN_BASE and getattr(fn, "__func__", None) is getattr(KVConnectorBase_V1, method)
 
     def _bind(self, i: int, method: str, contain: bool = True) -> Callable[..., Any]:
         fn: Callable[..., Any] = getattr(self._children[i], method)
