@@ -88,7 +88,7 @@ def run(quick: bool = False, repeats: int | None = None, layers: int = LAYERS) -
         1e6,
         [Case(label, samples, {"steps_per_repeat": per_repeat})],
         [ratio(label, samples, "kvcompose", "MultiConnector")],
-        Target("<=", 1.0, "kvcompose", "MultiConnector"),
+        Target("<=", 0.9, "kvcompose", "MultiConnector"),
         reps,
         quick,
         [
