@@ -110,6 +110,27 @@ def _all_cores() -> Iterator[None]:
             os.sched_setaffinity(0, cores)
 
 
+@contextmanager
+def _one_core() -> Iterator[int | None]:
+    """Run the host-memory baselines and the worker's copy threads (created inside) on one core.
+
+    Both sides then run on the same core: on this 2-vCPU machine one core copied at 6-11 GB/s
+    while the other gave 10-11 in the same minute, so a copy thread that landed on the other
+    core than the baseline's thread moved the ratio by up to 2x (docs/performance.md, section 4).
+    The main thread only waits while a copy thread runs, so sharing a core costs neither side.
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        yield None
+        return
+    cores = os.sched_getaffinity(0)
+    core = min(cores)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
 def _ids(pattern: str, n: int, first: int, last: int, gen: torch.Generator) -> list[int]:
     """``n`` distinct block ids in ``[first, last)``: random, or one run at a random start."""
     if pattern == "scattered":
@@ -164,10 +185,12 @@ def run(
     torch.set_num_threads(1)  # one thread: the worker copies on one copy thread per direction
     try:
         cases, ratios = [], []
-        for size in sizes:
-            c, r = _sweep(GEOMETRY[size], per_copy, reps, gen)
-            cases += c
-            ratios += r
+        with _one_core() as core:
+            for size in sizes:
+                c, r = _sweep(GEOMETRY[size], per_copy, reps, gen)
+                cases += c
+                ratios += r
+        # The disk tier pipelines its staging copies with an I/O thread: it keeps every core.
         for size in disk_sizes:
             c, r = _disk_sweep(GEOMETRY[size], per_copy, reps, gen, disk_dir)
             cases += c
@@ -190,6 +213,8 @@ def run(
             "portable worker: from the metadata to the bytes in place (copy thread included); "
             f"{MEMCPY}: one memmove of the same bytes; {LOOP}: torch dst[d].copy_(src[s]) per block and layer",
             "one thread per copy; the machine is shared (2 cores), so samples are interleaved and judged on medians",
+            "host memory: every side on one core"
+            + (f" (core {core}: the baselines' thread and the worker's copy threads)" if core is not None else ""),
         ]
         + (
             [

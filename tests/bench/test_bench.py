@@ -82,9 +82,15 @@ def test_both_composites_do_the_same_scheduler_work() -> None:
 
 
 def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
+    import os
+
     from kvcompose.bench.cpu_copy import LOOP, MEMCPY, NUM_LAYERS, SUBJECT, run
 
+    cores = os.sched_getaffinity(0)
     r = run(quick=True, sizes=(16 * 1024,), repeats=5, bytes_per_copy=NUM_LAYERS * 16 * 1024 * 8)
+    # Both sides ran on one core, and the process has its cores back.
+    assert any(n.startswith(f"host memory: every side on one core (core {min(cores)}") for n in r.notes)
+    assert os.sched_getaffinity(0) == cores
     assert [c.label for c in r.cases] == [
         "store 16 KiB scattered",
         "load 16 KiB scattered",
