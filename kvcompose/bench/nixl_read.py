@@ -5,9 +5,18 @@ The target process registers a DRAM pool and publishes it as blocks of each size
 decode instance pulls a prompt's scattered blocks, and checks every byte it read. Baseline: a
 one-thread ``torch.index_select`` gather of the same bytes in the same pattern, in this process.
 
-Agents run without a progress thread and with ``ucx_error_handling_mode=none``
+Agents run without a progress thread (DRAM) and with ``ucx_error_handling_mode=none``
 (NIXL's default progress thread busy-spins a core, and with errmode
-``none`` notifications use shared memory and no target progress is needed). Block sizes: the
+``none`` notifications use shared memory and no target progress is needed).
+
+``memory="VRAM"`` puts the target's pool, the reader's buffer and the baseline on the first CUDA
+device instead (``"VRAM"`` descriptors; UCX picks the transport, GPU to GPU with ``cuda_ipc``
+where it offers it, through host memory where not) and enables the agents' progress threads
+(without them a VRAM READ stays in ``PROC``); the baseline is then ``index_select`` on that
+device. Not in
+``kvcompose bench`` (there is no GPU here): ``python -c "from kvcompose.bench import nixl_read;
+print(nixl_read.run(memory='VRAM').table())"`` on a CUDA machine with ``nixl-cu12`` or
+``nixl-cu13``. Block sizes: the
 per-layer K or V block of common models at vLLM's block size 16 (16 KiB: 8 KV heads x 64 dims
 fp16; 32 KiB: 8 x 128, Llama-3-8B; 64 KiB: 16 x 128) and the larger blocks of MLA/HND layouts.
 """
@@ -27,18 +36,33 @@ SIZES = (16 * KIB, 32 * KIB, 64 * KIB, 256 * KIB, 2048 * KIB)
 QUICK_SIZES = (16 * KIB, 256 * KIB)
 
 
-def _agent(name: str) -> Any:
+def _agent(name: str, memory: str = "DRAM") -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    # VRAM: UCX's GPU transfers need the target's progress too (a READ stays in PROC without it).
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=memory == "VRAM", backends=[]))
     agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
     return agent
 
 
-def _pattern(pool_bytes: int) -> Any:
+MEMORY = ("DRAM", "VRAM")
+
+
+def _device(memory: str) -> str:
+    """The torch device of ``memory`` (a NIXL memory type: :data:`MEMORY`)."""
     import torch
 
-    return (torch.arange(pool_bytes // 8, dtype=torch.int64) * 7 + 1000).view(torch.uint8)
+    if memory not in MEMORY:
+        raise ValueError(f"nixl_read: memory must be one of {MEMORY}, not {memory!r}")
+    if memory == "VRAM" and not torch.cuda.is_available():
+        raise RuntimeError("nixl_read: memory='VRAM' needs a CUDA device, and torch sees none here")
+    return "cuda:0" if memory == "VRAM" else "cpu"
+
+
+def _pattern(pool_bytes: int, device: str = "cpu") -> Any:
+    import torch
+
+    return (torch.arange(pool_bytes // 8, dtype=torch.int64, device=device) * 7 + 1000).view(torch.uint8)
 
 
 def _blocks(base: int, size: int, count: int) -> Any:
@@ -50,14 +74,14 @@ def _blocks(base: int, size: int, count: int) -> Any:
     return descs
 
 
-def _target(conn: Connection, pool_bytes: int, sizes: list[int]) -> None:
+def _target(conn: Connection, pool_bytes: int, sizes: list[int], memory: str = "DRAM") -> None:
     """The prefill side: publish the pool as blocks of every size, then wait to be told to stop."""
-    agent = _agent("kvcompose-bench-target")
-    buf = _pattern(pool_bytes)
+    agent = _agent("kvcompose-bench-target", memory)
+    buf = _pattern(pool_bytes, _device(memory))
     agent.register_memory(buf)
     descs = {
         size: agent.get_serialized_descs(
-            agent.get_xfer_descs(_blocks(buf.data_ptr(), size, pool_bytes // size), "DRAM")
+            agent.get_xfer_descs(_blocks(buf.data_ptr(), size, pool_bytes // size), memory)
         )
         for size in sizes
     }
@@ -66,18 +90,21 @@ def _target(conn: Connection, pool_bytes: int, sizes: list[int]) -> None:
     conn.recv()  # "stop"
 
 
-def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int | None = None) -> Result:
+def run(
+    quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int | None = None, memory: str = "DRAM"
+) -> Result:
     """READ throughput per block size; ratio NIXL READ / memcpy gather (higher is better)."""
     import numpy as np
     import torch
 
+    device = _device(memory)
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
     pool_bytes = (64 if quick else 256) * 1024 * KIB
     per_read = (16 if quick else 64) * 1024 * KIB
     reps = repeats or repeats_for(quick, full=9)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(there, pool_bytes, list(sizes)), daemon=True)
+    proc = ctx.Process(target=_target, args=(there, pool_bytes, list(sizes), memory), daemon=True)
     proc.start()
     cases: list[Case] = []
     ratios = []
@@ -85,21 +112,21 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
         if not here.poll(120):
             raise RuntimeError("nixl_read: the target process did not publish its agent within 120 s")
         remote_md, remote_descs = here.recv()
-        agent = _agent("kvcompose-bench-initiator")
-        dst = torch.zeros(per_read, dtype=torch.uint8)
+        agent = _agent("kvcompose-bench-initiator", memory)
+        dst = torch.zeros(per_read, dtype=torch.uint8, device=device)
         agent.register_memory(dst)
         peer = agent.add_remote_agent(remote_md).decode()
         here.send(agent.get_agent_metadata())
-        src = _pattern(pool_bytes)  # the same bytes, here, for the memcpy baseline and the check
+        src = _pattern(pool_bytes, device)  # the same bytes, here, for the memcpy baseline and the check
         gen = np.random.default_rng(0)
         for size in sizes:
             nb = per_read // size
-            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _blocks(dst.data_ptr(), size, nb), "DRAM")
+            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _blocks(dst.data_ptr(), size, nb), memory)
             remote = agent.prep_xfer_dlist(peer, agent.deserialize_descs(remote_descs[size]))
             perm = gen.permutation(pool_bytes // size)[:nb].astype(np.int32)
             handle = agent.make_prepped_xfer("READ", local, np.arange(nb, dtype=np.int32), remote, perm)
             src_rows, dst_rows = src.view(-1, size), dst.view(-1, size)
-            idx = torch.from_numpy(perm.astype(np.int64))
+            idx = torch.from_numpy(perm.astype(np.int64)).to(device)
             copy_rows = torch.empty_like(dst_rows)
 
             def read(_r: int) -> float:
@@ -115,6 +142,8 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
             def memcpy(_r: int) -> float:
                 t0 = time.perf_counter()
                 torch.index_select(src_rows, 0, idx, out=copy_rows)
+                if device != "cpu":
+                    torch.cuda.synchronize(device)
                 return per_read / (time.perf_counter() - t0)
 
             read(0), memcpy(0)
@@ -135,7 +164,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
             proc.kill()
     return Result(
         "nixl_read",
-        "P/D data path: NIXL READ between two processes (DRAM, UCX) vs memcpy gather",
+        f"P/D data path: NIXL READ between two processes ({memory}, UCX) vs memcpy gather",
         "GB/s",
         1e-9,
         cases,
@@ -144,10 +173,14 @@ def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: int 
         reps,
         quick,
         [
-            "agents: no progress thread, UCX ucx_error_handling_mode=none; "
-            "UCX moves DRAM with CMA (process_vm_readv), one syscall per block",
+            "agents: UCX ucx_error_handling_mode=none; "
+            + (
+                "no progress thread; UCX moves DRAM with CMA (process_vm_readv), one syscall per block"
+                if memory == "DRAM"
+                else f"progress threads on; both processes on {torch.cuda.get_device_name(0)}; "
+                "memcpy gather: index_select on that device"
+            ),
             "remote blocks are a random permutation of the target's pool (no descriptor merging), every byte checked",
-            "no GPU here: the VRAM figures were not taken (see docs/performance.md)",
         ],
-        {"pool_bytes": pool_bytes, "bytes_per_read": per_read, "sizes": list(sizes)},
+        {"pool_bytes": pool_bytes, "bytes_per_read": per_read, "sizes": list(sizes), "memory": memory},
     )

@@ -103,3 +103,15 @@ def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
     # Every case carries its own target against the memcpy, and the JSON says whether it was met.
     assert all(r.target is not None and r.target.applies(x) for x in r.ratios if x.baseline == MEMCPY)
     assert r.to_json()["target"]["met"] in (True, False)
+
+
+def test_nixl_read_names_the_memory_it_cannot_use() -> None:
+    import torch
+
+    from kvcompose.bench import nixl_read
+
+    with pytest.raises(ValueError, match="memory must be one of \\('DRAM', 'VRAM'\\), not 'HBM'"):
+        nixl_read.run(quick=True, memory="HBM")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="memory='VRAM' needs a CUDA device"):
+            nixl_read.run(quick=True, memory="VRAM")
