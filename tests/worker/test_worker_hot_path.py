@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvcompose.vllm.calls import has_empty_body
+from kvcompose.vllm.calls import CONSTANT_IN_BASE, NONE_IS_NOTHING, has_empty_body
 
 Factory = Callable[..., Any]
 
@@ -159,3 +159,13 @@ def test_functions_that_do_nothing_have_an_empty_body(fn: Callable[..., Any]) ->
 @pytest.mark.parametrize("fn", [_zero, _effect, _generator, print, mock.Mock(), lambda: 0])
 def test_functions_that_do_or_answer_something_have_a_body(fn: Callable[..., Any]) -> None:
     assert not has_empty_body(fn)
+
+
+def test_the_skippable_calls_are_vllms_connector_methods() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    # A misspelt or renamed method would silently never be skipped.
+    assert all(callable(getattr(KVConnectorBase_V1, m, None)) for m in NONE_IS_NOTHING | CONSTANT_IN_BASE)
+    # The base answers of CONSTANT_IN_BASE are constants, not None (those are NONE_IS_NOTHING's).
+    assert not any(has_empty_body(getattr(KVConnectorBase_V1, m)) for m in CONSTANT_IN_BASE)
+    assert not NONE_IS_NOTHING & CONSTANT_IN_BASE
