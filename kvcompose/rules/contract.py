@@ -274,6 +274,40 @@ class CompletionTracker(Protocol):
         the next :meth:`settle` counts them as reported by it (a free no other child still owes
         is forwarded). The default keeps them owed."""
 
+    def told(
+        self,
+        loads: Mapping[str, tuple[int, ...]],
+        saves: Mapping[str, tuple[int, ...]],
+        abandoned: Mapping[str, tuple[int, ...]],
+        bypassed: Collection[int],
+    ) -> bool:
+        """Worker half, once per step with anything in it: what the scheduler announced in the
+        step's metadata. ``loads``: request -> the children its load awaits (the load rule's
+        :meth:`LoadRule.awaited`); ``saves``: request -> the children delaying its free;
+        ``abandoned``: request -> children that failed on the scheduler before the load started.
+        ``bypassed``: children this worker does not call now (they will neither load nor report).
+        Returns whether the next :meth:`settle` has loads to report failed. The default records
+        each announcement with :meth:`expect_load` / :meth:`expect_saves`, abandons what
+        ``abandoned`` and ``bypassed`` children owe, and releases the frees they delay."""
+        some = False
+        for req, children in loads.items():
+            self.expect_load(req, children)
+            for child in children:
+                if child in bypassed:
+                    self.abandon(child, (req,))
+                    some = True
+        for req, children in abandoned.items():
+            for child in children:
+                self.abandon(child, (req,))
+            some = True
+        if saves:
+            for req, children in saves.items():
+                self.expect_saves(req, children)
+            for child in bypassed:
+                self.release(child)
+                some = True
+        return some
+
     def settle(self, results: Sequence[TransferResults | None]) -> tuple[TransferResults, int]:
         """Worker half: each child's report for this step (``None``: nothing), in YAML order,
         into what this worker forwards to vLLM, and how many reports were withheld."""

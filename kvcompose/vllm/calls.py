@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
+from kvcompose.catalog import Plan
 from kvcompose.rules.contract import FaultMonitor, FaultsRule
 
 log = logging.getLogger("kvcompose.vllm")
@@ -148,6 +149,26 @@ class CallTable(dict[str, list[Entry]]):
         self.active: tuple[int, ...] = tuple(range(len(self._children)))
         self._fill_per_layer()
 
+    @classmethod
+    def for_plan(
+        cls, children: Sequence[KVConnectorBase_V1], plan: Plan, on_fault: Callable[[int, str], None]
+    ) -> CallTable:
+        """The table of a composite over ``children``: the save hooks to the store rule's
+        targets, vLLM's host-buffer copy op to the child that owns host-buffer copies."""
+        host = plan.host_buffer_owner
+        return cls(
+            children,
+            plan.names,
+            plan.faults,
+            plan.trace,
+            only={
+                "save_kv_layer": plan.store.targets,
+                "wait_for_save": plan.store.targets,
+                "set_host_xfer_buffer_ops": () if host is None else (host,),
+            },
+            on_fault=on_fault,
+        )
+
     def __missing__(self, method: str) -> list[Entry]:
         entries = self[method] = self._resolve(method, self.active)
         return entries
@@ -169,10 +190,33 @@ class CallTable(dict[str, list[Entry]]):
                 out[self._names[i]] = answer
         return out
 
+    def agreed(self, method: str) -> Any:
+        """The one answer the children give to ``method`` (``None`` when any answers ``None``,
+        or none is asked); a ``ValueError`` naming each child's answer when they differ."""
+        answers = {self._names[i]: fn() for i, fn in self[method]}
+        values = set(answers.values())
+        if len(values - {None}) > 1:
+            raise ValueError(f"children answer {method} differently: {answers}")
+        return None if None in values else next(iter(values), None)
+
     def every(self, method: str) -> list[Entry]:
         """``method`` on every child, bypassed ones included, uncontained (``shutdown``: a child
         bypassed by the faults rule still gets it, and the caller reports every error)."""
         return [(i, self._bind(i, method, contain=False)) for i in range(len(self._children))]
+
+    def call_every(self, method: str) -> None:
+        """``method`` on every child (:meth:`every`); each child gets its call whatever the others
+        raised, then one :class:`ChildFailed` names every child that raised."""
+        errors: list[tuple[str, BaseException]] = []
+        for i, fn in self.every(method):
+            try:
+                fn()
+            except Exception as exc:
+                log.exception("connector %s failed in %s", self._names[i], method)
+                errors.append((self._names[i], exc))
+        if errors:
+            detail = ", ".join(f"{n} ({e!r})" for n, e in errors)
+            raise ChildFailed(f"{method} failed in {detail}") from errors[0][1]
 
     def disable(self, child: int) -> None:
         """Stop calling ``child``: every method is resolved again without it."""

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvcompose.catalog import Plan
 from kvcompose.compose import build
@@ -27,6 +28,7 @@ from kvcompose.config import to_builtins
 from kvcompose.migrate import announce_dropin, is_dropin, source
 from kvcompose.migrate import child_configs as listed_configs
 from kvcompose.rules.checks import layout_conflict
+from kvcompose.rules.contract import EngineFacts
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
 from kvcompose.vllm.health import ChildStatePromMetrics
 from kvcompose.vllm.loadstats import STATS_KEY as LOADS_KEY
@@ -44,6 +46,17 @@ def plan_from_config(ktc: KVTransferConfig, announce: bool = False) -> Plan:
     if announce and is_dropin(ktc.kv_connector_extra_config):
         announce_dropin(to_builtins(plan.composition), vllm_log)
     return plan
+
+
+def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> EngineFacts:
+    """What the load rule learns of the engine it serves (:meth:`LoadRule.bind`)."""
+    groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+    parallel = vllm_config.parallel_config
+    return EngineFacts(
+        vllm_config.cache_config.block_size,
+        max(groups, 1),
+        parallel.decode_context_parallel_size * parallel.prefill_context_parallel_size,
+    )
 
 
 def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:

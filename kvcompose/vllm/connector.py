@@ -38,9 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvcompose.rules.contract import EngineFacts, TransferResults
+from kvcompose.rules.contract import TransferResults
 from kvcompose.vllm import children as vllm_children
-from kvcompose.vllm.calls import CallTable, ChildFailed
+from kvcompose.vllm.calls import CallTable
 from kvcompose.vllm.children import ClassLevelAnswers
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
 from kvcompose.vllm.health import ChildStateStats, instance_name
@@ -103,36 +103,18 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         #: The children in YAML order. vLLM's workers look for ``_connectors`` by name.
         self._connectors: list[KVConnectorBase_V1] = [cls(cfg, role, kv_cache_config) for cls, cfg in classes]
         self.names: tuple[str, ...] = plan.names
-        self._all_hma = all(supports_hma(c) for c in self._connectors)
+        self._not_hma = [n for n, c in zip(self.names, self._connectors, strict=True) if not supports_hma(c)]
         self._instance = instance_name(role == KVConnectorRole.SCHEDULER)
-        host = plan.host_buffer_owner
-        self.calls = CallTable(
-            self._connectors,
-            self.names,
-            plan.faults,
-            plan.trace,
-            only={
-                "save_kv_layer": plan.store.targets,
-                "wait_for_save": plan.store.targets,
-                "set_host_xfer_buffer_ops": () if host is None else (host,),
-            },
-            on_fault=self._child_failed,
-        )
+        self.calls = CallTable.for_plan(self._connectors, plan, on_fault=self._child_failed)
         self._per_layer = self.calls.per_layer
         self._completion = plan.completion.tracker()
         self._abandoned = False  # loads of a disabled child to settle as failed
         #: Reports withheld from vLLM (not from a loader, duplicate or late), for tests and logs.
         self.dropped_completions = 0
-        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self._loads = RequestLoads(  # scheduler side
             plan.load,
             self.names,
-            EngineFacts(
-                vllm_config.cache_config.block_size,
-                max(groups, 1),
-                vllm_config.parallel_config.decode_context_parallel_size
-                * vllm_config.parallel_config.prefill_context_parallel_size,
-            ),
+            vllm_children.engine_facts(vllm_config, kv_cache_config),
             block_bytes(kv_cache_config),
         )
 
@@ -165,13 +147,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def loaders(self, request_id: str) -> tuple[str, ...]:
         """Names of the children loading (or chosen to load) a request's external KV."""
-        return tuple(self.names[c.child] for c in self._loads.contributions(request_id))
+        return self._loads.loaders(request_id)
 
     def deferred_loaders(self, request_id: str) -> tuple[str, ...]:
         """Names of the children whose part of a request's load waits for the request's next
         schedule (a synchronous range of a mixed load, :meth:`LoadRule.deferred`)."""
-        d = self._loads.deferred.get(request_id)
-        return tuple(self.names[c.child] for c in d.contributions) if d is not None else ()
+        return self._loads.loaders(request_id, deferred=True)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -213,24 +194,11 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         assert isinstance(connector_metadata, ComposedMetadata)
         if self.calls.monitor.watched:  # a child with failures: a bypassed one may come back now
             self.calls.step()
-        disabled = self.calls.disabled
-        if connector_metadata.loads_awaited:  # most steps start no load and end no request
-            for req, children in connector_metadata.loads_awaited.items():
-                self._completion.expect_load(req, children)
-                for child in disabled.intersection(children):  # bypassed here: it will not load it
-                    self._completion.abandon(child, (req,))
-                    self._abandoned = True
-        if connector_metadata.loads_abandoned:
-            for req, children in connector_metadata.loads_abandoned.items():
-                for child in children:
-                    self._completion.abandon(child, (req,))
-            self._abandoned = True
-        if connector_metadata.saves_owed:
-            for req, children in connector_metadata.saves_owed.items():
-                self._completion.expect_saves(req, children)
-            for child in disabled:  # bypassed here: it will not report a free
-                self._completion.release(child)
-                self._abandoned = True
+        m = connector_metadata
+        if m.loads_awaited or m.loads_abandoned or m.saves_owed:  # most steps start and end nothing
+            self._abandoned |= self._completion.told(
+                m.loads_awaited, m.saves_owed, m.loads_abandoned, self.calls.disabled
+            )
         for i, fn in self.calls["bind_connector_metadata"]:
             fn(metas[i])
         self._connector_metadata = connector_metadata  # what the base class's bind does
@@ -312,10 +280,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             data[STATS_KEY] = loads
         changes = self.calls.monitor.take_changes()
         if changes:
-            health = ChildStateStats()
-            for child, state in changes.items():
-                health.changed(self._instance, self.names[child], state)
-            data[HEALTH_KEY] = health
+            data[HEALTH_KEY] = ChildStateStats.of(self._instance, {self.names[c]: s for c, s in changes.items()})
         return ComposedStats(data) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
@@ -331,15 +296,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return ComposedWorkerMetadata(children) if children else None
 
     def shutdown(self) -> None:
-        errors: list[tuple[str, BaseException]] = []
-        for i, fn in self.calls.every("shutdown"):
-            try:
-                fn()
-            except Exception as exc:  # every child gets its shutdown, then all errors are reported
-                log.exception("connector %s failed to shut down", self.names[i])
-                errors.append((self.names[i], exc))
-        if errors:
-            raise ChildFailed("shutdown failed in " + ", ".join(f"{n} ({e!r})" for n, e in errors)) from errors[0][1]
+        self.calls.call_every("shutdown")
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -374,47 +331,20 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
                 fn(request, blocks, tokens.get(i, 0))
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        contribs = self._loads.contributions(request.request_id)
-        if not contribs:
-            return super().get_loaded_kv_cache_group_ids(request)
-        fns = self.calls.by_child("get_loaded_kv_cache_group_ids")
-        groups: set[int] = set()
-        for c in contribs:
-            if c.child in fns:
-                groups.update(fns[c.child](request))
-        return tuple(sorted(groups))
+        groups = self._loads.loaded_groups(request, self.calls.by_child("get_loaded_kv_cache_group_ids"))
+        return super().get_loaded_kv_cache_group_ids(request) if groups is None else groups
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        contribs = self._loads.contributions(request.request_id, num_external_tokens)
-        if not contribs:
-            return super().get_external_cache_hit_sources(request, num_external_tokens)
         fns = self.calls.by_child("get_external_cache_hit_sources")
-        if len(contribs) == 1:  # one loader, the usual case: its own answer, not a copy
-            fn = fns.get(contribs[0].child)
-            return {} if fn is None else fn(request, contribs[0].tokens)
-        sources: dict[CacheHitSource, int] = {}
-        for c in contribs:
-            if c.child in fns:
-                for source, n in fns[c.child](request, c.tokens).items():
-                    sources[source] = sources.get(source, 0) + n
-        return sources
+        sources = self._loads.hit_sources(request, num_external_tokens, fns)
+        return super().get_external_cache_hit_sources(request, num_external_tokens) if sources is None else sources
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.calls.monitor.watched:  # a child with failures: a bypassed one may come back now
             self.calls.step()
         loads = self._loads
-        if loads.deferred:
-            # vLLM cached these blocks when the request's asynchronous load arrived; their
-            # synchronous part is not loaded yet (the request was not scheduled since), so no
-            # other request may hit them (docs/rules.md, ranges).
-            unloaded = loads.unloaded_blocks()
-            if unloaded:
-                self._kv_cache_manager.evict_blocks(unloaded)
-        if loads.sync_load_now:
-            # A deferred part loads in this step: vLLM's workers then start the loads before the
-            # forward pass (as vLLM's HiSparse connector asks too), not after it.
-            scheduler_output.has_sync_kv_loads = True
-            loads.sync_load_now = False
+        if loads.deferred or loads.sync_load_now:
+            loads.start_step(scheduler_output, self._kv_cache_manager)
         metas: list[Any] = [None] * len(self._connectors)  # a bypassed child's slot stays None
         for i, fn in self.calls["build_connector_meta"]:
             metas[i] = fn(scheduler_output)
@@ -422,14 +352,10 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return ComposedMetadata(self.plan.metadata.pack(metas), started, saves, abandoned)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if connector_output.finished_recving:
-            kept = self._completion.admit(connector_output.finished_recving, self._loads.waiting)
-            self._loads.waiting -= kept
-            withheld = len(connector_output.finished_recving) - len(kept)
-            if withheld:
-                self.dropped_completions += withheld
-                self._loads.counts().withheld(withheld)
-            connector_output.finished_recving = kept
+        reported = connector_output.finished_recving
+        if reported:
+            connector_output.finished_recving = kept = self._loads.arrived(reported, self._completion)
+            self.dropped_completions += len(reported) - len(kept)
         composed_meta = connector_output.kv_connector_worker_meta
         composed_events = connector_output.kv_cache_events
         metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else _NONE
@@ -461,12 +387,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         request: Request,
         block_ids: tuple[list[int], ...],
     ) -> tuple[bool, dict[str, Any] | None]:
-        if not self._all_hma:
+        if self._not_hma:
             if len(block_ids) != 1:
-                raise ValueError(
-                    "several KV cache groups need every child to support HMA; "
-                    f"{[n for n, c in zip(self.names, self._connectors, strict=True) if not supports_hma(c)]} do not"
-                )
+                raise ValueError(f"several KV cache groups need every child to support HMA; {self._not_hma} do not")
             return self.request_finished(request, block_ids[0])
         return self._finished(request, "request_finished_all_groups", block_ids)
 
@@ -496,13 +419,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return any([fn() for _, fn in self.calls["has_pending_push_work"]])
 
     def get_finished_count(self) -> int | None:
-        counts = {self.names[i]: fn() for i, fn in self.calls["get_finished_count"]}
-        values = {v for v in counts.values() if v is not None}
-        if len(values) > 1:
-            raise ValueError(f"children expect different numbers of finished reports per request: {counts}")
-        if any(v is None for v in counts.values()):
-            return None
-        return next(iter(values), None)
+        return self.calls.agreed("get_finished_count")
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
@@ -511,12 +428,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
         for i, fn in self.calls["set_xfer_handshake_metadata_pp_aware"]:
-            name = self.names[i]
-            mine = {
-                rank: m.children[name]
-                for rank, m in metadata.items()
-                if isinstance(m, ComposedHandshakeMetadata) and name in m.children
-            }
+            mine = ComposedHandshakeMetadata.of_child(metadata, self.names[i])
             if mine:
                 fn(mine)
 

@@ -41,8 +41,10 @@ class ChildStateStats(KVConnectorStats):
     def __post_init__(self) -> None:
         self.data.setdefault("states", {})
 
-    def changed(self, instance: str, child: str, state: ChildState) -> None:
-        self.data["states"].setdefault(instance, {})[child] = state
+    @classmethod
+    def of(cls, instance: str, changes: dict[str, ChildState]) -> ChildStateStats:
+        """The report of one connector instance whose children (by name) changed state."""
+        return cls({"states": {instance: changes}})
 
     def reset(self) -> None:
         self.data = {"states": {}}

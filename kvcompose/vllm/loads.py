@@ -9,15 +9,16 @@ for the request's next schedule (:meth:`LoadRule.deferred`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvcompose.rules.contract import Contribution, EngineFacts, LoadRule, Selection
+from kvcompose.rules.contract import CompletionTracker, Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.vllm.loadstats import ChildLoadStats
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -174,9 +175,37 @@ class RequestLoads:
             self.sync_load_now = True
         return {c.child: c.tokens for c in given}
 
+    def arrived(self, finished_recving: set[str], completion: CompletionTracker) -> set[str]:
+        """At ``update_connector_output``: of the loads the workers reported finished, those
+        vLLM may see (the completion rule's :meth:`~CompletionTracker.admit`); they leave
+        :attr:`waiting`, and the others are counted withheld."""
+        kept = completion.admit(finished_recving, self.waiting)
+        self.waiting -= kept
+        withheld = len(finished_recving) - len(kept)
+        if withheld:
+            self.counts().withheld(withheld)
+        return kept
+
     def _count(self, c: Contribution) -> None:
         blocks = -(-c.tokens // self._block_size)  # a range starts on a block boundary
         self.counts().load(self._names[c.child], c.tokens, blocks * self._block_bytes)
+
+    def start_step(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> None:
+        """At ``build_connector_meta``, when something is deferred or a deferred part loads now.
+
+        vLLM cached the blocks of a deferred range when the request's asynchronous load arrived;
+        their synchronous part is not loaded yet while the request was not scheduled since, so
+        no other request may hit them (docs/rules.md, ranges): they leave vLLM's prefix cache. A
+        deferred part given in this step loads before the step's forward pass: vLLM's workers
+        then start the loads first (``has_sync_kv_loads``, as vLLM's HiSparse connector asks),
+        not after it.
+        """
+        unloaded = self.unloaded_blocks()
+        if unloaded:
+            kv_cache_manager.evict_blocks(unloaded)
+        if self.sync_load_now:
+            scheduler_output.has_sync_kv_loads = True
+            self.sync_load_now = False
 
     def unloaded_blocks(self) -> set[int]:
         """Blocks of deferred ranges that vLLM may have put in its prefix cache before they were
@@ -203,6 +232,49 @@ class RequestLoads:
         if contribs is None:
             contribs = entry[0].contributions if entry is not None else ()
         return contribs
+
+    def loaders(self, request_id: str, deferred: bool = False) -> tuple[str, ...]:
+        """Names of the children loading the request (:meth:`contributions`), or of those whose
+        part waits for the request's next schedule (``deferred``)."""
+        if deferred:
+            d = self.deferred.get(request_id)
+            contribs = d.contributions if d is not None else ()
+        else:
+            contribs = self.contributions(request_id)
+        return tuple(self._names[c.child] for c in contribs)
+
+    def loaded_groups(
+        self, request: Request, fns: Mapping[int, Callable[[Request], Iterable[int]]]
+    ) -> tuple[int, ...] | None:
+        """The KV cache groups the request's loaders load (``fns``: each child's
+        ``get_loaded_kv_cache_group_ids``), sorted; ``None`` when nothing loads it."""
+        contribs = self.contributions(request.request_id)
+        if not contribs:
+            return None
+        groups: set[int] = set()
+        for c in contribs:
+            if c.child in fns:
+                groups.update(fns[c.child](request))
+        return tuple(sorted(groups))
+
+    def hit_sources(
+        self, request: Request, num_external_tokens: int, fns: Mapping[int, Callable[[Request, int], dict[Any, int]]]
+    ) -> dict[Any, int] | None:
+        """Where the request's ``num_external_tokens`` come from: each loader's
+        ``get_external_cache_hit_sources`` (``fns``) for its own part, summed by source;
+        ``None`` when nothing loads it."""
+        contribs = self.contributions(request.request_id, num_external_tokens)
+        if not contribs:
+            return None
+        if len(contribs) == 1:  # one loader, the usual case: its own answer, not a copy
+            fn = fns.get(contribs[0].child)
+            return {} if fn is None else fn(request, contribs[0].tokens)
+        sources: dict[Any, int] = {}
+        for c in contribs:
+            if c.child in fns:
+                for source, n in fns[c.child](request, c.tokens).items():
+                    sources[source] = sources.get(source, 0) + n
+        return sources
 
     def finished(self, request_id: str, delaying: tuple[int, ...]) -> None:
         """The request finished; ``delaying`` children hold its blocks until they report. A

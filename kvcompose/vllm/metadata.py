@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,18 @@ class ComposedHandshakeMetadata(KVConnectorHandshakeMetadata):
     """One worker's handshake payloads, one per child that has one."""
 
     children: dict[str, KVConnectorHandshakeMetadata]
+
+    @staticmethod
+    def of_child(
+        metadata: Mapping[tuple[int, int], KVConnectorHandshakeMetadata], name: str
+    ) -> dict[tuple[int, int], KVConnectorHandshakeMetadata]:
+        """Every worker's (pp rank, tp rank) payload of the child ``name``, from the composite
+        payloads vLLM gathered (``set_xfer_handshake_metadata_pp_aware``)."""
+        return {
+            rank: m.children[name]
+            for rank, m in metadata.items()
+            if isinstance(m, ComposedHandshakeMetadata) and name in m.children
+        }
 
 
 @functools.cache

@@ -310,3 +310,39 @@ def test_release_frees_what_only_the_released_child_owed() -> None:
     assert out.finished_sending == {"s1"} and dropped == 0
     out, dropped = tracker.settle([TransferResults(finished_sending={"s2"}), TransferResults(finished_sending={"s1"})])
     assert out.finished_sending == {"s2"} and dropped == 1  # b's late s1 is a duplicate
+
+
+# ------------------------------------------------------------------ what the scheduler announced
+
+
+def test_told_records_loads_and_frees_and_reports_nothing_failed() -> None:
+    t = tracker()
+    assert t.told({"r": (0, 1)}, {"s": (2,)}, {}, bypassed=()) is False
+    assert t.owed_by(0) == {"r"} == t.owed_by(1)
+    out, _ = t.settle(report(a=recv("r"), b=recv("r"), c=sent("s")))
+    assert out.finished_recving == {"r"} and out.finished_sending == {"s"} and not out.failed_recving
+
+
+def test_told_fails_a_load_a_bypassed_child_owes_and_the_barrier_waits_for_the_rest() -> None:
+    t = tracker()
+    assert t.told({"r": (0, 1)}, {}, {}, bypassed={1}) is True
+    out, _ = t.settle(report())  # b's share is settled as failed; a has not reported yet
+    assert not out
+    out, _ = t.settle(report(a=recv("r")))
+    assert out.finished_recving == {"r"} == out.failed_recving
+
+
+def test_told_abandoned_loads_are_reported_failed() -> None:
+    t = tracker()
+    assert t.told({"r": (0,)}, {}, {"r": (0,)}, bypassed=()) is True
+    out, _ = t.settle(report())
+    assert out.finished_recving == {"r"} == out.failed_recving
+
+
+def test_told_releases_the_frees_a_bypassed_child_delays() -> None:
+    t = tracker()
+    assert t.told({}, {"s1": (2,), "s2": (0, 2)}, {}, bypassed={2}) is True
+    out, _ = t.settle(report())
+    assert out.finished_sending == {"s1"}  # c alone delayed it: freed now
+    out, _ = t.settle(report(a=sent("s2")))
+    assert out.finished_sending == {"s2"}
