@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV=${KVCOMPOSE_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-stamp_inputs() { cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml; }
+stamp_inputs() { cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml plugins/*/kvcompose_*/*.c; }
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 if [[ -x "$VENV/bin/python" && -f "$VENV/.kvcompose-setup" && "$(cat "$VENV/.kvcompose-setup")" == "$want" ]]; then
   exit 0

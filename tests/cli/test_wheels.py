@@ -70,7 +70,8 @@ def _copy_sources(dest: Path) -> dict[str, Path]:
         copy.mkdir(parents=True)
         for entry in BUILT_FROM:
             if (source / entry).is_dir():
-                shutil.copytree(source / entry, copy / entry, ignore=shutil.ignore_patterns("__pycache__"))
+                # Without the editable install's in-place build of the C helper: the wheel builds its own.
+                shutil.copytree(source / entry, copy / entry, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
             elif (source / entry).is_file():
                 shutil.copyfile(source / entry, copy / entry)
         copies[name] = copy
@@ -156,6 +157,11 @@ def test_the_wheels_are_what_the_new_environment_imports(venv: Venv) -> None:
     assert (venv.site / "kvcompose" / "py.typed").is_file()
     assert (venv.site / "kvcompose_nixl" / "py.typed").is_file()
     assert (venv.site / "kvcompose_cpu_offload" / "py.typed").is_file()
+    # The cpu-offload wheel carries its compiled streaming copy, built from the C source.
+    helper = venv.run(
+        str(venv.root / "bin" / "python"), "-c", "from kvcompose_cpu_offload import _streamcopy as s; print(s.__file__)"
+    )
+    assert Path(helper.stdout.strip()).is_relative_to(venv.site / "kvcompose_cpu_offload")
 
 
 @pytest.mark.parametrize("distribution", list(SOURCES))

@@ -55,6 +55,15 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" i
 
 # --------------------------------------------------------------------------- block copies
 
+try:  # built with the plugin where a C compiler is found (pyproject.toml: ext-modules)
+    from kvcompose_cpu_offload import _streamcopy
+except ImportError:  # pragma: no cover - a build without a compiler
+    _streamcopy = None  # type: ignore[assignment]
+
+#: Pieces of at least this many bytes are streamed (non-temporal stores) by the compiled helper
+#: where the CPU allows it (``_streamcopy.STREAMS``); smaller ones are copied through the cache.
+STREAM_MIN_BYTES = 4096
+
 
 def contiguous_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split paired block lists into ``(src_start, dst_start, length)`` runs of consecutive ids."""
@@ -81,15 +90,70 @@ def as_array(t: torch.Tensor) -> np.ndarray:
 def copy_runs(src: np.ndarray, dst: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> None:
     """Copy ``src[s : s + n]`` to ``dst[d : d + n]`` for each run (dim 0 is the block index).
 
-    One numpy assignment per run: numpy copies the run's bytes with ``memmove`` per contiguous
-    piece and releases the GIL while it does, so a copy thread leaves the engine's thread free.
-    Measured against the alternatives in docs/performance.md (benchmark 4).
+    With the compiled helper (:mod:`kvcompose_cpu_offload._streamcopy`, built with the plugin
+    where a C compiler is found) and a block layout it can address (:func:`pieces`): one call
+    for the whole transfer, pieces of at least :data:`STREAM_MIN_BYTES` streamed past the cache.
+    Otherwise one numpy assignment per run: numpy copies the run's bytes piece by piece, going
+    through the cache, and releases the GIL while it does. Measured against each other and the
+    alternatives in docs/performance.md (benchmark 4).
     """
+    plan = pieces(src, dst, runs) if _streamcopy is not None else None
+    if plan is not None:
+        _streamcopy.copy_pieces(*plan, STREAM_MIN_BYTES)
+        return
     for s, d, n in runs:
         if n == 1:
             dst[d] = src[s]
         else:
             dst[d : d + n] = src[s : s + n]
+
+
+def _chunks(arr: np.ndarray, whole: bool) -> tuple[int, np.ndarray] | None:
+    """A block of ``arr`` (``arr[b]``) as equal contiguous chunks: (chunk bytes, their offsets
+    from the block's start), or ``None`` when it is not. ``whole``: the block in one chunk if it
+    is contiguous; otherwise one chunk per index of its first dimension (a stacked layer)."""
+    block = arr[0]
+    if whole:
+        return (block.nbytes, np.zeros(1, dtype=np.int64)) if block.flags.c_contiguous else None
+    if block.ndim >= 2 and block[0].flags.c_contiguous and block.strides[0] > 0:
+        return block[0].nbytes, np.arange(block.shape[0], dtype=np.int64) * block.strides[0]
+    return None
+
+
+def pieces(
+    src: np.ndarray, dst: np.ndarray, runs: Sequence[tuple[int, int, int]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The transfer of ``runs`` between two block arrays as (destination addresses, source
+    addresses, sizes) of contiguous pieces, for the compiled helper; ``None`` when a layout has
+    no such form (the caller copies with numpy).
+
+    A block is one piece where both sides hold it contiguously, else one piece per stacked layer
+    (:func:`stack_regions`: the engine keeps a layer's blocks together, the pool a block's
+    layers); a run of consecutive blocks is one piece per layer where both sides keep those
+    pieces back to back.
+    """
+    if not runs or src.shape[1:] != dst.shape[1:]:
+        return None
+    for whole in (True, False):
+        s_layout, d_layout = _chunks(src, whole), _chunks(dst, whole)
+        if s_layout is not None and d_layout is not None:
+            break
+    else:
+        return None
+    chunk, s_offsets = s_layout
+    d_offsets = d_layout[1]
+    r = np.asarray(runs, dtype=np.int64)
+    s_start, d_start, count = r[:, 0], r[:, 1], r[:, 2]
+    s_stride, d_stride = src.strides[0], dst.strides[0]
+    if s_stride != chunk or d_stride != chunk:  # a run's pieces are not adjacent: one per block
+        run_of = np.repeat(np.arange(len(count), dtype=np.int64), count)
+        within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        s_start, d_start = s_start[run_of] + within, d_start[run_of] + within
+        count = np.ones_like(s_start)
+    s_addr = src.ctypes.data + s_start[:, None] * s_stride + s_offsets[None, :]
+    d_addr = dst.ctypes.data + d_start[:, None] * d_stride + d_offsets[None, :]
+    sizes = np.repeat(count * chunk, len(s_offsets))
+    return d_addr.astype(np.uint64).ravel(), s_addr.astype(np.uint64).ravel(), sizes.astype(np.uint64)
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:

@@ -1,0 +1,147 @@
+/* Host-memory block copies for the portable CPU-tier worker, with non-temporal stores.
+ *
+ * A scattered KV block copy is many pieces of 16 KiB to a few MiB. glibc's memmove streams
+ * (non-temporal stores, no read-for-ownership of the destination) only above a threshold of
+ * about three quarters of the last-level cache (20 MiB on the Xeon this was measured on), so
+ * every piece of a block copy goes through the cache and moves each destination line twice:
+ * 0.55-0.6x a single large memmove of the same bytes. Streaming each piece with 64-byte
+ * non-temporal stores brings that to 0.85-0.95x (docs/performance.md, benchmark 4). The host
+ * pool is not read again soon after a store, and a load's blocks are more than the cache holds,
+ * so bypassing the cache costs nothing there.
+ *
+ * copy_pieces(dst, src, sizes, stream_min): three buffers of uint64 (destination addresses,
+ * source addresses, byte counts), one entry per piece; pieces of at least stream_min bytes are
+ * streamed when the CPU has AVX-512F (STREAMS), the others and every piece elsewhere are copied
+ * with memmove. The GIL is released for the copy, so a copy thread leaves the engine's thread
+ * free. Pieces must not overlap each other (memmove semantics hold within a piece only).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KVC_STREAMING 1
+#else
+#define KVC_STREAMING 0
+#endif
+
+static int streams = 0; /* decided once, at import */
+
+#if KVC_STREAMING
+__attribute__((target("avx512f"))) static void stream_copy(char *d, const char *s, size_t n)
+{
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63; /* streamed stores want aligned lines */
+    if (head > n)
+        head = n;
+    if (head) {
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+    }
+    size_t i = 0;
+    for (; i + 512 <= n; i += 512) {
+        for (int k = 0; k < 512; k += 64)
+            _mm_prefetch(s + i + 2048 + k, _MM_HINT_T0);
+        __m512i v0 = _mm512_loadu_si512((const void *)(s + i));
+        __m512i v1 = _mm512_loadu_si512((const void *)(s + i + 64));
+        __m512i v2 = _mm512_loadu_si512((const void *)(s + i + 128));
+        __m512i v3 = _mm512_loadu_si512((const void *)(s + i + 192));
+        __m512i v4 = _mm512_loadu_si512((const void *)(s + i + 256));
+        __m512i v5 = _mm512_loadu_si512((const void *)(s + i + 320));
+        __m512i v6 = _mm512_loadu_si512((const void *)(s + i + 384));
+        __m512i v7 = _mm512_loadu_si512((const void *)(s + i + 448));
+        _mm512_stream_si512((void *)(d + i), v0);
+        _mm512_stream_si512((void *)(d + i + 64), v1);
+        _mm512_stream_si512((void *)(d + i + 128), v2);
+        _mm512_stream_si512((void *)(d + i + 192), v3);
+        _mm512_stream_si512((void *)(d + i + 256), v4);
+        _mm512_stream_si512((void *)(d + i + 320), v5);
+        _mm512_stream_si512((void *)(d + i + 384), v6);
+        _mm512_stream_si512((void *)(d + i + 448), v7);
+    }
+    if (i < n)
+        memcpy(d + i, s + i, n - i);
+}
+#endif
+
+static int uint64_buffer(Py_buffer *b, const char *what)
+{
+    if (b->len % 8) {
+        PyErr_Format(PyExc_ValueError, "copy_pieces: %s is %zd bytes, not whole uint64 entries", what, b->len);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *copy_pieces(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src, sizes;
+    Py_ssize_t stream_min;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*n", &dst, &src, &sizes, &stream_min))
+        return NULL;
+    PyObject *result = NULL;
+    if (!uint64_buffer(&dst, "dst") || !uint64_buffer(&src, "src") || !uint64_buffer(&sizes, "sizes"))
+        goto done;
+    if (dst.len != sizes.len || src.len != sizes.len) {
+        PyErr_Format(PyExc_ValueError, "copy_pieces: %zd destinations and %zd sources for %zd sizes", dst.len / 8,
+                     src.len / 8, sizes.len / 8);
+        goto done;
+    }
+    const uint64_t *d = dst.buf, *s = src.buf, *n = sizes.buf;
+    size_t count = (size_t)sizes.len / 8;
+    size_t min = stream_min < 0 ? SIZE_MAX : (size_t)stream_min;
+    Py_BEGIN_ALLOW_THREADS
+#if KVC_STREAMING
+    int streamed = 0;
+#endif
+    for (size_t k = 0; k < count; k++) {
+#if KVC_STREAMING
+        if (streams && n[k] >= min) {
+            stream_copy((char *)(uintptr_t)d[k], (const char *)(uintptr_t)s[k], (size_t)n[k]);
+            streamed = 1;
+            continue;
+        }
+#endif
+        memmove((void *)(uintptr_t)d[k], (const void *)(uintptr_t)s[k], (size_t)n[k]);
+    }
+#if KVC_STREAMING
+    if (streamed)
+        _mm_sfence(); /* streamed lines are visible before the copy is reported done */
+#endif
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&sizes);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_pieces", copy_pieces, METH_VARARGS,
+     "copy_pieces(dst, src, sizes, stream_min): copy each piece; stream those of at least stream_min bytes."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_streamcopy", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__streamcopy(void)
+{
+#if KVC_STREAMING
+    __builtin_cpu_init();
+    streams = __builtin_cpu_supports("avx512f") != 0;
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "STREAMS", streams) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
