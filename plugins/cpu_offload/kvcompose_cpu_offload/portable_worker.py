@@ -60,9 +60,12 @@ try:  # built with the plugin where a C compiler is found (pyproject.toml: ext-m
 except ImportError:  # pragma: no cover - a build without a compiler
     _streamcopy = None  # type: ignore[assignment]
 
-#: Pieces of at least this many bytes are streamed (non-temporal stores) by the compiled helper
-#: where the CPU allows it (``_streamcopy.STREAMS``); smaller ones are copied through the cache.
-STREAM_MIN_BYTES = 4096
+#: Transfers of at least this many bytes (per region pair) go through the compiled helper, which
+#: streams them past the cache where the CPU allows it (``_streamcopy.STREAMS``). Smaller ones
+#: are copied with numpy: their bytes are likely still in the cache, and the helper's fixed cost
+#: (about 25 us to lay out the pieces) is not paid back below about 1 MiB (measured: 512 KiB in
+#: 32 blocks, numpy 41 us against 72 us; 8 MiB, 1.8 ms against 0.86 ms).
+STREAM_MIN_BYTES = 1 << 20
 
 
 def contiguous_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -87,21 +90,22 @@ def as_array(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def copy_runs(src: np.ndarray, dst: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> None:
-    """Copy ``src[s : s + n]`` to ``dst[d : d + n]`` for each run (dim 0 is the block index).
+def copy_blocks(src: np.ndarray, dst: np.ndarray, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    """Copy block ``src[src_ids[i]]`` to ``dst[dst_ids[i]]`` for each ``i`` (dim 0 is the block index).
 
     With the compiled helper (:mod:`kvcompose_cpu_offload._streamcopy`, built with the plugin
-    where a C compiler is found) and a block layout it can address (:func:`pieces`): one call
-    for the whole transfer, pieces of at least :data:`STREAM_MIN_BYTES` streamed past the cache.
-    Otherwise one numpy assignment per run: numpy copies the run's bytes piece by piece, going
-    through the cache, and releases the GIL while it does. Measured against each other and the
-    alternatives in docs/performance.md (benchmark 4).
+    where a C compiler is found), a transfer of at least :data:`STREAM_MIN_BYTES` and layouts it
+    can address (:func:`pieces`): one call for the whole transfer, streamed past the cache, the
+    GIL released. Otherwise one numpy assignment per run of consecutive blocks: numpy copies the
+    run piece by piece through the cache, and releases the GIL too. Measured against each other
+    and the alternatives in docs/performance.md (benchmark 4).
     """
-    plan = pieces(src, dst, runs) if _streamcopy is not None else None
-    if plan is not None:
-        _streamcopy.copy_pieces(*plan, STREAM_MIN_BYTES)
-        return
-    for s, d, n in runs:
+    if _streamcopy is not None and len(src_ids) * src[0].nbytes >= STREAM_MIN_BYTES:
+        plan = pieces(src, dst, src_ids, dst_ids)
+        if plan is not None:
+            _streamcopy.copy_pieces(*plan, 0)
+            return
+    for s, d, n in contiguous_runs(src_ids, dst_ids):
         if n == 1:
             dst[d] = src[s]
         else:
@@ -121,9 +125,9 @@ def _chunks(arr: np.ndarray, whole: bool) -> tuple[int, np.ndarray] | None:
 
 
 def pieces(
-    src: np.ndarray, dst: np.ndarray, runs: Sequence[tuple[int, int, int]]
+    src: np.ndarray, dst: np.ndarray, src_ids: Sequence[int], dst_ids: Sequence[int]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The transfer of ``runs`` between two block arrays as (destination addresses, source
+    """The copy of blocks ``src_ids`` to ``dst_ids`` as (destination addresses, source
     addresses, sizes) of contiguous pieces, for the compiled helper; ``None`` when a layout has
     no such form (the caller copies with numpy).
 
@@ -132,7 +136,9 @@ def pieces(
     layers); a run of consecutive blocks is one piece per layer where both sides keep those
     pieces back to back.
     """
-    if not runs or src.shape[1:] != dst.shape[1:]:
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    if not len(src_ids) or src.shape[1:] != dst.shape[1:]:
         return None
     for whole in (True, False):
         s_layout, d_layout = _chunks(src, whole), _chunks(dst, whole)
@@ -141,27 +147,18 @@ def pieces(
     else:
         return None
     chunk, s_offsets = s_layout
-    d_offsets = d_layout[1]
-    r = np.asarray(runs, dtype=np.int64)
-    s_start, d_start, count = r[:, 0], r[:, 1], r[:, 2]
+    s_start = np.asarray(src_ids, dtype=np.int64)
+    d_start = np.asarray(dst_ids, dtype=np.int64)
+    count = np.ones_like(s_start)
     s_stride, d_stride = src.strides[0], dst.strides[0]
-    if s_stride != chunk or d_stride != chunk:  # a run's pieces are not adjacent: one per block
-        run_of = np.repeat(np.arange(len(count), dtype=np.int64), count)
-        within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-        s_start, d_start = s_start[run_of] + within, d_start[run_of] + within
-        count = np.ones_like(s_start)
+    if s_stride == chunk and d_stride == chunk:  # a run's pieces are back to back: one piece
+        starts = np.flatnonzero(np.r_[True, (np.diff(s_start) != 1) | (np.diff(d_start) != 1)])
+        count = np.diff(np.r_[starts, len(s_start)])
+        s_start, d_start = s_start[starts], d_start[starts]
     s_addr = src.ctypes.data + s_start[:, None] * s_stride + s_offsets[None, :]
-    d_addr = dst.ctypes.data + d_start[:, None] * d_stride + d_offsets[None, :]
+    d_addr = dst.ctypes.data + d_start[:, None] * d_stride + d_layout[1][None, :]
     sizes = np.repeat(count * chunk, len(s_offsets))
     return d_addr.astype(np.uint64).ravel(), s_addr.astype(np.uint64).ravel(), sizes.astype(np.uint64)
-
-
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-    """Copy rows ``src[src_ids[i]]`` to ``dst[dst_ids[i]]`` (dim 0 is the block index, host tensors).
-
-    Runs of consecutive blocks (what a fresh pool hands out) become one slice copy each.
-    """
-    copy_runs(as_array(src), as_array(dst), contiguous_runs(src_ids, dst_ids))
 
 
 def stack_regions(regions: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
@@ -350,7 +347,7 @@ class HostCopyBackend(CopyThreads):
 
     Same ``launch_copy`` contract as vLLM's ``DmaCopyBackend``. On the CPU platform the
     "device" KV cache and the pool are both DRAM, so a transfer is a set of memory copies
-    (:func:`copy_runs`), one per run of consecutive blocks and group of evenly spaced layers
+    (:func:`copy_blocks`), one per run of consecutive blocks and group of evenly spaced layers
     (:func:`stack_regions`). They run on :class:`CopyThreads`, so the engine step that issues
     a store does not wait for it; a transfer of at most :attr:`inline_copy_bytes` is copied in
     the engine's thread instead (see there).
@@ -402,15 +399,13 @@ class HostCopyBackend(CopyThreads):
 
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""
-        runs = contiguous_runs(src_blocks, dst_blocks)
         for device, host in self._pairs:
-            copy_runs(device, host, runs)
+            copy_blocks(device, host, src_blocks, dst_blocks)
 
     def load(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy pool blocks ``src_blocks`` to device blocks ``dst_blocks`` now, in the caller's thread."""
-        runs = contiguous_runs(src_blocks, dst_blocks)
         for device, host in self._pairs:
-            copy_runs(host, device, runs)
+            copy_blocks(host, device, src_blocks, dst_blocks)
 
     def shutdown(self) -> None:
         """Let the copies already queued finish, then stop the threads (idempotent)."""
@@ -546,13 +541,13 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
 
     def _stage(self, run: list[int], buf: np.ndarray, to_buffer: bool) -> None:
         """Copy the run's blocks into (or out of) the first ``len(run)`` slots of ``buf``."""
-        runs = contiguous_runs(run, range(len(run)))
+        slots = range(len(run))
         for region, column in zip(self._region_arrays, self._columns):
             staged = buf[:, column]
             if to_buffer:
-                copy_runs(region, staged, runs)
+                copy_blocks(region, staged, run, slots)
             else:
-                copy_runs(staged, region, [(d, s, n) for s, d, n in runs])
+                copy_blocks(staged, region, slots, run)
 
     def _transfer(self, blocks: list[int], slots: list[int], write: bool) -> None:
         if len(blocks) != len(slots):

@@ -17,7 +17,7 @@ from vllm.v1.simple_kv_offload.metadata import (
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
 from kvcompose.testing.kv import EngineKV, fill_random, make_engine_kv
-from kvcompose_cpu_offload import _streamcopy
+from kvcompose_cpu_offload import _streamcopy, portable_worker
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 from kvcompose_cpu_offload.portable_worker import (
     CompletedEvent,
@@ -28,7 +28,6 @@ from kvcompose_cpu_offload.portable_worker import (
     as_array,
     contiguous_runs,
     copy_blocks,
-    copy_runs,
     pieces,
     stack_regions,
 )
@@ -102,7 +101,7 @@ def test_contiguous_runs() -> None:
 def test_copy_blocks(src_ids: list[int], dst_ids: list[int]) -> None:
     src = torch.randint(-128, 128, (10, 96), dtype=torch.int8)
     dst = torch.zeros(8, 96, dtype=torch.int8)
-    copy_blocks(src, dst, src_ids, dst_ids)
+    copy_blocks(as_array(src), as_array(dst), src_ids, dst_ids)
     for s, d in zip(src_ids, dst_ids):
         assert torch.equal(dst[d], src[s])
     untouched = [b for b in range(8) if b not in dst_ids]
@@ -119,7 +118,12 @@ def _engine_and_pool(layers: int, blocks: int, page: int) -> tuple[torch.Tensor,
 
 @pytest.mark.parametrize("pattern", ["scattered", "consecutive", "mixed"])
 @pytest.mark.parametrize("direction", ["store", "load"])
-def test_copy_runs_between_engine_and_pool_layouts_moves_exactly_the_blocks(pattern: str, direction: str) -> None:
+@pytest.mark.parametrize("path", ["streamed", "numpy"])
+def test_copy_blocks_between_engine_and_pool_layouts_moves_exactly_the_blocks(
+    pattern: str, direction: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # These transfers are below the size the helper is used from; the streamed path is forced.
+    monkeypatch.setattr(portable_worker, "STREAM_MIN_BYTES", 0 if path == "streamed" else 1 << 62)
     engine, pool = _engine_and_pool(layers=4, blocks=12, page=4160)  # not a multiple of 64: tails
     ((_, dev),) = stack_regions([engine[i] for i in range(4)])
     ((_, host),) = stack_regions([pool[:, i] for i in range(4)])
@@ -131,7 +135,7 @@ def test_copy_runs_between_engine_and_pool_layouts_moves_exactly_the_blocks(patt
     else:
         src, dst, src_ids, dst_ids = dev, host, ids, slots
     before = dst.clone()
-    copy_runs(as_array(src), as_array(dst), contiguous_runs(src_ids, dst_ids))
+    copy_blocks(as_array(src), as_array(dst), src_ids, dst_ids)
     for s, d in zip(src_ids, dst_ids):
         assert torch.equal(dst[d], src[s])
     untouched = [b for b in range(dst.shape[0]) if b not in dst_ids]
@@ -142,18 +146,18 @@ def test_pieces_are_whole_blocks_or_layer_pages_and_runs_where_both_sides_allow(
     engine, pool = _engine_and_pool(layers=4, blocks=12, page=4096)
     ((_, dev),) = stack_regions([engine[i] for i in range(4)])
     ((_, host),) = stack_regions([pool[:, i] for i in range(4)])
-    dst, src, sizes = pieces(as_array(dev), as_array(host), [(2, 0, 3)])  # type: ignore[misc]
+    dst, src, sizes = pieces(as_array(dev), as_array(host), [2, 3, 4], [0, 1, 2])  # type: ignore[misc]
     assert len(sizes) == 3 * 4 and set(sizes.tolist()) == {4096}  # the pool's blocks hold every layer
     layer_stride = engine[1].data_ptr() - engine[0].data_ptr()
     assert int(src[1]) - int(src[0]) == layer_stride and int(dst[1]) - int(dst[0]) == 4096
     other = torch.zeros_like(engine)
     ((_, dev2),) = stack_regions([other[i] for i in range(4)])
-    _, _, sizes = pieces(as_array(dev), as_array(dev2), [(2, 0, 3)])  # type: ignore[misc]
-    assert sizes.tolist() == [3 * 4096] * 4  # both keep a layer's blocks together: one piece a layer
+    _, _, sizes = pieces(as_array(dev), as_array(dev2), [2, 3, 4, 9], [0, 1, 2, 5])  # type: ignore[misc]
+    assert sizes.tolist() == [3 * 4096] * 4 + [4096] * 4  # both keep a layer's blocks together: a run a layer
     whole = torch.zeros(8, 96, dtype=torch.int8)
-    _, _, sizes = pieces(as_array(whole), as_array(whole.clone()), [(0, 4, 2)])  # type: ignore[misc]
+    _, _, sizes = pieces(as_array(whole), as_array(whole.clone()), [0, 1], [4, 5])  # type: ignore[misc]
     assert sizes.tolist() == [2 * 96]
-    assert pieces(as_array(whole), as_array(torch.zeros(8, 48, dtype=torch.int8)), [(0, 0, 1)]) is None
+    assert pieces(as_array(whole), as_array(torch.zeros(8, 48, dtype=torch.int8)), [0], [0]) is None
 
 
 def test_the_streaming_copy_is_built_here_and_refuses_mismatched_lists() -> None:
