@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import sysconfig
 import threading
 
 import numpy as np
@@ -163,6 +165,9 @@ def test_pieces_are_whole_blocks_or_layer_pages_and_runs_where_both_sides_allow(
 def test_the_streaming_copy_is_built_here_and_refuses_mismatched_lists() -> None:
     # Built by `pip install` of the plugin wherever a C compiler is (this machine, CI); without it
     # copies fall back to numpy, at about 0.6x memcpy on the Xeon measured (docs/performance.md).
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}): the plugin installs without its streaming copy")
     assert _streamcopy is not None
     src = np.arange(5000, dtype=np.uint8)  # streamed and tail bytes
     dst = np.zeros(5000, dtype=np.uint8)
