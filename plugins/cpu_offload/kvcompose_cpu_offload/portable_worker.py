@@ -90,26 +90,32 @@ def as_array(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def copy_blocks(src: np.ndarray, dst: np.ndarray, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-    """Copy block ``src[src_ids[i]]`` to ``dst[dst_ids[i]]`` for each ``i`` (dim 0 is the block index).
+def copy_blocks(pairs: Sequence[tuple[np.ndarray, np.ndarray]], src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    """For each ``(src, dst)`` region pair of one transfer, copy block ``src[src_ids[i]]`` to
+    ``dst[dst_ids[i]]`` for each ``i`` (dim 0 is the block index).
 
     With the compiled helper (:mod:`kvcompose_cpu_offload._streamcopy`, built with the plugin
-    where a C compiler is found), a transfer of at least :data:`STREAM_MIN_BYTES` and layouts it
-    can address (:func:`pieces`): one call for the whole transfer, streamed past the cache, the
-    GIL released. Otherwise one numpy assignment per run of consecutive blocks: numpy copies the
-    run piece by piece through the cache, and releases the GIL too. Measured against each other
-    and the alternatives in docs/performance.md (benchmark 4).
+    where a C compiler is found), a pair moving at least :data:`STREAM_MIN_BYTES` and layouts it
+    can address (:func:`pieces`): one call for the pair, streamed past the cache, the GIL
+    released. Otherwise one numpy assignment per run of consecutive blocks (the runs found once
+    for the transfer): numpy copies the run piece by piece through the cache, and releases the
+    GIL too. Measured against each other and the alternatives in docs/performance.md
+    (benchmark 4).
     """
-    if _streamcopy is not None and len(src_ids) * src[0].nbytes >= STREAM_MIN_BYTES:
-        plan = pieces(src, dst, src_ids, dst_ids)
-        if plan is not None:
-            _streamcopy.copy_pieces(*plan, 0)
-            return
-    for s, d, n in contiguous_runs(src_ids, dst_ids):
-        if n == 1:
-            dst[d] = src[s]
-        else:
-            dst[d : d + n] = src[s : s + n]
+    runs: list[tuple[int, int, int]] | None = None
+    for src, dst in pairs:
+        if _streamcopy is not None and len(src_ids) * src[0].nbytes >= STREAM_MIN_BYTES:
+            plan = pieces(src, dst, src_ids, dst_ids)
+            if plan is not None:
+                _streamcopy.copy_pieces(*plan, 0)
+                continue
+        if runs is None:
+            runs = contiguous_runs(src_ids, dst_ids)
+        for s, d, n in runs:
+            if n == 1:
+                dst[d] = src[s]
+            else:
+                dst[d : d + n] = src[s : s + n]
 
 
 def _chunks(arr: np.ndarray, whole: bool) -> tuple[int, np.ndarray] | None:
@@ -399,13 +405,11 @@ class HostCopyBackend(CopyThreads):
 
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""
-        for device, host in self._pairs:
-            copy_blocks(device, host, src_blocks, dst_blocks)
+        copy_blocks(self._pairs, src_blocks, dst_blocks)
 
     def load(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy pool blocks ``src_blocks`` to device blocks ``dst_blocks`` now, in the caller's thread."""
-        for device, host in self._pairs:
-            copy_blocks(host, device, src_blocks, dst_blocks)
+        copy_blocks([(host, device) for device, host in self._pairs], src_blocks, dst_blocks)
 
     def shutdown(self) -> None:
         """Let the copies already queued finish, then stop the threads (idempotent)."""
@@ -541,13 +545,12 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
 
     def _stage(self, run: list[int], buf: np.ndarray, to_buffer: bool) -> None:
         """Copy the run's blocks into (or out of) the first ``len(run)`` slots of ``buf``."""
+        staged = [(region, buf[:, column]) for region, column in zip(self._region_arrays, self._columns)]
         slots = range(len(run))
-        for region, column in zip(self._region_arrays, self._columns):
-            staged = buf[:, column]
-            if to_buffer:
-                copy_blocks(region, staged, run, slots)
-            else:
-                copy_blocks(staged, region, slots, run)
+        if to_buffer:
+            copy_blocks(staged, run, slots)
+        else:
+            copy_blocks([(b, r) for r, b in staged], slots, run)
 
     def _transfer(self, blocks: list[int], slots: list[int], write: bool) -> None:
         if len(blocks) != len(slots):
