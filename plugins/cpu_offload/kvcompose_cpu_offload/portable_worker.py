@@ -14,7 +14,10 @@ cannot start on a platform without CUDA (on vLLM's CPU platform it fails with
   ``query()`` and ``synchronize()`` like a ``torch.Event``;
 * the host pool allocation (no ``cudaHostRegister``; laid out so a block of every layer is one
   copy, see :func:`stack_regions`);
-* ``wait_for_save`` (no compute-done CUDA event to record).
+* when a store starts: at the next step's ``bind_connector_metadata`` rather than in
+  ``wait_for_save``, so that no step waits for a copy thread to wake before its tokens are
+  sampled (see :meth:`PortableSimpleCPUOffloadWorker.wait_for_save`); the preemption flush and
+  shutdown start them first.
 
 Everything else is vLLM's own code, inherited unchanged: how raw ``[num_blocks, block_bytes]``
 storage regions are derived from the engine's KV tensors, how the pool is sized, metadata
@@ -42,6 +45,7 @@ from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
 # A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
 logger = init_logger(f"vllm.{__name__}")
@@ -312,8 +316,8 @@ class CopyThreads:
         events_list: list[tuple[int, Any]],
         wait_event: Any = None,
     ) -> None:
-        """Queue the transfer for the store or load thread (or copy it now, see
-        :meth:`copies_in_place`) and register its event now.
+        """Queue the transfer for the store or load thread (or copy a load now, see
+        :meth:`loads_in_place`) and register its event now.
 
         ``wait_event`` (vLLM's compute-done CUDA event) has no counterpart: on the CPU platform
         the forward pass has finished writing the KV when the worker issues its stores.
@@ -322,14 +326,15 @@ class CopyThreads:
             raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destinations")
         event = ThreadEvent(f"{self._what} {'store' if is_store else 'load'}")
         events_list.append((event_idx, event))
-        if self.copies_in_place(len(src_blocks)):
+        if not is_store and self.loads_in_place(len(src_blocks)):
             self._run(src_blocks, dst_blocks, is_store, event)
         else:
             (self._store_queue if is_store else self._load_queue).put((list(src_blocks), list(dst_blocks), event))
 
-    def copies_in_place(self, num_blocks: int) -> bool:
-        """Whether a transfer of ``num_blocks`` blocks is copied now, in the caller's thread, instead
-        of on a copy thread (its event then complete when ``launch_copy`` returns). Never, here."""
+    def loads_in_place(self, num_blocks: int) -> bool:
+        """Whether a load of ``num_blocks`` blocks is copied now, in the caller's thread, instead of
+        on the load thread (its event then complete when ``launch_copy`` returns). Never, here;
+        a store never is."""
         return False
 
     def _run(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool, event: ThreadEvent) -> None:
@@ -354,21 +359,20 @@ class HostCopyBackend(CopyThreads):
     Same ``launch_copy`` contract as vLLM's ``DmaCopyBackend``. On the CPU platform the
     "device" KV cache and the pool are both DRAM, so a transfer is a set of memory copies
     (:func:`copy_blocks`), one per run of consecutive blocks and group of evenly spaced layers
-    (:func:`stack_regions`). They run on :class:`CopyThreads`, so the engine step that issues
-    a store does not wait for it; a transfer of at most :attr:`inline_copy_bytes` is copied in
-    the engine's thread instead (see there).
+    (:func:`stack_regions`). Stores run on the store thread, so no engine step waits for one; a
+    load of at most :attr:`inline_load_bytes` is copied in the engine's thread instead (see there).
     """
 
     _what = "host copy"
-    #: Transfers of at most this many bytes are copied in the calling (engine) thread, their
-    #: event complete on return, instead of on a copy thread. Handing a transfer to a thread
-    #: wakes it in the middle of the engine's step, between the forward pass and the sampling of
-    #: the first token: on a busy host (here, 2 cores shared by two engines) the woken thread
-    #: takes the engine thread's core and the step waits 1-15 ms for it back, against 0.05 ms to
-    #: copy a 600-token prompt's 18 blocks of 32 KiB in place (docs/performance.md, 5d). 1 MiB
-    #: copies in about 0.1 ms; larger transfers (a 16-token block of an 8B model is 2 MiB) keep
-    #: the thread, so the step still never waits for a large copy. 0: every transfer on a thread.
-    inline_copy_bytes: ClassVar[int] = 1 << 20
+    #: Loads of at most this many bytes are copied in the calling (engine) thread, their event
+    #: complete on return, instead of on the load thread. vLLM starts a step's loads after its
+    #: forward pass and polls them right after: a load handed to a thread there is rarely done by
+    #: the poll on a busy host (here, 2 cores shared by two engines, the woken thread waits 1-15
+    #: ms for a core; docs/performance.md, 5d), so the request would wait a whole step more, against
+    #: 0.05 ms to copy a 600-token prompt's 18 blocks of 32 KiB in place. 1 MiB copies in about
+    #: 0.1 ms; larger loads keep the thread. The loading request produces no token in that step.
+    #: 0: every load on the thread.
+    inline_load_bytes: ClassVar[int] = 1 << 20
 
     def __init__(self) -> None:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
@@ -398,10 +402,10 @@ class HostCopyBackend(CopyThreads):
         if self._store_thread is None:
             self._start_threads()
 
-    def copies_in_place(self, num_blocks: int) -> bool:
-        """Whether a transfer of ``num_blocks`` blocks is copied in the caller's thread
-        (:attr:`inline_copy_bytes`)."""
-        return num_blocks * self._block_bytes <= self.inline_copy_bytes
+    def loads_in_place(self, num_blocks: int) -> bool:
+        """Whether a load of ``num_blocks`` blocks is copied in the caller's thread
+        (:attr:`inline_load_bytes`)."""
+        return num_blocks * self._block_bytes <= self.inline_load_bytes
 
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""
@@ -695,6 +699,9 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
             use_page_cache=use_page_cache,
         )
         self._backend: HostCopyBackend | PortableDiskBackend | None = None  # type: ignore[assignment]
+        #: Stores issued by the last step's ``wait_for_save``, handed to the store thread when the
+        #: next step starts: (device blocks, pool blocks, event index).
+        self._stores_to_start: list[tuple[list[int], list[int], int]] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's region derivation and sizing, then our pool and backend (``_init_*_mode``)."""
@@ -749,27 +756,51 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         )
         self._backend = backend
 
-    def wait_for_save(self) -> None:
-        """Queue this step's stores on the store thread and return without waiting for them.
+    def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
+        """Start the previous step's stores (see :meth:`wait_for_save`), then take this step's
+        metadata as vLLM's worker does."""
+        self._start_stores()
+        super().bind_connector_metadata(metadata)
 
-        vLLM orders them after a compute-done event on the current CUDA stream; here the
-        forward pass has run to completion when this is called, so no ordering is needed.
-        ``get_finished`` reports each store once its copy is done; until then the scheduler
-        keeps the blocks it reads and writes referenced.
+    def wait_for_save(self) -> None:
+        """Take this step's stores and return: they start when the next step does.
+
+        vLLM's CUDA worker queues them here on a side stream, after a compute-done event. The
+        CPU platform has no side stream: a copy thread woken here takes a core in the middle of
+        the step, before its tokens are sampled (1-15 ms on a busy host, docs/performance.md 5d).
+        So, like vLLM's ``OffloadingConnector`` ("defer the store to the beginning of the next
+        engine step ... avoiding delays to token generation"), the hand-off waits for the next
+        step's ``bind_connector_metadata``. The scheduler keeps stepping while a store is pending
+        (``has_pending_push_work``) and keeps the blocks it reads and writes referenced until
+        ``get_finished`` reports it done, so a deferred store neither stalls nor races.
         """
         metadata = self._connector_metadata
         if metadata is not None and metadata.store_gpu_blocks:
             if self._backend is None:
                 raise RuntimeError("stores requested before register_kv_caches")
-            self._backend.launch_copy(
-                metadata.store_gpu_blocks,
-                metadata.store_cpu_blocks,
-                is_store=True,
-                event_idx=metadata.store_event,
-                events_list=self._store_events,
+            self._stores_to_start.append(
+                (list(metadata.store_gpu_blocks), list(metadata.store_cpu_blocks), metadata.store_event)
             )
 
+    def _start_stores(self) -> None:
+        if not self._stores_to_start:
+            return
+        assert self._backend is not None
+        for gpu_blocks, cpu_blocks, event_idx in self._stores_to_start:
+            self._backend.launch_copy(
+                gpu_blocks, cpu_blocks, is_store=True, event_idx=event_idx, events_list=self._store_events
+            )
+        self._stores_to_start.clear()
+
+    def handle_preemptions(self, kv_connector_metadata: SimpleCPUOffloadMetadata) -> None:
+        """Start the stores not yet started, then vLLM's flush: every copy in flight ends before a
+        preempted request's blocks are reused."""
+        self._start_stores()
+        super().handle_preemptions(kv_connector_metadata)
+
     def shutdown(self) -> None:
-        """Stop the backend: copies in flight finish first (the disk tier also removes its file)."""
+        """Stop the backend: stores not yet started start, and every copy in flight finishes
+        first (the disk tier also removes its file)."""
         if self._backend is not None:
+            self._start_stores()
             self._backend.shutdown()

@@ -2,9 +2,10 @@
 
 Each test holds a copy thread at a gate (the backend's public ``store`` or ``load``, wrapped),
 lets the engine run on, and checks what vLLM's protocol promises: the step that issues a store
-does not wait for it; the scheduler keeps the blocks a copy reads or writes out of every other
-request's hands until the copy is reported; a load is reported only once its bytes are in
-place; a preemption flush and shutdown wait for the copies in flight.
+does not wait for it (the next step starts it); the scheduler keeps the blocks a copy reads or
+writes out of every other request's hands until the copy is reported; a load is reported only
+once its bytes are in place; a preemption flush and shutdown start the stores not yet started
+and wait for the copies in flight.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class Gate:
 
 @pytest.fixture(autouse=True)
 def every_copy_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about the copy threads: no transfer is small enough to be copied in place."""
-    monkeypatch.setattr(HostCopyBackend, "inline_copy_bytes", 0)
+    """These tests are about the copy threads: no load is small enough to be copied in place."""
+    monkeypatch.setattr(HostCopyBackend, "inline_load_bytes", 0)
 
 
 @pytest.fixture
@@ -95,8 +96,9 @@ def test_a_store_in_flight_keeps_its_blocks_from_every_other_request(
     # The engine steps, and A finishes, while A's store is held: no step waits for a store.
     outs = h.step_until(lambda _: a.is_finished(), "A did not finish", max_steps=10, write_blocks=True)
     held = stored_blocks(outs)
-    assert len(held) == 4 and gate.entered.wait(60)
-    assert h.scheduler.connector.has_pending_push_work()
+    assert len(held) == 4 and h.scheduler.connector.has_pending_push_work()
+    h.engine_step(write_blocks=True)  # the step after the one that issued the store starts it
+    assert gate.entered.wait(60)
     pool = h.scheduler.kv_cache_manager.block_pool
     assert all(pool.blocks[b].ref_cnt > 0 for b in held)
 
@@ -171,6 +173,7 @@ def _worker_with_a_held_store(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Gat
     )
     worker.wait_for_save()
     worker.clear_connector_metadata()
+    worker.bind_connector_metadata(SimpleCPUOffloadMetadata())  # the next step starts it
     assert gate.entered.wait(60)
     assert worker.get_finished(set()) == (None, None) and worker.build_connector_worker_meta() is None
     return kv, gate, worker
@@ -182,6 +185,58 @@ def _pool_holds_the_store(kv: Any, worker: PortableSimpleCPUOffloadWorker) -> bo
         torch.equal(worker.cpu_kv_caches[n][[0, 1, 2]], worker.gpu_kv_caches[n][[3, 4, 9]])
         for n in worker.gpu_kv_caches
     )
+
+
+def test_the_step_that_issues_a_store_ends_before_the_store_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store is handed to the store thread when the next step binds its metadata, not in the
+    step whose forward pass produced its KV (that step's tokens are sampled after
+    ``wait_for_save`` and ``get_finished``); it is reported only once copied."""
+    kv = make_engine_kv(num_blocks=16)
+    fill_random(kv, seed=6)
+    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
+    worker.register_kv_caches(kv.kv_caches)
+    gate = Gate(monkeypatch, "store")
+    gate.open()
+    worker.bind_connector_metadata(
+        SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3, 4, 9], store_cpu_blocks=[0, 1, 2])
+    )
+    worker.start_load_kv()
+    worker.wait_for_save()
+    assert worker.get_finished(set()) == (None, None)
+    worker.clear_connector_metadata()
+    assert not gate.entered.is_set() and not _pool_holds_the_store(kv, worker)
+    assert worker.build_connector_worker_meta() is None
+
+    worker.bind_connector_metadata(SimpleCPUOffloadMetadata())  # the next step, with nothing of its own
+    assert gate.entered.wait(60)
+    worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+    worker.get_finished(set())
+    assert worker.build_connector_worker_meta().completed_store_events == {0: 1}
+    assert _pool_holds_the_store(kv, worker)
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("how", ["preemption flush", "shutdown"])
+def test_a_preemption_flush_and_shutdown_start_the_stores_not_yet_started(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    kv = make_engine_kv(num_blocks=16)
+    fill_random(kv, seed=7)
+    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
+    worker.register_kv_caches(kv.kv_caches)
+    worker.bind_connector_metadata(
+        SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3, 4, 9], store_cpu_blocks=[0, 1, 2])
+    )
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    if how == "shutdown":
+        worker.shutdown()
+    else:
+        worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+        worker.get_finished(set())
+        assert worker.build_connector_worker_meta().completed_store_events == {0: 1}
+        worker.shutdown()
+    assert _pool_holds_the_store(kv, worker)
 
 
 @pytest.mark.parametrize("how", ["preemption flush", "shutdown"])

@@ -270,19 +270,19 @@ def test_events_complete_in_order_across_steps() -> None:
     worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
 
 
-def test_small_transfers_are_copied_in_the_engine_thread_and_large_ones_on_the_copy_threads(
+def test_small_loads_are_copied_in_the_engine_thread_and_every_store_on_the_store_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A transfer of at most ``inline_copy_bytes`` is done when ``wait_for_save`` / ``start_load_kv``
-    return (no thread woken inside the engine's step) and is reported in that step; a larger one
-    runs on the store or load thread. Both move the same bytes."""
+    """A load of at most ``inline_load_bytes`` is done when ``start_load_kv`` returns and is
+    reported in that step; a larger one runs on the load thread. Every store runs on the store
+    thread, however small. Both move the same bytes."""
     kv = make_engine_kv(num_layers=2, block_size=16, num_blocks=24)
     fill_random(kv, seed=11)
     before = _snapshot(kv)
     worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
     worker.register_kv_caches(kv.kv_caches)
     block_bytes = sum(_bytes(view[0]).numel() for view in kv.kv_caches.values())
-    monkeypatch.setattr(HostCopyBackend, "inline_copy_bytes", 2 * block_bytes)
+    monkeypatch.setattr(HostCopyBackend, "inline_load_bytes", 2 * block_bytes)
     threads: list[str] = []
     for method in ("store", "load"):
         original = getattr(HostCopyBackend, method)
@@ -293,20 +293,17 @@ def test_small_transfers_are_copied_in_the_engine_thread_and_large_ones_on_the_c
 
         monkeypatch.setattr(HostCopyBackend, method, recorded)
 
-    _store(worker, 0, [3, 4], [0, 1])  # two blocks: in place
-    assert threads == [threading.current_thread().name]
-    worker.get_finished(set())  # the same step: already complete, no flush needed
-    assert worker.build_connector_worker_meta().completed_store_events == {0: 1}
-    worker.clear_connector_metadata()
-    _store(worker, 1, [5, 6, 7], [2, 3, 4])  # three blocks: the store thread
-    _flush(worker)
-    assert threads[1] == "kv-offload-host-copy-store"
-    worker.get_finished(set())
-    worker.clear_connector_metadata()
+    for event, (gpu, cpu) in enumerate([([3], [0]), ([4, 5, 6, 7], [1, 2, 3, 4])]):
+        _store(worker, event, gpu, cpu)
+        _flush(worker)
+        assert threads[-1] == "kv-offload-host-copy-store"
+        worker.get_finished(set())
+        assert worker.build_connector_worker_meta().completed_store_events == {event: 1}
+        worker.clear_connector_metadata()
 
     _load(worker, 0, [0, 1], [20, 21], ["small"])
     assert threads[2] == threading.current_thread().name
-    assert worker.get_finished(set()) == (None, {"small"})
+    assert worker.get_finished(set()) == (None, {"small"})  # the same step: already complete
     worker.clear_connector_metadata()
     _load(worker, 1, [2, 3, 4], [12, 13, 14], ["large"])
     _flush(worker)
@@ -316,8 +313,8 @@ def test_small_transfers_are_copied_in_the_engine_thread_and_large_ones_on_the_c
     worker.shutdown()
 
 
-def test_an_in_place_copy_error_surfaces_through_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failed in-place store is reported as a thread's is: by the event, on the engine thread."""
+def test_an_in_place_load_error_surfaces_through_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed in-place load is reported as a thread's is: by the event, on the engine thread."""
     kv = make_engine_kv(num_blocks=16)
     worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
     worker.register_kv_caches(kv.kv_caches)
@@ -325,9 +322,9 @@ def test_an_in_place_copy_error_surfaces_through_its_event(monkeypatch: pytest.M
     def broken(backend: HostCopyBackend, src: list[int], dst: list[int]) -> None:
         raise OSError("pool gone")
 
-    monkeypatch.setattr(HostCopyBackend, "store", broken)
-    _store(worker, 0, [1], [0])
-    with pytest.raises(RuntimeError, match="host copy store failed: pool gone"):
+    monkeypatch.setattr(HostCopyBackend, "load", broken)
+    _load(worker, 0, [0], [1], ["x"])
+    with pytest.raises(RuntimeError, match="host copy load failed: pool gone"):
         worker.get_finished(set())
     worker.shutdown()
 
