@@ -716,13 +716,15 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
     ) -> None:
         # As vLLM's, minus cudaHostRegister: the pool is ordinary (unpinned) host memory. Regions
         # the device side stacks (evenly spaced layers, see stack_regions) share one pool tensor
-        # laid out [block, layer, bytes], so a block of every layer is one copy on both sides.
+        # laid out [layer, block, bytes] as the engine's are, so both sides stack the same way (a
+        # block of every layer is one numpy assignment) and a run of consecutive blocks is one
+        # contiguous piece per layer on both sides (one streamed copy each, see pieces).
         names = list(unique_gpu_caches)
         self.cpu_kv_caches = {}
         for first, view in stack_regions([unique_gpu_caches[n] for n in names]):
-            pool = torch.zeros((self.num_cpu_blocks, *view.shape[1:]), dtype=view.dtype, device="cpu")
+            pool = torch.zeros((view.shape[1], self.num_cpu_blocks, *view.shape[2:]), dtype=view.dtype, device="cpu")
             for j in range(view.shape[1]):
-                self.cpu_kv_caches[names[first + j]] = pool[:, j]
+                self.cpu_kv_caches[names[first + j]] = pool[j]
         logger.info(
             "PortableSimpleCPUOffloadWorker [CPU]: %d regions, %d host blocks (%.2f GB)",
             len(unique_gpu_caches),

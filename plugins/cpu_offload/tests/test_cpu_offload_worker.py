@@ -111,10 +111,10 @@ def test_copy_blocks(src_ids: list[int], dst_ids: list[int]) -> None:
 
 
 def _engine_and_pool(layers: int, blocks: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two layouts a host-tier copy joins: the engine's (layer-outermost, a layer's blocks
-    back to back) and the pool's (block-outermost, a block's layers back to back)."""
+    """The two layouts a host-tier copy joins, both layer-outermost (a layer's blocks back to
+    back): the engine's, and the pool's with twice the blocks."""
     engine = torch.randint(-(2**15), 2**15, (layers, blocks, page // 2), dtype=torch.int16)
-    pool = torch.zeros((2 * blocks, layers, page // 2), dtype=torch.int16)
+    pool = torch.zeros((layers, 2 * blocks, page // 2), dtype=torch.int16)
     return engine, pool
 
 
@@ -128,7 +128,7 @@ def test_copy_blocks_between_engine_and_pool_layouts_moves_exactly_the_blocks(
     monkeypatch.setattr(portable_worker, "STREAM_MIN_BYTES", 0 if path == "streamed" else 1 << 62)
     engine, pool = _engine_and_pool(layers=4, blocks=12, page=4160)  # not a multiple of 64: tails
     ((_, dev),) = stack_regions([engine[i] for i in range(4)])
-    ((_, host),) = stack_regions([pool[:, i] for i in range(4)])
+    ((_, host),) = stack_regions([pool[i] for i in range(4)])
     ids = {"scattered": [9, 1, 7, 3], "consecutive": [2, 3, 4, 5], "mixed": [4, 5, 6, 0, 11]}[pattern]
     slots = [20, 3, 4, 5, 13][: len(ids)]
     if direction == "load":
@@ -147,19 +147,38 @@ def test_copy_blocks_between_engine_and_pool_layouts_moves_exactly_the_blocks(
 def test_pieces_are_whole_blocks_or_layer_pages_and_runs_where_both_sides_allow() -> None:
     engine, pool = _engine_and_pool(layers=4, blocks=12, page=4096)
     ((_, dev),) = stack_regions([engine[i] for i in range(4)])
-    ((_, host),) = stack_regions([pool[:, i] for i in range(4)])
-    dst, src, sizes = pieces(as_array(dev), as_array(host), [2, 3, 4], [0, 1, 2])  # type: ignore[misc]
-    assert len(sizes) == 3 * 4 and set(sizes.tolist()) == {4096}  # the pool's blocks hold every layer
-    layer_stride = engine[1].data_ptr() - engine[0].data_ptr()
-    assert int(src[1]) - int(src[0]) == layer_stride and int(dst[1]) - int(dst[0]) == 4096
-    other = torch.zeros_like(engine)
-    ((_, dev2),) = stack_regions([other[i] for i in range(4)])
-    _, _, sizes = pieces(as_array(dev), as_array(dev2), [2, 3, 4, 9], [0, 1, 2, 5])  # type: ignore[misc]
+    ((_, host),) = stack_regions([pool[i] for i in range(4)])
+    dst, src, sizes = pieces(as_array(dev), as_array(host), [2, 3, 4, 9], [0, 1, 2, 5])  # type: ignore[misc]
     assert sizes.tolist() == [3 * 4096] * 4 + [4096] * 4  # both keep a layer's blocks together: a run a layer
+    assert int(src[1]) - int(src[0]) == engine[1].data_ptr() - engine[0].data_ptr()
+    assert int(dst[1]) - int(dst[0]) == pool[1].data_ptr() - pool[0].data_ptr()
+    # A block-outermost side (a block's layers back to back, as in the disk tier's file): a page a piece.
+    staging = torch.zeros((24, 4, 2048), dtype=torch.int16)
+    ((_, blocks_first),) = stack_regions([staging[:, i] for i in range(4)])
+    dst, _, sizes = pieces(as_array(dev), as_array(blocks_first), [2, 3, 4], [0, 1, 2])  # type: ignore[misc]
+    assert len(sizes) == 3 * 4 and set(sizes.tolist()) == {4096} and int(dst[1]) - int(dst[0]) == 4096
     whole = torch.zeros(8, 96, dtype=torch.int8)
     _, _, sizes = pieces(as_array(whole), as_array(whole.clone()), [0, 1], [4, 5])  # type: ignore[misc]
     assert sizes.tolist() == [2 * 96]
     assert pieces(as_array(whole), as_array(torch.zeros(8, 48, dtype=torch.int8)), [0], [0]) is None
+
+
+def test_the_pool_stacks_as_the_engine_does_so_a_run_is_one_piece_a_layer() -> None:
+    """The worker lays its pool out as the engine's evenly spaced layers are: a run of consecutive
+    blocks on both sides is one contiguous copy per layer."""
+    kv = make_engine_kv(num_layers=4, block_size=16, num_blocks=24)
+    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
+    worker.register_kv_caches(kv.kv_caches)
+    assert worker.gpu_kv_caches is not None and worker.cpu_kv_caches is not None
+    names = list(worker.gpu_kv_caches)
+    dev = stack_regions([worker.gpu_kv_caches[n] for n in names])
+    host = stack_regions([worker.cpu_kv_caches[n] for n in names])
+    assert [(i, v.shape[1]) for i, v in dev] == [(i, v.shape[1]) for i, v in host] == [(0, 4)]
+    ((_, d),), ((_, h),) = dev, host
+    page = worker.gpu_kv_caches[names[0]][0].nbytes
+    _, _, sizes = pieces(as_array(d), as_array(h), [5, 6, 7, 8], [0, 1, 2, 3])  # type: ignore[misc]
+    assert sizes.tolist() == [4 * page] * 4
+    worker.shutdown()
 
 
 def test_the_streaming_copy_is_built_here_and_refuses_mismatched_lists() -> None:
