@@ -149,14 +149,16 @@ def test_pieces_are_whole_blocks_or_layer_pages_and_runs_where_both_sides_allow(
     ((_, dev),) = stack_regions([engine[i] for i in range(4)])
     ((_, host),) = stack_regions([pool[i] for i in range(4)])
     dst, src, sizes = pieces(as_array(dev), as_array(host), [2, 3, 4, 9], [0, 1, 2, 5])  # type: ignore[misc]
-    assert sizes.tolist() == [3 * 4096] * 4 + [4096] * 4  # both keep a layer's blocks together: a run a layer
-    assert int(src[1]) - int(src[0]) == engine[1].data_ptr() - engine[0].data_ptr()
-    assert int(dst[1]) - int(dst[0]) == pool[1].data_ptr() - pool[0].data_ptr()
+    assert sizes.tolist() == [3 * 4096, 4096] * 4  # both keep a layer's blocks together: a run a layer
+    assert src.tolist() == sorted(src.tolist())  # read forwards: a layer's pieces, then the next layer's
+    layer_stride = engine[1].data_ptr() - engine[0].data_ptr()
+    assert int(src[2]) - int(src[0]) == layer_stride
+    assert int(dst[2]) - int(dst[0]) == pool[1].data_ptr() - pool[0].data_ptr()
     # A block-outermost side (a block's layers back to back, as in the disk tier's file): a page a piece.
     staging = torch.zeros((24, 4, 2048), dtype=torch.int16)
     ((_, blocks_first),) = stack_regions([staging[:, i] for i in range(4)])
-    dst, _, sizes = pieces(as_array(dev), as_array(blocks_first), [2, 3, 4], [0, 1, 2])  # type: ignore[misc]
-    assert len(sizes) == 3 * 4 and set(sizes.tolist()) == {4096} and int(dst[1]) - int(dst[0]) == 4096
+    dst, _, sizes = pieces(as_array(blocks_first), as_array(dev), [0, 1, 2], [2, 3, 4])  # type: ignore[misc]
+    assert len(sizes) == 3 * 4 and set(sizes.tolist()) == {4096} and int(dst[1]) - int(dst[0]) == layer_stride
     whole = torch.zeros(8, 96, dtype=torch.int8)
     _, _, sizes = pieces(as_array(whole), as_array(whole.clone()), [0, 1], [4, 5])  # type: ignore[misc]
     assert sizes.tolist() == [2 * 96]
