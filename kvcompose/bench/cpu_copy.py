@@ -2,8 +2,9 @@
 
 Subject: the cpu-offload plugin's portable worker (vLLM's ``SimpleCPUOffloadWorker`` with host
 copies), driven as an engine drives it: ``bind_connector_metadata`` then ``wait_for_save`` (a
-store) or ``start_load_kv`` (a load), then ``handle_preemptions`` with ``need_flush`` to wait
-for the copy thread, so a sample is the time until the bytes are in place. The KV cache is
+store) or ``start_load_kv`` (a load), then ``handle_preemptions`` with ``need_flush``, which
+starts the store (the worker starts a step's stores when the next step begins) and waits for
+the copy thread, so a sample is the time until the bytes are in place. The KV cache is
 laid out by vLLM's own code (:func:`kvcompose.testing.kv.make_engine_kv`: the CPU platform's
 ``LBHNC`` layout, one ``[blocks, heads, tokens, K|V]`` view per layer in one allocation), and
 the worker derives its regions from it as vLLM's worker does.
@@ -274,7 +275,7 @@ def _through_worker(worker: Any, nbytes: int) -> Callable[[int, bool, list[int],
         worker.bind_connector_metadata(meta)
         t0 = time.perf_counter()
         (worker.wait_for_save if is_store else worker.start_load_kv)()
-        worker.handle_preemptions(flush)  # waits for the copy thread: the bytes are in place
+        worker.handle_preemptions(flush)  # starts a store, waits for the copy thread: the bytes are in place
         dt = time.perf_counter() - t0
         worker.get_finished(set())
         worker.build_connector_worker_meta()
