@@ -48,8 +48,17 @@ from kvcompose.testing.types import registered
 QUIET_TIMEOUT_S = 90.0
 
 
-def run(options: SoakOptions, work: Path | None = None, echo: Callable[[str], None] = print) -> SoakReport:
-    """One soak run; its report (``report.problems`` empty when every check passed)."""
+def run(
+    options: SoakOptions,
+    work: Path | None = None,
+    echo: Callable[[str], None] = print,
+    baseline: EngineNode | None = None,
+) -> SoakReport:
+    """One soak run; its report (``report.problems`` empty when every check passed).
+
+    ``baseline``: a running engine without a connector on the demo model to compare the answers
+    with (a test session's shared one); else the run starts its own once the stack is down.
+    """
     from kvcompose.bench.pd_ttft import engine_lock
 
     work = Path(work or tempfile.mkdtemp(prefix="kvcompose-soak-"))
@@ -80,7 +89,9 @@ def run(options: SoakOptions, work: Path | None = None, echo: Callable[[str], No
             lease_releases = len(_logged(logs, "prefill", r"Releasing expired KV blocks for request"))
         finally:
             stack.close()
-        comparison = _compare(load.outcomes, {r.index: r.prompt for r in requests}, options, model, logs, echo)
+        comparison = _compare(
+            load.outcomes, {r.index: r.prompt for r in requests}, options, model, logs, echo, baseline
+        )
     attempts = count(load.outcomes)
     requests_by = by_request(load.outcomes)
     answered = sorted(o.latency_s for o in load.outcomes if o.kind == "answered")
@@ -209,9 +220,10 @@ def _compare(
     model: str,
     logs: Path,
     echo: Callable[[str], None],
+    running: EngineNode | None = None,
 ) -> Comparison:
     """A sample of the answered requests, spread over the run, against one engine without a
-    connector answering each prompt alone."""
+    connector answering each prompt alone (``running``, else one started here)."""
     answered = sorted((o for o in outcomes if o.kind == "answered"), key=lambda o: o.index)
     step = max(1, len(answered) // options.sample)
     sample = answered[::step][: options.sample]
@@ -219,7 +231,7 @@ def _compare(
     if not sample:
         return result
     echo(f"comparing {len(sample)} answered requests with a single-engine baseline ...")
-    baseline = EngineNode(EngineSpec("baseline", model), logs)
+    baseline = running or EngineNode(EngineSpec("baseline", model), logs)
     try:
         wait_all_ready([baseline])
         for o in sample:
@@ -236,5 +248,6 @@ def _compare(
         result.differing.append(-1)
         echo(f"baseline failed: {exc}")
     finally:
-        baseline.close()
+        if running is None:
+            baseline.close()
     return result

@@ -1,4 +1,7 @@
-"""What the serving-stack engine tests share: nodes started for one module, stopped in reverse."""
+"""What the serving-stack engine tests share: nodes started for one module, stopped in reverse.
+
+The single-engine baseline is not one of them: the session shares one (``conftest.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvcompose.e2e.node import EngineNode, EngineSpec, wait_all_ready
+from kvcompose.e2e.node import EngineSpec, wait_all_ready
 from kvcompose.e2e.server import ServerNode
 from kvcompose.examples import EXAMPLES
 
@@ -24,18 +27,10 @@ class Nodes:
         self.nodes += nodes
         wait_all_ready(list(nodes))
 
-    def baseline_and_prefill(self, model: Path, logs: Path, port: int) -> tuple[EngineNode, ServerNode]:
-        """An offline engine without connector (the baseline) and a prefill server of the shipped
-        ``pd-prefill.yaml`` (NIXL side channel on ``port``), both ready."""
-        baseline = EngineNode(EngineSpec("baseline", str(model)), logs)
-        prefill = ServerNode(EngineSpec("prefill", str(model), str(EXAMPLES / "pd-prefill.yaml"), port), logs)
-        self.start(baseline, prefill)
-        return baseline, prefill
-
-    def retire(self, node: Any) -> None:
-        """Stop ``node`` now (the baseline, once it answered: at most three engines fit)."""
-        node.close()
-        self.nodes.remove(node)
+    def prefill_server(self, model: Path, logs: Path, port: int) -> ServerNode:
+        """A prefill server of the shipped ``pd-prefill.yaml`` (NIXL side channel on ``port``),
+        not started yet: start it with the module's other servers (:meth:`start`)."""
+        return ServerNode(EngineSpec("prefill", str(model), str(EXAMPLES / "pd-prefill.yaml"), port), logs)
 
     def close(self) -> None:
         for n in reversed(self.nodes):

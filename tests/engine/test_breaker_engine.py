@@ -50,20 +50,18 @@ OPENS = 4
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[EngineNode, EngineNode]]:
+def engines(baseline: EngineNode) -> Iterator[tuple[EngineNode, EngineNode]]:
     with tempfile.TemporaryDirectory(prefix="kvcompose-e2e-breaker-") as tmp:
         root = Path(tmp)
         composition = root / "breaker.yaml"
         composition.write_text(COMPOSITION)
         kit_types = install_entry_point(root / "site")
         model = str(make_model(0))
-        baseline = EngineNode(EngineSpec("baseline", model), root / "logs")
         composed = EngineNode(EngineSpec("breaker", model, str(composition)), root / "logs", kit_types)
         try:
-            wait_all_ready([baseline, composed])
+            wait_all_ready([composed])
             yield baseline, composed
         finally:
-            baseline.close()
             composed.close()
 
 

@@ -45,28 +45,29 @@ def turn_2(answer: list[int]) -> list[int]:
 
 
 class Cluster:
-    """A baseline run, then one prefill and one decode engine at a time."""
+    """The baseline's answers, and one prefill and one decode engine at a time."""
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, baseline: EngineNode) -> None:
         self.logs = logs
         self.models = {seed: str(make_model(seed)) for seed in (0, 1)}
         self.prefill: EngineNode | None = None
         self.decode: EngineNode | None = None
         self.key: tuple[int, str] | None = None
-        # The single-engine baseline of every prompt, started alongside the first prefill.
-        baseline = EngineNode(EngineSpec("baseline", self.models[0]), logs)
-        try:
-            self._start(0, "fail", also=[baseline])
-            self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
-            # Turn 2 follows the baseline's own turn-1 answer; decode's must be the same tokens. Asked
-            # twice: the second answer computes the last prompt token alone, as decode does.
-            second = turn_2(self.expected["conversation"]["token_ids"])
-            self.expected["conversation turn 2, first"] = baseline.generate([second], MAX_TOKENS)[0]
-            self.expected["conversation turn 2"] = baseline.generate([second], MAX_TOKENS)[0]
-        finally:
-            baseline.close()
         self.decode = self._decode("fail")
-        wait_all_ready([self.decode])
+        try:
+            self._start(0, "fail", also=[self.decode], baseline=baseline)
+        except BaseException:
+            self.close()  # no fixture teardown runs for a fixture that failed to set up
+            raise
+
+    def _answer(self, baseline: EngineNode) -> None:
+        """The single-engine baseline of every prompt."""
+        self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
+        # Turn 2 follows the baseline's own turn-1 answer; decode's must be the same tokens. Asked
+        # twice: the second answer computes the last prompt token alone, as decode does.
+        second = turn_2(self.expected["conversation"]["token_ids"])
+        self.expected["conversation turn 2, first"] = baseline.generate([second], MAX_TOKENS)[0]
+        self.expected["conversation turn 2"] = baseline.generate([second], MAX_TOKENS)[0]
 
     def _decode(self, policy: str) -> EngineNode:
         # Handshake compatibility off: the tamper control pairs it with a different model.
@@ -82,12 +83,16 @@ class Cluster:
             self.logs,
         )
 
-    def _start(self, seed: int, policy: str, also: list[EngineNode] | None = None) -> None:
+    def _start(
+        self, seed: int, policy: str, also: list[EngineNode] | None = None, baseline: EngineNode | None = None
+    ) -> None:
         prefill = EngineNode(
             EngineSpec(f"prefill-seed{seed}", self.models[seed], str(EXAMPLES / "pd-prefill.yaml"), free_ports(1)[0]),
             self.logs,
         )
         self.prefill, self.key = prefill, (seed, policy)
+        if baseline is not None:  # its answers while the engines start
+            self._answer(baseline)
         wait_all_ready([prefill, *(also or [])])
 
     def use(self, prefill_seed: int = 0, policy: str = "fail") -> tuple[EngineNode, EngineNode]:
@@ -108,9 +113,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def cluster(baseline: EngineNode) -> Iterator[Cluster]:
     with tempfile.TemporaryDirectory(prefix="kvcompose-e2e-") as tmp:
-        c = Cluster(Path(tmp))
+        c = Cluster(Path(tmp), baseline)
         try:
             yield c
         finally:

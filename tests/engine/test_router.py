@@ -18,7 +18,7 @@ from kvcompose.cli import main
 from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose.e2e.flow import EXTERNAL, delta, drop_prefix_cache, routed_request, same_output, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, NodeError, free_ports
+from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 from kvcompose.e2e.warmup import WARMUP_TOKENS
@@ -35,32 +35,32 @@ SUCCESS = "vllm:request_success{finished_reason=length}"
 
 
 class Stack(Nodes):
-    """The baseline's answers, then a prefill and a decode server behind the router."""
+    """The baseline's answers, and a prefill and a decode server behind the router."""
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, baseline: EngineNode) -> None:
         self.model = make_model(0)
         self.tokenizer = load_tokenizer(self.model)
         self.text_ids: list[int] = self.tokenizer(TEXT)["input_ids"]
         p_port, d_port = free_ports(2)
         super().__init__()
-        baseline, self.prefill = self.baseline_and_prefill(self.model, logs, p_port)
+        self.prefill = self.prefill_server(self.model, logs, p_port)
+        self.decode = ServerNode(EngineSpec("decode", str(self.model), str(EXAMPLES / "pd-decode.yaml"), d_port), logs)
+        self.nodes += [self.prefill, self.decode]  # starting while the baseline answers
         self.expected = {
             "ids": baseline.generate([PROMPT], MAX_TOKENS)[0],
             "repeated": baseline.generate([REPEATED], MAX_TOKENS)[0],
             "text": baseline.generate([self.text_ids], MAX_TOKENS)[0],
         }
         self.chat: list[ChatTurn] = baseline_chat(baseline, self.tokenizer, MAX_TOKENS)
-        self.retire(baseline)
-        self.decode = ServerNode(EngineSpec("decode", str(self.model), str(EXAMPLES / "pd-decode.yaml"), d_port), logs)
-        self.start(self.decode)
+        wait_all_ready([self.prefill, self.decode])
         self.router = RouterNode([self.prefill], [self.decode], str(self.model), logs)
         self.nodes.append(self.router)
         self.router.wait_ready()
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    yield from module_stack(Stack, "kvcompose-e2e-router-")
+def stack(baseline: EngineNode) -> Iterator[Stack]:
+    yield from module_stack(lambda logs: Stack(logs, baseline), "kvcompose-e2e-router-")
 
 
 def test_completion_through_the_router_is_prefilled_then_pulled_over_nixl(stack: Stack) -> None:

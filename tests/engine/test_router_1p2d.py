@@ -9,8 +9,8 @@ dropped before turns 2 and 3. Each later turn must land on the decode that serve
 earlier turns, whose host tier holds them: host loads the earlier turns' full blocks and NIXL the
 rest, and every answer equals the single-engine baseline's.
 
-Memory: the baseline and prefill first; then the baseline closes and two decodes start (three
-engines, 1 GiB of KV space each).
+Memory: the prefill and two decodes start together (three engines, 1 GiB of KV space each) while
+the session's baseline engine (``conftest.py``) answers the conversations; it stays up, idle.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvcompose.e2e.chat import OTHER_SYSTEM, SYSTEM, ChatTurn, baseline_chat, ch
 from kvcompose.e2e.events import EventListener, kv_events_config
 from kvcompose.e2e.flow import Served, session_per_decode
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, free_ports
+from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 from kvcompose.examples import EXAMPLES
@@ -38,24 +38,24 @@ MAX_TOKENS = 16
 class Stack(Nodes):
     """The baseline's answers to both conversations, then prefill + two decodes behind the router."""
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, baseline: EngineNode) -> None:
         self.model = make_model(0)
         tokenizer = load_tokenizer(self.model)
         p_port, d1_port, d2_port = free_ports(3)
         super().__init__()
-        baseline, self.prefill = self.baseline_and_prefill(self.model, logs, p_port)
-        self.chats: list[list[ChatTurn]] = [
-            baseline_chat(baseline, tokenizer, MAX_TOKENS, system=SYSTEM),
-            baseline_chat(baseline, tokenizer, MAX_TOKENS, system=OTHER_SYSTEM),
-        ]
-        self.retire(baseline)
+        self.prefill = self.prefill_server(self.model, logs, p_port)
         decode = str(EXAMPLES / "pd-decode.yaml")
         events = {name: kv_events_config(logs / f"{name}.events") for name in ("decode-1", "decode-2")}
         self.decodes = [
             ServerNode(EngineSpec(name, str(self.model), decode, port, kv_events=events[name]), logs)
             for name, port in zip(events, (d1_port, d2_port))
         ]
-        self.start(*self.decodes)
+        self.nodes += [self.prefill, *self.decodes]  # starting while the baseline answers
+        self.chats: list[list[ChatTurn]] = [
+            baseline_chat(baseline, tokenizer, MAX_TOKENS, system=SYSTEM),
+            baseline_chat(baseline, tokenizer, MAX_TOKENS, system=OTHER_SYSTEM),
+        ]
+        wait_all_ready([self.prefill, *self.decodes])
         self.events = {name: EventListener(config["endpoint"]) for name, config in events.items()}
         self.router = RouterNode([self.prefill], self.decodes, str(self.model), logs, policy="consistent_hash")
         self.nodes.append(self.router)
@@ -68,8 +68,8 @@ class Stack(Nodes):
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    yield from module_stack(Stack, "kvcompose-e2e-1p2d-")
+def stack(baseline: EngineNode) -> Iterator[Stack]:
+    yield from module_stack(lambda logs: Stack(logs, baseline), "kvcompose-e2e-1p2d-")
 
 
 def test_each_conversation_stays_on_one_decode_whose_host_tier_serves_its_later_turns(stack: Stack) -> None:

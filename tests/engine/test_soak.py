@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from kvcompose.e2e.node import EngineNode
 from kvcompose.soak.plan import QUICK
 from kvcompose.soak.run import run
 
 pytestmark = pytest.mark.engine
 
 
-def test_the_short_soak_passes_every_check(tmp_path: Path) -> None:
-    report = run(QUICK, tmp_path)
+def test_the_short_soak_passes_every_check(tmp_path: Path, baseline: EngineNode) -> None:
+    report = run(QUICK, tmp_path, baseline=baseline)
     print("\n" + report.render())
     assert report.problems == []
     assert report.requests["answered"] > QUICK.requests // 2

@@ -79,21 +79,18 @@ def dropin(disk: Path) -> dict[str, Any]:
 class Engines:
     """The baseline's answers, one prefill engine, and a three-tier decode engine per load rule."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, baseline: EngineNode) -> None:
         self.tmp = tmp
         self.model = str(make_model(0))
-        baseline = EngineNode(EngineSpec("baseline", self.model), tmp)
         self.prefill = EngineNode(
             EngineSpec("prefill", self.model, str(EXAMPLES / "pd-prefill.yaml"), free_ports(1)[0]), tmp
         )
         try:
-            wait_all_ready([baseline, self.prefill])
             self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
+            wait_all_ready([self.prefill])
         except BaseException:
             self.prefill.close()  # no fixture teardown runs for a fixture that failed to set up
             raise
-        finally:
-            baseline.close()
         self.decode: EngineNode | None = None
 
     def decode_with(self, load: str) -> EngineNode:
@@ -128,8 +125,8 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    e = Engines(tmp_path_factory.mktemp("tiers"))
+def engines(tmp_path_factory: pytest.TempPathFactory, baseline: EngineNode) -> Iterator[Engines]:
+    e = Engines(tmp_path_factory.mktemp("tiers"), baseline)
     yield e  # pytest closes them whatever the tests did
     e.close()
 

@@ -24,7 +24,7 @@ import pytest
 
 from kvcompose.e2e.flow import drop_prefix_cache, routed_request, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, free_ports
+from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 from kvcompose.examples import EXAMPLES
@@ -39,26 +39,26 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 class Stack(Nodes):
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, baseline: EngineNode) -> None:
         self.model = make_model(0)
         p_port, d_port = free_ports(2)
         super().__init__()
-        baseline, prefill = self.baseline_and_prefill(self.model, logs, p_port)
-        self.expected = baseline.generate([PROMPT], MAX_TOKENS)[0]
-        self.retire(baseline)
+        prefill = self.prefill_server(self.model, logs, p_port)
         spec = EngineSpec(
             "decode-tp2", str(self.model), str(EXAMPLES / "pd-decode.yaml"), d_port, tensor_parallel_size=2
         )
         self.decode = ServerNode(spec, logs)
-        self.start(self.decode)
+        self.nodes += [prefill, self.decode]  # starting while the baseline answers
+        self.expected = baseline.generate([PROMPT], MAX_TOKENS)[0]
+        wait_all_ready([prefill, self.decode])
         self.router = RouterNode([prefill], [self.decode], str(self.model), logs)
         self.nodes.append(self.router)
         self.router.wait_ready()
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    yield from module_stack(Stack, "kvcompose-e2e-tp2-")
+def stack(baseline: EngineNode) -> Iterator[Stack]:
+    yield from module_stack(lambda logs: Stack(logs, baseline), "kvcompose-e2e-tp2-")
 
 
 def test_a_tp2_decode_pulls_from_a_tp1_prefill_and_its_host_tier_serves_the_repeat(stack: Stack) -> None:
