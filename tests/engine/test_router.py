@@ -60,7 +60,7 @@ class Stack(Nodes):
 
 @pytest.fixture(scope="module")
 def stack(baseline: EngineNode) -> Iterator[Stack]:
-    yield from module_stack(lambda logs: Stack(logs, baseline), "kvcompose-e2e-router-")
+    yield from module_stack(Stack, "kvcompose-e2e-router-", baseline)
 
 
 def test_completion_through_the_router_is_prefilled_then_pulled_over_nixl(stack: Stack) -> None:

@@ -69,7 +69,7 @@ class Stack(Nodes):
 
 @pytest.fixture(scope="module")
 def stack(baseline: EngineNode) -> Iterator[Stack]:
-    yield from module_stack(lambda logs: Stack(logs, baseline), "kvcompose-e2e-1p2d-")
+    yield from module_stack(Stack, "kvcompose-e2e-1p2d-", baseline)
 
 
 def test_each_conversation_stays_on_one_decode_whose_host_tier_serves_its_later_turns(stack: Stack) -> None:

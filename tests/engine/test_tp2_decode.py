@@ -58,7 +58,7 @@ class Stack(Nodes):
 
 @pytest.fixture(scope="module")
 def stack(baseline: EngineNode) -> Iterator[Stack]:
-    yield from module_stack(lambda logs: Stack(logs, baseline), "kvcompose-e2e-tp2-")
+    yield from module_stack(Stack, "kvcompose-e2e-tp2-", baseline)
 
 
 def test_a_tp2_decode_pulls_from_a_tp1_prefill_and_its_host_tier_serves_the_repeat(stack: Stack) -> None:
