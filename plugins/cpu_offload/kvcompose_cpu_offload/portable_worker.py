@@ -787,9 +787,8 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         if metadata is not None and metadata.store_gpu_blocks:
             if self._backend is None:
                 raise RuntimeError("stores requested before register_kv_caches")
-            self._stores_to_start.append(
-                (list(metadata.store_gpu_blocks), list(metadata.store_cpu_blocks), metadata.store_event)
-            )
+            # launch_copy copies the lists when it queues them; until then they are this step's.
+            self._stores_to_start.append((metadata.store_gpu_blocks, metadata.store_cpu_blocks, metadata.store_event))
 
     def _start_stores(self) -> None:
         if not self._stores_to_start:

@@ -162,17 +162,25 @@ def test_a_load_is_reported_only_once_its_bytes_are_in_place(
     assert not gate.ran_out
 
 
-def _worker_with_a_held_store(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Gate, Any]:
+def _worker_after_a_storing_step(seed: int) -> tuple[Any, PortableSimpleCPUOffloadWorker]:
+    """A worker on random engine KV, after one engine step that stored device blocks 3, 4 and 9
+    to pool blocks 0, 1 and 2 (store event 0); the next step has not begun."""
     kv = make_engine_kv(num_blocks=16)
-    fill_random(kv, seed=4)
+    fill_random(kv, seed=seed)
     worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
     worker.register_kv_caches(kv.kv_caches)
-    gate = Gate(monkeypatch, "store")
     worker.bind_connector_metadata(
         SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3, 4, 9], store_cpu_blocks=[0, 1, 2])
     )
+    worker.start_load_kv()
     worker.wait_for_save()
     worker.clear_connector_metadata()
+    return kv, worker
+
+
+def _worker_with_a_held_store(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Gate, Any]:
+    kv, worker = _worker_after_a_storing_step(seed=4)
+    gate = Gate(monkeypatch, "store")
     worker.bind_connector_metadata(SimpleCPUOffloadMetadata())  # the next step starts it
     assert gate.entered.wait(60)
     assert worker.get_finished(set()) == (None, None) and worker.build_connector_worker_meta() is None
@@ -191,19 +199,10 @@ def test_the_step_that_issues_a_store_ends_before_the_store_starts(monkeypatch: 
     """A store is handed to the store thread when the next step binds its metadata, not in the
     step whose forward pass produced its KV (that step's tokens are sampled after
     ``wait_for_save`` and ``get_finished``); it is reported only once copied."""
-    kv = make_engine_kv(num_blocks=16)
-    fill_random(kv, seed=6)
-    worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
-    worker.register_kv_caches(kv.kv_caches)
     gate = Gate(monkeypatch, "store")
     gate.open()
-    worker.bind_connector_metadata(
-        SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3, 4, 9], store_cpu_blocks=[0, 1, 2])
-    )
-    worker.start_load_kv()
-    worker.wait_for_save()
+    kv, worker = _worker_after_a_storing_step(seed=6)
     assert worker.get_finished(set()) == (None, None)
-    worker.clear_connector_metadata()
     assert not gate.entered.is_set() and not _pool_holds_the_store(kv, worker)
     assert worker.build_connector_worker_meta() is None
 
@@ -228,15 +227,7 @@ def test_a_preemption_flush_and_shutdown_wait_for_every_store(
         # The gate opens from another thread while the engine's thread waits in the call below.
         threading.Timer(0.2, gate.open).start()
     else:
-        kv = make_engine_kv(num_blocks=16)
-        fill_random(kv, seed=7)
-        worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
-        worker.register_kv_caches(kv.kv_caches)
-        worker.bind_connector_metadata(
-            SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3, 4, 9], store_cpu_blocks=[0, 1, 2])
-        )
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
+        kv, worker = _worker_after_a_storing_step(seed=7)
         gate = None
     if how == "shutdown":
         worker.shutdown()
