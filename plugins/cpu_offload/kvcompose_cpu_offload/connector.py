@@ -6,7 +6,8 @@ module and take its ``SimpleCPUOffloadConnector`` attribute (a module path wins 
 registry, even for a built-in name). Keeping the upstream class name keeps the connector
 visible to vLLM's ``has_connector("SimpleCPUOffloadConnector")`` checks.
 
-The scheduler side is vLLM's, unchanged. The worker side is vLLM's on CUDA and ROCm; elsewhere
+The scheduler side is vLLM's, its metadata marked with whether the step runs a forward pass
+(:class:`~kvcompose_cpu_offload.portable_worker.StepMetadata`). The worker side is vLLM's on CUDA and ROCm; elsewhere
 (vLLM's CPU platform) it is
 :class:`~kvcompose_cpu_offload.portable_worker.PortableSimpleCPUOffloadWorker`, which reports
 transfers exactly as vLLM's worker does.
@@ -15,6 +16,7 @@ transfers exactly as vLLM's worker does.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,10 +27,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
+from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker, StepMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 # A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
@@ -84,7 +88,8 @@ def size_from_num_cpu_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheCo
 class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
     """vLLM's ``SimpleCPUOffloadConnector`` that also runs where CUDA does not.
 
-    Scheduler role: vLLM's ``SimpleCPUOffloadScheduler``, untouched. Worker role: vLLM's
+    Scheduler role: vLLM's ``SimpleCPUOffloadScheduler``, untouched, its metadata marked with
+    whether the step runs a forward pass (:meth:`build_connector_meta`). Worker role: vLLM's
     ``SimpleCPUOffloadWorker`` on CUDA/ROCm, else the portable torch-copy worker. Also
     honours ``num_cpu_blocks`` on every vLLM release (see :func:`size_from_num_cpu_blocks`).
     """
@@ -112,3 +117,11 @@ class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
         if callable(stop):
             stop()
         super().shutdown()
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """vLLM's metadata for the step, as :class:`StepMetadata`: whether the step runs a forward
+        pass (the scheduler scheduled a token), which the portable worker reads to copy small
+        stores in place in a step that produces no token."""
+        meta = super().build_connector_meta(scheduler_output)
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+        return StepMetadata(**fields, forward=scheduler_output.total_num_scheduled_tokens > 0)

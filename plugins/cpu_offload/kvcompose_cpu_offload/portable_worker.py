@@ -16,7 +16,8 @@ cannot start on a platform without CUDA (on vLLM's CPU platform it fails with
   copy, see :func:`stack_regions`);
 * when a store starts: at the next step's ``bind_connector_metadata`` rather than in
   ``wait_for_save``, so that no step waits for a copy thread to wake before its tokens are
-  sampled (see :meth:`PortableSimpleCPUOffloadWorker.wait_for_save`); the preemption flush and
+  sampled (see :meth:`PortableSimpleCPUOffloadWorker.wait_for_save`), except in a step without
+  a forward pass (:class:`StepMetadata`), which starts them at once; the preemption flush and
   shutdown start them first.
 
 Everything else is vLLM's own code, inherited unchanged: how raw ``[num_blocks, block_bytes]``
@@ -34,18 +35,19 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.simple_kv_offload.disk_backend import _ALIGNMENT, O_DIRECT, DiskBackend, _alloc_aligned
+from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
 # A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
 logger = init_logger(f"vllm.{__name__}")
@@ -322,26 +324,30 @@ class CopyThreads:
         event_idx: int,
         events_list: list[tuple[int, Any]],
         wait_event: Any = None,
+        *,
+        step_has_forward: bool = True,
     ) -> None:
-        """Queue the transfer for the store or load thread (or copy a load now, see
-        :meth:`loads_in_place`) and register its event now.
+        """Queue the transfer for the store or load thread (or copy it now, see
+        :meth:`copies_in_place`) and register its event now.
 
         ``wait_event`` (vLLM's compute-done CUDA event) has no counterpart: on the CPU platform
         the forward pass has finished writing the KV when the worker issues its stores.
+        ``step_has_forward``: whether the engine step issuing the transfer runs a forward pass
+        (a step without one produces no token).
         """
         if len(src_blocks) != len(dst_blocks):
             raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destinations")
         event = ThreadEvent(f"{self._what} {'store' if is_store else 'load'}")
         events_list.append((event_idx, event))
-        if not is_store and self.loads_in_place(len(src_blocks)):
+        if self.copies_in_place(len(src_blocks), is_store, step_has_forward):
             self._run(src_blocks, dst_blocks, is_store, event)
         else:
             (self._store_queue if is_store else self._load_queue).put((list(src_blocks), list(dst_blocks), event))
 
-    def loads_in_place(self, num_blocks: int) -> bool:
-        """Whether a load of ``num_blocks`` blocks is copied now, in the caller's thread, instead of
-        on the load thread (its event then complete when ``launch_copy`` returns). Never, here;
-        a store never is."""
+    def copies_in_place(self, num_blocks: int, is_store: bool, step_has_forward: bool) -> bool:
+        """Whether a transfer of ``num_blocks`` blocks is copied now, in the caller's (engine)
+        thread, instead of on a copy thread (its event then complete when ``launch_copy``
+        returns). Never, here."""
         return False
 
     def _run(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool, event: ThreadEvent) -> None:
@@ -366,20 +372,28 @@ class HostCopyBackend(CopyThreads):
     Same ``launch_copy`` contract as vLLM's ``DmaCopyBackend``. On the CPU platform the
     "device" KV cache and the pool are both DRAM, so a transfer is a set of memory copies
     (:func:`copy_blocks`), one per run of consecutive blocks and group of evenly spaced layers
-    (:func:`stack_regions`). Stores run on the store thread, so no engine step waits for one; a
-    load of at most :attr:`inline_load_bytes` is copied in the engine's thread instead (see there).
+    (:func:`stack_regions`). Stores run on the store thread, so no step that produces a token
+    waits for one; small loads, and small stores in a step without a forward pass, are copied in
+    the engine's thread instead (:attr:`inline_copy_bytes`).
     """
 
     _what = "host copy"
-    #: Loads of at most this many bytes are copied in the calling (engine) thread, their event
-    #: complete on return, instead of on the load thread. vLLM starts a step's loads after its
-    #: forward pass and polls them right after: a load handed to a thread there is rarely done by
-    #: the poll on a busy host (here, 2 cores shared by two engines, the woken thread waits 1-15
-    #: ms for a core; docs/performance.md, 5d), so the request would wait a whole step more, against
-    #: 0.05 ms to copy a 600-token prompt's 18 blocks of 32 KiB in place. 1 MiB copies in about
-    #: 0.1 ms; larger loads keep the thread. The loading request produces no token in that step.
-    #: 0: every load on the thread.
-    inline_load_bytes: ClassVar[int] = 1 << 20
+    #: Transfers of at most this many bytes are copied in the calling (engine) thread, their
+    #: event complete on return, instead of on a copy thread, where no token waits for them:
+    #:
+    #: * loads: vLLM starts a step's loads after its forward pass and polls them right after. A
+    #:   load handed to a thread there is rarely done by the poll on a busy host (here, 2 cores
+    #:   shared by two engines, the woken thread waits 1-15 ms for a core; docs/performance.md,
+    #:   5d), so the request would wait a whole step more, against 0.05 ms to copy a 600-token
+    #:   prompt's 18 blocks of 32 KiB in place. The loading request produces no token in that step.
+    #: * stores in a step without a forward pass (:class:`StepMetadata`): vLLM steps on until a
+    #:   store is reported (``has_pending_push_work``), so after a request's last token a store
+    #:   on a thread keeps the engine stepping, each step contending for the GIL with the engine
+    #:   core's output thread that is sending that token (docs/performance.md, 5b). Copied in
+    #:   place, it is reported in that step and the engine goes idle.
+    #:
+    #: 1 MiB copies in about 0.1 ms; larger transfers keep the threads. 0: every copy on a thread.
+    inline_copy_bytes: ClassVar[int] = 1 << 20
 
     def __init__(self) -> None:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
@@ -409,10 +423,10 @@ class HostCopyBackend(CopyThreads):
         if self._store_thread is None:
             self._start_threads()
 
-    def loads_in_place(self, num_blocks: int) -> bool:
-        """Whether a load of ``num_blocks`` blocks is copied in the caller's thread
-        (:attr:`inline_load_bytes`)."""
-        return num_blocks * self._block_bytes <= self.inline_load_bytes
+    def copies_in_place(self, num_blocks: int, is_store: bool, step_has_forward: bool) -> bool:
+        """Whether the transfer is copied in the caller's thread (:attr:`inline_copy_bytes`): a
+        load, or a store in a step without a forward pass, of at most that many bytes."""
+        return (not is_store or not step_has_forward) and num_blocks * self._block_bytes <= self.inline_copy_bytes
 
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""
@@ -622,6 +636,21 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
 # --------------------------------------------------------------------------- the worker
 
 
+@dataclass
+class StepMetadata(SimpleCPUOffloadMetadata):
+    """vLLM's ``SimpleCPUOffloadMetadata`` and whether its engine step runs a forward pass.
+
+    The plugin's connector builds it in the scheduler role
+    (:meth:`~kvcompose_cpu_offload.connector.SimpleCPUOffloadConnector.build_connector_meta`).
+    A step without a forward pass (vLLM's ``kv_connector_no_forward``: the scheduler scheduled
+    no token, and steps on for pending transfers) produces no token, so the worker copies that
+    step's small stores in place rather than on the store thread
+    (:meth:`HostCopyBackend.copies_in_place`). vLLM's own metadata counts as a step with one.
+    """
+
+    forward: bool = True
+
+
 class _HostStream:
     """Stands in for ``torch.cuda.Stream`` while vLLM's ``register_kv_caches`` runs.
 
@@ -709,6 +738,8 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         #: Stores issued by the last step's ``wait_for_save``, handed to the store thread when the
         #: next step starts: (device blocks, pool blocks, event index).
         self._stores_to_start: list[tuple[list[int], list[int], int]] = []
+        #: Whether the step bound last runs a forward pass (see :class:`StepMetadata`).
+        self._step_has_forward = True
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's region derivation and sizing, then our pool and backend (``_init_*_mode``)."""
@@ -768,6 +799,7 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
         """Start the previous step's stores (see :meth:`wait_for_save`), then take this step's
         metadata as vLLM's worker does."""
+        self._step_has_forward = not isinstance(metadata, StepMetadata) or metadata.forward
         self._start_stores()
         super().bind_connector_metadata(metadata)
 
@@ -782,6 +814,10 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         step's ``bind_connector_metadata``. The scheduler keeps stepping while a store is pending
         (``has_pending_push_work``) and keeps the blocks it reads and writes referenced until
         ``get_finished`` reports it done, so a deferred store neither stalls nor races.
+
+        A step without a forward pass (:class:`StepMetadata`) produces no token: its stores start
+        now, and small ones are copied in place (:meth:`HostCopyBackend.copies_in_place`), so
+        that they are reported in this step instead of keeping the engine stepping.
         """
         metadata = self._connector_metadata
         if metadata is not None and metadata.store_gpu_blocks:
@@ -789,6 +825,8 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
                 raise RuntimeError("stores requested before register_kv_caches")
             # launch_copy copies the lists when it queues them; until then they are this step's.
             self._stores_to_start.append((metadata.store_gpu_blocks, metadata.store_cpu_blocks, metadata.store_event))
+        if not self._step_has_forward:
+            self._start_stores()
 
     def _start_stores(self) -> None:
         if not self._stores_to_start:
@@ -796,7 +834,12 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         assert self._backend is not None
         for gpu_blocks, cpu_blocks, event_idx in self._stores_to_start:
             self._backend.launch_copy(
-                gpu_blocks, cpu_blocks, is_store=True, event_idx=event_idx, events_list=self._store_events
+                gpu_blocks,
+                cpu_blocks,
+                is_store=True,
+                event_idx=event_idx,
+                events_list=self._store_events,
+                step_has_forward=self._step_has_forward,
             )
         self._stores_to_start.clear()
 

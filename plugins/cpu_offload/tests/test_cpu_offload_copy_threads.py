@@ -53,8 +53,8 @@ class Gate:
 
 @pytest.fixture(autouse=True)
 def every_copy_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about the copy threads: no load is small enough to be copied in place."""
-    monkeypatch.setattr(HostCopyBackend, "inline_load_bytes", 0)
+    """These tests are about the copy threads: no copy is small enough to be done in place."""
+    monkeypatch.setattr(HostCopyBackend, "inline_copy_bytes", 0)
 
 
 @pytest.fixture

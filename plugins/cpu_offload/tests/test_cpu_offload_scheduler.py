@@ -20,7 +20,7 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 from kvcompose.testing.harness import assert_scheduler_empty, make_request
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
-from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
+from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker, StepMetadata
 
 BLOCK = 16
 PROMPT = 4 * BLOCK + 8  # four full blocks and a partial one
@@ -115,6 +115,31 @@ def test_store_evict_load(engine: WorkerHarness) -> None:
         h.engine_step(write_blocks=True)
     h.drain(write_blocks=True)
     assert_scheduler_empty(h.scheduler)
+
+
+def test_the_store_of_a_request_that_ends_at_its_first_token_is_done_in_the_step_after_it() -> None:
+    """vLLM steps on while a store is pending (``has_pending_push_work``). A request that ends at
+    its first token has its blocks stored when it finishes (vLLM queues them then), so the store
+    goes out with the next step, which schedules nothing: it runs no forward pass, its metadata
+    says so, and the store is copied in that step and reported by it. The engine then has
+    nothing left to step for (not one step per poll of a copy thread)."""
+    h = offload_engine()
+    try:
+        r = make_request(prompt=prompt(0), max_tokens=1, block_size=BLOCK, request_id="R")
+        h.scheduler.add_request(r)
+        (token_step,) = h.step_until(lambda _: r.is_finished(), "R did not finish", write_blocks=True)
+        assert token_step.total_num_scheduled_tokens == PROMPT and metas([token_step])[0].forward
+        assert h.scheduler.connector.has_pending_push_work()
+
+        after, _ = h.engine_step(write_blocks=True)
+        (meta,) = metas([after])
+        assert after.total_num_scheduled_tokens == 0
+        assert isinstance(meta, StepMetadata) and not meta.forward and len(meta.store_gpu_blocks) == 4
+        assert h.last_output.kv_connector_worker_meta.completed_store_events == {meta.store_event: 1}
+        assert not h.scheduler.connector.has_pending_push_work()
+        assert_scheduler_empty(h.scheduler)
+    finally:
+        h.shutdown()
 
 
 def test_no_hit_without_a_store() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import stat
@@ -26,6 +27,7 @@ from kvcompose_cpu_offload.portable_worker import (
     HostCopyBackend,
     PortableDiskBackend,
     PortableSimpleCPUOffloadWorker,
+    StepMetadata,
     ThreadEvent,
     as_array,
     contiguous_runs,
@@ -291,19 +293,21 @@ def test_events_complete_in_order_across_steps() -> None:
     worker.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
 
 
-def test_small_loads_are_copied_in_the_engine_thread_and_every_store_on_the_store_thread(
+def test_small_loads_and_small_stores_of_steps_without_a_forward_pass_are_copied_in_the_engine_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A load of at most ``inline_load_bytes`` is done when ``start_load_kv`` returns and is
-    reported in that step; a larger one runs on the load thread. Every store runs on the store
-    thread, however small. Both move the same bytes."""
+    """A copy of at most ``inline_copy_bytes`` is done in the engine's thread, and reported in
+    that step, when no token waits on the step: a load, or a store in a step without a forward
+    pass (``StepMetadata(forward=False)``), including one deferred from the step before. A store
+    of a step with a forward pass runs on the store thread however small, and so does a larger
+    copy. All move the same bytes."""
     kv = make_engine_kv(num_layers=2, block_size=16, num_blocks=24)
     fill_random(kv, seed=11)
     before = _snapshot(kv)
     worker = PortableSimpleCPUOffloadWorker(kv.vllm_config, kv.kv_cache_config, 1 << 20)
     worker.register_kv_caches(kv.kv_caches)
     block_bytes = sum(_bytes(view[0]).numel() for view in kv.kv_caches.values())
-    monkeypatch.setattr(HostCopyBackend, "inline_load_bytes", 2 * block_bytes)
+    monkeypatch.setattr(HostCopyBackend, "inline_copy_bytes", 2 * block_bytes)
     threads: list[str] = []
     for method in ("store", "load"):
         original = getattr(HostCopyBackend, method)
@@ -313,24 +317,52 @@ def test_small_loads_are_copied_in_the_engine_thread_and_every_store_on_the_stor
             _original(backend, src, dst)
 
         monkeypatch.setattr(HostCopyBackend, method, recorded)
+    engine_thread = threading.current_thread().name
+
+    def reported_stores() -> dict[int, int]:
+        worker.get_finished(set())
+        meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        return {} if meta is None else meta.completed_store_events
 
     for event, (gpu, cpu) in enumerate([([3], [0]), ([4, 5, 6, 7], [1, 2, 3, 4])]):
         _store(worker, event, gpu, cpu)
         _flush(worker)
         assert threads[-1] == "kv-offload-host-copy-store"
-        worker.get_finished(set())
-        assert worker.build_connector_worker_meta().completed_store_events == {event: 1}
-        worker.clear_connector_metadata()
+        assert reported_stores() == {event: 1}
+
+    # A step without a forward pass: its small store is done in place, its large one is not.
+    no_forward = StepMetadata(store_event=2, store_gpu_blocks=[8, 9], store_cpu_blocks=[5, 6], forward=False)
+    worker.bind_connector_metadata(no_forward)
+    worker.wait_for_save()
+    assert threads[-1] == engine_thread and reported_stores() == {2: 1}
+    worker.bind_connector_metadata(
+        dataclasses.replace(no_forward, store_event=3, store_gpu_blocks=[10, 11, 15], store_cpu_blocks=[7, 8, 9])
+    )
+    worker.wait_for_save()
+    _flush(worker)
+    assert threads[-1] == "kv-offload-host-copy-store" and reported_stores() == {3: 1}
+    # A store from a step with a forward pass, started by a step without one: in place.
+    worker.bind_connector_metadata(StepMetadata(store_event=4, store_gpu_blocks=[16], store_cpu_blocks=[10]))
+    worker.wait_for_save()
+    assert len(threads) == 4 and reported_stores() == {}  # not started yet
+    worker.bind_connector_metadata(StepMetadata(forward=False))
+    assert threads[-1] == engine_thread
+    worker.wait_for_save()
+    assert reported_stores() == {4: 1}
 
     _load(worker, 0, [0, 1], [20, 21], ["small"])
-    assert threads[2] == threading.current_thread().name
+    assert threads[-1] == engine_thread
     assert worker.get_finished(set()) == (None, {"small"})  # the same step: already complete
     worker.clear_connector_metadata()
     _load(worker, 1, [2, 3, 4], [12, 13, 14], ["large"])
     _flush(worker)
-    assert threads[3] == "kv-offload-host-copy-load"
+    assert threads[-1] == "kv-offload-host-copy-load"
     assert worker.get_finished(set()) == (None, {"large"})
     _assert_moved(kv, before, [3, 4, 5, 6, 7], [20, 21, 12, 13, 14])
+    assert worker.cpu_kv_caches is not None and worker.gpu_kv_caches is not None
+    for name, region in worker.gpu_kv_caches.items():  # those device blocks were left alone
+        assert torch.equal(worker.cpu_kv_caches[name][[5, 6, 7, 8, 9, 10]], region[[8, 9, 10, 11, 15, 16]]), name
     worker.shutdown()
 
 
