@@ -7,8 +7,8 @@ registry, even for a built-in name). Keeping the upstream class name keeps the c
 visible to vLLM's ``has_connector("SimpleCPUOffloadConnector")`` checks.
 
 The scheduler side is vLLM's, its metadata marked with whether the step runs a forward pass
-(:class:`~kvcompose_cpu_offload.portable_worker.StepMetadata`). The worker side is vLLM's on CUDA and ROCm; elsewhere
-(vLLM's CPU platform) it is
+(:class:`~kvcompose_cpu_offload.portable_worker.StepMetadata`). The worker side is vLLM's on
+CUDA and ROCm; elsewhere (vLLM's CPU platform) it is
 :class:`~kvcompose_cpu_offload.portable_worker.PortableSimpleCPUOffloadWorker`, which reports
 transfers exactly as vLLM's worker does.
 """
