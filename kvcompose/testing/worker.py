@@ -338,14 +338,17 @@ class WorkerHarness:
         With ``write_blocks`` the step's forward writes, per layer, every block a scheduled
         request completes in this step with :meth:`expected_block` of the block's token prefix
         (after ``wait_for_layer_load``, before ``save_kv_layer``, as attention writes KV; a
-        ``write`` hook in ``step_kw`` runs after it). Returns ``(scheduler_output,
+        ``write`` hook in ``step_kw`` runs after it). A step that schedules no token runs no
+        forward pass and so makes no per-layer call, as vLLM's ``kv_connector_no_forward``
+        (``layers`` in ``step_kw`` overrides). Returns ``(scheduler_output,
         engine_core_outputs)``; the worker's ``KVConnectorOutput`` is ``last_output``.
         """
         user_write: LayerWrite | None = step_kw.pop("write", None)
 
         def run(so: SchedulerOutput) -> KVConnectorOutput:
             write = self._forward_writer(so, user_write) if write_blocks else user_write
-            return self.step(so, write=write, **step_kw)
+            kw = {"layers": so.total_num_scheduled_tokens > 0, **step_kw}
+            return self.step(so, write=write, **kw)
 
         return self._schedule_and_update(run, eos=eos)
 

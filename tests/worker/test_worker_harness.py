@@ -67,6 +67,22 @@ def test_sync_loads_start_before_the_forward_and_layers_can_be_skipped() -> None
     assert ("get_transfer_results", ({"r9"},)) in calls
 
 
+def test_an_engine_step_without_a_scheduled_token_makes_no_per_layer_call() -> None:
+    """vLLM runs such a step through ``kv_connector_no_forward``: no forward pass, no layer hooks."""
+    h = WorkerHarness.from_yaml(TWO, num_layers=2)
+    r = make_request(prompt=list(range(3, 40)), max_tokens=1, block_size=16, request_id="r")
+    h.scheduler.add_request(r)
+    calls = h.child("a").calls  # type: ignore[attr-defined]
+    calls.clear()
+    ran, _ = h.engine_step()
+    assert ran.total_num_scheduled_tokens > 0 and r.is_finished()
+    assert _names(calls).count("save_kv_layer") == 2
+    calls.clear()
+    idle, _ = h.engine_step()
+    assert idle.total_num_scheduled_tokens == 0
+    assert _names(calls) == STEP + ["start_load_kv"] + TAIL
+
+
 def test_registration_hands_over_every_engine_layer() -> None:
     h = WorkerHarness.from_yaml(TWO, num_layers=32, num_blocks=8)
     (registered,) = h.child("b").called("register_kv_caches")  # type: ignore[attr-defined]
