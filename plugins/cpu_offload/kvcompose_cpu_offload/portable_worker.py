@@ -651,6 +651,12 @@ class StepMetadata(SimpleCPUOffloadMetadata):
     forward: bool = True
 
 
+def runs_forward(metadata: SimpleCPUOffloadMetadata | None) -> bool:
+    """Whether the step of ``metadata`` runs a forward pass (:class:`StepMetadata`; vLLM's own
+    metadata, or none, counts as one)."""
+    return not isinstance(metadata, StepMetadata) or metadata.forward
+
+
 class _HostStream:
     """Stands in for ``torch.cuda.Stream`` while vLLM's ``register_kv_caches`` runs.
 
@@ -738,8 +744,6 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         #: Stores issued by the last step's ``wait_for_save``, handed to the store thread when the
         #: next step starts: (device blocks, pool blocks, event index).
         self._stores_to_start: list[tuple[list[int], list[int], int]] = []
-        #: Whether the step bound last runs a forward pass (see :class:`StepMetadata`).
-        self._step_has_forward = True
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's region derivation and sizing, then our pool and backend (``_init_*_mode``)."""
@@ -799,8 +803,7 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
     def bind_connector_metadata(self, metadata: SimpleCPUOffloadMetadata) -> None:
         """Start the previous step's stores (see :meth:`wait_for_save`), then take this step's
         metadata as vLLM's worker does."""
-        self._step_has_forward = not isinstance(metadata, StepMetadata) or metadata.forward
-        self._start_stores()
+        self._start_stores(runs_forward(metadata))
         super().bind_connector_metadata(metadata)
 
     def wait_for_save(self) -> None:
@@ -825,10 +828,10 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
                 raise RuntimeError("stores requested before register_kv_caches")
             # launch_copy copies the lists when it queues them; until then they are this step's.
             self._stores_to_start.append((metadata.store_gpu_blocks, metadata.store_cpu_blocks, metadata.store_event))
-        if not self._step_has_forward:
-            self._start_stores()
+        if not runs_forward(metadata):
+            self._start_stores(step_has_forward=False)
 
-    def _start_stores(self) -> None:
+    def _start_stores(self, step_has_forward: bool = True) -> None:
         if not self._stores_to_start:
             return
         assert self._backend is not None
@@ -839,7 +842,7 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
                 is_store=True,
                 event_idx=event_idx,
                 events_list=self._store_events,
-                step_has_forward=self._step_has_forward,
+                step_has_forward=step_has_forward,
             )
         self._stores_to_start.clear()
 
