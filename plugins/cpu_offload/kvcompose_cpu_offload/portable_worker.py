@@ -459,8 +459,8 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
       used), in place: ``pwritev``/``preadv`` straight from and into the KV cache;
     * otherwise staged: the run's blocks are copied into one of two ``O_DIRECT``-aligned
       buffers (``_alloc_aligned`` from vLLM) laid out as the file is, and one ``pwrite`` or
-      ``pread`` moves the buffer, on an I/O helper thread while the other buffer is being
-      filled or emptied (vLLM's pipeline of DMA and I/O, with memory copies for the DMA).
+      ``pread`` moves the buffer while a copy helper thread fills or empties the other
+      (vLLM's pipeline of DMA and I/O, with memory copies for the DMA).
 
     The file layout (a slot is every region's block in order), the file's creation and
     ``shutdown`` are vLLM's. Loads and stores each run on their own thread
@@ -517,8 +517,8 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
                 d: [as_array(_alloc_aligned(self._run_slots, total_block_bytes)) for _ in range(2)]
                 for d in (True, False)
             }
-            self._io_helpers = {
-                d: ThreadPoolExecutor(1, f"kv-offload-disk-{'store' if d else 'load'}-io") for d in (True, False)
+            self._copy_helpers = {
+                d: ThreadPoolExecutor(1, f"kv-offload-disk-{'store' if d else 'load'}-copy") for d in (True, False)
             }
         self._columns = []
         start = 0
@@ -587,34 +587,35 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
                 pieces = [memoryview(a[b]) for b in run for a in self._region_arrays]
                 self._io(pieces, slot, len(run) * size, write)
             return
-        bufs, helper = self._staging[write], self._io_helpers[write]
+        # This thread does the I/O and the helper the copies. The other way round, Linux wakes
+        # the I/O helper on this thread's CPU, where it waits until the copy ends (each write
+        # started 1-2.6 ms late; docs/performance.md, benchmark 4). A thread that sleeps in the
+        # kernel leaves its CPU to the woken copy at once.
+        bufs, helper = self._staging[write], self._copy_helpers[write]
         pending: Future[None] | None = None
         try:
-            if write:
-                # Fill one buffer while the other is being written.
+            if write and runs:
+                # Write one buffer while the helper fills the other.
+                pending = helper.submit(self._stage, runs[0][1], bufs[0], True)
                 for i, (slot, run) in enumerate(runs):
-                    buf = bufs[i % 2]
-                    self._stage(run, buf, to_buffer=True)
-                    if pending is not None:
-                        pending.result()
-                    pending = helper.submit(self._io, [buf[: len(run)]], slot, len(run) * size, True)
-            elif runs:
-                # Read the next run into one buffer while the other is being emptied.
-                first_slot, first = runs[0]
-                pending = helper.submit(self._io, [bufs[0][: len(first)]], first_slot, len(first) * size, False)
-                for i, (_slot, run) in enumerate(runs):
                     pending.result()
                     pending = None
                     if i + 1 < len(runs):
-                        nslot, nrun = runs[i + 1]
-                        nbuf = bufs[(i + 1) % 2][: len(nrun)]
-                        pending = helper.submit(self._io, [nbuf], nslot, len(nrun) * size, False)
-                    self._stage(run, bufs[i % 2], to_buffer=False)
+                        pending = helper.submit(self._stage, runs[i + 1][1], bufs[(i + 1) % 2], True)
+                    self._io([bufs[i % 2][: len(run)]], slot, len(run) * size, True)
+            else:
+                # Read into one buffer while the helper empties the other.
+                for i, (slot, run) in enumerate(runs):
+                    buf = bufs[i % 2]
+                    self._io([buf[: len(run)]], slot, len(run) * size, False)
+                    if pending is not None:
+                        pending.result()
+                    pending = helper.submit(self._stage, run, buf, False)
             if pending is not None:
                 pending.result()
                 pending = None
         finally:
-            if pending is not None:  # an error above: let the I/O in flight end before the buffer is reused
+            if pending is not None:  # an error above: let the copy in flight end before the buffer is reused
                 with contextlib.suppress(BaseException):
                     pending.result()
 
@@ -627,9 +628,9 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
         self._transfer(device_blocks, disk_slots, write=False)
 
     def shutdown(self) -> None:
-        """vLLM's shutdown (drain the threads, unlink the file), then stop the I/O helpers."""
+        """vLLM's shutdown (drain the threads, unlink the file), then stop the copy helpers."""
         super().shutdown()
-        for helper in getattr(self, "_io_helpers", {}).values():
+        for helper in getattr(self, "_copy_helpers", {}).values():
             helper.shutdown(wait=True)
 
 
