@@ -525,6 +525,16 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
         for bpb in self._per_tensor_bpb:
             self._columns.append(slice(start, start + bpb))
             start += bpb
+        # Where a block of every region is one contiguous row, a run is staged by one call of
+        # the compiled helper, its pieces laid out by a few numpy operations for all regions.
+        self._rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        if _streamcopy is not None and all(a.strides[1] == 1 for a in self._region_arrays):
+            self._rows = (
+                np.array([a.ctypes.data for a in self._region_arrays], dtype=np.int64),
+                np.array([a.strides[0] for a in self._region_arrays], dtype=np.int64),
+                np.array([c.start for c in self._columns], dtype=np.int64),
+                np.array([a.shape[1] for a in self._region_arrays], dtype=np.uint64),
+            )
 
         # Same file handling as vLLM's DiskBackend.init: blocks encode user prompts, so the
         # file is created fresh (O_EXCL, mode 0600, no symlink following), never reopened.
@@ -570,6 +580,20 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
 
     def _stage(self, run: list[int], buf: np.ndarray, to_buffer: bool) -> None:
         """Copy the run's blocks into (or out of) the first ``len(run)`` slots of ``buf``."""
+        if self._rows is not None:
+            # One call for every region: laying the pieces out region by region held the GIL
+            # for a third of the staging time (4.5 of 14 ms per 64 MiB of 16 KiB blocks).
+            bases, strides, starts, sizes = self._rows
+            blocks = bases + np.asarray(run, dtype=np.int64)[:, None] * strides
+            slots = buf.ctypes.data + np.arange(len(run), dtype=np.int64)[:, None] * buf.strides[0] + starts
+            n = np.broadcast_to(sizes, blocks.shape)
+            if to_buffer:  # read the KV cache forwards, layer by layer
+                order = np.argsort(blocks, axis=None)
+                dst, src, n = slots.ravel()[order], blocks.ravel()[order], n.ravel()[order]
+            else:  # the buffer is read forwards as it is
+                dst, src, n = blocks.ravel(), slots.ravel(), n.ravel()
+            _streamcopy.copy_pieces(dst.astype(np.uint64), src.astype(np.uint64), np.ascontiguousarray(n), 0)
+            return
         staged = [(region, buf[:, column]) for region, column in zip(self._region_arrays, self._columns)]
         slots = range(len(run))
         if to_buffer:

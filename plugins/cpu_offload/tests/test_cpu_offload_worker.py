@@ -499,10 +499,19 @@ def test_events() -> None:
         bad.query()
 
 
-@pytest.mark.parametrize("aligned", [True, False], ids=["in_place", "staged"])
-def test_disk_file_layout_is_vllms_whether_in_place_or_staged(tmp_path: os.PathLike[str], aligned: bool) -> None:
+@pytest.mark.parametrize(
+    ("aligned", "helper"),
+    [(True, True), (False, True), (False, False)],
+    ids=["in_place", "staged", "staged_by_numpy"],
+)
+def test_disk_file_layout_is_vllms_whether_in_place_or_staged(
+    tmp_path: os.PathLike[str], aligned: bool, helper: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Slot ``k`` of the file holds every region's block in order (vLLM's format), and loads bring
-    it back, whether the blocks are written from the KV cache itself or through staging buffers."""
+    it back, whether the blocks are written from the KV cache itself or through staging buffers
+    (filled by the compiled helper, or by numpy in a build without one)."""
+    if not helper:
+        monkeypatch.setattr(portable_worker, "_streamcopy", None)
     nb, bpb, regions_n = 8, 4096, 3
     raw = torch.randint(-128, 128, (regions_n * nb * bpb + 2 * 4096,), dtype=torch.int8)
     start = -raw.data_ptr() % 4096 + (0 if aligned else 64)  # an O_DIRECT boundary, or just off one
