@@ -105,6 +105,28 @@ def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
     assert r.to_json()["target"]["met"] in (True, False)
 
 
+def test_cpu_copy_disk_cases_hold_the_worker_to_sequential_io_from_huge_pages(tmp_path: Path) -> None:
+    from kvcompose.bench.cpu_copy import FILE_IO, FILE_IO_SMALL_PAGES, NUM_LAYERS, SUBJECT, run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCOMPOSE_BENCH_DISK_DIR", str(tmp_path))
+        size = 16 * 1024
+        r = run(quick=True, sizes=(size,), repeats=3, bytes_per_copy=NUM_LAYERS * size * 8, disk_sizes=(size,))
+    disk = [c for c in r.cases if c.label.startswith("disk ")]
+    assert [c.label for c in disk] == [
+        "disk store 16 KiB scattered",
+        "disk load 16 KiB scattered",
+        "disk store 16 KiB consecutive",
+        "disk load 16 KiB consecutive",
+    ]
+    assert all(set(c.samples) == {FILE_IO, SUBJECT, FILE_IO_SMALL_PAGES} for c in disk)
+    held = [x for x in r.ratios if x.baseline == FILE_IO]
+    assert [x.case for x in held] == [c.label for c in disk]
+    # Only consecutive slots are held to the sequential rate; the files are gone afterwards.
+    assert [r.target is not None and r.target.applies(x) for x in held] == [False, False, True, True]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_nixl_read_names_the_memory_it_cannot_use() -> None:
     import torch
 

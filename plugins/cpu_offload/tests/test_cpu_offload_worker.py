@@ -29,6 +29,7 @@ from kvcompose_cpu_offload.portable_worker import (
     PortableSimpleCPUOffloadWorker,
     StepMetadata,
     ThreadEvent,
+    alloc_staging,
     as_array,
     contiguous_runs,
     copy_blocks,
@@ -465,6 +466,17 @@ def test_disk_round_trip(
 
     worker.shutdown()
     assert not os.path.exists(rank_file)
+
+
+def test_disk_staging_buffers_sit_on_huge_page_boundaries() -> None:
+    """O_DIRECT needs aligned buffers; a huge-page boundary is one, and lets the kernel back the
+    buffer with huge pages where it grants them."""
+    a, b = alloc_staging(3, 8192), alloc_staging(1, 3 * 4096)
+    assert a.shape == (3, 8192) and a.dtype == np.int8 and a.flags.c_contiguous
+    assert a.ctypes.data % portable_worker.HUGE_PAGE == 0 and b.ctypes.data % portable_worker.HUGE_PAGE == 0
+    assert not a.any()
+    a[2, -1] = 7  # writable, and apart from the other buffer
+    assert a[2, -1] == 7 and not b.any()
 
 
 def test_disk_o_direct_rejects_unaligned_blocks(tmp_path: os.PathLike[str]) -> None:
