@@ -512,34 +512,39 @@ def test_events() -> None:
 
 
 @pytest.mark.parametrize(
-    ("aligned", "helper"),
-    [(True, True), (False, True), (False, False)],
-    ids=["in_place", "staged", "staged_by_numpy"],
+    ("page_cache", "offset", "helper"),
+    [(True, 64, True), (False, 0, True), (False, 64, True), (False, 64, False)],
+    ids=["in_place", "staged_aligned", "staged", "staged_by_numpy"],
 )
 def test_disk_file_layout_is_vllms_whether_in_place_or_staged(
-    tmp_path: os.PathLike[str], aligned: bool, helper: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: os.PathLike[str], page_cache: bool, offset: int, helper: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Slot ``k`` of the file holds every region's block in order (vLLM's format), and loads bring
-    it back, whether the blocks are written from the KV cache itself or through staging buffers
-    (filled by the compiled helper, or by numpy in a build without one)."""
+    it back, whether the blocks are written from the KV cache itself (through the page cache) or
+    through staging buffers (``O_DIRECT``; filled by the compiled helper, or by numpy in a build
+    without one). Regions of unequal block sizes, off a 4 KiB boundary: only a slot of all of
+    them must be a multiple of it."""
     if not helper:
         monkeypatch.setattr(portable_worker, "_streamcopy", None)
-    nb, bpb, regions_n = 8, 4096, 3
-    raw = torch.randint(-128, 128, (regions_n * nb * bpb + 2 * 4096,), dtype=torch.int8)
-    start = -raw.data_ptr() % 4096 + (0 if aligned else 64)  # an O_DIRECT boundary, or just off one
-    regions = {f"r{i}": raw[start + i * nb * bpb : start + (i + 1) * nb * bpb].view(nb, bpb) for i in range(regions_n)}
+    nb, sizes = 8, [4096, 1024, 3072]
+    raw = torch.randint(-128, 128, (nb * sum(sizes) + 2 * 4096,), dtype=torch.int8)
+    start = -raw.data_ptr() % 4096 + offset
+    regions = {}
+    for i, bpb in enumerate(sizes):
+        regions[f"r{i}"] = raw[start : start + nb * bpb].view(nb, bpb)
+        start += nb * bpb
     before = {n: r.clone() for n, r in regions.items()}
     path = os.path.join(tmp_path, "kv.bin")
     backend = PortableDiskBackend()
-    # O_DIRECT: blocks off a 4 KiB boundary go through the (aligned) staging buffers.
-    backend.init(regions, path, 6, regions_n * bpb, num_buffer_slots=2)
+    slot = sum(sizes)
+    backend.init(regions, path, 6, slot, num_buffer_slots=2, use_page_cache=page_cache)
     events: list[tuple[int, object]] = []
     backend.launch_copy([5, 1, 2, 7], [3, 0, 1, 4], True, 0, events)
     events[-1][1].synchronize()  # type: ignore[attr-defined]
     data = open(path, "rb").read()
-    for blk, slot in zip([5, 1, 2, 7], [3, 0, 1, 4]):
-        want = b"".join(before[f"r{i}"][blk].numpy().tobytes() for i in range(regions_n))
-        assert data[slot * regions_n * bpb : (slot + 1) * regions_n * bpb] == want, (blk, slot)
+    for blk, k in zip([5, 1, 2, 7], [3, 0, 1, 4]):
+        want = b"".join(before[f"r{i}"][blk].numpy().tobytes() for i in range(len(sizes)))
+        assert data[k * slot : (k + 1) * slot] == want, (blk, k)
     for r in regions.values():
         r.fill_(0)
     backend.launch_copy([4, 3, 0], [2, 6, 0], False, 1, events)
