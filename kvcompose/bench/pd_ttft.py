@@ -1,7 +1,8 @@
 """Benchmark 5b: decode time-to-first-token through kvcompose vs a bare NixlConnector, real engines.
 
-One engine pair, both up for the whole run (the machine runs at most two engines), each engine
-both a prefill and a decode instance (``kv_both``), each prefilling for the other:
+One engine pair at a time (the machine runs at most two engines), each engine both a prefill
+and a decode instance (``kv_both``), each prefilling for the other, started :data:`STARTS` times
+with the samples pooled (where an engine's threads land is drawn at each start):
 
 * ``kvcompose``: :data:`COMPOSITION`, the shipped examples' decode composition (host-memory tier
   asked first, then NIXL) with the NIXL child in both roles;
@@ -54,7 +55,12 @@ SIDES = ("NixlConnector", "kvcompose")
 #: Engine pairs, one after the other (two engines at a time): (baseline, subject).
 PAIRS = (SIDES, ("NixlConnector", "kvcompose-pd-only"))
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
-REPEATS = 20  # measured requests per side and pair (quick: the minimum, 5); single TTFTs swing 10x here
+REPEATS = 20  # measured requests per side and engine start (quick: the minimum, 5); single TTFTs swing 10x here
+#: Engine starts per pair (quick: one), their samples pooled. Where an engine's threads land is
+#: drawn at each start, and on this 2-core host one engine of a pair could run steadily slower
+#: than the other whatever its connector (the control's own ratio 0.72-1.19 over nine runs of
+#: one start; docs/performance.md 5b): pooling starts averages that draw out.
+STARTS = 3
 #: Pause between a prefill's answer and its decode: the prefill engine's own work after a request
 #: (its free, the NIXL notification, its host tier's stores) is done before the decode is timed.
 #: Here both engines share two cores, so without it that work landed in one side's TTFT at random
@@ -166,18 +172,20 @@ def engine_spec(side: str, model: str, directory: Path, port: int) -> EngineSpec
 
 
 def measure_pair(
-    sides: tuple[str, str], reps: int, model: str, logs: Path, seed: Iterator[int]
+    sides: tuple[str, str], reps: int, model: str, logs: Path, seed: Iterator[int], start: int = 0
 ) -> tuple[dict[str, Samples], dict[str, dict[str, int]], float]:
     """Start one engine per side, then time ``reps`` decodes on each, alternating request by request.
 
-    Returns the TTFT samples, the work done per side (requests, NIXL bytes, computed tokens) and
-    the engines' start time. The caller holds the engine lock.
+    ``start`` counts the pair's starts: odd starts launch the sides in the other order. Returns
+    the TTFT samples, the work done per side (requests, NIXL bytes, computed tokens) and the
+    engines' start time. The caller holds the engine lock.
     """
     from kvcompose.e2e.flow import decode_request, token_prompt
 
+    order = sides[::-1] if start % 2 else sides
     nodes = {
-        side: EngineNode(engine_spec(side, model, logs, port), logs)
-        for side, port in zip(sides, free_ports(len(sides)))
+        side: EngineNode(engine_spec(side, model, logs / f"start-{start}", port), logs / f"start-{start}")
+        for side, port in zip(order, free_ports(len(order)))
     }
     work_done: dict[str, Counter[str]] = {s: Counter() for s in sides}
     try:
@@ -205,7 +213,7 @@ def measure_pair(
         for side in sides:  # NIXL handshakes both ways, and first-request warm-up
             request(side)
         work_done = {s: Counter() for s in sides}
-        samples = interleave({side: (lambda _r, side=side: request(side)) for side in sides}, reps)
+        samples = interleave({side: (lambda _r, side=side: request(side)) for side in order}, reps)
     finally:
         for n in nodes.values():
             n.close()
@@ -218,25 +226,38 @@ def run(
     echo: Callable[[str], None] = print,
     work: Path | None = None,
     pairs: tuple[tuple[str, str], ...] = PAIRS,
+    starts: int | None = None,
 ) -> Result:
-    """Decode TTFT, one engine pair after the other (:data:`PAIRS`); each pair's ratio."""
+    """Decode TTFT, one engine pair after the other (:data:`PAIRS`), each started ``starts``
+    times (:data:`STARTS`; quick: once) with its samples pooled; each pair's ratio."""
     from kvcompose.e2e.model import make_model
 
     reps = repeats or repeats_for(quick, full=REPEATS)
+    starts = starts or (1 if quick else STARTS)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-ttft-"))
     model = str(make_model(0))
     seed = iter(range(10_000, 1_000_000))  # a new prompt for every request
     cases, ratios = [], []
     with engine_lock(echo=echo):
         for sides in pairs:
-            samples, work_done, started_s = measure_pair(sides, reps, model, logs, seed)
             label = f"{PROMPT_TOKENS}-token prompt: {sides[1]}"
-            echo(
-                f"   {label}, TTFT ms: "
-                + "; ".join(f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in sides)
-            )
-            cases.append(Case(label, samples, {"work": work_done, "engines_start_s": round(started_s, 1)}))
-            ratios.append(ratio(label, samples, sides[1], sides[0]))
+            pooled: dict[str, Samples] = {s: Samples() for s in sides}
+            work_done: Counter[tuple[str, str]] = Counter()
+            per_start = []
+            for start in range(starts):
+                samples, work, started_s = measure_pair(sides, reps, model, logs, seed, start)
+                for s in sides:
+                    pooled[s].values.extend(samples[s].values)
+                    work_done.update({(s, k): v for k, v in work[s].items()})
+                one = ratio(label, samples, sides[1], sides[0])
+                per_start.append({"ratio_by_median": round(one.by_median, 4), "engines_start_s": round(started_s, 1)})
+                echo(
+                    f"   {label}, start {start + 1} of {starts} (ratio {one.by_median:.3f}), TTFT ms: "
+                    + "; ".join(f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in sides)
+                )
+            work_by_side = {s: {k: v for (side, k), v in work_done.items() if side == s} for s in sides}
+            cases.append(Case(label, pooled, {"work": work_by_side, "starts": per_start}))
+            ratios.append(ratio(label, pooled, sides[1], sides[0]))
     return Result(
         "pd_ttft",
         "Decode time to first token over NIXL: kvcompose vs a bare NixlConnector",
@@ -245,10 +266,11 @@ def run(
         cases,
         ratios,
         Target("<=", 1.02, "kvcompose", "NixlConnector"),
-        reps,
+        reps * starts,
         quick,
         [
-            "per pair: two engines, both kv_both, each prefilling for the other; a sample is one request's TTFT "
+            f"per pair: two engines, both kv_both, each prefilling for the other, started {starts} time(s) (the "
+            "sides launched in turn first), the samples of every start pooled; a sample is one request's TTFT "
             "inside the decode engine (arrival to first token: NIXL pull, scheduling, connector hooks); the sides "
             f"alternate request by request; each decode is sent {SETTLE_S:g} s after its prefill answered (the prefill "
             "engine idle again: the two engines share this host's cores)",
@@ -260,5 +282,5 @@ def run(
             f"every prompt new ({PROMPT_TOKENS} tokens); one request each way before timing (NIXL handshakes); "
             "'work' in the JSON: NIXL bytes and computed tokens per side (equal)",
         ],
-        {"prompt_tokens": PROMPT_TOKENS, "pairs": [list(p) for p in pairs], "engine_logs": str(logs)},
+        {"prompt_tokens": PROMPT_TOKENS, "pairs": [list(p) for p in pairs], "starts": starts, "engine_logs": str(logs)},
     )
