@@ -434,6 +434,7 @@ def _disk_sweep(
                 extra = {"block_bytes": size, "blocks": n, "layers": NUM_LAYERS, "pattern": pattern, "tier": "disk"}
                 cases.append(Case(label, samples, {**extra, "direction": direction, "model": geo.model}))
                 ratios.append(ratio(label, samples, SUBJECT, FILE_IO, higher_is_better=True))
+                ratios.append(ratio(label, samples, SUBJECT, FILE_IO_SMALL_PAGES, higher_is_better=True))
     finally:
         os.close(fd)
         for view in bufs.values():

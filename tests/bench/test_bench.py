@@ -122,6 +122,8 @@ def test_cpu_copy_disk_cases_hold_the_worker_to_sequential_io_from_huge_pages(tm
     assert all(set(c.samples) == {FILE_IO, SUBJECT, FILE_IO_SMALL_PAGES} for c in disk)
     held = [x for x in r.ratios if x.baseline == FILE_IO]
     assert [x.case for x in held] == [c.label for c in disk]
+    shown = [x for x in r.ratios if x.baseline == FILE_IO_SMALL_PAGES]
+    assert [x.case for x in shown] == [c.label for c in disk] and not any(r.target.applies(x) for x in shown)
     # Only consecutive slots are held to the sequential rate; the files are gone afterwards.
     assert [r.target is not None and r.target.applies(x) for x in held] == [False, False, True, True]
     assert list(tmp_path.iterdir()) == []
