@@ -33,7 +33,6 @@ else the system's temporary directory.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
@@ -48,6 +47,7 @@ import torch
 
 from kvcompose.bench.measure import interleave, pick, ratio, repeats_for
 from kvcompose.bench.report import AllTargets, Case, CaseTarget, Result
+from kvcompose.host_memory import huge_page_buffer
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -60,7 +60,6 @@ MEMCPY = "contiguous memcpy"
 LOOP = "per-block copy loop"
 FILE_IO = "sequential file I/O"
 FILE_IO_SMALL_PAGES = "sequential file I/O, 4 KiB pages"
-HUGE_PAGE = 2 * MIB
 DISK_SIZES = (16 * KIB, 256 * KIB, 2 * MIB)
 
 
@@ -383,12 +382,7 @@ def _disk_sweep(
     plain = os.path.join(tmp, "sequential.bin")
     fd = os.open(plain, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
     small_pages = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT wants
-    huge_pages = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            huge_pages.madvise(mmap.MADV_HUGEPAGE)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(huge_pages)) % HUGE_PAGE
-    bufs = {FILE_IO: memoryview(huge_pages)[start : start + nbytes], FILE_IO_SMALL_PAGES: memoryview(small_pages)}
+    bufs = {FILE_IO: huge_page_buffer(nbytes), FILE_IO_SMALL_PAGES: memoryview(small_pages)}
     data = os.urandom(min(nbytes, MIB)) * (nbytes // min(nbytes, MIB))
     for view in bufs.values():
         view[:] = data
@@ -440,7 +434,6 @@ def _disk_sweep(
         for view in bufs.values():
             view.release()  # a mapping with a view on it cannot close
         small_pages.close()
-        huge_pages.close()
         worker.shutdown()
         os.unlink(plain)
         os.rmdir(tmp)

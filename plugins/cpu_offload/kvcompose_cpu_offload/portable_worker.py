@@ -30,7 +30,6 @@ scheduler-side manager therefore sees exactly what vLLM's CUDA worker would repo
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import queue
 import threading
@@ -46,6 +45,8 @@ from vllm.v1.simple_kv_offload.disk_backend import _ALIGNMENT, O_DIRECT, DiskBac
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
+from kvcompose.host_memory import huge_page_buffer
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -56,9 +57,6 @@ logger = init_logger(f"vllm.{__name__}")
 #: The most bytes one disk-tier I/O call moves (a run of consecutive slots): large enough that
 #: a disk streams at its sequential rate (measured in docs/performance.md, benchmark 4).
 STAGING_BYTES = 8 << 20
-
-#: A transparent huge page: the staging buffers are aligned to it and ask the kernel for them.
-HUGE_PAGE = 2 << 20
 
 # The most pieces one pwritev/preadv takes (Linux's UIO_MAXIOV).
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -453,7 +451,8 @@ class HostCopyBackend(CopyThreads):
 
 def alloc_staging(num_slots: int, slot_bytes: int) -> np.ndarray:
     """A ``[num_slots, slot_bytes]`` buffer for ``O_DIRECT`` I/O, in huge pages where the kernel
-    grants them (``MADV_HUGEPAGE``), touched now so the first transfer does not fault it in.
+    grants them (:func:`kvcompose.host_memory.huge_page_buffer`), touched now so the first
+    transfer does not fault it in.
 
     A disk request carries one scatter-gather segment per physically contiguous span of its
     buffer, and a request holds only so many (254 on this virtio disk), so a buffer in scattered
@@ -461,15 +460,8 @@ def alloc_staging(num_slots: int, slot_bytes: int) -> np.ndarray:
     in by two threads) came out in 2,048 spans per 8 MiB and wrote at 1.45 GB/s; huge pages make
     it 4 spans and 2.44 GB/s (docs/performance.md, benchmark 4).
     """
-    nbytes = num_slots * slot_bytes
-    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
-            area.madvise(mmap.MADV_HUGEPAGE)
-    raw = np.frombuffer(area, dtype=np.int8)  # keeps the mapping alive
-    start = -raw.ctypes.data % HUGE_PAGE
-    buf = raw[start : start + nbytes].reshape(num_slots, slot_bytes)
-    buf.fill(0)
+    buf = np.frombuffer(huge_page_buffer(num_slots * slot_bytes), dtype=np.int8).reshape(num_slots, slot_bytes)
+    buf.fill(0)  # fault the pages in now
     return buf
 
 

@@ -19,6 +19,7 @@ from vllm.v1.simple_kv_offload.metadata import (
 )
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
+from kvcompose.host_memory import HUGE_PAGE
 from kvcompose.testing.kv import EngineKV, fill_random, make_engine_kv
 from kvcompose_cpu_offload import _streamcopy, portable_worker
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
@@ -473,7 +474,7 @@ def test_disk_staging_buffers_sit_on_huge_page_boundaries() -> None:
     buffer with huge pages where it grants them."""
     a, b = alloc_staging(3, 8192), alloc_staging(1, 3 * 4096)
     assert a.shape == (3, 8192) and a.dtype == np.int8 and a.flags.c_contiguous
-    assert a.ctypes.data % portable_worker.HUGE_PAGE == 0 and b.ctypes.data % portable_worker.HUGE_PAGE == 0
+    assert a.ctypes.data % HUGE_PAGE == 0 and b.ctypes.data % HUGE_PAGE == 0
     assert not a.any()
     a[2, -1] = 7  # writable, and apart from the other buffer
     assert a[2, -1] == 7 and not b.any()
