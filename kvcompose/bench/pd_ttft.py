@@ -242,21 +242,20 @@ def run(
         for sides in pairs:
             label = f"{PROMPT_TOKENS}-token prompt: {sides[1]}"
             pooled: dict[str, Samples] = {s: Samples() for s in sides}
-            work_done: Counter[tuple[str, str]] = Counter()
+            work_done: dict[str, Counter[str]] = {s: Counter() for s in sides}
             per_start = []
             for start in range(starts):
                 samples, work, started_s = measure_pair(sides, reps, model, logs, seed, start)
                 for s in sides:
                     pooled[s].values.extend(samples[s].values)
-                    work_done.update({(s, k): v for k, v in work[s].items()})
+                    work_done[s].update(work[s])
                 one = ratio(label, samples, sides[1], sides[0])
                 per_start.append({"ratio_by_median": round(one.by_median, 4), "engines_start_s": round(started_s, 1)})
                 echo(
                     f"   {label}, start {start + 1} of {starts} (ratio {one.by_median:.3f}), TTFT ms: "
                     + "; ".join(f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in sides)
                 )
-            work_by_side = {s: {k: v for (side, k), v in work_done.items() if side == s} for s in sides}
-            cases.append(Case(label, pooled, {"work": work_by_side, "starts": per_start}))
+            cases.append(Case(label, pooled, {"work": {s: dict(c) for s, c in work_done.items()}, "starts": per_start}))
             ratios.append(ratio(label, pooled, sides[1], sides[0]))
     return Result(
         "pd_ttft",
