@@ -1,33 +1,37 @@
 """Benchmark 5b: decode time-to-first-token through kvcompose vs a bare NixlConnector, real engines.
 
-One engine pair at a time (the machine runs at most two engines), each engine both a prefill
-and a decode instance (``kv_both``), each prefilling for the other, started :data:`STARTS` times
-with the samples pooled (where an engine's threads land is drawn at each start):
+One prefill engine and three decode engines, up together, started :data:`STARTS` times with the
+samples pooled (where an engine's threads land is drawn at each start). The decode engines
+(:data:`DECODES`) differ only in their connector:
 
-* ``kvcompose``: :data:`COMPOSITION`, the shipped examples' decode composition (host-memory tier
-  asked first, then NIXL) with the NIXL child in both roles;
-* ``NixlConnector``: that composition's NIXL child alone as the engine's ``--kv-transfer-config``
+* ``NixlConnector``: the composition's NIXL child alone as the engine's ``--kv-transfer-config``
   (vLLM's ``NixlConnector`` class through the nixl plugin's module path, the same options), no
-  composite around it.
+  composite around it: the baseline;
+* ``kvcompose``: :data:`COMPOSITION`, the shipped examples' decode composition (host-memory tier
+  asked first, then NIXL);
+* ``kvcompose-pd-only``: the same composite with its NIXL child alone, the control that
+  separates the composite's own cost from the host tier's work.
 
-A second pair runs after the first: ``NixlConnector`` vs ``kvcompose-pd-only``, the composite
-with its NIXL child alone, which separates the composite's own cost from the host tier's work.
+The prefill engine is the baseline's connector (a bare NixlConnector), shared: every decode
+pulls from the same engine. vLLM keeps a prefill engine stepping until the decode's read of
+its blocks is notified (here a step every 2-3 ms for the 100-130 ms after each prefill,
+``docs/performance.md`` 5b), so on this 2-core host the prefill engine's stepping lands in the
+decode's time. With each engine prefilling for the other, as this benchmark did before, each
+side's decodes met the *other* side's stepping, a confound the shared prefill engine removes.
 
-A request goes the proxy way (:func:`kvcompose.e2e.flow.decode_request`): prefill on one engine
-with ``do_remote_decode`` and one token, then decode on the other with the prefill's
-``kv_transfer_params``; the decode engine pulls the prompt's KV over NIXL. A sample is the decode
-engine's own time from the request's arrival to its first token (vLLM's ``first_token_latency``):
-the pull, the scheduling and the connector hooks are in it, the client's IPC is not. The sides
-alternate request by request (the order flipping every repeat), so both share the machine's
-moments of load. NIXL READ is one-sided (the decode engine reads the prefill engine's memory), so
-which engine prefilled does not enter the decode's time beyond the finished-notification, once
-the prefill engine is idle again: the decode is sent :data:`SETTLE_S` after the prefill answered.
-Every prompt is new; one request each way before timing does the NIXL handshakes.
+A request goes the proxy way (:func:`kvcompose.e2e.flow.decode_request`): prefill with
+``do_remote_decode`` and one token, then decode with the prefill's ``kv_transfer_params``; the
+decode engine pulls the prompt's KV over NIXL. A sample is the decode engine's own time from the
+request's arrival to its first token (vLLM's ``first_token_latency``): the pull, the scheduling
+and the connector hooks are in it, the client's IPC is not. The decodes alternate request by
+request (the order reversing every repeat), so they share the machine's moments of load. Every
+prompt is new; one request per decode engine before timing does the NIXL handshakes. Inside the
+decode engine each TTFT is also split (:data:`PHASES`).
 
 Why the baseline goes through the nixl plugin's module path: vLLM's NIXL agent polls without
 sleeping, so an idle engine's worker burns a whole core (measured here: ~100% CPU at idle) and on
 this 2-core machine that, not the connector, would set the baseline's TTFT. The plugin's
-``progress_delay_us`` (100 us, as in the examples) gives both sides the same NIXL agent; its
+``progress_delay_us`` (100 us, as in the examples) gives every engine the same NIXL agent; its
 other overrides are the side-channel options and a check for remote prefills without blocks.
 
 The engines need ``/tmp/kvcompose-engines.lock`` (see :func:`engine_lock`): the benchmark takes
@@ -51,23 +55,25 @@ from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.node import EngineNode, EngineSpec, free_ports, wait_all_ready
 
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
-SIDES = ("NixlConnector", "kvcompose")
-#: Engine pairs, one after the other (two engines at a time): (baseline, subject).
-PAIRS = (SIDES, ("NixlConnector", "kvcompose-pd-only"))
+#: The decode engines, the baseline first; :data:`SUBJECT` is held to the target, :data:`CONTROL`
+#: shown beside it.
+DECODES = ("NixlConnector", "kvcompose", "kvcompose-pd-only")
+BASELINE, SUBJECT, CONTROL = DECODES
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
-REPEATS = 20  # measured requests per side and engine start (quick: the minimum, 5); single TTFTs swing 10x here
-#: Engine starts per pair (quick: one), their samples pooled. Where an engine's threads land is
-#: drawn at each start, and on this 2-core host one engine of a pair could run steadily slower
-#: than the other whatever its connector (the control's own ratio 0.72-1.19 over nine runs of
-#: one start; docs/performance.md 5b): pooling starts averages that draw out.
+REPEATS = 20  # measured requests per decode engine and start (quick: the minimum, 5); single TTFTs swing 10x here
+#: Engine starts (quick: one), their samples pooled. Where an engine's threads land is drawn at
+#: each start, and on this 2-core host one engine could run steadily slower than another whatever
+#: its connector (the control's own ratio 0.72-1.19 over nine runs of one start;
+#: docs/performance.md 5b): pooling starts averages that draw out.
 STARTS = 3
-#: Pause between a prefill's answer and its decode: the prefill engine's own work after a request
-#: (its free, the NIXL notification, its host tier's stores) is done before the decode is timed.
-#: Here both engines share two cores, so without it that work landed in one side's TTFT at random
-#: (one engine of a pair twice as slow as the other, whichever its connector; docs/performance.md
-#: 5b); between two hosts it would not. The decode's TTFT is timed inside its engine, so the
-#: pause is not in it.
+#: Pause between a prefill's answer and its decode, so that the prefill engine's own work after
+#: answering (its scheduler's output, the request's free) is not in the decode's time. The decode's
+#: TTFT is timed inside its engine, so the pause is not in it.
 SETTLE_S = 0.1
+#: Where a decode's TTFT goes inside its engine core (:attr:`kvcompose.e2e.flow.Served.phases_s`):
+#: arrival to scheduling (the NIXL pull and the steps polling it), and scheduling to the first
+#: token (the step that computes it). The rest of the TTFT is the front end's hops.
+PHASES = ("waiting", "first_step")
 
 
 # ---------------------------------------------------------------------------- the engine lock
@@ -86,7 +92,7 @@ def _holds(path: str) -> bool:
 
 @contextlib.contextmanager
 def engine_lock(path: str = LOCK_PATH, echo: Callable[[str], None] = print) -> Iterator[None]:
-    """Hold the machine's engine lock (at most two engines machine-wide) while engines run.
+    """Hold the machine's engine lock (one benchmark's or test's engines at a time) while engines run.
 
     Started under ``flock FILE`` the process holds it already: a second ``flock`` on a new open
     file would wait for itself, so it is not taken again.
@@ -108,9 +114,9 @@ def engine_lock(path: str = LOCK_PATH, echo: Callable[[str], None] = print) -> I
 
 # ---------------------------------------------------------------------------- the benchmark
 
-#: The kvcompose engine: ``examples/pd-decode.yaml`` with the NIXL child in both roles, so the
-#: same engine can also prefill for the other one.
-#: The NIXL child both compositions share (its side-channel port filled in per engine).
+#: The NIXL child every engine's connector is or holds (its side-channel port filled in per
+#: engine), in both roles: the prefill engine and the baseline decode run it alone, so it is the
+#: same child, with the same role, in each of them.
 NIXL_CHILD = """\
   - name: pd
     type: nixl
@@ -122,6 +128,8 @@ NIXL_CHILD = """\
       progress_delay_us: 100
       ucx_error_handling: none
 """
+#: Decode ``kvcompose`` (:data:`SUBJECT`): ``examples/pd-decode.yaml``'s composition, host tier
+#: first, with :data:`NIXL_CHILD`.
 COMPOSITION = (
     """\
 version: 1
@@ -135,8 +143,8 @@ connectors:
 )
 
 
-#: Side ``kvcompose-pd-only`` (the second pair of :data:`PAIRS`): the same composite with its NIXL child
-#: alone, to tell the composite's own cost from the host tier's work (its lookups and stores).
+#: Decode ``kvcompose-pd-only`` (:data:`CONTROL`): the same composite with its NIXL child alone, to
+#: tell the composite's own cost from the host tier's work (its lookups and stores).
 PD_ONLY = "version: 1\nconnectors:\n" + NIXL_CHILD
 
 
@@ -162,42 +170,46 @@ def nixl_alone(
 
 
 def engine_spec(side: str, model: str, directory: Path, port: int) -> EngineSpec:
-    """The engine of ``side``, its NIXL side channel on ``port`` (its composition under ``directory``)."""
-    composition = composition_file(directory / side, port, PD_ONLY if side == "kvcompose-pd-only" else COMPOSITION)
-    if side in ("kvcompose", "kvcompose-pd-only"):
+    """The engine of ``side`` (a decode of :data:`DECODES`, or ``prefill``), its NIXL side channel
+    on ``port`` (its composition under ``directory``)."""
+    composition = composition_file(directory / side, port, PD_ONLY if side == CONTROL else COMPOSITION)
+    if side in (SUBJECT, CONTROL):
         return EngineSpec(side, model, str(composition))
-    if side == "NixlConnector":
+    if side in (BASELINE, "prefill"):
         return EngineSpec(side, model, kv_config=nixl_alone(composition))
     raise ValueError(f"unknown side {side!r}")
 
 
-def measure_pair(
-    sides: tuple[str, str], reps: int, model: str, logs: Path, seed: Iterator[int], start: int = 0
-) -> tuple[dict[str, Samples], dict[str, dict[str, int]], float]:
-    """Start one engine per side, then time ``reps`` decodes on each, alternating request by request.
+def measure_start(
+    reps: int, model: str, logs: Path, seed: Iterator[int], start: int = 0
+) -> tuple[dict[str, Samples], dict[str, dict[str, Samples]], dict[str, dict[str, int]], float]:
+    """Start the prefill engine and the decode engines, then time ``reps`` decodes on each,
+    alternating request by request.
 
-    ``start`` counts the pair's starts: odd starts launch the sides in the other order. Returns
-    the TTFT samples, the work done per side (requests, NIXL bytes, computed tokens) and the
-    engines' start time. The caller holds the engine lock.
+    ``start`` counts the starts: each launches the decode engines in a rotated order. Returns the
+    TTFT samples per decode engine, its TTFT phases inside the engine (:data:`PHASES`), its work
+    (requests, NIXL bytes, computed tokens) and the engines' start time. The caller holds the
+    engine lock.
     """
     from kvcompose.e2e.flow import decode_request, token_prompt
 
-    order = sides[::-1] if start % 2 else sides
-    nodes = {
-        side: EngineNode(engine_spec(side, model, logs / f"start-{start}", port), logs / f"start-{start}")
-        for side, port in zip(order, free_ports(len(order)))
-    }
-    work_done: dict[str, Counter[str]] = {s: Counter() for s in sides}
+    k = start % len(DECODES)
+    order = DECODES[k:] + DECODES[:k]
+    here = logs / f"start-{start}"
+    ports = free_ports(len(order) + 1)
+    prefill = EngineNode(engine_spec("prefill", model, here, ports[0]), here)
+    nodes = {side: EngineNode(engine_spec(side, model, here, port), here) for side, port in zip(order, ports[1:])}
+    work_done: dict[str, Counter[str]] = {s: Counter() for s in DECODES}
+    phases: dict[str, dict[str, Samples]] = {s: {ph: Samples() for ph in PHASES} for s in DECODES}
     try:
         t0 = time.monotonic()
-        wait_all_ready(list(nodes.values()))
+        wait_all_ready([prefill, *nodes.values()])
         started_s = time.monotonic() - t0
 
         def request(side: str) -> float:
-            """Prefill on the other engine, decode on ``side``; the decode's TTFT."""
-            (other,) = [n for s, n in nodes.items() if s != side]
+            """Prefill on the prefill engine, decode on ``side``; the decode's TTFT."""
             prompt = token_prompt(next(seed), PROMPT_TOKENS)
-            (p,) = other.generate([prompt], 1, [{"do_remote_decode": True}])
+            (p,) = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
             time.sleep(SETTLE_S)
             d = decode_request(nodes[side], prompt, 1, p["kv_transfer_params"])
             if d.nixl_bytes <= 0 or d.computed_tokens >= PROMPT_TOKENS:
@@ -208,16 +220,19 @@ def measure_pair(
             work_done[side]["requests"] += 1
             work_done[side]["nixl_bytes"] += d.nixl_bytes
             work_done[side]["computed_tokens"] += d.computed_tokens
+            for ph, seconds in (d.phases_s or {}).items():
+                phases[side][ph].values.append(seconds)
             return d.ttft_s
 
-        for side in sides:  # NIXL handshakes both ways, and first-request warm-up
+        for side in order:  # NIXL handshakes, and first-request warm-up
             request(side)
-        work_done = {s: Counter() for s in sides}
+        work_done = {s: Counter() for s in DECODES}
+        phases = {s: {ph: Samples() for ph in PHASES} for s in DECODES}
         samples = interleave({side: (lambda _r, side=side: request(side)) for side in order}, reps)
     finally:
-        for n in nodes.values():
+        for n in (*nodes.values(), prefill):
             n.close()
-    return samples, {s: dict(c) for s, c in work_done.items()}, started_s
+    return samples, phases, {s: dict(c) for s, c in work_done.items()}, started_s
 
 
 def run(
@@ -225,11 +240,10 @@ def run(
     repeats: int | None = None,
     echo: Callable[[str], None] = print,
     work: Path | None = None,
-    pairs: tuple[tuple[str, str], ...] = PAIRS,
     starts: int | None = None,
 ) -> Result:
-    """Decode TTFT, one engine pair after the other (:data:`PAIRS`), each started ``starts``
-    times (:data:`STARTS`; quick: once) with its samples pooled; each pair's ratio."""
+    """Decode TTFT of every decode engine (:data:`DECODES`), the engines started ``starts`` times
+    (:data:`STARTS`; quick: once) with the samples pooled; each decode's ratio to the baseline."""
     from kvcompose.e2e.model import make_model
 
     reps = repeats or repeats_for(quick, full=REPEATS)
@@ -237,49 +251,56 @@ def run(
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-ttft-"))
     model = str(make_model(0))
     seed = iter(range(10_000, 1_000_000))  # a new prompt for every request
-    cases, ratios = [], []
+    label = f"{PROMPT_TOKENS}-token prompt"
+    pooled: dict[str, Samples] = {s: Samples() for s in DECODES}
+    pooled_phases: dict[str, dict[str, Samples]] = {s: {ph: Samples() for ph in PHASES} for s in DECODES}
+    work_done: dict[str, Counter[str]] = {s: Counter() for s in DECODES}
+    per_start = []
     with engine_lock(echo=echo):
-        for sides in pairs:
-            label = f"{PROMPT_TOKENS}-token prompt: {sides[1]}"
-            pooled: dict[str, Samples] = {s: Samples() for s in sides}
-            work_done: dict[str, Counter[str]] = {s: Counter() for s in sides}
-            per_start = []
-            for start in range(starts):
-                samples, work, started_s = measure_pair(sides, reps, model, logs, seed, start)
-                for s in sides:
-                    pooled[s].values.extend(samples[s].values)
-                    work_done[s].update(work[s])
-                one = ratio(label, samples, sides[1], sides[0])
-                per_start.append({"ratio_by_median": round(one.by_median, 4), "engines_start_s": round(started_s, 1)})
-                echo(
-                    f"   {label}, start {start + 1} of {starts} (ratio {one.by_median:.3f}), TTFT ms: "
-                    + "; ".join(f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in sides)
-                )
-            cases.append(Case(label, pooled, {"work": {s: dict(c) for s, c in work_done.items()}, "starts": per_start}))
-            ratios.append(ratio(label, pooled, sides[1], sides[0]))
+        for start in range(starts):
+            samples, phases, work_of, started_s = measure_start(reps, model, logs, seed, start)
+            for s in DECODES:
+                pooled[s].values.extend(samples[s].values)
+                work_done[s].update(work_of[s])
+                for ph in PHASES:
+                    pooled_phases[s][ph].values.extend(phases[s][ph].values)
+            one = {s: round(ratio(label, samples, s, BASELINE).by_median, 4) for s in (SUBJECT, CONTROL)}
+            per_start.append({"ratio_by_median": one, "engines_start_s": round(started_s, 1)})
+            echo(
+                f"   start {start + 1} of {starts} (ratios {one}), TTFT ms: "
+                + "; ".join(f"{s} " + " ".join(f"{v * 1e3:.1f}" for v in samples[s].values) for s in DECODES)
+            )
+    phase_ms = {s: {ph: round(v.median * 1e3, 2) for ph, v in pooled_phases[s].items() if v.values} for s in DECODES}
+    echo(
+        "   median ms inside the decode engine: "
+        + "; ".join(f"{s} " + ", ".join(f"{ph} {ms}" for ph, ms in phase_ms[s].items()) for s in DECODES)
+    )
+    extra = {"work": {s: dict(c) for s, c in work_done.items()}, "starts": per_start, "phases_ms": phase_ms}
     return Result(
         "pd_ttft",
         "Decode time to first token over NIXL: kvcompose vs a bare NixlConnector",
         "ms",
         1e3,
-        cases,
-        ratios,
-        Target("<=", 1.02, "kvcompose", "NixlConnector"),
+        [Case(label, pooled, extra)],
+        [ratio(label, pooled, SUBJECT, BASELINE), ratio(label, pooled, CONTROL, BASELINE)],
+        Target("<=", 1.02, SUBJECT, BASELINE),
         reps * starts,
         quick,
         [
-            f"per pair: two engines, both kv_both, each prefilling for the other, started {starts} time(s) (the "
-            "sides launched in turn first), the samples of every start pooled; a sample is one request's TTFT "
-            "inside the decode engine (arrival to first token: NIXL pull, scheduling, connector hooks); the sides "
-            f"alternate request by request; each decode is sent {SETTLE_S:g} s after its prefill answered (the prefill "
-            "engine idle again: the two engines share this host's cores)",
+            f"one prefill engine (a bare NixlConnector) and three decode engines, up together, started {starts} "
+            "time(s), the samples of every start pooled; every decode pulls from the same prefill engine; a sample "
+            "is one request's TTFT inside the decode engine (arrival to first token: NIXL pull, scheduling, "
+            f"connector hooks); the decodes alternate request by request; each decode is sent {SETTLE_S:g} s after "
+            "its prefill answered",
             "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
             "kvcompose-pd-only: the same composite with the NIXL child alone (the composite's own cost, without "
             "the host tier's lookups and stores); NixlConnector: the NIXL child with no composite (vLLM's "
             "NixlConnector via the nixl plugin, same options: its NIXL agent sleeps between polls; vLLM's own "
             "busy-spins a core here)",
-            f"every prompt new ({PROMPT_TOKENS} tokens); one request each way before timing (NIXL handshakes); "
-            "'work' in the JSON: NIXL bytes and computed tokens per side (equal)",
+            f"every prompt new ({PROMPT_TOKENS} tokens); one request per decode engine before timing (NIXL "
+            "handshakes); 'work' in the JSON: NIXL bytes and computed tokens per decode engine (equal); "
+            "'phases_ms': the medians of each TTFT's waiting (arrival in the engine core to scheduling: the pull) "
+            "and first_step (scheduling to the first token)",
         ],
-        {"prompt_tokens": PROMPT_TOKENS, "pairs": [list(p) for p in pairs], "starts": starts, "engine_logs": str(logs)},
+        {"prompt_tokens": PROMPT_TOKENS, "decodes": list(DECODES), "starts": starts, "engine_logs": str(logs)},
     )

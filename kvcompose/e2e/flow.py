@@ -144,6 +144,10 @@ class Served:
     text: str | None = None
     #: the decode server that answered (routed requests; None for the proxy flow's one decode)
     decode: str | None = None
+    #: inside the decode engine (offline engines only): ``waiting``, its arrival in the engine
+    #: core to its scheduling (a remote load's pull), and ``first_step``, its scheduling to its
+    #: first token (the step that computes it)
+    phases_s: dict[str, float] | None = None
 
     @property
     def children(self) -> tuple[str, ...]:
@@ -352,6 +356,7 @@ def served(
         prompt_ids=prompt_ids,
         text=d.get("text"),
         decode=decode,
+        phases_s=d.get("phases_s"),
     )
 
 

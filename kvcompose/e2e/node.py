@@ -488,10 +488,21 @@ def _generate(
                 "text": comp.text if detokenize else None,
                 # From arrival in this engine to its first token (RequestStateStats).
                 "ttft_s": getattr(stats, "first_token_latency", None),
+                # Inside the engine core (its clock): queued -> scheduled (a remote load's wait)
+                # and scheduled -> first token (the step that computes it).
+                "phases_s": _phases(stats),
                 "wall_s": wall,
             }
         )
     return results
+
+
+def _phases(stats: Any) -> dict[str, float] | None:
+    """A request's engine-core phases from vLLM's ``RequestStateStats`` (None without them)."""
+    queued, scheduled, first = (getattr(stats, k, 0.0) for k in ("queued_ts", "scheduled_ts", "first_token_ts"))
+    if not (queued and scheduled and first):
+        return None
+    return {"waiting": scheduled - queued, "first_step": first - scheduled}
 
 
 def _serve(spec: EngineSpec, reply: Callable[[dict[str, Any]], None]) -> None:

@@ -31,6 +31,18 @@ def test_the_baseline_is_the_composites_own_nixl_child_alone(tmp_path: Path) -> 
     assert pd_only is not None and [c["kv_connector"] for c in pd_only["kv_connector_extra_config"]["connectors"]] == [
         "NixlConnector"
     ]
+    # Every decode pulls from one prefill engine, which runs the baseline's connector.
+    prefill = pd_ttft.engine_spec("prefill", "model", tmp_path, 4321).kv_transfer_config()
+    assert prefill == alone
+    assert (
+        pd_ttft.DECODES
+        == (pd_ttft.BASELINE, pd_ttft.SUBJECT, pd_ttft.CONTROL)
+        == (
+            "NixlConnector",
+            "kvcompose",
+            "kvcompose-pd-only",
+        )
+    )
     with pytest.raises(ValueError, match="unknown side"):
         pd_ttft.engine_spec("nope", "model", tmp_path, 1)
 
