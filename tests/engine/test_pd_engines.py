@@ -141,6 +141,11 @@ def test_pd_pull_equals_single_engine_baseline(cluster: Cluster) -> None:
     # vLLM counts a pulled prompt whole as external, though it recomputes the last token.
     assert s.counters.get(EXTERNAL) == len(ids)
     assert s.failed_transfers == 0
+    # Inside the decode engine, in seconds: the pull's wait, then the step that computes the
+    # first token, both within the request's time to first token.
+    assert s.phases_s is not None and set(s.phases_s) == {"waiting", "first_step"}
+    assert 0 < s.phases_s["waiting"] and 0 < s.phases_s["first_step"]
+    assert s.phases_s["waiting"] + s.phases_s["first_step"] < s.ttft_s
 
 
 def test_cpu_tier_serves_a_prompt_pushed_out_of_the_device_cache(cluster: Cluster) -> None:
