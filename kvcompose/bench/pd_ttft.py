@@ -26,7 +26,8 @@ request's arrival to its first token (vLLM's ``first_token_latency``): the pull,
 and the connector hooks are in it, the client's IPC is not. The decodes alternate request by
 request (the order reversing every repeat), so they share the machine's moments of load. Every
 prompt is new; one request per decode engine before timing does the NIXL handshakes. Inside the
-decode engine each TTFT is also split (:data:`PHASES`).
+decode engine each TTFT is also split (:data:`~kvcompose.e2e.node.PHASES`; the rest of it is the
+front end's hops).
 
 Why the baseline goes through the nixl plugin's module path: vLLM's NIXL agent polls without
 sleeping, so an idle engine's worker burns a whole core (measured here: ~100% CPU at idle) and on
@@ -52,7 +53,7 @@ from typing import Any
 
 from kvcompose.bench.measure import Samples, interleave, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import PHASES, EngineNode, EngineSpec, free_ports, wait_all_ready
 
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
 #: The decode engines, the baseline first; :data:`SUBJECT` is held to the target, :data:`CONTROL`
@@ -70,10 +71,6 @@ STARTS = 3
 #: answering (its scheduler's output, the request's free) is not in the decode's time. The decode's
 #: TTFT is timed inside its engine, so the pause is not in it.
 SETTLE_S = 0.1
-#: Where a decode's TTFT goes inside its engine core (:attr:`kvcompose.e2e.flow.Served.phases_s`):
-#: arrival to scheduling (the NIXL pull and the steps polling it), and scheduling to the first
-#: token (the step that computes it). The rest of the TTFT is the front end's hops.
-PHASES = ("waiting", "first_step")
 
 
 # ---------------------------------------------------------------------------- the engine lock
@@ -187,9 +184,9 @@ def measure_start(
     alternating request by request.
 
     ``start`` counts the starts: each launches the decode engines in a rotated order. Returns the
-    TTFT samples per decode engine, its TTFT phases inside the engine (:data:`PHASES`), its work
-    (requests, NIXL bytes, computed tokens) and the engines' start time. The caller holds the
-    engine lock.
+    TTFT samples per decode engine, its TTFT phases inside the engine
+    (:data:`~kvcompose.e2e.node.PHASES`), its work (requests, NIXL bytes, computed tokens) and
+    the engines' start time. The caller holds the engine lock.
     """
     from kvcompose.e2e.flow import decode_request, token_prompt
 

@@ -144,9 +144,7 @@ class Served:
     text: str | None = None
     #: the decode server that answered (routed requests; None for the proxy flow's one decode)
     decode: str | None = None
-    #: inside the decode engine (offline engines only): ``waiting``, its arrival in the engine
-    #: core to its scheduling (a remote load's pull), and ``first_step``, its scheduling to its
-    #: first token (the step that computes it)
+    #: inside the decode engine, seconds per :data:`kvcompose.e2e.node.PHASES` (offline engines only)
     phases_s: dict[str, float] | None = None
 
     @property

@@ -497,12 +497,18 @@ def _generate(
     return results
 
 
+#: A request's phases inside the engine core (:func:`_phases`): ``waiting``, queued to scheduled
+#: (a remote load's pull and the steps polling it), and ``first_step``, scheduled to its first
+#: token (the step that computes it).
+PHASES = ("waiting", "first_step")
+
+
 def _phases(stats: Any) -> dict[str, float] | None:
-    """A request's engine-core phases from vLLM's ``RequestStateStats`` (None without them)."""
+    """A request's engine-core :data:`PHASES` from vLLM's ``RequestStateStats`` (None without them)."""
     queued, scheduled, first = (getattr(stats, k, 0.0) for k in ("queued_ts", "scheduled_ts", "first_token_ts"))
     if not (queued and scheduled and first):
         return None
-    return {"waiting": scheduled - queued, "first_step": first - scheduled}
+    return dict(zip(PHASES, (scheduled - queued, first - scheduled)))
 
 
 def _serve(spec: EngineSpec, reply: Callable[[dict[str, Any]], None]) -> None:
