@@ -224,6 +224,16 @@ class ConnectorType:
         """The KV cache layout this child requires, when it is known without vLLM (else None)."""
         return None
 
+    def save_hooks_needed(self, child: Child) -> str | None:
+        """Why this child's worker must receive the save hooks, or None when it may go without.
+
+        A child whose scheduler half plans saves that only its worker's ``save_kv_layer`` or
+        ``wait_for_save`` carries out (and holds blocks until they are reported done) cannot be
+        left out of the store rule's targets: its saves would never run and its blocks never be
+        freed. The reason completes "..., but it ...", e.g. "plans a store of every new block".
+        """
+        return None
+
 
 OptionsT = TypeVar("OptionsT", bound=Options)
 

@@ -51,6 +51,16 @@ def kvcompose_check(plan: Plan) -> list[Problem]:
                     )
                     break
                 owner[key] = c.name
+    for c in plan.children:
+        needed = None if c.index in plan.store.targets else c.type.save_hooks_needed(c)
+        if needed:
+            problems.append(
+                Problem(
+                    f"the store rule leaves {c.name} out of the save hooks, but it {needed}",
+                    ("rules", "store"),
+                    f"list {c.name} in store.children, or use `store: all`",
+                )
+            )
     layouts = {c.name: c.type.kv_layout(c) for c in plan.children}
     conflict = layout_conflict(layouts)
     if conflict:

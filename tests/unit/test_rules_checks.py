@@ -35,6 +35,13 @@ class KeysType(ConnectorType):
     param_keys = frozenset({"k1", "k2"})
 
 
+class SavesType(ConnectorType):
+    name = "checks-saves"
+
+    def save_hooks_needed(self, child: Child) -> str | None:
+        return "plans saves its worker runs"
+
+
 class LayoutOptions(Options):
     layout: str | None = None
 
@@ -50,7 +57,7 @@ class LayoutType(ConnectorType):
 class _Types:
     @hookimpl
     def kvcompose_connector_types(self) -> list[ConnectorType]:
-        return [PdType(), HostBufferType(), KeysType(), LayoutType()]
+        return [PdType(), HostBufferType(), KeysType(), LayoutType(), SavesType()]
 
 
 @pytest.fixture(autouse=True)
@@ -174,6 +181,26 @@ def test_every_problem_is_reported_together() -> None:
         )
     )
     assert sorted(p.path[1] for p in found) == [1, 3, 5]
+
+
+# ------------------------------------------------------------------ children that need the save hooks
+
+
+def test_a_child_that_needs_the_save_hooks_left_out_of_them_is_refused_at_the_store_rule() -> None:
+    [p] = problems(
+        composition(
+            "{name: s, type: checks-saves}", "{name: rec, type: record}", rules="{store: {use: only, children: [rec]}}"
+        )
+    )
+    assert p.message == "the store rule leaves s out of the save hooks, but it plans saves its worker runs"
+    assert p.path == ("rules", "store") and p.line == 5
+    assert p.hint == "list s in store.children, or use `store: all`"
+
+
+@pytest.mark.parametrize("store", ["all", "{use: only, children: [s]}"])
+def test_a_child_that_needs_the_save_hooks_and_gets_them_is_fine(store: str) -> None:
+    plan = loads(composition("{name: s, type: checks-saves}", "{name: rec, type: record}", rules=f"{{store: {store}}}"))
+    assert checks.kvcompose_check(plan) == []
 
 
 # ------------------------------------------------------------------ KV cache layouts

@@ -154,6 +154,16 @@ class CpuOffloadType(ConnectorType):
             return f"keeps evicted prefix blocks in {where} and loads them back on a hit ({mode}, {io} I/O)"
         return f"keeps evicted prefix blocks in {_host_size(opts)} of host memory and loads them back on a hit ({mode})"
 
+    def save_hooks_needed(self, child: Child) -> str | None:
+        """Always: vLLM's scheduler half plans the stores and its worker starts them in ``wait_for_save``."""
+        opts = child.options_as(CpuOffloadOptions)
+        which = "the blocks it evicts" if opts.lazy else "every block a request computes"
+        return (
+            f"is vLLM's SimpleCPUOffloadConnector: its scheduler plans a store of {which}, which only its "
+            "worker's wait_for_save starts, and keeps those KV blocks in use until the store is reported "
+            "done; they would never be freed, and the engine stalls once its KV cache is used up"
+        )
+
     def check(self, child: Child, plan: Plan) -> Iterator[Problem]:
         """Contradictory or incomplete options, each located at the key to change."""
         opts = child.options_as(CpuOffloadOptions)

@@ -204,3 +204,25 @@ def test_registered_through_the_kvcompose_entry_point_group() -> None:
     (t,) = types
     assert isinstance(t, CpuOffloadType) and t.name == "cpu-offload"
     assert t.options is CpuOffloadOptions
+
+
+@pytest.mark.parametrize(("lazy", "which"), [(False, "every block a request computes"), (True, "the blocks it evicts")])
+def test_the_tier_left_out_of_the_save_hooks_is_refused(lazy: bool, which: str) -> None:
+    """Its scheduler's stores would never start, and their KV blocks never be freed (an engine
+    with such a composition stopped answering once its KV cache was used up)."""
+    from kvcompose.compose import loads
+    from kvcompose.errors import CompositionError
+
+    text = (
+        "version: 1\nconnectors:\n"
+        f"  - {{name: host, type: cpu-offload, options: {{lazy: {str(lazy).lower()}}}}}\n"
+        "  - {name: other, type: vllm, options: {kv_connector: ExampleConnector}}\n"
+        "rules:\n  store: {use: only, children: [other]}\n"
+    )
+    with pytest.raises(CompositionError) as err:
+        loads(text, filename="compose.yaml")
+    [problem] = err.value.problems
+    assert problem.path == ("rules", "store") and problem.line == 6
+    assert "leaves host out of the save hooks, but it is vLLM's SimpleCPUOffloadConnector" in problem.message
+    assert f"its scheduler plans a store of {which}" in problem.message
+    assert loads(text.replace("children: [other]", "children: [host, other]")).store.targets == (0, 1)

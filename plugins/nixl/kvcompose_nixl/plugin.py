@@ -317,6 +317,15 @@ class NixlType(ConnectorType):
             text += "; the prefill instance may read KV back from decode (bidirectional)"
         return f"{text}. {_side_channel(o)[0].upper()}{_side_channel(o)[1:]}."
 
+    def save_hooks_needed(self, child: Child) -> str | None:
+        """A producer with a host buffer: NixlConnector copies the served KV there in ``wait_for_save``."""
+        if child.options_as(NixlOptions).buffer_device != "cpu" or child.role == "consumer":
+            return None
+        return (
+            "serves KV from a host buffer (buffer_device: cpu), which NixlConnector fills in its "
+            "wait_for_save (save_kv_to_host); decode instances would read stale KV"
+        )
+
     def check(self, child: Child, plan: Plan) -> Iterator[Problem]:
         """What vLLM would refuse, or silently ignore, in this child's options."""
         o = child.options_as(NixlOptions)

@@ -394,3 +394,27 @@ def test_an_explicit_all_interfaces_host_is_explained_not_warned_of(
     text = NixlType().describe(plan.children[0])
     assert "side channel on 0.0.0.0:" in text
     assert "(all interfaces, as side_channel_host asks: any host that reaches the port can read" in text
+
+
+@pytest.mark.parametrize(
+    ("role", "buffer", "refused"),
+    [("producer", "cpu", True), ("both", "cpu", True), ("consumer", "cpu", False), ("producer", None, False)],
+)
+def test_a_host_buffer_producer_left_out_of_the_save_hooks_is_refused(
+    plugins: Plugins, role: str, buffer: str | None, refused: bool
+) -> None:
+    options = f"{{buffer_device: {buffer}}}" if buffer else "{}"
+    text = (
+        "version: 1\nconnectors:\n"
+        f"  - {{name: pd, type: nixl, role: {role}, options: {options}}}\n"
+        "  - {name: other, type: vllm, options: {kv_connector: ExampleConnector}}\n"
+        "rules: {store: {use: only, children: [other]}}\n"
+    )
+    if not refused:
+        assert loads(text, plugins, "compose.yaml").store.targets == (1,)
+        return
+    with pytest.raises(CompositionError) as excinfo:
+        loads(text, plugins, "compose.yaml")
+    [problem] = [p for p in excinfo.value.problems if p.path == ("rules", "store")]
+    assert "leaves pd out of the save hooks" in problem.message and "save_kv_to_host" in problem.message
+    assert problem.hint == "list pd in store.children, or use `store: all`"
