@@ -16,7 +16,6 @@ transfers exactly as vLLM's worker does.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +31,12 @@ from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 # A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
 logger = init_logger(f"vllm.{__name__}")
@@ -123,5 +126,57 @@ class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
         pass (the scheduler scheduled a token), which the portable worker reads to copy small
         stores in place in a step that produces no token."""
         meta = super().build_connector_meta(scheduler_output)
-        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
-        return StepMetadata(**fields, forward=scheduler_output.total_num_scheduled_tokens > 0)
+        if meta.store_gpu_blocks or meta.load_gpu_blocks or meta.need_flush:
+            self._stats_changed = True
+        # vLLM's fields as they are, without a dataclass round trip: this runs every engine step.
+        step = StepMetadata.__new__(StepMetadata)
+        step.__dict__.update(meta.__dict__)
+        step.forward = scheduler_output.total_num_scheduled_tokens > 0
+        return step
+
+    # -- stats: shipped only when they can have changed ------------------------------------------
+    #
+    # vLLM's scheduler asks for the connector's stats every step and sends what it gets to the
+    # front end with the step's output. vLLM's manager builds them afresh each time (three gauges
+    # and its counters), so without this every engine step, the idle steps of a decode waiting
+    # for its NIXL pull included, carries the host tier's stats, which the front end then
+    # observes. They can only change where the manager's state does: a lookup, an allocation, a
+    # planned transfer, a reported completion, a finished request, a reset. Counters are drained
+    # by the next call, so none is lost; a gauge keeps its last value in Prometheus.
+
+    #: Whether a scheduler hook ran since the last stats that can have changed them.
+    _stats_changed = True
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._stats_changed = True
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._stats_changed = True
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.finished_recving or connector_output.kv_connector_worker_meta is not None:
+            self._stats_changed = True
+        super().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._stats_changed = True
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._stats_changed = True
+        return super().request_finished_all_groups(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        self._stats_changed = True
+        return super().reset_cache()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """vLLM's stats, or None when no hook that can change them ran since the last ones."""
+        if not self._stats_changed:
+            return None
+        self._stats_changed = False
+        return super().get_kv_connector_stats()

@@ -9,6 +9,7 @@ token prefix, so a block that comes back from the host tier must hold exactly it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -153,3 +154,48 @@ def test_no_hit_without_a_store() -> None:
     assert not any(m.load_gpu_blocks for m in metas(outs))
     assert_scheduler_empty(h.scheduler)
     h.shutdown()
+
+
+def test_stats_ship_only_when_they_can_have_changed_and_none_is_lost(engine: WorkerHarness) -> None:
+    """vLLM asks for the connector's stats every step and sends them with the step's output.
+    The connector answers only after a hook that can change them, so the steps of an engine that
+    waits (here: idle steps) carry none; what it ships, counters summed and gauges last, is what
+    vLLM's own every-step stats would have added up to."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+        SimpleCPUOffloadConnector as VllmConnector,
+    )
+    from vllm.v1.simple_kv_offload.metrics import MetricName, SimpleCPUOffloadStats
+
+    h = engine
+    shipped = SimpleCPUOffloadStats()
+    carried: list[bool] = []
+
+    def step() -> SchedulerOutput:
+        out, eco = h.engine_step(write_blocks=True)
+        payload = eco[0].scheduler_stats.kv_connector_stats if eco else None
+        carried.append(payload is not None)
+        if payload is not None:
+            shipped.aggregate(SimpleCPUOffloadStats(data=payload))
+        return out
+
+    a = prompt(0)
+    for rid, p in (("A1", a), ("E1", prompt(1)), ("E2", prompt(2)), ("E3", prompt(3)), ("A2", a)):
+        r = make_request(prompt=p, max_tokens=2, block_size=BLOCK, request_id=rid)
+        h.scheduler.add_request(r)
+        deadline = time.monotonic() + 30  # the copies run on the worker's copy threads
+        while not r.is_finished() or h.scheduler.connector.has_pending_push_work():
+            assert time.monotonic() < deadline, f"{rid} not finished and stored"
+            step()
+    idle = len(carried)
+    for _ in range(3):
+        step()
+    assert carried[idle:] == [False] * 3
+
+    totals = shipped.reduce()
+    assert totals[MetricName.LOAD_BLOCKS] == 4  # A2 loaded A's four blocks from the host tier
+    # vLLM's own stats, asked now: no counter has grown since the last shipped ones, and every
+    # gauge is as last shipped.
+    now = VllmConnector.get_kv_connector_stats(h.scheduler.connector)
+    assert isinstance(now, SimpleCPUOffloadStats)
+    gauges = (MetricName.USED_BLOCKS, MetricName.PENDING_STORE_BLOCKS)
+    assert now.reduce() == {key: totals[key] for key in gauges}
