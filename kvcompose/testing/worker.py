@@ -301,6 +301,9 @@ class WorkerHarness:
             finished = set(work.finished_req_ids) | set(finished_req_ids)
             sync = work.has_sync_kv_loads if sync_loads is None else sync_loads
         conn = self.connector
+        # vLLM's model runner hands every step's metadata to handle_preemptions before it binds it
+        # (gpu_model_runner.py, execute_model), a preemption or not.
+        conn.handle_preemptions(meta)
         conn.bind_connector_metadata(meta)
         with set_forward_context(attn_metadata, self.vllm_config):
             ctx = get_forward_context()

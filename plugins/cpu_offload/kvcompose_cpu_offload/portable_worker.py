@@ -889,9 +889,16 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         self._stores_to_start.clear()
 
     def handle_preemptions(self, kv_connector_metadata: SimpleCPUOffloadMetadata) -> None:
-        """Start the stores not yet started, then vLLM's flush: every copy in flight ends before a
-        preempted request's blocks are reused."""
-        self._start_stores()
+        """When the step flushes (a preemption): start the stores not yet started, then vLLM's
+        flush, so every copy in flight ends before a preempted request's blocks are reused.
+
+        vLLM's model runner calls this every step, before ``bind_connector_metadata``. Without a
+        flush the stores are left to the bind, which knows whether the step runs a forward pass:
+        started here, a step without one would hand them to the store thread instead of copying
+        them in place, and the engine would step on until the thread reported them.
+        """
+        if kv_connector_metadata.need_flush:
+            self._start_stores(runs_forward(kv_connector_metadata))
         super().handle_preemptions(kv_connector_metadata)
 
     def shutdown(self) -> None:

@@ -143,6 +143,29 @@ def test_the_store_of_a_request_that_ends_at_its_first_token_is_done_in_the_step
         h.shutdown()
 
 
+def test_a_store_planned_in_a_requests_last_token_step_is_copied_in_the_step_after_it() -> None:
+    """The eager store of blocks computed before a request's last step (here its prompt; in P/D
+    the blocks a decode pulled) goes out with that step, whose forward pass produces the token,
+    so it waits for the next step. That step has no forward pass: it copies the store in place
+    and reports it, although vLLM's model runner hands its metadata to ``handle_preemptions``
+    (which the kit calls, as vLLM does) before ``bind_connector_metadata``."""
+    h = offload_engine()
+    try:
+        r = make_request(prompt=prompt(0), max_tokens=2, block_size=BLOCK, request_id="R")
+        h.scheduler.add_request(r)
+        outs = h.step_until(lambda _: r.is_finished(), "R did not finish", write_blocks=True)
+        last = metas(outs)[-1]
+        assert outs[-1].total_num_scheduled_tokens == 1 and len(last.store_gpu_blocks) == 4
+
+        after, _ = h.engine_step(write_blocks=True)
+        assert after.total_num_scheduled_tokens == 0
+        assert h.last_output.kv_connector_worker_meta.completed_store_events == {last.store_event: 1}
+        assert not h.scheduler.connector.has_pending_push_work()
+        assert_scheduler_empty(h.scheduler)
+    finally:
+        h.shutdown()
+
+
 def test_no_hit_without_a_store() -> None:
     """A prompt the tier never saw gets no external tokens and is computed normally."""
     h = offload_engine()
