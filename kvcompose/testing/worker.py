@@ -5,8 +5,9 @@ the kvcompose composition from YAML, or any ``kv_transfer_config`` vLLM accepts 
 ``MultiConnector`` included) — registers engine-shaped KV caches with it (laid out by vLLM's
 code, :mod:`kvcompose.testing.kv`) and replays the calls of one model-runner step in the order
 vLLM 0.32 makes them (``KVConnectorModelRunnerMixin._get_kv_connector_output`` and the
-per-layer ``maybe_transfer_kv_layer`` wrapper)::
+per-layer ``maybe_transfer_kv_layer`` wrapper; ``handle_preemptions`` from ``execute_model``)::
 
+    handle_preemptions(meta)            # every step, a preemption or not
     bind_connector_metadata(meta)
     start_load_kv(ctx)                  # here when the step has synchronous loads...
     for layer: wait_for_layer_load(layer); <attention writes KV>; save_kv_layer(layer, kv, attn)
