@@ -100,6 +100,9 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._rec("register_kv_caches", tuple(kv_caches))
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._rec("handle_preemptions")
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         self._rec("bind_connector_metadata", connector_metadata)
         if isinstance(connector_metadata, RecordMetadata):
