@@ -12,8 +12,9 @@ import pytest
 
 from kvcompose import NAME, hookspecs, units
 from kvcompose.catalog import Child
+from kvcompose.compose import loads
 from kvcompose.config import dec_hook
-from kvcompose.errors import Problem
+from kvcompose.errors import CompositionError, Problem
 from kvcompose_cpu_offload.plugin import CpuOffloadOptions, CpuOffloadType
 
 GiB = 2**30
@@ -210,9 +211,6 @@ def test_registered_through_the_kvcompose_entry_point_group() -> None:
 def test_the_tier_left_out_of_the_save_hooks_is_refused(lazy: bool, which: str) -> None:
     """Its scheduler's stores would never start, and their KV blocks never be freed (an engine
     with such a composition stopped answering once its KV cache was used up)."""
-    from kvcompose.compose import loads
-    from kvcompose.errors import CompositionError
-
     text = (
         "version: 1\nconnectors:\n"
         f"  - {{name: host, type: cpu-offload, options: {{lazy: {str(lazy).lower()}}}}}\n"
