@@ -78,6 +78,40 @@ def interleave(subjects: Mapping[str, Callable[[int], float]], repeats: int) -> 
     return out
 
 
+def follow_balanced(names: Sequence[str], repeats: int) -> list[str]:
+    """An order of turns, at least ``repeats`` for each of ``names`` (rounded up to whole cycles of
+    ``len(names)`` each), in which every name follows every name, itself included, equally often.
+
+    For subjects that leave the machine busy after their turn (an engine's worker spins on its
+    queue for a second after each step), the turn before a sample is part of the sample. Flipping
+    the order every repeat does not balance that: with three subjects the middle one always
+    follows another and the outer ones follow themselves half the time. A cycle here is a de
+    Bruijn sequence of order 2 (the Lyndon words of length 1 and 2 in order: ``a a b a c b b c
+    c`` for three), so every ordered pair, the wrap-around included, occurs once a cycle.
+    """
+    cycle = [x for i, a in enumerate(names) for x in (a, *(y for b in names[i + 1 :] for y in (a, b)))]
+    return cycle * -(-repeats // len(names)) if names else []
+
+
+def interleave_balanced(subjects: Mapping[str, Callable[[int], float]], repeats: int) -> dict[str, Samples]:
+    """Like :func:`interleave`, in :func:`follow_balanced`'s order: each subject is sampled at
+    least ``repeats`` times (whole cycles), each as often after every subject."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    out: dict[str, Samples] = {n: Samples() for n in subjects}
+    turns = dict.fromkeys(subjects, 0)
+    with _frozen_heap():
+        for name in follow_balanced(list(subjects), repeats):
+            gc.collect()
+            gc.disable()
+            try:
+                out[name].values.append(subjects[name](turns[name]))
+            finally:
+                gc.enable()
+            turns[name] += 1
+    return out
+
+
 def interleave_units(units: Mapping[str, Callable[[], float]], repeats: int, per_repeat: int) -> dict[str, Samples]:
     """Like :func:`interleave`, but alternating the subjects on every unit of work.
 

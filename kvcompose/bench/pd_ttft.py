@@ -24,7 +24,11 @@ A request goes the proxy way (:func:`kvcompose.e2e.flow.decode_request`): prefil
 decode engine pulls the prompt's KV over NIXL. A sample is the decode engine's own time from the
 request's arrival to its first token (vLLM's ``first_token_latency``): the pull, the scheduling
 and the connector hooks are in it, the client's IPC is not. The decodes alternate request by
-request (the order reversing every repeat), so they share the machine's moments of load. Every
+request, so they share the machine's moments of load, in an order where every decode engine
+follows every engine, itself included, equally often (:func:`~kvcompose.bench.measure.follow_balanced`):
+each engine's worker spins on its queue for a second after a step (vLLM's ``SpinCondition``), its
+threads pinned to the same core as the other engines' workers, so the turn before a sample is in
+that sample. Every
 prompt is new; one request per decode engine before timing does the NIXL handshakes. Inside the
 decode engine each TTFT is also split (:data:`~kvcompose.e2e.node.PHASES`; the rest of it is the
 front end's hops).
@@ -51,7 +55,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvcompose.bench.measure import Samples, interleave, ratio, repeats_for
+from kvcompose.bench.measure import Samples, interleave_balanced, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.node import PHASES, EngineNode, EngineSpec, free_ports, wait_all_ready
 
@@ -61,7 +65,9 @@ LOCK_PATH = "/tmp/kvcompose-engines.lock"
 DECODES = ("NixlConnector", "kvcompose", "kvcompose-pd-only")
 BASELINE, SUBJECT, CONTROL = DECODES
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
-REPEATS = 20  # measured requests per decode engine and start (quick: the minimum, 5); single TTFTs swing 10x here
+#: Measured requests per decode engine and start (quick: the minimum, 5), rounded up to whole cycles
+#: of :func:`~kvcompose.bench.measure.follow_balanced` (3 turns each); single TTFTs swing 10x here.
+REPEATS = 24
 #: Engine starts (quick: one), their samples pooled. Where an engine's threads land is drawn at
 #: each start, and on this 2-core host one engine could run steadily slower than another whatever
 #: its connector (the control's own ratio 0.72-1.19 over nine runs of one start;
@@ -225,7 +231,7 @@ def measure_start(
             request(side)
         work_done = {s: Counter() for s in DECODES}
         phases = {s: {ph: Samples() for ph in PHASES} for s in DECODES}
-        samples = interleave({side: (lambda _r, side=side: request(side)) for side in order}, reps)
+        samples = interleave_balanced({side: (lambda _r, side=side: request(side)) for side in order}, reps)
     finally:
         for n in (*nodes.values(), prefill):
             n.close()
@@ -244,6 +250,7 @@ def run(
     from kvcompose.e2e.model import make_model
 
     reps = repeats or repeats_for(quick, full=REPEATS)
+    reps = -(-reps // len(DECODES)) * len(DECODES)  # whole cycles of follow_balanced
     starts = starts or (1 if quick else STARTS)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-ttft-"))
     model = str(make_model(0))
@@ -287,8 +294,8 @@ def run(
             f"one prefill engine (a bare NixlConnector) and three decode engines, up together, started {starts} "
             "time(s), the samples of every start pooled; every decode pulls from the same prefill engine; a sample "
             "is one request's TTFT inside the decode engine (arrival to first token: NIXL pull, scheduling, "
-            f"connector hooks); the decodes alternate request by request; each decode is sent {SETTLE_S:g} s after "
-            "its prefill answered",
+            "connector hooks); the decodes alternate request by request, each engine after every engine (itself "
+            f"included) equally often; each decode is sent {SETTLE_S:g} s after its prefill answered",
             "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
             "kvcompose-pd-only: the same composite with the NIXL child alone (the composite's own cost, without "
             "the host tier's lookups and stores); NixlConnector: the NIXL child with no composite (vLLM's "

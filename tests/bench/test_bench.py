@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from kvcompose.bench.measure import Samples, interleave, interleave_units, ratio
+from kvcompose.bench.measure import Samples, follow_balanced, interleave, interleave_balanced, interleave_units, ratio
 from kvcompose.bench.report import Case, Result, Target
 
 
@@ -16,6 +17,21 @@ def test_interleave_alternates_the_order_every_repeat() -> None:
     order: list[str] = []
     interleave({"a": lambda r: order.append("a") or 1.0, "b": lambda r: order.append("b") or 2.0}, 4)
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+
+
+@pytest.mark.parametrize("names", [["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]])
+def test_follow_balanced_has_every_name_follow_every_name_equally_often(names: list[str]) -> None:
+    order = follow_balanced(names, 2 * len(names))
+    assert Counter(order) == dict.fromkeys(names, 2 * len(names))
+    pairs = Counter(zip(order, order[1:] + order[:1]))  # cyclically: the order repeats whole
+    assert set(pairs) == {(a, b) for a in names for b in names} and set(pairs.values()) == {2}
+
+
+def test_interleave_balanced_samples_whole_cycles_in_that_order() -> None:
+    order: list[str] = []
+    samples = interleave_balanced({n: (lambda r, n=n: order.append(n) or float(r)) for n in "abc"}, 2)
+    assert order == follow_balanced(["a", "b", "c"], 3) and len(order) == 9
+    assert samples["a"].values == [0.0, 1.0, 2.0]
 
 
 def test_interleave_units_alternates_per_unit_and_averages() -> None:
