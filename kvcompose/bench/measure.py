@@ -2,7 +2,9 @@
 
 Timings on a shared 2-core machine drift with the other processes' load, so a subject and its
 baseline are never timed in separate blocks: each repeat runs every subject once, and the order
-flips on every other repeat so that a slow phase hits both sides equally.
+flips on every other repeat so that a slow phase hits both sides equally. Subjects whose turn
+leaves the machine busy (real engines) go in an order where each follows every subject equally
+often (:func:`interleave_balanced`).
 """
 
 from __future__ import annotations
@@ -69,13 +71,18 @@ def interleave(subjects: Mapping[str, Callable[[int], float]], repeats: int) -> 
         for r in range(repeats):
             order = names if r % 2 == 0 else names[::-1]
             for name in order:
-                gc.collect()
-                gc.disable()
-                try:
-                    out[name].values.append(subjects[name](r))
-                finally:
-                    gc.enable()
+                out[name].values.append(_sample(subjects[name], r))
     return out
+
+
+def _sample(subject: Callable[[int], float], repeat: int) -> float:
+    """One sample, the collector run before it and paused inside it (:func:`interleave`)."""
+    gc.collect()
+    gc.disable()
+    try:
+        return subject(repeat)
+    finally:
+        gc.enable()
 
 
 def follow_balanced(names: Sequence[str], repeats: int) -> list[str]:
@@ -102,12 +109,7 @@ def interleave_balanced(subjects: Mapping[str, Callable[[int], float]], repeats:
     turns = dict.fromkeys(subjects, 0)
     with _frozen_heap():
         for name in follow_balanced(list(subjects), repeats):
-            gc.collect()
-            gc.disable()
-            try:
-                out[name].values.append(subjects[name](turns[name]))
-            finally:
-                gc.enable()
+            out[name].values.append(_sample(subjects[name], turns[name]))
             turns[name] += 1
     return out
 
