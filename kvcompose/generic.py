@@ -94,6 +94,14 @@ class VllmOptions(Options):
         list[_NonEmpty],
         Meta(description="declare the kv_transfer_params keys the connector owns (params: owners); not passed to vLLM"),
     ] = msgspec.field(default_factory=list)
+    needs_save_hooks: Annotated[
+        bool | None,
+        Meta(
+            description="declare that the connector's worker must get the save hooks, because its scheduler holds "
+            "KV blocks until a save it planned is reported done (a store rule may not leave it out); unset: "
+            "known for vLLM's own such connectors (HOLDS_BLOCKS_FOR_SAVES); not passed to vLLM"
+        ),
+    ] = None
 
 
 #: Option -> the top-level ``KVTransferConfig`` field it is rendered as (the same name).
@@ -105,6 +113,18 @@ TOP_LEVEL: tuple[str, ...] = (
     "enable_permute_local_kv",
     "kv_load_failure_policy",
 )
+
+
+#: vLLM connectors, by name, whose scheduler holds KV blocks until a save it planned is reported
+#: done, and what that does when the worker never gets the save hooks (a ``vllm`` child's
+#: ``needs_save_hooks`` unset). The cpu-offload type says it for its own child, with its mode.
+HOLDS_BLOCKS_FOR_SAVES: Mapping[str, str] = {
+    "SimpleCPUOffloadConnector": (
+        "is vLLM's SimpleCPUOffloadConnector: its scheduler plans stores that only its worker's wait_for_save "
+        "starts, and keeps those KV blocks in use until they are reported done; they would never be freed, and "
+        "the engine stalls once its KV cache is used up"
+    ),
+}
 
 
 class VllmType(ConnectorType):
@@ -153,6 +173,18 @@ class VllmType(ConnectorType):
             return None
         empty = {"kv_connector_extra_config": {}}
         return {k: v for k, v in config.items() if k != "kv_role" and empty.get(k, ()) != v}
+
+    def save_hooks_needed(self, child: Child) -> str | None:
+        """As declared (``needs_save_hooks``); unset, from :data:`HOLDS_BLOCKS_FOR_SAVES` by name."""
+        o = child.options_as(VllmOptions)
+        if o.needs_save_hooks is None:
+            return HOLDS_BLOCKS_FOR_SAVES.get(o.kv_connector)
+        if not o.needs_save_hooks:
+            return None
+        return (
+            "is declared needs_save_hooks: true (its scheduler holds KV blocks until a save it planned is "
+            "reported done)"
+        )
 
     def describe(self, child: Child) -> str:
         o = child.options_as(VllmOptions)

@@ -21,12 +21,19 @@ connectors:
       kv_connector: {connector}
       kv_connector_extra_config: {extra}
 rules:
-  load: ranges
+  {rules}
 """
+#: A store rule that leaves the generic child out of the save hooks.
+HOST_STORES = "load: ranges\n  store: {use: only, children: [host]}"
 
 
-def plan_of(connector: str = "ExampleConnector", extra: str = "{shared_storage_path: /tmp/kv}", **more: str):  # noqa: ANN201
-    text = EXAMPLE.format(connector=connector, extra=extra)
+def plan_of(  # noqa: ANN201
+    connector: str = "ExampleConnector",
+    extra: str = "{shared_storage_path: /tmp/kv}",
+    rules: str = "load: ranges",
+    **more: str,
+):
+    text = EXAMPLE.format(connector=connector, extra=extra, rules=rules)
     for key, value in more.items():
         text = text.replace(
             "      kv_connector_extra_config:", f"      {key}: {value}\n      kv_connector_extra_config:"
@@ -113,6 +120,23 @@ def test_undeclared_keys_go_to_the_first_child_in_yaml_order() -> None:
 def test_range_alignment_needs_range_loads() -> None:
     with pytest.raises(CompositionError, match="range_alignment only applies with range_loads: true"):
         plan_of(range_alignment="64")
+
+
+def test_vllms_cpu_offload_as_a_generic_child_cannot_be_left_out_of_the_save_hooks() -> None:
+    with pytest.raises(CompositionError) as e:
+        plan_of("SimpleCPUOffloadConnector", "{}", HOST_STORES)
+    [p] = e.value.problems
+    assert p.path == ("rules", "store")
+    assert p.message.startswith("the store rule leaves disk out of the save hooks, but it is vLLM's SimpleCPUOffload")
+    assert p.hint == "list disk in store.children, or use `store: all`"
+
+
+def test_needs_save_hooks_declares_what_the_name_does_not_say() -> None:
+    assert plan_of("SimpleCPUOffloadConnector", "{}", HOST_STORES, needs_save_hooks="false").child("disk")
+    assert plan_of(rules=HOST_STORES).child("disk")
+    with pytest.raises(CompositionError, match="but it is declared needs_save_hooks: true"):
+        plan_of(rules=HOST_STORES, needs_save_hooks="true")
+    assert "needs_save_hooks" not in json.dumps(plan_of(needs_save_hooks="true").child("disk").vllm_config())
 
 
 def test_the_schema_offers_the_type() -> None:
