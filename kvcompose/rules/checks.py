@@ -52,13 +52,22 @@ def kvcompose_check(plan: Plan) -> list[Problem]:
                     break
                 owner[key] = c.name
     for c in plan.children:
-        needed = None if c.index in plan.store.targets else c.type.save_hooks_needed(c)
-        if needed:
+        needed = c.type.save_hooks_needed(c)
+        if needed and c.index not in plan.store.targets:
             problems.append(
                 Problem(
                     f"the store rule leaves {c.name} out of the save hooks, but it {needed}",
                     ("rules", "store"),
                     f"list {c.name} in store.children, or use `store: all`",
+                )
+            )
+        if needed and plan.faults.contains(c.index):
+            # A bypassed child gets no save hook either, from its first failure on.
+            problems.append(
+                Problem(
+                    f"the faults rule can bypass {c.name}, which then gets no save hooks, but it {needed}",
+                    ("rules", "faults"),
+                    f"leave {c.name} out of faults.children; an error of it then stops the engine",
                 )
             )
     layouts = {c.name: c.type.kv_layout(c) for c in plan.children}

@@ -203,6 +203,33 @@ def test_a_child_that_needs_the_save_hooks_and_gets_them_is_fine(store: str) -> 
     assert checks.kvcompose_check(plan) == []
 
 
+@pytest.mark.parametrize("faults", ["isolate", "breaker"])
+def test_a_child_that_needs_the_save_hooks_cannot_be_bypassed_by_the_faults_rule(faults: str) -> None:
+    [p] = problems(
+        composition(
+            "{name: s, type: checks-saves}",
+            "{name: rec, type: record}",
+            rules=f"{{faults: {{use: {faults}, children: [s, rec]}}}}",
+        )
+    )
+    assert p.message == (
+        "the faults rule can bypass s, which then gets no save hooks, but it plans saves its worker runs"
+    )
+    assert p.path == ("rules", "faults")
+    assert p.hint == "leave s out of faults.children; an error of it then stops the engine"
+
+
+def test_the_faults_rule_may_bypass_the_other_children() -> None:
+    plan = loads(
+        composition(
+            "{name: s, type: checks-saves}",
+            "{name: rec, type: record}",
+            rules="{faults: {use: isolate, children: [rec]}}",
+        )
+    )
+    assert checks.kvcompose_check(plan) == []
+
+
 # ------------------------------------------------------------------ KV cache layouts
 
 
