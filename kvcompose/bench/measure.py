@@ -96,7 +96,11 @@ def follow_balanced(names: Sequence[str], repeats: int) -> list[str]:
     Bruijn sequence of order 2 (the Lyndon words of length 1 and 2 in order: ``a a b a c b b c
     c`` for three), so every ordered pair, the wrap-around included, occurs once a cycle.
     """
-    cycle = [x for i, a in enumerate(names) for x in (a, *(y for b in names[i + 1 :] for y in (a, b)))]
+    cycle: list[str] = []
+    for i, a in enumerate(names):
+        cycle.append(a)
+        for b in names[i + 1 :]:
+            cycle += (a, b)
     return cycle * -(-repeats // len(names)) if names else []
 
 

@@ -28,8 +28,8 @@ request, so they share the machine's moments of load, in an order where every de
 follows every engine, itself included, equally often (:func:`~kvcompose.bench.measure.follow_balanced`):
 each engine's worker spins on its queue for a second after a step (vLLM's ``SpinCondition``), its
 threads pinned to the same core as the other engines' workers, so the turn before a sample is in
-that sample. Every
-prompt is new; one request per decode engine before timing does the NIXL handshakes. Inside the
+that sample. Every prompt is new; one request per decode engine before timing does the NIXL
+handshakes. Inside the
 decode engine each TTFT is also split (:data:`~kvcompose.e2e.node.PHASES`; the rest of it is the
 front end's hops).
 
@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvcompose.bench.measure import Samples, interleave_balanced, ratio, repeats_for
+from kvcompose.bench.measure import Samples, follow_balanced, interleave_balanced, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.node import PHASES, EngineNode, EngineSpec, free_ports, wait_all_ready
 
@@ -250,7 +250,7 @@ def run(
     from kvcompose.e2e.model import make_model
 
     reps = repeats or repeats_for(quick, full=REPEATS)
-    reps = -(-reps // len(DECODES)) * len(DECODES)  # whole cycles of follow_balanced
+    reps = len(follow_balanced(DECODES, reps)) // len(DECODES)  # whole cycles, as sampled
     starts = starts or (1 if quick else STARTS)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-ttft-"))
     model = str(make_model(0))
