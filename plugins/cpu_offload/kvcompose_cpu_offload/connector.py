@@ -104,6 +104,11 @@ class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(size_from_num_cpu_blocks(vllm_config, kv_cache_config), role, kv_cache_config)
+        #: Requests whose last lookup found blocks: vLLM's manager holds those blocks pinned (the
+        #: used-blocks gauge) until the request's allocation, next lookup or end releases them.
+        self._pinned: set[str] = set()
+        #: Requests this tier loads: their completion counts the loaded blocks.
+        self._loading: set[str] = set()
         # vLLM's worker constructor is plain Python (CUDA is first touched in
         # register_kv_caches), so it is safe to build it and then swap in the portable one with
         # the settings vLLM parsed: the extra-config parsing stays vLLM's.
@@ -140,34 +145,59 @@ class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
     # front end with the step's output. vLLM's manager builds them afresh each time (three gauges
     # and its counters), so without this every engine step, the idle steps of a decode waiting
     # for its NIXL pull included, carries the host tier's stats, which the front end then
-    # observes. They can only change where the manager's state does: a lookup, an allocation, a
-    # planned transfer, a reported completion, a finished request, a reset. Counters are drained
+    # observes. They can only change where the manager's state does: a lookup that pins blocks
+    # (or releases an earlier pin), an allocation that takes a pin, a planned transfer, a
+    # completion of this tier's load or store, a finished request, a reset. Counters are drained
     # by the next call, so none is lost; a gauge keeps its last value in Prometheus.
+    #
+    # A lookup that finds nothing changes nothing, nor does another child's finished load: a
+    # P/D decode's lookup here misses and its NIXL pull is reported a step later. In the real
+    # engines vLLM's stats after each cost 40-45 µs in the engine core, then the front end's
+    # observation (docs/performance.md 5b, "Hook by hook").
 
     #: Whether a scheduler hook ran since the last stats that can have changed them.
     _stats_changed = True
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        self._stats_changed = True
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        tokens, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        rid = request.request_id
+        if tokens:
+            self._pinned.add(rid)
+            self._stats_changed = True
+        elif rid in self._pinned:  # this lookup released the last one's pin
+            self._pinned.discard(rid)
+            self._stats_changed = True
+        return tokens, is_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._stats_changed = True
+        rid = request.request_id
+        if rid in self._pinned:  # the allocation takes the lookup's pin (a load), or releases it
+            self._pinned.discard(rid)
+            if num_external_tokens:
+                self._loading.add(rid)
+            self._stats_changed = True
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if connector_output.finished_recving or connector_output.kv_connector_worker_meta is not None:
+        if connector_output.kv_connector_worker_meta is not None:  # stores done
             self._stats_changed = True
+        if self._loading and connector_output.finished_recving:
+            loaded = self._loading.intersection(connector_output.finished_recving)
+            if loaded:
+                self._loading -= loaded
+                self._stats_changed = True
         super().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._stats_changed = True
+        self._pinned.discard(request.request_id)
         return super().request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._stats_changed = True
+        self._pinned.discard(request.request_id)
         return super().request_finished_all_groups(request, block_ids)
 
     def reset_cache(self) -> bool | None:

@@ -222,3 +222,49 @@ def test_stats_ship_only_when_they_can_have_changed_and_none_is_lost(engine: Wor
     assert isinstance(now, SimpleCPUOffloadStats)
     gauges = (MetricName.USED_BLOCKS, MetricName.PENDING_STORE_BLOCKS)
     assert now.reduce() == {key: totals[key] for key in gauges}
+
+
+def test_a_lookup_ships_stats_only_when_it_pins_or_releases_blocks() -> None:
+    """A lookup that finds nothing leaves vLLM's stats as they were (a P/D decode's lookups all
+    miss), so none ship after it, nor after another child's finished load; one that pins blocks,
+    and the next lookup or allocation that releases the pin, change the used-blocks gauge, and
+    stats ship after each."""
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.simple_kv_offload.metrics import MetricName
+
+    h = offload_engine()
+    try:
+        run(h, make_request(prompt=prompt(0), max_tokens=1, block_size=BLOCK, request_id="stored"))
+        connector = h.scheduler.connector
+        deadline = time.monotonic() + 30  # the copies run on the worker's copy threads
+        while connector.has_pending_push_work():
+            assert time.monotonic() < deadline, "the store did not finish"
+            h.engine_step(write_blocks=True)
+        connector.get_kv_connector_stats()  # what was shipped so far
+
+        def used(stats: object) -> int:
+            assert stats is not None
+            return stats.reduce()[MetricName.USED_BLOCKS]
+
+        miss = make_request(prompt=prompt(9), max_tokens=1, block_size=BLOCK, request_id="miss")
+        assert connector.get_num_new_matched_tokens(miss, 0) == (0, False)
+        assert connector.get_kv_connector_stats() is None
+        connector.update_connector_output(KVConnectorOutput(finished_recving={"miss"}))  # its NIXL pull
+        assert connector.get_kv_connector_stats() is None
+
+        hit = make_request(prompt=prompt(0), max_tokens=1, block_size=BLOCK, request_id="hit")
+        assert connector.get_num_new_matched_tokens(hit, 0) == (4 * BLOCK, True)
+        pinned = used(connector.get_kv_connector_stats())
+        # Looked up again where nothing is left to find: the first lookup's pin is released.
+        assert connector.get_num_new_matched_tokens(hit, 4 * BLOCK) == (0, False)
+        assert used(connector.get_kv_connector_stats()) < pinned
+        assert connector.get_kv_connector_stats() is None
+
+        # An allocation that takes no external tokens releases the pin too.
+        again = make_request(prompt=prompt(0), max_tokens=1, block_size=BLOCK, request_id="again")
+        assert connector.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, True)
+        pinned = used(connector.get_kv_connector_stats())
+        connector.update_state_after_alloc(again, h.scheduler.kv_cache_manager.empty_kv_cache_blocks, 0)
+        assert used(connector.get_kv_connector_stats()) < pinned
+    finally:
+        h.shutdown()
