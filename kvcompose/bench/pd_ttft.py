@@ -29,9 +29,8 @@ follows every engine, itself included, equally often (:func:`~kvcompose.bench.me
 each engine's worker spins on its queue for a second after a step (vLLM's ``SpinCondition``), its
 threads pinned to the same core as the other engines' workers, so the turn before a sample is in
 that sample. Every prompt is new; one request per decode engine before timing does the NIXL
-handshakes. Inside the
-decode engine each TTFT is also split (:data:`~kvcompose.e2e.node.PHASES`; the rest of it is the
-front end's hops).
+handshakes. Inside the decode engine each TTFT is also split (:data:`~kvcompose.e2e.node.PHASES`;
+the rest of it is the front end's hops).
 
 Why the baseline goes through the nixl plugin's module path: vLLM's NIXL agent polls without
 sleeping, so an idle engine's worker burns a whole core (measured here: ~100% CPU at idle) and on
