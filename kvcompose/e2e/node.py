@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -46,12 +47,15 @@ START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 120.0
 
 
-def log_tail(path: Path, lines: int = 40) -> str:
-    """The last ``lines`` lines of an engine's log ('' while there is none)."""
+def log_tail(path: Path, lines: int = 40, skip: re.Pattern[str] | None = None) -> str:
+    """The last ``lines`` lines of an engine's log ('' while there is none), without the lines
+    ``skip`` matches."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    kept = text if skip is None else [line for line in text if not skip.search(line)]
+    return "\n".join(kept[-lines:])
 
 
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError, free_ports, log_tail, start_group, stop_group
-from kvcompose.e2e.server import HOST, HttpClient, chat_body, completion_body, parse_chat, parse_completion
+from kvcompose.e2e.server import (
+    HOST,
+    HttpClient,
+    ServerNode,
+    chat_body,
+    completion_body,
+    parse_chat,
+    parse_completion,
+)
 
 ROUTER_MODULE = "vllm_router.launch_router"
 #: The ``vllm-router`` release this code was checked against (pinned in pyproject's ``serve``
@@ -41,6 +49,8 @@ ROUTER_VERSION = "0.1.17"
 #: The router's own start (it checks every worker's /health before it listens) takes about a
 #: second; the deadline leaves room for a loaded 2-core machine.
 READY_TIMEOUT_S = 60.0
+#: Log lines of each server behind the router that a failed request's error quotes.
+WORKER_LINES = 15
 #: Terminal colour codes (the router's tracing output has them whatever NO_COLOR says).
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: The first header vllm-router's ``consistent_hash`` policy reads for its key (then
@@ -110,11 +120,18 @@ class RouterNode:
             self.name, self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
         )
         self._http = HttpClient(self.name, self.url, self._state)
+        self._workers = [*prefills, *decodes]
 
     def _state(self) -> str:
+        """The router's state and log tail, then what each server behind it started here did last:
+        a request that hangs or fails in the router is most often explained there."""
         rc = self.proc.poll()
         state = "running" if rc is None else f"exited (rc={rc})"
-        return f"router {state}, log {self.log_path}:\n{self.log_tail()}"
+        out = f"router {state}, log {self.log_path}:\n{self.log_tail()}"
+        for w in self._workers:
+            if isinstance(w, ServerNode):
+                out += f"\n--- {w.name}: {w.report(WORKER_LINES)}"
+        return out
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until the router answers ``GET /health``; a :class:`NodeError` naming its log when it

@@ -16,6 +16,7 @@ calls to a server started elsewhere (``kvcompose warmup``).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -312,6 +313,11 @@ class ServerClient:
         return bool(json.loads(self._http.request("POST", "/reset_prefix_cache"))["success"])
 
 
+#: The access-log lines of the polls the kit itself makes (every ``/metrics`` scrape, every
+#: ``/health`` check): in a failure's report they would hide what the server did.
+POLLS = re.compile(r'"GET /(metrics|health) HTTP')
+
+
 class ServerNode(ServerClient):
     """One vLLM API server process started here; the same calls as
     :class:`~kvcompose.e2e.node.EngineNode`."""
@@ -340,8 +346,13 @@ class ServerNode(ServerClient):
         self.ready_info: dict[str, Any] | None = None
 
     def _state(self) -> str:
+        return f"server {self.report()}"
+
+    def report(self, lines: int = 40) -> str:
+        """Whether the server runs, where its log is, and what it did last: the log's last
+        ``lines`` lines other than the kit's own polls (:data:`POLLS`)."""
         state = "exited" if self.proc.poll() is not None else "running"
-        return f"server {state}\n{self.log_tail()}"
+        return f"{state}, log {self.log_path}:\n{log_tail(self.log_path, lines, skip=POLLS)}"
 
     def poll_ready(self, timeout: float = 0.0) -> bool:
         """True once ``/health`` answers 200; raises :class:`NodeError` if the server died."""

@@ -17,9 +17,9 @@ from kvcompose.e2e import flow
 from kvcompose.e2e.chat import SYSTEM, USER_TURNS, padded, render
 from kvcompose.e2e.flow import measured, routed, same_output
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import BLOCK_SIZE, NodeError, free_ports
-from kvcompose.e2e.router import ROUTER_VERSION, RouterNode, router_argv
-from kvcompose.e2e.server import chat_body, parse_chat, parse_completion
+from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, NodeError, free_ports, log_tail
+from kvcompose.e2e.router import ROUTER_VERSION, WORKER_LINES, RouterNode, router_argv
+from kvcompose.e2e.server import POLLS, ServerNode, chat_body, parse_chat, parse_completion
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,6 +76,36 @@ def test_a_dead_router_is_a_clear_error(tmp_path: Path) -> None:
     router.close()
     with pytest.raises(NodeError, match=r"router: POST /v1/completions failed .*router exited"):
         router.generate([[1, 2, 3]], 4)
+
+
+def test_a_router_failure_quotes_what_each_server_behind_it_did_last(tmp_path: Path) -> None:
+    # A server that cannot load its model exits after importing vLLM; the router never gets a
+    # healthy worker, and its error quotes that server's last words (not the router's alone).
+    prefill = ServerNode(EngineSpec("prefill", str(tmp_path / "no-such-model")), tmp_path)
+    try:
+        assert prefill.proc.wait(120) != 0
+        router = RouterNode([prefill], [_nowhere()], "m", tmp_path)
+        try:
+            with pytest.raises(NodeError) as err:
+                router.wait_ready(timeout=3)
+        finally:
+            router.close()
+    finally:
+        prefill.close()
+    said = str(err.value)
+    assert f"--- prefill: exited, log {tmp_path / 'prefill.log'}:" in said
+    assert said.endswith(log_tail(tmp_path / "prefill.log", WORKER_LINES))
+    assert "no-such-model" in said.split("--- prefill:")[1]
+
+
+def test_a_log_tail_can_leave_out_the_kits_own_polls(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    lines = ['INFO: 127.0.0.1:1 - "GET /metrics HTTP/1.1" 200 OK', "NIXL compatibility check passed"]
+    lines += ['INFO: 127.0.0.1:2 - "GET /health HTTP/1.1" 200 OK', 'INFO: 1 - "POST /v1/completions HTTP/1.1"']
+    log.write_text("\n".join(lines))
+    assert log_tail(log, 2) == "\n".join(lines[2:])
+    assert log_tail(log, 2, skip=POLLS) == "\n".join([lines[1], lines[3]])
+    assert log_tail(tmp_path / "none.log", 2, skip=POLLS) == ""
 
 
 def test_chat_turns_are_padded_one_past_a_block_boundary() -> None:
