@@ -244,6 +244,7 @@ class EngineNode:
             raise NodeError(f"{self.spec.name}: failed to start: {msg.get('error')}\n{self.log_tail()}")
         self.ready_info = msg
         self.stage = "ready"
+        spread_group(self.proc)
         return True
 
     def call(self, op: str, timeout: float = CALL_TIMEOUT_S, **args: Any) -> Any:
@@ -326,6 +327,39 @@ def start_group(name: str, argv: list[str], **popen: Any) -> subprocess.Popen[An
     proc: subprocess.Popen[Any] = subprocess.Popen(argv, start_new_session=True, **popen)
     _RUNNING[proc.pid] = (name, proc)
     return proc
+
+
+def spread_group(proc: subprocess.Popen[Any]) -> int:
+    """Let every thread of ``proc``'s process group (started by :func:`start_group`) run on every
+    CPU this process may use; the number of threads changed.
+
+    vLLM's CPU platform binds each engine's worker main (OpenMP) thread to the cores its auto-bind
+    picks and confines the worker's other threads, the NIXL agent's among them, to its reserved
+    CPU. Its auto-bind does not know about the other engines on the host, so on this 2-core host
+    every engine lands on the same two single cores; a new P/D pair's first READ then stalled
+    about 30 s (until the prefill's lease expired) on 5 of 6 fresh pairs with UCX's tcp wire-up,
+    on none of 6 once every thread could use both cores (interleaved, docs/e2e.md, cold start).
+    The engines' thread counts are fixed by then, so their answers do not change.
+    """
+    cpus = os.sched_getaffinity(0)
+    changed = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != proc.pid:
+                continue
+            tids = [int(t) for t in os.listdir(f"/proc/{entry.name}/task")]
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        for tid in tids:
+            try:
+                if os.sched_getaffinity(tid) != cpus:
+                    os.sched_setaffinity(tid, cpus)
+                    changed += 1
+            except OSError:
+                continue
+    return changed
 
 
 def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:

@@ -37,6 +37,7 @@ from kvcompose.e2e.node import (
     log_tail,
     metric_key,
     signal_group,
+    spread_group,
     start_group,
     stop_group,
 )
@@ -371,6 +372,7 @@ class ServerNode(ServerClient):
                 "url": self.url,
             }
             self.stage = "ready"
+            spread_group(self.proc)
             return True
         time.sleep(max(0.0, deadline - time.monotonic()))
         return False
