@@ -14,9 +14,10 @@ demo: setup
 	$(PY) -m kvcompose.cli check examples/pd-decode.yaml
 	$(ENGINE_LOCK) $(PY) -m kvcompose.cli demo
 
+# The engine tests let every thread of their engines use every CPU (docs/e2e.md, cold start).
 test: setup lint
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
-	$(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tests/engine plugins $(PYTEST_ARGS)
+	KVCOMPOSE_SPREAD_ENGINE_THREADS=1 $(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tests/engine plugins $(PYTEST_ARGS)
 
 # ruff's linter and formatter, configured in pyproject.toml; `make test` runs this first.
 lint: setup

@@ -33,11 +33,11 @@ from kvcompose.e2e.node import (
     EngineSpec,
     NodeError,
     engine_env,
+    engine_up,
     free_ports,
     log_tail,
     metric_key,
     signal_group,
-    spread_group,
     start_group,
     stop_group,
 )
@@ -372,7 +372,7 @@ class ServerNode(ServerClient):
                 "url": self.url,
             }
             self.stage = "ready"
-            spread_group(self.proc)
+            engine_up(self.proc)
             return True
         time.sleep(max(0.0, deadline - time.monotonic()))
         return False

@@ -1,6 +1,6 @@
-"""The kit lets every thread of an engine's process group use every CPU once the engine is up
-(:func:`kvcompose.e2e.node.spread_group`), as vLLM's CPU platform would otherwise leave them
-pinned to one core each (``docs/e2e.md``, cold start)."""
+"""The kit can let every thread of an engine's process group use every CPU once the engine is up
+(:func:`kvcompose.e2e.node.spread_group`; the engine tests ask for it), where vLLM's CPU
+platform leaves them pinned to one core each (``docs/e2e.md``, cold start)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 
-from kvcompose.e2e.node import spread_group, start_group, stop_group
+from kvcompose.e2e.node import SPREAD_ENV, engine_up, spread_group, start_group, stop_group
 
 #: A group leader with a child process, each with a second thread, all pinned to one CPU the way
 #: vLLM pins a worker's threads; each process prints its pid and its thread's id.
@@ -29,7 +30,9 @@ PINNED = textwrap.dedent(
 )
 
 
-def test_every_thread_of_the_group_may_use_every_cpu_once_spread() -> None:
+@pytest.fixture
+def pinned() -> Iterator[tuple[subprocess.Popen[str], list[int], int]]:
+    """The group of :data:`PINNED` started, its four thread ids, and the CPU they are pinned to."""
     cpus = os.sched_getaffinity(0)
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
@@ -39,10 +42,30 @@ def test_every_thread_of_the_group_may_use_every_cpu_once_spread() -> None:
     try:
         assert proc.stdout is not None
         tids = [int(t) for _ in range(2) for t in proc.stdout.readline().split()]  # both processes
-        assert len(tids) == 4
-        assert all(os.sched_getaffinity(t) == {one} for t in tids)
-        assert spread_group(proc) >= 4
-        assert all(os.sched_getaffinity(t) == cpus for t in tids)
-        assert spread_group(proc) == 0  # nothing left to change
+        assert len(tids) == 4 and all(os.sched_getaffinity(t) == {one} for t in tids)
+        yield proc, tids, one
     finally:
         stop_group(proc, 2.0)
+
+
+def test_every_thread_of_the_group_may_use_every_cpu_once_spread(
+    pinned: tuple[subprocess.Popen[str], list[int], int],
+) -> None:
+    proc, tids, _ = pinned
+    assert spread_group(proc) >= 4
+    assert all(os.sched_getaffinity(t) == os.sched_getaffinity(0) for t in tids)
+    assert spread_group(proc) == 0  # nothing left to change
+
+
+@pytest.mark.parametrize("asked", ["1", None])
+def test_an_engine_up_is_spread_only_when_the_environment_asks(
+    pinned: tuple[subprocess.Popen[str], list[int], int], monkeypatch: pytest.MonkeyPatch, asked: str | None
+) -> None:
+    proc, tids, one = pinned
+    if asked is None:
+        monkeypatch.delenv(SPREAD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SPREAD_ENV, asked)
+    engine_up(proc)
+    expected = os.sched_getaffinity(0) if asked else {one}
+    assert all(os.sched_getaffinity(t) == expected for t in tids)
