@@ -331,9 +331,7 @@ def start_group(name: str, argv: list[str], **popen: Any) -> subprocess.Popen[An
 
 #: Set to 1 (``make test`` does, for the engine tests), the kit calls :func:`spread_group` on
 #: every engine it starts once it is up. Off by default: the benchmarks and the demo measure
-#: vLLM's own thread layout, and spreading cost decode TTFT there (``pd_ttft``, four engines,
-#: one run each way: medians 33-40 ms against 23-25 ms, single requests up to 0.76 s against
-#: 0.06 s; docs/e2e.md).
+#: vLLM's own thread layout, and spreading costs decode TTFT there (docs/e2e.md, cold start).
 SPREAD_ENV = "KVCOMPOSE_SPREAD_ENGINE_THREADS"
 
 
@@ -350,11 +348,10 @@ def spread_group(proc: subprocess.Popen[Any]) -> int:
 
     vLLM's CPU platform binds each engine's worker main (OpenMP) thread to the cores its auto-bind
     picks and confines the worker's other threads, the NIXL agent's among them, to its reserved
-    CPU. Its auto-bind does not know about the other engines on the host, so on this 2-core host
-    every engine lands on the same two single cores; a new P/D pair's first READ then stalled
-    about 30 s (until the prefill's lease expired) on 5 of 6 fresh pairs with UCX's tcp wire-up,
-    on none of 6 once every thread could use both cores (interleaved, docs/e2e.md, cold start).
-    The engines' thread counts are fixed by then, so their answers do not change.
+    CPU. Its auto-bind does not know about the other engines on the host, so on a 2-core host
+    every engine lands on the same two single cores, and a new P/D pair's first READ then often
+    stalls until the prefill's lease expires (measured in docs/e2e.md, cold start). The
+    engines' thread counts are fixed by then, so their answers do not change.
     """
     cpus = os.sched_getaffinity(0)
     changed = 0
