@@ -46,6 +46,8 @@ def pinned() -> Iterator[tuple[subprocess.Popen[str], list[int], int]]:
         yield proc, tids, one
     finally:
         stop_group(proc, 2.0)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_every_thread_of_the_group_may_use_every_cpu_once_spread(
