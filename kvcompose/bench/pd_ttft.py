@@ -1,6 +1,6 @@
 """Benchmark 5b: decode time-to-first-token through kvcompose vs a bare NixlConnector, real engines.
 
-One prefill engine and three decode engines, up together, started :data:`STARTS` times with the
+One prefill engine and four decode engines, up together, started :data:`STARTS` times with the
 samples pooled (where an engine's threads land is drawn at each start). The decode engines
 (:data:`DECODES`) differ only in their connector:
 
@@ -10,7 +10,11 @@ samples pooled (where an engine's threads land is drawn at each start). The deco
 * ``kvcompose``: :data:`COMPOSITION`, the shipped examples' decode composition (host-memory tier
   asked first, then NIXL);
 * ``kvcompose-pd-only``: the same composite with its NIXL child alone, the control that
-  separates the composite's own cost from the host tier's work.
+  separates the composite's own cost from the host tier's work;
+* ``MultiConnector``: vLLM's own ``MultiConnector`` over the same two children
+  (:func:`~kvcompose.vllm.args.vllm_multiconnector`), whose fixed rules are the composition's
+  (the first child with a hit loads, every child saves): what the host tier costs a decode
+  whatever composes it, and so ``kvcompose / MultiConnector`` the composite's own share.
 
 The prefill engine is the baseline's connector (a bare NixlConnector), shared: every decode
 pulls from the same engine. vLLM keeps a prefill engine stepping until the decode's read of
@@ -56,13 +60,14 @@ from typing import Any
 
 from kvcompose.bench.measure import Samples, follow_balanced, interleave_balanced, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import PHASES, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import PHASES, EngineNode, EngineSpec, composed_kv_transfer_config, free_ports, wait_all_ready
+from kvcompose.vllm.args import vllm_multiconnector
 
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
 #: The decode engines, the baseline first; :data:`SUBJECT` is held to the target, :data:`CONTROL`
-#: shown beside it.
-DECODES = ("NixlConnector", "kvcompose", "kvcompose-pd-only")
-BASELINE, SUBJECT, CONTROL = DECODES
+#: and :data:`MULTI` shown beside it.
+DECODES = ("NixlConnector", "kvcompose", "kvcompose-pd-only", "MultiConnector")
+BASELINE, SUBJECT, CONTROL, MULTI = DECODES
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
 #: Measured requests per decode engine and start (quick: the minimum, 5), rounded up to whole cycles
 #: of :func:`~kvcompose.bench.measure.follow_balanced` (3 turns each); single TTFTs swing 10x here.
@@ -164,8 +169,6 @@ def nixl_alone(
     """The composition's NIXL child as a connector of its own: the child entry ``kvcompose
     vllm-args`` renders for it (class, module path, options, with an engine's overrides as in
     :class:`~kvcompose.e2e.node.EngineSpec`), with the composite's role."""
-    from kvcompose.e2e.node import composed_kv_transfer_config
-
     composed = composed_kv_transfer_config(composition, side_channel_port, nixl_options)
     (entry,) = [c for c in composed["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "NixlConnector"]
     return {**entry, "kv_role": composed["kv_role"]}
@@ -177,6 +180,8 @@ def engine_spec(side: str, model: str, directory: Path, port: int) -> EngineSpec
     composition = composition_file(directory / side, port, PD_ONLY if side == CONTROL else COMPOSITION)
     if side in (SUBJECT, CONTROL):
         return EngineSpec(side, model, str(composition))
+    if side == MULTI:
+        return EngineSpec(side, model, kv_config=vllm_multiconnector(composed_kv_transfer_config(composition)))
     if side in (BASELINE, "prefill"):
         return EngineSpec(side, model, kv_config=nixl_alone(composition))
     raise ValueError(f"unknown side {side!r}")
@@ -267,7 +272,7 @@ def run(
                 work_done[s].update(work_of[s])
                 for ph in PHASES:
                     pooled_phases[s][ph].values.extend(phases[s][ph].values)
-            one = {s: round(ratio(label, samples, s, BASELINE).by_median, 4) for s in (SUBJECT, CONTROL)}
+            one = {s: round(ratio(label, samples, s, BASELINE).by_median, 4) for s in (SUBJECT, CONTROL, MULTI)}
             per_start.append({"ratio_by_median": one, "engines_start_s": round(started_s, 1)})
             echo(
                 f"   start {start + 1} of {starts} (ratios {one}), TTFT ms: "
@@ -285,19 +290,26 @@ def run(
         "ms",
         1e3,
         [Case(label, pooled, extra)],
-        [ratio(label, pooled, SUBJECT, BASELINE), ratio(label, pooled, CONTROL, BASELINE)],
+        [
+            ratio(label, pooled, SUBJECT, BASELINE),
+            ratio(label, pooled, CONTROL, BASELINE),
+            ratio(label, pooled, MULTI, BASELINE),
+            ratio(label, pooled, SUBJECT, MULTI),
+        ],
         Target("<=", 1.02, SUBJECT, BASELINE),
         reps * starts,
         quick,
         [
-            f"one prefill engine (a bare NixlConnector) and three decode engines, up together, started {starts} "
+            f"one prefill engine (a bare NixlConnector) and four decode engines, up together, started {starts} "
             "time(s), the samples of every start pooled; every decode pulls from the same prefill engine; a sample "
             "is one request's TTFT inside the decode engine (arrival to first token: NIXL pull, scheduling, "
             "connector hooks); the decodes alternate request by request, each engine after every engine (itself "
             f"included) equally often; each decode is sent {SETTLE_S:g} s after its prefill answered",
             "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
             "kvcompose-pd-only: the same composite with the NIXL child alone (the composite's own cost, without "
-            "the host tier's lookups and stores); NixlConnector: the NIXL child with no composite (vLLM's "
+            "the host tier's lookups and stores); MultiConnector: vLLM's own MultiConnector over kvcompose's two "
+            "children (its fixed rules are the composition's: the host tier's cost whatever composes it); "
+            "NixlConnector: the NIXL child with no composite (vLLM's "
             "NixlConnector via the nixl plugin, same options: its NIXL agent sleeps between polls; vLLM's own "
             "busy-spins a core here)",
             f"every prompt new ({PROMPT_TOKENS} tokens); one request per decode engine before timing (NIXL "

@@ -36,16 +36,10 @@ rules: {load: first-wins, store: all, metadata: merge}
 def kv_configs() -> dict[str, dict[str, Any]]:
     """The two sides' ``kv_transfer_config``: kvcompose's, and vLLM's MultiConnector over the same children."""
     from kvcompose.compose import loads
-    from kvcompose.vllm.args import kv_transfer_config
+    from kvcompose.vllm.args import kv_transfer_config, vllm_multiconnector
 
     composed = kv_transfer_config(loads(COMPOSITION, filename="<bench>"))
-    children = composed["kv_connector_extra_config"]["connectors"]
-    multi = {
-        "kv_connector": "MultiConnector",
-        "kv_role": composed["kv_role"],
-        "kv_connector_extra_config": {"connectors": children},
-    }
-    return {"MultiConnector": multi, "kvcompose": composed}
+    return {"MultiConnector": vllm_multiconnector(composed), "kvcompose": composed}
 
 
 def run(quick: bool = False, repeats: int | None = None, layers: int = LAYERS) -> Result:

@@ -43,6 +43,16 @@ def kv_transfer_config(plan: Plan) -> dict[str, Any]:
     return cfg
 
 
+def vllm_multiconnector(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The same children under vLLM's own ``MultiConnector``: ``config`` (what
+    :func:`kv_transfer_config` rendered) without kvcompose's module path and composition, so
+    vLLM loads its class, with its fixed rules (first child with a hit loads, every child saves).
+    The benchmarks' baseline for the composite's own cost."""
+    extra = {k: v for k, v in config["kv_connector_extra_config"].items() if k != EXTRA_KEY}
+    out = {k: v for k, v in config.items() if k != "kv_connector_module_path"}
+    return {**out, "kv_connector": CONNECTOR_NAME, "kv_connector_extra_config": extra}
+
+
 def children_configs(extra_config: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """The children's ``KVTransferConfig`` kwargs from a ``kv_connector_extra_config``."""
     return list((extra_config or {}).get(CHILDREN_KEY) or [])

@@ -36,12 +36,8 @@ def test_the_baseline_is_the_composites_own_nixl_child_alone(tmp_path: Path) -> 
     assert prefill == alone
     assert (
         pd_ttft.DECODES
-        == (pd_ttft.BASELINE, pd_ttft.SUBJECT, pd_ttft.CONTROL)
-        == (
-            "NixlConnector",
-            "kvcompose",
-            "kvcompose-pd-only",
-        )
+        == (pd_ttft.BASELINE, pd_ttft.SUBJECT, pd_ttft.CONTROL, pd_ttft.MULTI)
+        == ("NixlConnector", "kvcompose", "kvcompose-pd-only", "MultiConnector")
     )
     with pytest.raises(ValueError, match="unknown side"):
         pd_ttft.engine_spec("nope", "model", tmp_path, 1)
@@ -64,3 +60,19 @@ def test_quick_runs_leave_the_engine_benchmark_out() -> None:
     from kvcompose.bench.runner import BENCHMARKS, FULL_ONLY
 
     assert BENCHMARKS["pd-ttft"] == "pd_ttft" and "pd-ttft" in FULL_ONLY
+
+
+def test_the_multiconnector_side_is_vllms_own_class_over_the_composites_children(tmp_path: Path) -> None:
+    """vLLM loads its own MultiConnector (no kvcompose module path, no composition) over the very
+    child entries the composite gets, in the same order, with the same role."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    composite = pd_ttft.engine_spec("kvcompose", "model", tmp_path, 4321).kv_transfer_config()
+    multi = pd_ttft.engine_spec("MultiConnector", "model", tmp_path, 4321).kv_transfer_config()
+    assert composite is not None and multi is not None
+    assert "kv_connector_module_path" not in multi and "kvcompose" not in multi["kv_connector_extra_config"]
+    assert multi["kv_connector_extra_config"]["connectors"] == composite["kv_connector_extra_config"]["connectors"]
+    assert multi["kv_role"] == composite["kv_role"]
+    assert KVConnectorFactory.get_connector_class(KVTransferConfig(**multi)) is MultiConnector
