@@ -26,11 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcompose.bench.pd_ttft import COMPOSITION, PD_ONLY, PROMPT_TOKENS, composition_file, nixl_alone
+from kvcompose.bench.pd_ttft import COMPOSITION, NIXL_CHILD, PROMPT_TOKENS, composition_file, nixl_alone
 from kvcompose.testing.harness import decode_request, model_runner_output, scheduler_for, yaml_kv_transfer_config
 
 BLOCK = 32
 CONNECTOR = "plugins/cpu_offload/kvcompose_cpu_offload/connector.py"
+#: ``kvcompose-pd-only``: the same composite with its NIXL child alone (the composite's own cost).
+PD_ONLY = "version: 1\nconnectors:\n" + NIXL_CHILD
 
 
 def decodes(scheduler: Any, n: int, waits: int) -> tuple[float, float]:

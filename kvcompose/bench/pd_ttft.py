@@ -1,7 +1,7 @@
 """Benchmark 5b: decode time-to-first-token through kvcompose vs a bare NixlConnector, real engines.
 
-One prefill engine and four decode engines, up together, started :data:`STARTS` times with the
-samples pooled (where an engine's threads land is drawn at each start). The decode engines
+One prefill engine and three decode engines, up together, started :data:`STARTS` times with the
+samples pooled, each start in a rotated order (:func:`start_order`). The decode engines
 (:data:`DECODES`) differ only in their connector:
 
 * ``NixlConnector``: the composition's NIXL child alone as the engine's ``--kv-transfer-config``
@@ -9,8 +9,6 @@ samples pooled (where an engine's threads land is drawn at each start). The deco
   composite around it: the baseline;
 * ``kvcompose``: :data:`COMPOSITION`, the shipped examples' decode composition (host-memory tier
   asked first, then NIXL);
-* ``kvcompose-pd-only``: the same composite with its NIXL child alone, the control that
-  separates the composite's own cost from the host tier's work;
 * ``MultiConnector``: vLLM's own ``MultiConnector`` over the same two children
   (:func:`~kvcompose.vllm.args.vllm_multiconnector`), whose fixed rules are the composition's
   (the first child with a hit loads, every child saves): what the host tier costs a decode
@@ -64,19 +62,21 @@ from kvcompose.e2e.node import PHASES, EngineNode, EngineSpec, composed_kv_trans
 from kvcompose.vllm.args import vllm_multiconnector
 
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
-#: The decode engines, the baseline first; :data:`SUBJECT` is held to the target, :data:`CONTROL`
-#: and :data:`MULTI` shown beside it.
-DECODES = ("NixlConnector", "kvcompose", "kvcompose-pd-only", "MultiConnector")
-BASELINE, SUBJECT, CONTROL, MULTI = DECODES
+#: The decode engines, the baseline first; :data:`SUBJECT` is held to the target, :data:`MULTI`
+#: shown beside it.
+DECODES = ("NixlConnector", "kvcompose", "MultiConnector")
+BASELINE, SUBJECT, MULTI = DECODES
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
 #: Measured requests per decode engine and start (quick: the minimum, 5), rounded up to whole cycles
 #: of :func:`~kvcompose.bench.measure.follow_balanced` (3 turns each); single TTFTs swing 10x here.
 REPEATS = 24
-#: Engine starts (quick: one), their samples pooled. Where an engine's threads land is drawn at
-#: each start, and on this 2-core host one engine could run steadily slower than another whatever
-#: its connector (the control's own ratio 0.72-1.19 over nine runs of one start;
-#: docs/performance.md 5b): pooling starts averages that draw out.
-STARTS = 3
+#: Engine starts (quick: one), their samples pooled; a whole number of rounds of
+#: :func:`start_order`, so that every decode engine takes every place once a round. The place
+#: weighs more than the connector here: with a second bare NixlConnector engine in a decode's
+#: place (an A/A run), the engine launched and cycled second was 8-52 % slower than the first,
+#: whatever its connector, and a baseline that never drew that place beat its own twin by 10 %
+#: (docs/performance.md 5b, "Every place for every engine").
+STARTS = len(DECODES)
 #: Pause between a prefill's answer and its decode, so that the prefill engine's own work after
 #: answering (its scheduler's output, the request's free) is not in the decode's time. The decode's
 #: TTFT is timed inside its engine, so the pause is not in it.
@@ -150,11 +150,6 @@ connectors:
 )
 
 
-#: Decode ``kvcompose-pd-only`` (:data:`CONTROL`): the same composite with its NIXL child alone, to
-#: tell the composite's own cost from the host tier's work (its lookups and stores).
-PD_ONLY = "version: 1\nconnectors:\n" + NIXL_CHILD
-
-
 def composition_file(directory: Path, port: int, text: str = COMPOSITION) -> Path:
     """A composition (:data:`COMPOSITION`) with its NIXL side channel on ``port``, under ``directory``."""
     path = directory / "pd-both.yaml"
@@ -177,8 +172,8 @@ def nixl_alone(
 def engine_spec(side: str, model: str, directory: Path, port: int) -> EngineSpec:
     """The engine of ``side`` (a decode of :data:`DECODES`, or ``prefill``), its NIXL side channel
     on ``port`` (its composition under ``directory``)."""
-    composition = composition_file(directory / side, port, PD_ONLY if side == CONTROL else COMPOSITION)
-    if side in (SUBJECT, CONTROL):
+    composition = composition_file(directory / side, port)
+    if side == SUBJECT:
         return EngineSpec(side, model, str(composition))
     if side == MULTI:
         return EngineSpec(side, model, kv_config=vllm_multiconnector(composed_kv_transfer_config(composition)))
@@ -187,21 +182,29 @@ def engine_spec(side: str, model: str, directory: Path, port: int) -> EngineSpec
     raise ValueError(f"unknown side {side!r}")
 
 
+def start_order(start: int) -> tuple[str, ...]:
+    """The order in which start number ``start`` launches the decode engines and cycles their turns
+    (:func:`~kvcompose.bench.measure.follow_balanced`): :data:`DECODES` rotated by ``start``, so
+    that over ``len(DECODES)`` starts every engine takes every place once."""
+    k = start % len(DECODES)
+    return DECODES[k:] + DECODES[:k]
+
+
 def measure_start(
     reps: int, model: str, logs: Path, seed: Iterator[int], start: int = 0
 ) -> tuple[dict[str, Samples], dict[str, dict[str, Samples]], dict[str, dict[str, int]], float]:
     """Start the prefill engine and the decode engines, then time ``reps`` decodes on each,
     alternating request by request.
 
-    ``start`` counts the starts: each launches the decode engines in a rotated order. Returns the
+    ``start`` counts the starts: each launches and cycles the decode engines in its
+    :func:`start_order`. Returns the
     TTFT samples per decode engine, its TTFT phases inside the engine
     (:data:`~kvcompose.e2e.node.PHASES`), its work (requests, NIXL bytes, computed tokens) and
     the engines' start time. The caller holds the engine lock.
     """
     from kvcompose.e2e.flow import decode_request, token_prompt
 
-    k = start % len(DECODES)
-    order = DECODES[k:] + DECODES[:k]
+    order = start_order(start)
     here = logs / f"start-{start}"
     ports = free_ports(len(order) + 1)
     prefill = EngineNode(engine_spec("prefill", model, here, ports[0]), here)
@@ -250,12 +253,13 @@ def run(
     starts: int | None = None,
 ) -> Result:
     """Decode TTFT of every decode engine (:data:`DECODES`), the engines started ``starts`` times
-    (:data:`STARTS`; quick: once) with the samples pooled; each decode's ratio to the baseline."""
+    (:data:`STARTS`, rounded up to whole rounds of :func:`start_order`; quick: once, one place each)
+    with the samples pooled; each decode's ratio to the baseline, and kvcompose's to MultiConnector."""
     from kvcompose.e2e.model import make_model
 
     reps = repeats or repeats_for(quick, full=REPEATS)
     reps = len(follow_balanced(DECODES, reps)) // len(DECODES)  # whole cycles, as sampled
-    starts = starts or (1 if quick else STARTS)
+    starts = 1 if quick and not starts else -(-(starts or STARTS) // len(DECODES)) * len(DECODES)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-ttft-"))
     model = str(make_model(0))
     seed = iter(range(10_000, 1_000_000))  # a new prompt for every request
@@ -272,7 +276,7 @@ def run(
                 work_done[s].update(work_of[s])
                 for ph in PHASES:
                     pooled_phases[s][ph].values.extend(phases[s][ph].values)
-            one = {s: round(ratio(label, samples, s, BASELINE).by_median, 4) for s in (SUBJECT, CONTROL, MULTI)}
+            one = {s: round(ratio(label, samples, s, BASELINE).by_median, 4) for s in (SUBJECT, MULTI)}
             per_start.append({"ratio_by_median": one, "engines_start_s": round(started_s, 1)})
             echo(
                 f"   start {start + 1} of {starts} (ratios {one}), TTFT ms: "
@@ -292,7 +296,6 @@ def run(
         [Case(label, pooled, extra)],
         [
             ratio(label, pooled, SUBJECT, BASELINE),
-            ratio(label, pooled, CONTROL, BASELINE),
             ratio(label, pooled, MULTI, BASELINE),
             ratio(label, pooled, SUBJECT, MULTI),
         ],
@@ -300,15 +303,16 @@ def run(
         reps * starts,
         quick,
         [
-            f"one prefill engine (a bare NixlConnector) and four decode engines, up together, started {starts} "
+            f"one prefill engine (a bare NixlConnector) and three decode engines, up together, started {starts} "
             "time(s), the samples of every start pooled; every decode pulls from the same prefill engine; a sample "
             "is one request's TTFT inside the decode engine (arrival to first token: NIXL pull, scheduling, "
             "connector hooks); the decodes alternate request by request, each engine after every engine (itself "
-            f"included) equally often; each decode is sent {SETTLE_S:g} s after its prefill answered",
+            "included) equally often; each start launches and cycles the engines in a rotated order, every engine "
+            f"in every place equally often; each decode is sent {SETTLE_S:g} s after its prefill answered",
             "kvcompose: host-memory tier asked first, then NIXL (examples/pd-decode.yaml, NIXL in both roles); "
-            "kvcompose-pd-only: the same composite with the NIXL child alone (the composite's own cost, without "
-            "the host tier's lookups and stores); MultiConnector: vLLM's own MultiConnector over kvcompose's two "
-            "children (its fixed rules are the composition's: the host tier's cost whatever composes it); "
+            "MultiConnector: vLLM's own MultiConnector over kvcompose's two children (its fixed rules are the "
+            "composition's: the host tier's cost whatever composes it, and kvcompose/MultiConnector the "
+            "composite's own); "
             "NixlConnector: the NIXL child with no composite (vLLM's "
             "NixlConnector via the nixl plugin, same options: its NIXL agent sleeps between polls; vLLM's own "
             "busy-spins a core here)",
