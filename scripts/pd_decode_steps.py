@@ -26,13 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcompose.bench.pd_ttft import COMPOSITION, NIXL_CHILD, PROMPT_TOKENS, composition_file, nixl_alone
+from kvcompose.bench.pd_ttft import PROMPT_TOKENS, composition_file, nixl_alone
+from kvcompose.bench.serve import pd_only
 from kvcompose.testing.harness import decode_request, model_runner_output, scheduler_for, yaml_kv_transfer_config
 
 BLOCK = 32
 CONNECTOR = "plugins/cpu_offload/kvcompose_cpu_offload/connector.py"
-#: ``kvcompose-pd-only``: the same composite with its NIXL child alone (the composite's own cost).
-PD_ONLY = "version: 1\nconnectors:\n" + NIXL_CHILD
 
 
 def decodes(scheduler: Any, n: int, waits: int) -> tuple[float, float]:
@@ -79,11 +78,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        composed = composition_file(d / "kvcompose", 5601, COMPOSITION)
+        composed = composition_file(d / "kvcompose", 5601)
         configs = {
             "NixlConnector": nixl_alone(composed),
             "kvcompose": yaml_kv_transfer_config(composed),
-            "kvcompose-pd-only": yaml_kv_transfer_config(composition_file(d / "pd-only", 5602, PD_ONLY)),
+            "kvcompose-pd-only": yaml_kv_transfer_config(pd_only(composition_file(d / "pd", 5602), d / "pd")),
         }
         if args.before:
             configs[f"kvcompose at {args.before}"] = before_config(configs["kvcompose"], args.before, d)

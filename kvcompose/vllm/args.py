@@ -48,9 +48,9 @@ def vllm_multiconnector(config: Mapping[str, Any]) -> dict[str, Any]:
     :func:`kv_transfer_config` rendered) without kvcompose's module path and composition, so
     vLLM loads its class, with its fixed rules (first child with a hit loads, every child saves).
     The benchmarks' baseline for the composite's own cost."""
-    extra = {k: v for k, v in config["kv_connector_extra_config"].items() if k != EXTRA_KEY}
     out = {k: v for k, v in config.items() if k != "kv_connector_module_path"}
-    return {**out, "kv_connector": CONNECTOR_NAME, "kv_connector_extra_config": extra}
+    out["kv_connector_extra_config"] = {k: v for k, v in config["kv_connector_extra_config"].items() if k != EXTRA_KEY}
+    return out
 
 
 def children_configs(extra_config: Mapping[str, Any] | None) -> list[dict[str, Any]]:
