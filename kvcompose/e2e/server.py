@@ -110,7 +110,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 class HttpClient:
     """JSON over HTTP to one local server (a vLLM API server or the router), errors as
-    :class:`NodeError` naming the server, the route and, through ``died``, its state and log."""
+    :class:`NodeError` naming the server and the route; a request that failed or got a server
+    error (5xx) also quotes, through ``died``, the server's state and log."""
 
     def __init__(self, name: str, url: str, died: Callable[[], str]) -> None:
         self.name = name
@@ -135,7 +136,9 @@ class HttpClient:
                 return resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
-            raise NodeError(f"{self.name}: {method} {path} -> HTTP {exc.code}: {detail}") from exc
+            # A server error's body says little ("Internal server error"); its cause is in the logs.
+            state = f"; {self._died()}" if exc.code >= 500 else ""
+            raise NodeError(f"{self.name}: {method} {path} -> HTTP {exc.code}: {detail}{state}") from exc
         except (urllib.error.URLError, OSError) as exc:
             raise NodeError(f"{self.name}: {method} {path} failed ({exc}); {self._died()}") from exc
 

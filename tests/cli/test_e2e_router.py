@@ -7,6 +7,8 @@ their ``/health``, so it never listens, and :class:`RouterNode` must say so, nam
 from __future__ import annotations
 
 import importlib.metadata
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +21,7 @@ from kvcompose.e2e.flow import measured, routed, same_output
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, NodeError, free_ports, log_tail
 from kvcompose.e2e.router import ROUTER_VERSION, WORKER_LINES, RouterNode, router_argv
-from kvcompose.e2e.server import POLLS, ServerNode, chat_body, parse_chat, parse_completion
+from kvcompose.e2e.server import POLLS, HttpClient, ServerNode, chat_body, parse_chat, parse_completion
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,6 +98,37 @@ def test_a_router_failure_quotes_what_each_server_behind_it_did_last(tmp_path: P
     assert f"--- prefill: exited, log {tmp_path / 'prefill.log'}:" in said
     assert said.endswith(log_tail(tmp_path / "prefill.log", WORKER_LINES))
     assert "no-such-model" in said.split("--- prefill:")[1]
+
+
+def test_a_server_error_quotes_the_servers_state_and_a_client_error_does_not() -> None:
+    # vLLM answers a request whose KV load failed with a bare "Internal server error"; the cause
+    # is in the logs that ``died`` quotes. A 4xx body already says what was wrong with the request.
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"error": {"message": "Internal server error"}}'
+            self.send_response(int(self.path.strip("/")))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = HttpClient("router", f"http://127.0.0.1:{httpd.server_address[1]}", lambda: "decode's last words")
+        with pytest.raises(
+            NodeError, match=r"router: POST /500 -> HTTP 500: .*Internal server error.*; decode's last words$"
+        ):
+            client.post("/500", {})
+        with pytest.raises(NodeError) as err:
+            client.post("/400", {})
+        assert str(err.value).startswith("router: POST /400 -> HTTP 400: ") and "last words" not in str(err.value)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_a_log_tail_can_leave_out_the_kits_own_polls(tmp_path: Path) -> None:
