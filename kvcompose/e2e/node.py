@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -133,7 +133,7 @@ class EngineSpec:
         and leaves a 2-core host's second worker nothing)."""
         if self.tensor_parallel_size <= 1:
             return {}
-        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(self.tensor_parallel_size))}
+        return {OMP_BIND_ENV: "|".join(str(i) for i in range(self.tensor_parallel_size))}
 
 
 def composed_kv_transfer_config(
@@ -190,6 +190,7 @@ class EngineNode:
         env["KVCOMPOSE_NODE_FD"] = str(write_fd)
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
+        self._env = env
         self.proc = start_group(
             f"{spec.name} engine",
             [sys.executable, "-m", "kvcompose.e2e.node", json.dumps(asdict(spec))],
@@ -244,7 +245,7 @@ class EngineNode:
             raise NodeError(f"{self.spec.name}: failed to start: {msg.get('error')}\n{self.log_tail()}")
         self.ready_info = msg
         self.stage = "ready"
-        engine_up(self.proc)
+        engine_up(self.proc, self._env)
         return True
 
     def call(self, op: str, timeout: float = CALL_TIMEOUT_S, **args: Any) -> Any:
@@ -335,10 +336,19 @@ def start_group(name: str, argv: list[str], **popen: Any) -> subprocess.Popen[An
 SPREAD_ENV = "KVCOMPOSE_SPREAD_ENGINE_THREADS"
 
 
-def engine_up(proc: subprocess.Popen[Any]) -> None:
+#: vLLM's CPU platform variable that names each worker's cores; unset or ``auto``, vLLM picks them.
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def engine_up(proc: subprocess.Popen[Any], env: Mapping[str, str]) -> None:
     """What the kit does to an engine's processes once it is up: :func:`spread_group` where
-    :data:`SPREAD_ENV` asks for it."""
-    if os.environ.get(SPREAD_ENV) == "1":
+    :data:`SPREAD_ENV` asks for it and vLLM's auto-bind placed the engine (``env``, the engine's
+    environment, names no cores in :data:`OMP_BIND_ENV`).
+
+    An engine whose cores were named keeps them: a TP-2 decode with a core per worker, spread,
+    often missed vLLM's fixed 5 s NIXL handshake timeout, bound it did not (docs/e2e.md, cold
+    start)."""
+    if os.environ.get(SPREAD_ENV) == "1" and env.get(OMP_BIND_ENV, "auto") == "auto":
         spread_group(proc)
 
 

@@ -336,6 +336,7 @@ class ServerNode(ServerClient):
         log_dir.mkdir(parents=True, exist_ok=True)
         # Dev mode adds /reset_prefix_cache, which the repeated turns need.
         env = engine_env({"VLLM_SERVER_DEV_MODE": "1", **spec.env(), **(extra_env or {})})
+        self._env = env
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
         self.proc = start_group(
@@ -375,7 +376,7 @@ class ServerNode(ServerClient):
                 "url": self.url,
             }
             self.stage = "ready"
-            engine_up(self.proc)
+            engine_up(self.proc, self._env)
             return True
         time.sleep(max(0.0, deadline - time.monotonic()))
         return False

@@ -12,7 +12,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcompose.e2e.node import SPREAD_ENV, engine_up, spread_group, start_group, stop_group
+from kvcompose.e2e.node import (
+    OMP_BIND_ENV,
+    SPREAD_ENV,
+    EngineSpec,
+    engine_up,
+    spread_group,
+    start_group,
+    stop_group,
+)
 
 #: A group leader with a child process, each with a second thread, all pinned to one CPU the way
 #: vLLM pins a worker's threads; each process prints its pid and its thread's id.
@@ -59,15 +67,28 @@ def test_every_thread_of_the_group_may_use_every_cpu_once_spread(
     assert spread_group(proc) == 0  # nothing left to change
 
 
-@pytest.mark.parametrize("asked", ["1", None])
-def test_an_engine_up_is_spread_only_when_the_environment_asks(
-    pinned: tuple[subprocess.Popen[str], list[int], int], monkeypatch: pytest.MonkeyPatch, asked: str | None
+@pytest.mark.parametrize(
+    ("asked", "bind", "spread"),
+    [("1", None, True), ("1", "auto", True), (None, None, False), ("1", "0|1", False)],
+)
+def test_an_engine_up_is_spread_only_when_asked_and_vllm_chose_its_cores(
+    pinned: tuple[subprocess.Popen[str], list[int], int],
+    monkeypatch: pytest.MonkeyPatch,
+    asked: str | None,
+    bind: str | None,
+    spread: bool,
 ) -> None:
     proc, tids, one = pinned
     if asked is None:
         monkeypatch.delenv(SPREAD_ENV, raising=False)
     else:
         monkeypatch.setenv(SPREAD_ENV, asked)
-    engine_up(proc)
-    expected = os.sched_getaffinity(0) if asked else {one}
+    engine_up(proc, {} if bind is None else {OMP_BIND_ENV: bind})
+    expected = os.sched_getaffinity(0) if spread else {one}
     assert all(os.sched_getaffinity(t) == expected for t in tids)
+
+
+def test_a_tensor_parallel_engine_names_its_workers_cores() -> None:
+    # What keeps a TP-2 engine out of the spreading: its environment names a core per worker.
+    assert EngineSpec("d", "m", tensor_parallel_size=2).env() == {OMP_BIND_ENV: "0|1"}
+    assert EngineSpec("d", "m").env() == {}
