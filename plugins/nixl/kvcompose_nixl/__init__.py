@@ -25,9 +25,12 @@ SIDE_CHANNEL_PORT_KEY = "kvcompose_side_channel_port"
 PROGRESS_DELAY_KEY = "kvcompose_progress_delay_us"
 #: UCX endpoint error-handling mode of the NIXL agent's UCX backend (kvcompose_nixl.agent).
 UCX_ERROR_HANDLING_KEY = "kvcompose_ucx_error_handling"
+#: How many times the worker asks a peer's side channel for its agent metadata (kvcompose_nixl.handshake).
+HANDSHAKE_TRIES_KEY = "kvcompose_handshake_tries"
 
 __all__ = [
     "CONNECTOR_MODULE",
+    "HANDSHAKE_TRIES_KEY",
     "PROGRESS_DELAY_KEY",
     "SIDE_CHANNEL_HOST_KEY",
     "SIDE_CHANNEL_PORT_KEY",

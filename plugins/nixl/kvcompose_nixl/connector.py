@@ -36,7 +36,8 @@ Both subclass vLLM's connectors and change three things only:
    blocks at once.
 
 Before vLLM's worker creates its NIXL agent they also apply the agent settings vLLM has no
-option for (:mod:`kvcompose_nixl.agent`: the progress thread's sleep, UCX error handling).
+option for (:mod:`kvcompose_nixl.agent`: the progress thread's sleep, UCX error handling), and
+once it exists they let it ask a slow peer's side channel again (:mod:`kvcompose_nixl.handshake`).
 Everything else (GPUDirect, host buffers, memory registration, leases) is vLLM's.
 """
 
@@ -54,8 +55,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-from kvcompose_nixl import PROGRESS_DELAY_KEY, SIDE_CHANNEL_HOST_KEY, SIDE_CHANNEL_PORT_KEY, UCX_ERROR_HANDLING_KEY
+from kvcompose_nixl import (
+    HANDSHAKE_TRIES_KEY,
+    PROGRESS_DELAY_KEY,
+    SIDE_CHANNEL_HOST_KEY,
+    SIDE_CHANNEL_PORT_KEY,
+    UCX_ERROR_HANDLING_KEY,
+)
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
+from kvcompose_nixl.handshake import ask_patiently
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,6 +71,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
         NixlBaseConnectorScheduler,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -181,9 +190,11 @@ class _RangeLoadsMixin:
 
 class _SettingsMixin:
     """Applies the NIXL agent settings (:mod:`kvcompose_nixl.agent`) before vLLM builds its
-    halves, and the side-channel options once it has built the scheduler half."""
+    halves, the side-channel options once it has built the scheduler half, and the handshake's
+    tries (:mod:`kvcompose_nixl.handshake`) once it has built the worker half."""
 
     connector_scheduler: NixlBaseConnectorScheduler | None
+    connector_worker: NixlBaseConnectorWorker | None
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         ktc = vllm_config.kv_transfer_config
@@ -198,6 +209,8 @@ class _SettingsMixin:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         if self.connector_scheduler is not None:
             apply_side_channel(self.connector_scheduler, vllm_config)
+        if self.connector_worker is not None:
+            ask_patiently(self.connector_worker, int(ktc.get_from_extra_config(HANDSHAKE_TRIES_KEY, 1)))
 
 
 class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):

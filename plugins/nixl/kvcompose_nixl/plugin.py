@@ -28,6 +28,7 @@ from kvcompose.catalog import ConnectorType, Options
 from kvcompose.errors import Problem
 from kvcompose_nixl import (
     CONNECTOR_MODULE,
+    HANDSHAKE_TRIES_KEY,
     PROGRESS_DELAY_KEY,
     SIDE_CHANNEL_HOST_KEY,
     SIDE_CHANNEL_PORT_KEY,
@@ -47,6 +48,9 @@ DEFAULT_BACKENDS: tuple[str, ...] = ("UCX",)
 DEFAULT_LEASE_SECONDS = 30
 DEFAULT_SIDE_CHANNEL_HOST = "localhost"
 DEFAULT_SIDE_CHANNEL_PORT = 5600
+#: Seconds vLLM waits for a peer's side channel to answer one handshake request
+#: (kvcompose_nixl.handshake.VLLM_TRY_S, which imports zmq; this module must not).
+HANDSHAKE_TRY_S = 5
 
 #: The vLLM class per mode. The names must stay vLLM's: vLLM looks for the literal
 #: "NixlConnector" with ``KVTransferConfig.has_connector`` (config/vllm.py, platforms/cpu.py).
@@ -137,6 +141,14 @@ class NixlOptions(Options):
             description="UCX error handling of the NIXL agent (ucx_error_handling_mode); unset: NIXL's peer, "
             "whose tcp wire-up makes a new pair's first transfer wait for the idle prefill instance; none: "
             "shared memory between engines on one host, a dead peer shows as failed reads (UCX only)"
+        ),
+    ] = None
+    handshake_tries: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(
+            description=f"how many times a worker asks a peer's side channel for its NIXL metadata, each "
+            f"waiting vLLM's {HANDSHAKE_TRY_S} s, before the requests waiting on that peer fail; unset: vLLM's "
+            "one try"
         ),
     ] = None
     enforce_handshake_compat: Annotated[
@@ -268,6 +280,7 @@ class NixlType(ConnectorType):
         "side_channel_port": SIDE_CHANNEL_PORT_KEY,
         "progress_delay_us": PROGRESS_DELAY_KEY,
         "ucx_error_handling": UCX_ERROR_HANDLING_KEY,
+        "handshake_tries": HANDSHAKE_TRIES_KEY,
     }
     top_level_keys: ClassVar[Mapping[str, str]] = {"buffer_device": "kv_buffer_device", "engine_id": "engine_id"}
 
@@ -315,7 +328,10 @@ class NixlType(ConnectorType):
             text = f"{produce}; and {consume} (vLLM deprecates kv_both for NIXL)"
         if o.bidirectional:
             text += "; the prefill instance may read KV back from decode (bidirectional)"
-        return f"{text}. {_side_channel(o)[0].upper()}{_side_channel(o)[1:]}."
+        tries = ""
+        if o.handshake_tries is not None:
+            tries = f"; a peer's side channel is asked up to {o.handshake_tries} times, {HANDSHAKE_TRY_S} s each"
+        return f"{text}. {_side_channel(o)[0].upper()}{_side_channel(o)[1:]}{tries}."
 
     def save_hooks_needed(self, child: Child) -> str | None:
         """A producer with a host buffer: NixlConnector copies the served KV there in ``wait_for_save``."""
@@ -366,6 +382,16 @@ class NixlType(ConnectorType):
                 "ucx_error_handling sets the UCX backend, and backends has no UCX",
                 at + ("ucx_error_handling",),
                 "remove ucx_error_handling, or add UCX to backends",
+            )
+        if o.handshake_tries is not None and o.handshake_tries * HANDSHAKE_TRY_S >= DEFAULT_LEASE_SECONDS:
+            yield Problem(
+                f"{o.handshake_tries} handshake tries of {HANDSHAKE_TRY_S} s outlast the {DEFAULT_LEASE_SECONDS} s a "
+                "prefill instance with vLLM's default lease holds a request's blocks: a handshake answered "
+                "after it reads blocks the prefill instance may already have freed and reused",
+                at + ("handshake_tries",),
+                f"use at most {(DEFAULT_LEASE_SECONDS - 1) // HANDSHAKE_TRY_S} tries, or make sure every prefill "
+                "instance's lease_seconds is longer",
+                warning=True,
             )
         yield from self._port_clash(child, plan, at)
         yield from self._exposed_by_default(o, at)

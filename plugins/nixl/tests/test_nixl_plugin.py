@@ -116,6 +116,7 @@ def test_defaults_render_minimal_vllm_config() -> None:
         ("engine_ttl", 0, "engine_ttl", 0.0),
         ("side_channel_host", "10.0.0.7", "kvcompose_side_channel_host", "10.0.0.7"),
         ("side_channel_port", 5700, "kvcompose_side_channel_port", 5700),
+        ("handshake_tries", 3, "kvcompose_handshake_tries", 3),
     ],
 )
 def test_each_option_maps_to_its_extra_config_key(option: str, value: Any, key: str, rendered: Any) -> None:
@@ -327,6 +328,23 @@ def test_describe_host_buffer_and_side_channel() -> None:
     text = NixlType().describe(child("consumer", buffer_device="cpu"))
     assert "host-to-device copies" in text
     assert "$VLLM_NIXL_SIDE_CHANNEL_PORT (5600)" in text
+
+
+def test_handshake_tries_are_described_and_warned_of_when_they_outlast_the_lease(
+    plugins: Plugins, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    assert "asked up to 3 times, 5 s each" in NixlType().describe(child("consumer", handshake_tries=3))
+    assert "asked up to" not in NixlType().describe(child("consumer"))
+    ok = compose(plugins, "  - {name: pd, type: nixl, role: consumer, options: {handshake_tries: 5}}\n")
+    assert ok.warnings == ()
+    plan = compose(plugins, "  - {name: pd, type: nixl, role: consumer, options: {handshake_tries: 6}}\n")
+    (warning,) = plan.warnings
+    assert warning.path == ("connectors", 0, "options", "handshake_tries")
+    assert "6 handshake tries of 5 s outlast the 30 s" in warning.message
+    assert "at most 5 tries" in (warning.hint or "")
+    with pytest.raises(CompositionError, match="handshake_tries"):
+        compose(plugins, "  - {name: pd, type: nixl, role: consumer, options: {handshake_tries: 0}}\n")
 
 
 def test_kv_layout_is_left_to_vllm() -> None:
