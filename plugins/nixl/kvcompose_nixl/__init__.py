@@ -27,10 +27,15 @@ PROGRESS_DELAY_KEY = "kvcompose_progress_delay_us"
 UCX_ERROR_HANDLING_KEY = "kvcompose_ucx_error_handling"
 #: How many times the worker asks a peer's side channel for its agent metadata (kvcompose_nixl.handshake).
 HANDSHAKE_TRIES_KEY = "kvcompose_handshake_tries"
+#: Seconds vLLM's worker waits for a peer's side channel to answer one handshake request
+#: (``sock.setsockopt(zmq.RCVTIMEO, 5000)`` in ``NixlBaseConnectorWorker._nixl_handshake``;
+#: pinned by the plugin's tests).
+HANDSHAKE_TRY_S = 5
 
 __all__ = [
     "CONNECTOR_MODULE",
     "HANDSHAKE_TRIES_KEY",
+    "HANDSHAKE_TRY_S",
     "PROGRESS_DELAY_KEY",
     "SIDE_CHANNEL_HOST_KEY",
     "SIDE_CHANNEL_PORT_KEY",

@@ -24,11 +24,9 @@ from typing import Any, TypeVar
 
 import zmq
 
-log = logging.getLogger("kvcompose.nixl")
+from kvcompose_nixl import HANDSHAKE_TRY_S
 
-#: How long vLLM waits for one answer (``sock.setsockopt(zmq.RCVTIMEO, 5000)`` in
-#: ``NixlBaseConnectorWorker._nixl_handshake``; pinned by the plugin's tests).
-VLLM_TRY_S = 5.0
+log = logging.getLogger("kvcompose.nixl")
 
 T = TypeVar("T")
 
@@ -37,7 +35,7 @@ class HandshakeTimeout(TimeoutError):
     """No try of a NIXL handshake was answered."""
 
 
-def patient(once: Callable[..., T], tries: int, try_s: float = VLLM_TRY_S) -> Callable[..., T]:
+def patient(once: Callable[..., T], tries: int, try_s: float = HANDSHAKE_TRY_S) -> Callable[..., T]:
     """``once`` (a handshake taking the peer's ``host`` and ``port`` first, raising ``zmq.Again``
     when its wait ends unanswered) asked up to ``tries`` times; :class:`HandshakeTimeout` after
     the last. Any other error is raised at once: a peer that answers wrongly is not slow."""

@@ -29,6 +29,7 @@ from kvcompose.errors import Problem
 from kvcompose_nixl import (
     CONNECTOR_MODULE,
     HANDSHAKE_TRIES_KEY,
+    HANDSHAKE_TRY_S,
     PROGRESS_DELAY_KEY,
     SIDE_CHANNEL_HOST_KEY,
     SIDE_CHANNEL_PORT_KEY,
@@ -48,9 +49,6 @@ DEFAULT_BACKENDS: tuple[str, ...] = ("UCX",)
 DEFAULT_LEASE_SECONDS = 30
 DEFAULT_SIDE_CHANNEL_HOST = "localhost"
 DEFAULT_SIDE_CHANNEL_PORT = 5600
-#: Seconds vLLM waits for a peer's side channel to answer one handshake request
-#: (kvcompose_nixl.handshake.VLLM_TRY_S, which imports zmq; this module must not).
-HANDSHAKE_TRY_S = 5
 
 #: The vLLM class per mode. The names must stay vLLM's: vLLM looks for the literal
 #: "NixlConnector" with ``KVTransferConfig.has_connector`` (config/vllm.py, platforms/cpu.py).

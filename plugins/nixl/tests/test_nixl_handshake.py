@@ -21,9 +21,9 @@ import zmq
 from kvcompose.testing.harness import make_request
 from kvcompose.testing.prefill_process import PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
+from kvcompose_nixl import HANDSHAKE_TRY_S
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
-from kvcompose_nixl.handshake import VLLM_TRY_S, HandshakeTimeout, patient
-from kvcompose_nixl.plugin import HANDSHAKE_TRY_S
+from kvcompose_nixl.handshake import HandshakeTimeout, patient
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 TRY_S = 0.3  # the unit tests' stand-in for vLLM's 5 s wait
@@ -102,8 +102,7 @@ def test_vllm_asks_once_and_waits_the_time_the_plugin_quotes() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 
     source = inspect.getsource(NixlBaseConnectorWorker._nixl_handshake)
-    assert f"sock.setsockopt(zmq.RCVTIMEO, {int(VLLM_TRY_S * 1000)})" in source
-    assert VLLM_TRY_S == HANDSHAKE_TRY_S
+    assert f"sock.setsockopt(zmq.RCVTIMEO, {HANDSHAKE_TRY_S * 1000})" in source
     # The wrapper is set on the worker instance: vLLM looks the method up at each new peer.
     assert "self._nixl_handshake," in inspect.getsource(NixlBaseConnectorWorker._ensure_handshake)
 
@@ -169,7 +168,7 @@ def test_a_decode_worker_reads_through_a_side_channel_that_answers_7_s_late(trie
 
     p_port, d_port = free_ports(2)
     with PrefillProcess(composition("producer", p_port), block_size=BLOCK, num_blocks=32) as prefill:
-        late = LateListener([VLLM_TRY_S + 2, 0.0], upstream=("127.0.0.1", p_port))
+        late = LateListener([HANDSHAKE_TRY_S + 2, 0.0], upstream=("127.0.0.1", p_port))
         d = WorkerHarness.from_yaml(composition("consumer", d_port, tries), block_size=BLOCK, num_blocks=32)
         try:
             prompt = [3 + (i * 37) % 490 for i in range(3 * BLOCK)]
