@@ -14,7 +14,8 @@ demo: setup
 	$(PY) -m kvcompose.cli check examples/pd-decode.yaml
 	$(ENGINE_LOCK) $(PY) -m kvcompose.cli demo
 
-# The engine tests let every thread of their engines use every CPU (docs/e2e.md, cold start).
+# The engine tests let every thread of their engines use every CPU, except in engines whose
+# cores are named (VLLM_CPU_OMP_THREADS_BIND) (docs/e2e.md, cold start).
 test: setup lint
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
 	KVCOMPOSE_SPREAD_ENGINE_THREADS=1 $(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tests/engine plugins $(PYTEST_ARGS)
