@@ -26,7 +26,7 @@ from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import HandshakeTimeout, patient
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
-TRY_S = 0.3  # the unit tests' stand-in for vLLM's 5 s wait
+TRY_S = 1.0  # the unit tests' stand-in for vLLM's 5 s wait
 
 
 class LateListener:
@@ -107,25 +107,25 @@ def test_vllm_asks_once_and_waits_the_time_the_plugin_quotes() -> None:
     assert "self._nixl_handshake," in inspect.getsource(NixlBaseConnectorWorker._ensure_handshake)
 
 
-@pytest.mark.parametrize("listener", [[TRY_S + 0.4, 0.0]], indirect=True)
+@pytest.mark.parametrize("listener", [[TRY_S + 1.0, 0.0]], indirect=True)
 def test_a_late_side_channel_is_asked_again_and_its_answer_taken(
     listener: LateListener, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="kvcompose.nixl"):
         answer = patient(ask, tries=3, try_s=TRY_S)("127.0.0.1", listener.port, b"meta?")
-    assert answer == b"metadata:meta?" and listener.asked == 2
-    (warned,) = caplog.messages
-    assert f"side channel at 127.0.0.1:{listener.port} did not answer" in warned and "try 1 of 3" in warned
+    # The second try is answered at once; on a loaded host its connection may take a try more.
+    assert answer == b"metadata:meta?" and listener.asked >= 2
+    assert f"side channel at 127.0.0.1:{listener.port} did not answer in 1 s (try 1 of 3)" in caplog.messages[0]
 
 
 @pytest.mark.parametrize("listener", [[None]], indirect=True)
 def test_a_silent_side_channel_fails_after_the_last_try_saying_where_and_what_to_check(
-    listener: LateListener,
+    listener: LateListener, caplog: pytest.LogCaptureFixture
 ) -> None:
     start = time.monotonic()
-    with pytest.raises(HandshakeTimeout) as err:
+    with pytest.raises(HandshakeTimeout) as err, caplog.at_level(logging.WARNING, logger="kvcompose.nixl"):
         patient(ask, tries=2, try_s=TRY_S)("127.0.0.1", listener.port, b"meta?")
-    assert time.monotonic() - start >= 2 * TRY_S and listener.asked == 2
+    assert time.monotonic() - start >= 2 * TRY_S and len(caplog.messages) == 1 and "try 1 of 2" in caplog.messages[0]
     said = str(err.value)
     assert said.startswith(f"NIXL handshake: the side channel at 127.0.0.1:{listener.port} did not answer in 2 tries")
     assert "side_channel_port" in said and "handshake_tries" in said
@@ -158,11 +158,11 @@ connectors:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("tries", [None, 2])
+@pytest.mark.parametrize("tries", [None, 3])
 def test_a_decode_worker_reads_through_a_side_channel_that_answers_7_s_late(tries: int | None) -> None:
     """vLLM's worker on the decode side, a real prefill instance behind a late side channel: with
-    one try (vLLM's) the load fails and the request's blocks are reported invalid; with two the
-    second try is answered and every block arrives."""
+    one try (vLLM's) the load fails and the request's blocks are reported invalid; with three a
+    later try is answered (the second, unless the host is too busy) and every block arrives."""
     pytest.importorskip("nixl")
     from kvcompose.e2e.node import free_ports
 
@@ -200,7 +200,7 @@ def test_a_decode_worker_reads_through_a_side_channel_that_answers_7_s_late(trie
             if tries is None:
                 assert late.asked == 1 and failed == {"A"} and invalid == set(ids)
             else:
-                assert late.asked == 2 and not failed and not invalid
+                assert late.asked >= 2 and not failed and not invalid
                 assert all(d.holds_prefix(ids[k], prompt[: (k + 1) * BLOCK]) for k in range(len(prompt) // BLOCK))
         finally:
             d.shutdown()
