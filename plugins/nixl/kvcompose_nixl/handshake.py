@@ -5,8 +5,8 @@ channel and waits 5 s for the answer (``_nixl_handshake``, ``zmq.RCVTIMEO`` 5000
 ``nixl/base_worker.py``). When none comes, every request waiting on that peer fails: under
 ``kv_load_failure_policy: fail`` the client gets an HTTP 500, and vLLM logs a bare
 ``zmq.error.Again: Resource temporarily unavailable``. A side channel can be slow without being
-dead: its listener is a thread of the peer's engine core, and a peer short of CPU answered
-1-6 s late here (``docs/e2e.md``, cold start).
+dead: on a loaded 2-core host here the peer's listener got the requests 1-6 s late while it
+and its engine core sat idle (``docs/e2e.md``, cold start).
 
 :func:`patient` wraps the worker's ``_nixl_handshake`` so that it asks up to ``tries`` times,
 each one vLLM's own request and wait, and, when no try is answered, fails with an error that
