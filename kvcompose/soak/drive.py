@@ -14,6 +14,11 @@ stops at the stage it reached); or as the proxy flow directly against the server
 milliseconds after decode has the request, while decode waits for its NIXL pull: vLLM's server
 aborts a request whose client went away, mid-transfer.
 
+Requests are streamed (``"stream": true``): a client reads the server-sent events (``data: {...}``
+lines, then ``data: [DONE]``), so it sees its first token's time (:attr:`Outcome.ttft_s`) as a
+user does, and keeps the token ids and logprobs of every chunk for the baseline comparison. The
+direct hang-up's prefill leg is not streamed: its answer's ``kv_transfer_params`` are needed.
+
 Every attempt's outcome is one of :data:`OUTCOMES`; nothing a server does stops the run.
 """
 
@@ -25,17 +30,19 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvcompose.e2e.server import HOST, completion_body, parse_completion
 from kvcompose.soak.plan import Request
 
-#: answered: 200 with tokens. http-error: an error status (a clean failure). dropped: the
-#: connection failed without an HTTP answer. hung: no answer within the timeout. hung-up: the
-#: client closed the connection on purpose (the request is aborted).
-OUTCOMES = ("answered", "http-error", "dropped", "hung", "hung-up")
+#: answered: 200 with tokens (streamed: through ``data: [DONE]``). http-error: an error status,
+#: or an error event in the stream (a clean failure). dropped: the connection failed without an
+#: HTTP answer. cut-off: the stream began (HTTP 200) and ended before ``[DONE]``: the router has
+#: nothing else to tell a client whose server died mid-answer. hung: no answer within the
+#: timeout. hung-up: the client closed the connection on purpose (the request is aborted).
+OUTCOMES = ("answered", "http-error", "dropped", "cut-off", "hung", "hung-up")
 FINAL = ("answered", "hung-up")
 #: A hang guard: every request here is answered in seconds when the stack is healthy.
 REQUEST_TIMEOUT_S = 120.0
@@ -57,6 +64,8 @@ class Outcome:
     detail: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    #: Seconds from sending to the first streamed token (None: not answered, or not streamed).
+    ttft_s: float | None = None
 
 
 class Urls(Protocol):
@@ -65,27 +74,94 @@ class Urls(Protocol):
     def port(self, role: str) -> int: ...
 
 
-def send(port: int, body: dict[str, Any], hang_up_after: float | None = None) -> tuple[str, str, dict[str, Any] | None]:
-    """POST ``body`` to ``/v1/completions`` on ``port``: ``(outcome, detail, answer)``; with
-    ``hang_up_after``, the client closes the connection that many seconds after sending."""
+class Reply(NamedTuple):
+    """What one request got back: its outcome (one of :data:`OUTCOMES`), what went wrong, the
+    answer (a ``/v1/completions`` body; a stream's chunks joined into one) and, streamed, the
+    seconds until its first token."""
+
+    kind: str
+    detail: str
+    answer: dict[str, Any] | None
+    ttft_s: float | None = None
+
+
+def send(port: int, body: dict[str, Any], hang_up_after: float | None = None) -> Reply:
+    """POST ``body`` to ``/v1/completions`` on ``port``; streamed when ``body["stream"]`` is true
+    (:func:`read_stream`). With ``hang_up_after``, the client closes the connection that many
+    seconds after sending."""
     conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_S)
     try:
+        t0 = time.monotonic()
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         if hang_up_after is not None:
             time.sleep(hang_up_after)
             conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-            return "hung-up", f"after {hang_up_after * 1e3:.0f} ms", None
+            return Reply("hung-up", f"after {hang_up_after * 1e3:.0f} ms", None)
         resp = conn.getresponse()
-        raw = resp.read()
         if resp.status != 200:
-            return "http-error", f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}", None
-        return "answered", "", json.loads(raw)
+            raw = resp.read()
+            return Reply("http-error", f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}", None)
+        if body.get("stream"):
+            return read_stream(resp, t0)
+        return Reply("answered", "", json.loads(resp.read()))
     except TimeoutError:
-        return "hung", f"no answer in {REQUEST_TIMEOUT_S:.0f} s", None
+        return Reply("hung", f"no answer in {REQUEST_TIMEOUT_S:.0f} s", None)
     except (OSError, http.client.HTTPException, ValueError) as exc:
-        return "dropped", f"{type(exc).__name__}: {exc}"[:200], None
+        return Reply("dropped", f"{type(exc).__name__}: {exc}"[:200], None)
     finally:
         conn.close()
+
+
+#: A streamed answer's fields that are joined over its chunks; the others are kept from the last.
+JOINED = ("text", "token_ids", "logprobs")
+
+
+def read_stream(lines: Iterable[bytes], t0: float, timeout_s: float = REQUEST_TIMEOUT_S) -> Reply:
+    """A streamed ``/v1/completions`` answer (server-sent events: ``data: {json}`` lines, then
+    ``data: [DONE]``) read from ``lines``, ``t0`` the ``time.monotonic()`` it was sent at.
+
+    The chunks' token ids and logprobs are joined into one answer shaped like a non-streamed one
+    (what :func:`~kvcompose.e2e.server.parse_completion` reads); ``ttft_s`` is the time of the
+    first chunk that carries a token. An error event is an ``http-error`` (the server failed the
+    request cleanly, as a non-streamed request gets an error status); a stream that ends or breaks
+    before ``[DONE]`` is ``cut-off``; one still going ``timeout_s`` after ``t0``, or silent for the
+    socket's timeout, is ``hung``.
+    """
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    text: list[str] = []
+    choice: dict[str, Any] = {}
+    first: float | None = None
+    try:
+        for raw in lines:
+            line = raw.strip()
+            if time.monotonic() - t0 > timeout_s:
+                return Reply("hung", f"the stream still going after {timeout_s:.0f} s ({len(token_ids)} tokens)", None)
+            if not line.startswith(b"data:"):
+                continue  # the blank line after each event, SSE comments
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                joined = {"text": "".join(text), "token_ids": token_ids, "logprobs": {"token_logprobs": logprobs}}
+                return Reply("answered", "", {"choices": [{**choice, **joined}]}, first)
+            chunk = json.loads(data)
+            if "error" in chunk or chunk.get("object") == "error":
+                error = data[:200].decode(errors="replace")
+                return Reply("http-error", f"HTTP 200, then an error in the stream: {error}", None)
+            for part in chunk.get("choices") or []:
+                new = list(part.get("token_ids") or [])
+                if first is None and (new or part.get("text")):
+                    first = time.monotonic() - t0
+                token_ids += new
+                logprobs += list((part.get("logprobs") or {}).get("token_logprobs") or [])
+                text.append(part.get("text") or "")
+                # The other fields (finish_reason, prompt_token_ids): the last chunk that has them.
+                choice.update({k: v for k, v in part.items() if v is not None and k not in JOINED})
+    except TimeoutError:
+        return Reply("hung", f"the stream silent for {REQUEST_TIMEOUT_S:.0f} s after {len(token_ids)} tokens", None)
+    except (OSError, http.client.HTTPException) as exc:
+        broke = f"the stream broke off after {len(token_ids)} tokens: {type(exc).__name__}: {exc}"
+        return Reply("cut-off", broke[:200], None)
+    return Reply("cut-off", f"the stream ended before [DONE] after {len(token_ids)} tokens", None)
 
 
 class Load:
@@ -118,28 +194,30 @@ class Load:
         with self._lock:
             return statistics.median(self._latencies[-200:]) if self._latencies else 0.5
 
-    def _attempt(self, r: Request) -> tuple[str, str, str, dict[str, Any] | None]:
-        body = completion_body(self._model, r.prompt, self._max_tokens)
+    def _attempt(self, r: Request) -> tuple[str, Reply]:
+        body = {**completion_body(self._model, r.prompt, self._max_tokens), "stream": True}
         if r.hang_up is None:
-            return ("router", *send(self._urls.port("router"), body))
+            return "router", send(self._urls.port("router"), body)
         if r.hang_up.path == "router":
-            return ("router", *send(self._urls.port("router"), body, r.hang_up.at * self._typical_latency()))
-        # The proxy flow by hand, hanging up on decode while it pulls.
-        kind, detail, answer = send(
-            self._urls.port("prefill"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            return "router", send(self._urls.port("router"), body, r.hang_up.at * self._typical_latency())
+        # The proxy flow by hand, hanging up on decode while it pulls; the prefill leg's answer
+        # carries the kv_transfer_params, so it is not streamed.
+        prefill = send(
+            self._urls.port("prefill"),
+            {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         )
-        if answer is None:
-            return "direct", kind, detail, None
-        decode_body = {**body, "kv_transfer_params": answer.get("kv_transfer_params")}
-        return ("direct", *send(self._urls.port("decode"), decode_body, r.hang_up.at))
+        if prefill.answer is None:
+            return "direct", prefill
+        decode_body = {**body, "kv_transfer_params": prefill.answer.get("kv_transfer_params")}
+        return "direct", send(self._urls.port("decode"), decode_body, r.hang_up.at)
 
     def _client(self) -> None:
         while (r := self._take()) is not None:
             for attempt in range(MAX_ATTEMPTS):
                 sent = time.monotonic()
-                path, kind, detail, answer = self._attempt(r)
+                path, (kind, detail, answer, ttft) = self._attempt(r)
                 latency = time.monotonic() - sent
-                out = Outcome(r.index, attempt, kind, sent - self.t0, latency, path, detail)
+                out = Outcome(r.index, attempt, kind, sent - self.t0, latency, path, detail, ttft_s=ttft)
                 if answer is not None:
                     parsed = parse_completion(answer, latency)
                     out.token_ids, out.logprobs = parsed["token_ids"], parsed["logprobs"]
@@ -174,7 +252,7 @@ class Servers(Protocol):
 class Injector:
     """Kills each ``(count, role)`` server of ``kills`` (SIGKILL) once ``load`` has sent ``count``
     requests, then restarts it (returning once it is healthy); what happened and when is in
-    :attr:`events`, the outages in :attr:`outages`."""
+    :attr:`events`, the outages in :attr:`outages`, the kills' wall-clock times in :attr:`kills`."""
 
     def __init__(self, load: Load, servers: Servers, kills: list[tuple[int, str]]) -> None:
         self._load = load
@@ -183,6 +261,8 @@ class Injector:
         self.events: list[str] = []
         self.error: BaseException | None = None
         self.outages: list[tuple[str, float, float]] = []  # (server, killed at, healthy at), load seconds
+        #: (server, ``time.time()`` just before its SIGKILL): what its peers' log times are read against.
+        self.kills: list[tuple[str, float]] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> None:
@@ -200,6 +280,7 @@ class Injector:
                 while self._load.sent < at:
                     time.sleep(0.02)
                 killed = self._now()
+                self.kills.append((name, time.time()))
                 self._servers.kill(name)
                 self.events.append(f"{killed:7.1f} s  {name} killed (SIGKILL) after {self._load.sent} requests sent")
                 self._servers.restart(name)

@@ -18,6 +18,10 @@ import yaml
 from kvcompose.e2e.flow import token_prompt
 from kvcompose.examples import EXAMPLES
 
+#: vLLM's NIXL lease on a prefilled request's blocks when the composition sets none (the nixl
+#: option ``lease_seconds``; vLLM's ``kv_lease_duration``).
+VLLM_LEASE_S = 30.0
+
 #: The kit's ``faulty`` child composed into the decode server: a best-effort tier that holds
 #: nothing (``matched_tokens: 0``) and raises when its faults fire.
 FLAKY = "flaky"
@@ -131,6 +135,15 @@ def plan(options: SoakOptions) -> tuple[list[Request], FaultPlan]:
         kill_decode_at=rng.randint(int(n * 0.55), int(n * 0.75)),
         flaky_faults=faults,
     )
+
+
+def prefill_lease_s(composition: Path = EXAMPLES / "pd-prefill.yaml") -> float:
+    """How long the prefill composition's NIXL child holds a request's blocks for a decode to read:
+    its ``lease_seconds``, else vLLM's :data:`VLLM_LEASE_S`."""
+    data = yaml.safe_load(composition.read_text())
+    nixl = [c for c in data["connectors"] if c.get("type") == "nixl"]
+    lease = (nixl[0].get("options") or {}).get("lease_seconds") if nixl else None
+    return float(lease or VLLM_LEASE_S)
 
 
 def decode_composition(faults: FaultPlan, directory: Path) -> Path:

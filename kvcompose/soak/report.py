@@ -4,9 +4,12 @@ failed is a line of :attr:`SoakReport.problems` (``kvcompose soak`` exits 1 when
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from kvcompose.soak.drive import FINAL, OUTCOMES, Outcome
@@ -16,6 +19,27 @@ from kvcompose.soak.stack import GAUGES, ROLES, Sample
 #: Answers that differ from the baseline by at most this much in a token's logprob are "close"
 #: (batch shapes differ between a loaded server and the baseline, and with them float rounding).
 LOGPROB_TOLERANCE = 1e-3
+#: How long after a server is healthy again the router may take to send it requests (its health
+#: checks every 2 s, its circuit breaker's 5 s retry, requests already backing off).
+OUTAGE_SLACK_S = 15.0
+#: The most time to first token an answered request may take outside the outages. For this
+#: 2-core machine, CPU engines and the tiny model: medians are 0.2-0.6 s here, so 5 s is a
+#: stall (a decode waiting on a NIXL handshake or lease), not load. Retune it on other hardware.
+TTFT_BOUND_S = 5.0
+#: After the decode's kill plus the prefill's NIXL lease: requests the router still prefilled for
+#: the dead decode before its health checks (every 2 s) took it out, the prefill's own time for
+#: them on a loaded host, and the reaper's next step.
+LEASE_SLACK_S = 15.0
+#: vLLM's NIXL worker on the prefill, when a decode's read notification names a request whose
+#: blocks it no longer holds (their lease expired): the decode read blocks that may have been
+#: reused by another request, and computed from them.
+LATE_READ = "Potentially invalid KV blocks for unrecognized request"
+#: vLLM's NIXL worker on the prefill, when a request's lease runs out before every decode read it.
+LEASE_EXPIRY = "Releasing expired KV blocks for request"
+#: vLLM's log line header (``vllm/logger.py``): ``(EngineCore pid=3627) WARNING 11-26 05:12:02
+#: [file.py:12] message``; the time is month-day hour:min:sec, local time, without a year.
+LOG_HEADER = re.compile(r"\([^()]* pid=\d+\) [A-Z]+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # vLLM colours its header when told to (VLLM_LOGGING_COLOR=1)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -46,13 +70,22 @@ class SoakReport:
     attempts: dict[str, int]  # every attempt by outcome (retries included)
     first_errors: list[str]
     failed_during_outages: int
+    cut_off_during_outages: int  # streams broken off mid-answer while a server was down (the rest: problems)
     latency_p50_s: float
     latency_p99_s: float
+    ttft_p50_s: float  # time to first streamed token, answered attempts
+    ttft_p99_s: float
+    ttft_max_s: float
+    ttft_slow: int  # answered outside the outages with TTFT above TTFT_BOUND_S (each a problem)
+    ttft_in_outages: int  # answered while a server was down or being taken back: not held to the bound
+    ttft_slow_in_outages: int  # of those, above the bound
     quiet: dict[str, dict[str, float]]  # role -> GAUGES once quiet
     settle_s: float
     counters: dict[str, dict[str, float]]  # server process -> COUNTERS at its last reading
     prefill_held_after_decode_kill: float  # max prefill KV usage in the seconds after the kill
     lease_releases: int  # requests whose blocks the prefill released on NIXL lease expiry (its log)
+    lease_releases_unplanned: int  # of those, logged outside the lease after the decode's kill (each a problem)
+    late_reads: int  # decode reads notified after the prefill's lease expired (its log; each a problem)
     breaker_changes: list[str]
     processes: list[str]
     comparison: Comparison
@@ -84,10 +117,16 @@ class SoakReport:
             f"moment, {self.hang_ups['direct']} on decode mid NIXL pull); aborted while their KV was loading "
             f"(vllm:kvcompose_aborted_loads): decode {aborted['decode']:g}, prefill {aborted['prefill']:g}",
             f"  gave up            {r['gave-up']:6d}   (failed on every retry)",
+            f"time to first token (streamed): p50 {self.ttft_p50_s * 1e3:.0f} ms, p99 {self.ttft_p99_s * 1e3:.0f} ms, "
+            f"max {self.ttft_max_s * 1e3:.0f} ms; above {TTFT_BOUND_S:g} s: {self.ttft_slow} outside the outages "
+            f"(must be 0), {self.ttft_slow_in_outages} of {self.ttft_in_outages} answered while a server was down "
+            "or being taken back (not held to it)",
             f"attempts ({sum(a.values())}; a client sends a failed request again after a pause):",
             f"  failed cleanly     {a['http-error']:6d}   (an HTTP error; {self.failed_during_outages} while a "
             "server was down or being taken back)",
             f"  dropped            {a['dropped']:6d}   (no HTTP answer: a direct request to a dead server)",
+            f"  cut off            {a['cut-off']:6d}   (the stream ended before [DONE]; {self.cut_off_during_outages} "
+            "while a server was down or being taken back, as when the decode dies mid-answer)",
             f"  hung               {a['hung']:6d}   (no answer in time)",
         ]
         lines += [f"    e.g. {e}" for e in self.first_errors]
@@ -105,7 +144,12 @@ class SoakReport:
         )
         lines.append(
             f"  prefill released the blocks of {self.lease_releases} request(s) on NIXL lease expiry "
-            '(vLLM\'s log: "Releasing expired KV blocks ... retrieved by 0 remote worker(s)")'
+            '(vLLM\'s log: "Releasing expired KV blocks ... retrieved by 0 remote worker(s)"); '
+            f"{self.lease_releases_unplanned} outside the lease after the decode's kill (must be 0)"
+        )
+        lines.append(
+            f"  decode reads after the prefill's lease expired: {self.late_reads} (must be 0; vLLM's log: "
+            '"Potentially invalid KV blocks for unrecognized request ... They may have expired.")'
         )
         lines += ["", "per server process (counters since it started):"]
         for proc, values in self.counters.items():
@@ -154,15 +198,157 @@ def hang_ups(requests: list[Request]) -> dict[str, int]:
     return {path: sum(1 for r in requests if r.hang_up and r.hang_up.path == path) for path in HANG_UP_PATHS}
 
 
-def during(outcomes: list[Outcome], outages: list[tuple[str, float, float]], slack_s: float = 15.0) -> int:
-    """Failed requests sent while a server was down, restarting, or being taken back by the router
-    (``slack_s`` after it was healthy)."""
-    return sum(
-        1
-        for o in outcomes
-        if o.kind == "http-error"
-        and any(start - o.latency_s <= o.sent_at <= end + slack_s for _, start, end in outages)
+def in_outage(o: Outcome, outages: list[tuple[str, float, float]], slack_s: float = OUTAGE_SLACK_S) -> bool:
+    """Whether attempt ``o`` overlaps an outage: a server down, restarting, or being taken back by
+    the router (until ``slack_s`` after it was healthy)."""
+    return any(start - o.latency_s <= o.sent_at <= end + slack_s for _, start, end in outages)
+
+
+def during(
+    outcomes: list[Outcome],
+    outages: list[tuple[str, float, float]],
+    slack_s: float = OUTAGE_SLACK_S,
+    kind: str = "http-error",
+) -> int:
+    """Failed attempts (``kind``) sent while a server was down, restarting, or being taken back by
+    the router (``slack_s`` after it was healthy)."""
+    return sum(1 for o in outcomes if o.kind == kind and in_outage(o, outages, slack_s))
+
+
+def cut_off_problems(outcomes: list[Outcome], outages: list[tuple[str, float, float]]) -> list[str]:
+    """A line when a stream through the router broke off mid-answer outside the outages: with every
+    server up, nothing should end an answer the router has begun (HTTP 200 sent) before ``[DONE]``."""
+    cut = [o for o in outcomes if o.kind == "cut-off" and not in_outage(o, outages)]
+    if not cut:
+        return []
+    return [f"{len(cut)} stream(s) broke off before [DONE] while every server was up, e.g. {cut[0].detail}"]
+
+
+@dataclass
+class FirstTokens:
+    """The answered attempts' times to first token, and the check on them (:func:`first_tokens`)."""
+
+    p50_s: float
+    p99_s: float
+    max_s: float
+    bound_s: float
+    slow: list[Outcome]  # outside the outages, above the bound
+    in_outages: int  # overlapping an outage: not held to the bound
+    slow_in_outages: int
+
+    def problems(self) -> list[str]:
+        """A line when an answered request outside the outages waited longer than the bound."""
+        if not self.slow:
+            return []
+        worst = sorted(self.slow, key=lambda o: -(o.ttft_s or 0.0))[:3]
+        named = ", ".join(f"request {o.index} {o.ttft_s:.1f} s (sent at {o.sent_at:.1f} s)" for o in worst)
+        return [
+            f"{len(self.slow)} answered request(s) outside the outages waited over {self.bound_s:g} s for their "
+            f"first token: {named}"
+        ]
+
+
+def first_tokens(
+    outcomes: list[Outcome],
+    outages: list[tuple[str, float, float]],
+    bound_s: float = TTFT_BOUND_S,
+    slack_s: float = OUTAGE_SLACK_S,
+) -> FirstTokens:
+    """TTFT p50, p99 and max over the answered attempts; those outside the outages (with ``slack_s``,
+    as :func:`during`) whose TTFT is above ``bound_s``; those overlapping an outage counted apart."""
+    answered = [o for o in outcomes if o.kind == "answered" and o.ttft_s is not None]
+    times = sorted(o.ttft_s for o in answered if o.ttft_s is not None)
+    inside = [o for o in answered if in_outage(o, outages, slack_s)]
+    return FirstTokens(
+        p50_s=quantile(times, 0.5),
+        p99_s=quantile(times, 0.99),
+        max_s=times[-1] if times else 0.0,
+        bound_s=bound_s,
+        slow=[o for o in answered if (o.ttft_s or 0.0) > bound_s and not in_outage(o, outages, slack_s)],
+        in_outages=len(inside),
+        slow_in_outages=sum(1 for o in inside if (o.ttft_s or 0.0) > bound_s),
     )
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """A line of a server's log: when vLLM logged it (local time; None when the line has no vLLM
+    header to read it from) and its text."""
+
+    at: datetime | None
+    text: str
+
+
+def log_time(line: str, near: datetime) -> datetime | None:
+    """The local time in ``line``'s vLLM header (:data:`LOG_HEADER`); None without one. The header
+    has no year: the year is the one that puts the time nearest ``near`` (a run over New Year)."""
+    m = LOG_HEADER.search(ANSI_ESCAPE.sub("", line))
+    if m is None:
+        return None
+    month, day, hour, minute, second = (int(g) for g in m.groups())
+    candidates = []
+    for year in (near.year - 1, near.year, near.year + 1):
+        try:
+            candidates.append(datetime(year, month, day, hour, minute, second))
+        except ValueError:  # 02-29 outside a leap year, or not a date at all
+            continue
+    return min(candidates, key=lambda t: abs(t - near), default=None)
+
+
+def process_logs(logs: Path, role: str) -> list[Path]:
+    """The logs of every process of ``role`` in start order: ``<role>.log``, then each restart's
+    ``<role>-<n>.log`` by ``n`` (:meth:`~kvcompose.soak.stack.Stack.restart`)."""
+
+    def started(path: Path) -> tuple[int, str]:
+        n = path.stem[len(role) + 1 :]
+        return (0 if path.stem == role else int(n) if n.isdigit() else 1 << 30), path.name
+
+    return sorted(logs.glob(f"{role}*.log"), key=started)
+
+
+def logged(logs: Path, role: str, text: str, near: datetime) -> list[LogLine]:
+    """The lines that contain ``text`` in the logs of every process of ``role``
+    (:func:`process_logs`), with their times (:func:`log_time`)."""
+    out: list[LogLine] = []
+    for path in process_logs(logs, role):
+        for line in path.read_text(errors="replace").splitlines():
+            if text in line:
+                out.append(LogLine(log_time(line, near), line.strip()))
+    return out
+
+
+def unplanned_expiries(
+    expiries: list[LogLine], decode_kills: list[datetime], lease_s: float, slack_s: float = LEASE_SLACK_S
+) -> list[LogLine]:
+    """The lease expiries no decode kill explains: logged before a kill (to its second: the log's
+    times are whole seconds) or later than ``lease_s + slack_s`` after it, or whose time cannot be
+    read. A prefill lets a lease expire only when no decode reads the blocks: the requests it
+    prefilled for a decode that was then killed."""
+
+    def planned(at: datetime | None) -> bool:
+        return at is not None and any(
+            k.replace(microsecond=0) <= at <= k + timedelta(seconds=lease_s + slack_s) for k in decode_kills
+        )
+
+    return [e for e in expiries if not planned(e.at)]
+
+
+def lease_problems(late_reads: list[LogLine], unplanned: list[LogLine], lease_s: float) -> list[str]:
+    """A line for the decode reads after a lease expired (each may have computed from blocks reused
+    by another request) and one for the lease expiries outside the decode kill's window."""
+    out = []
+    if late_reads:
+        out.append(
+            f"{len(late_reads)} decode read(s) after the prefill's NIXL lease expired (the decode may have "
+            f"computed from blocks reused by another request): {late_reads[0].text}"
+        )
+    if unplanned:
+        when = ", ".join("time unreadable" if e.at is None else e.at.strftime("%H:%M:%S") for e in unplanned[:5])
+        out.append(
+            f"{len(unplanned)} NIXL lease expiry(ies) on the prefill outside the {lease_s:g} s (+ {LEASE_SLACK_S:g} s) "
+            f"after the decode was killed (at {when}): a decode that never read a request's blocks"
+        )
+    return out
 
 
 def quiet_problems(quiet: dict[str, dict[str, float]]) -> list[str]:

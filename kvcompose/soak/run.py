@@ -9,7 +9,8 @@
    calls.
 3. Wait until every engine is quiet: no request running or waiting, no KV block in use (the
    prefill frees the blocks it held for the killed decode when their lease expires), no host-tier
-   block pinned or pending.
+   block pinned or pending. Read the prefill logs: no decode read after a lease expired, no lease
+   expiry outside the one after the decode's kill.
 4. Stop the stack; answer a sample of the answered prompts on a single engine without a
    connector and compare.
 """
@@ -21,24 +22,33 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from kvcompose.e2e.flow import same_output
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import EngineNode, EngineSpec, NodeError, wait_all_ready
 from kvcompose.soak.drive import Injector, Load, Outcome
-from kvcompose.soak.plan import FLAKY, SoakOptions, decode_composition, plan
+from kvcompose.soak.plan import FLAKY, SoakOptions, decode_composition, plan, prefill_lease_s
 from kvcompose.soak.report import (
+    LATE_READ,
+    LEASE_EXPIRY,
     LOGPROB_TOLERANCE,
     Comparison,
     SoakReport,
     by_request,
     count,
+    cut_off_problems,
     during,
+    first_tokens,
     hang_ups,
     last_counters,
+    lease_problems,
+    logged,
+    process_logs,
     quantile,
     quiet_problems,
+    unplanned_expiries,
 )
 from kvcompose.soak.stack import COUNTERS, GAUGES, ROLES, Sampler, Stack
 from kvcompose.testing.types import registered
@@ -65,7 +75,9 @@ def run(
     logs = work / "logs"
     requests, faults = plan(options)
     model = str(make_model(0))
+    lease_s = prefill_lease_s()
     t_start = time.monotonic()
+    started = datetime.now()  # the year of the servers' log times (they have none)
     with engine_lock(echo=echo), registered():  # the decode composition's flaky child: the kit's type
         echo(f"starting prefill, decode and the router (logs: {logs}) ...")
         stack = Stack(model, decode_composition(faults, work), logs, options.concurrency)
@@ -85,8 +97,9 @@ def run(
             sampler.stop()
             processes, deaths = _processes(stack)
             breaker = _logged(logs, "decode", rf"connector {FLAKY}: breaker (open|half-open|closed):")
-            # vLLM's NIXL worker on the prefill, when a lease runs out before any decode read.
-            lease_releases = len(_logged(logs, "prefill", r"Releasing expired KV blocks for request"))
+            # vLLM's NIXL worker on the prefill: a lease run out before every decode read, a read after one.
+            expiries = logged(logs, "prefill", LEASE_EXPIRY, started)
+            late_reads = logged(logs, "prefill", LATE_READ, started)
         finally:
             stack.close()
         comparison = _compare(
@@ -95,7 +108,10 @@ def run(
     attempts = count(load.outcomes)
     requests_by = by_request(load.outcomes)
     answered = sorted(o.latency_s for o in load.outcomes if o.kind == "answered")
-    problems = deaths + quiet_problems(quiet)
+    ttft = first_tokens(load.outcomes, injector.outages)
+    decode_kills = [datetime.fromtimestamp(at) for name, at in injector.kills if name == "decode"]
+    unplanned = unplanned_expiries(expiries, decode_kills, lease_s)
+    problems = deaths + quiet_problems(quiet) + lease_problems(late_reads, unplanned, lease_s) + ttft.problems()
     if injector.error is not None:
         problems.append(f"fault injection failed: {injector.error}")
     if attempts["hung"]:
@@ -103,6 +119,7 @@ def run(
     routed_drops = sum(1 for o in load.outcomes if o.kind == "dropped" and o.path == "router")
     if routed_drops:
         problems.append(f"the router closed {routed_drops} connection(s) without an HTTP answer")
+    problems += cut_off_problems(load.outcomes, injector.outages)
     if requests_by["gave-up"]:
         problems.append(f"{requests_by['gave-up']} request(s) failed on every retry")
     if not requests_by["answered"]:
@@ -125,13 +142,22 @@ def run(
         attempts=attempts,
         first_errors=_first_errors(load.outcomes),
         failed_during_outages=during(load.outcomes, injector.outages),
+        cut_off_during_outages=during(load.outcomes, injector.outages, kind="cut-off"),
         latency_p50_s=quantile(answered, 0.5),
         latency_p99_s=quantile(answered, 0.99),
+        ttft_p50_s=ttft.p50_s,
+        ttft_p99_s=ttft.p99_s,
+        ttft_max_s=ttft.max_s,
+        ttft_slow=len(ttft.slow),
+        ttft_in_outages=ttft.in_outages,
+        ttft_slow_in_outages=ttft.slow_in_outages,
         quiet=quiet,
         settle_s=settle_s,
         counters=last_counters(sampler.samples, tuple(COUNTERS)),
-        prefill_held_after_decode_kill=_held(sampler, injector),
-        lease_releases=lease_releases,
+        prefill_held_after_decode_kill=_held(sampler, injector, lease_s),
+        lease_releases=len(expiries),
+        lease_releases_unplanned=len(unplanned),
+        late_reads=len(late_reads),
         breaker_changes=breaker,
         processes=processes,
         comparison=comparison,
@@ -190,17 +216,17 @@ def _processes(stack: Stack) -> tuple[list[str], list[str]]:
 def _logged(logs: Path, role: str, pattern: str) -> list[str]:
     """``pattern``'s matches over the logs of every process of ``role``, in start order."""
     out: list[str] = []
-    for path in sorted(logs.glob(f"{role}*.log")):
+    for path in process_logs(logs, role):
         out += re.findall(pattern, path.read_text(errors="replace"))
     return out
 
 
-def _held(sampler: Sampler, injector: Injector) -> float:
+def _held(sampler: Sampler, injector: Injector, lease_s: float) -> float:
     killed = next((start for name, start, _ in injector.outages if name == "decode"), None)
     if killed is None:
         return 0.0
     return max(
-        (s.values["kv_usage"] for s in sampler.samples if s.role == "prefill" and killed <= s.t <= killed + 30),
+        (s.values["kv_usage"] for s in sampler.samples if s.role == "prefill" and killed <= s.t <= killed + lease_s),
         default=0.0,
     )
 
@@ -208,7 +234,7 @@ def _held(sampler: Sampler, injector: Injector) -> float:
 def _first_errors(outcomes: list[Outcome]) -> list[str]:
     seen: dict[str, str] = {}
     for o in outcomes:
-        if o.kind in ("http-error", "dropped", "hung") and o.kind not in seen:
+        if o.kind in ("http-error", "dropped", "cut-off", "hung") and o.kind not in seen:
             seen[o.kind] = f"{o.kind}: {o.detail}"
     return list(seen.values())
 

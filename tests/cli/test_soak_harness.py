@@ -1,12 +1,15 @@
-"""The soak harness without engines: its plan, its clients against a real local HTTP server, its
-report's arithmetic, and ``kvcompose soak``'s refusals. The run itself, with real engines, is
+"""The soak harness without engines: its plan, its clients against a real local HTTP server
+(streamed answers included), its report's arithmetic, its reading of vLLM's prefill logs, and
+``kvcompose soak``'s refusals. The run itself, with real engines, is
 ``tests/engine/test_soak.py``."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -15,9 +18,29 @@ import pytest
 from kvcompose.cli import main
 from kvcompose.compose import load
 from kvcompose.e2e.node import free_ports
+from kvcompose.e2e.server import completion_body, parse_completion
+from kvcompose.examples import EXAMPLES
 from kvcompose.soak.drive import Injector, Load, Outcome, send
-from kvcompose.soak.plan import FLAKY, QUICK, SoakOptions, decode_composition, plan
-from kvcompose.soak.report import Comparison, SoakReport, by_request, during, hang_ups, quiet_problems
+from kvcompose.soak.plan import FLAKY, QUICK, SoakOptions, decode_composition, plan, prefill_lease_s
+from kvcompose.soak.report import (
+    LATE_READ,
+    LEASE_EXPIRY,
+    TTFT_BOUND_S,
+    Comparison,
+    LogLine,
+    SoakReport,
+    by_request,
+    cut_off_problems,
+    during,
+    first_tokens,
+    hang_ups,
+    lease_problems,
+    log_time,
+    logged,
+    process_logs,
+    quiet_problems,
+    unplanned_expiries,
+)
 
 
 def test_a_plan_is_drawn_from_its_seed_alone() -> None:
@@ -53,20 +76,38 @@ def test_soak_refuses_sizes_it_cannot_run_with_a_clear_message(
     assert err.startswith("kvcompose soak: --requests must be >= 20") and "Traceback" not in err
 
 
-class _Server:
-    """A local HTTP server answering ``POST /v1/completions`` from a script of statuses."""
+#: What a streamed answer of ``_Server`` sends: vLLM's chunks for two tokens (the first carries the
+#: prompt's ids), each a ``data:`` event.
+CHUNKS = [
+    {"choices": [{"text": "", "token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "prompt_token_ids": [1]}]},
+    {"choices": [{"text": "", "token_ids": [8], "logprobs": {"token_logprobs": [-0.25]}, "finish_reason": "length"}]},
+]
 
-    def __init__(self, statuses: list[int], delay_s: float = 0.0) -> None:
+
+class _Server:
+    """A local HTTP server answering ``POST /v1/completions`` from a script of statuses; a request
+    with ``"stream": true`` gets server-sent events as vLLM sends them (chunked, ``data: {json}``,
+    then ``data: [DONE]``), the first token ``first_token_s`` after the request, ``events`` in
+    place of :data:`CHUNKS` and ``[DONE]`` when given (an error event, a stream cut off)."""
+
+    def __init__(
+        self, statuses: list[int], delay_s: float = 0.0, first_token_s: float = 0.0, events: list[str] | None = None
+    ) -> None:
         self.statuses = statuses
         self.seen = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # chunked streams, as vLLM's server (uvicorn) sends them
+
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                self.rfile.read(int(self.headers["Content-Length"]))
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status = server.statuses[min(server.seen, len(server.statuses) - 1)]
                 server.seen += 1
                 threading.Event().wait(delay_s)
+                if status == 200 and request.get("stream"):
+                    self._stream()
+                    return
                 body = json.dumps(
                     {"choices": [{"token_ids": [7, 8], "logprobs": {"token_logprobs": [-0.5, -0.25]}}]}
                     if status == 200
@@ -76,6 +117,22 @@ class _Server:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _stream(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                threading.Event().wait(first_token_s)
+                sent = [f"data: {json.dumps(c)}" for c in CHUNKS] + ["data: [DONE]"] if events is None else events
+                for event in sent:
+                    data = f"{event}\n\n".encode()
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    self.wfile.flush()
+                    threading.Event().wait(0.05)  # a token's step
+                if events is None:
+                    self.wfile.write(b"0\r\n\r\n")
+                self.close_connection = True  # a scripted stream without its last chunk ends here
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -99,11 +156,46 @@ def server(request: pytest.FixtureRequest) -> Iterator[_Server]:
 
 @pytest.mark.parametrize("server", [([200],)], indirect=True)
 def test_send_tells_an_answer_a_hang_up_and_a_dead_port_apart(server: _Server) -> None:
-    kind, _, answer = send(server.http_port, {"prompt": [1]})
-    assert kind == "answered" and answer is not None
-    assert send(server.http_port, {"prompt": [1]}, hang_up_after=0.0)[0] == "hung-up"
+    kind, _, answer, ttft = send(server.http_port, {"prompt": [1]})
+    assert kind == "answered" and answer is not None and ttft is None  # not streamed: no first token seen
+    assert send(server.http_port, {"prompt": [1]}, hang_up_after=0.0).kind == "hung-up"
+    assert send(server.http_port, {"prompt": [1], "stream": True}, hang_up_after=0.0).kind == "hung-up"
     (dead,) = free_ports(1)
-    assert send(dead, {"prompt": [1]})[0] == "dropped"
+    assert send(dead, {"prompt": [1]}).kind == "dropped"
+    assert send(dead, {"prompt": [1], "stream": True}).kind == "dropped"
+
+
+@pytest.mark.parametrize("server", [([200], 0.0, 0.4)], indirect=True)
+def test_a_streamed_answer_is_joined_and_its_first_token_timed(server: _Server) -> None:
+    t0 = time.monotonic()
+    kind, detail, answer, ttft = send(server.http_port, {**completion_body("m", [1], 2), "stream": True})
+    wall = time.monotonic() - t0
+    assert (kind, detail) == ("answered", "") and answer is not None and ttft is not None
+    # The first token came 0.4 s after the request, the second and [DONE] 50 ms apart after it.
+    assert 0.4 <= ttft < wall - 0.05
+    parsed = parse_completion(answer, wall)
+    assert parsed["token_ids"] == [7, 8] and parsed["logprobs"] == [-0.5, -0.25]
+    assert parsed["finish_reason"] == "length" and parsed["prompt_token_ids"] == [1]
+
+
+@pytest.mark.parametrize(
+    ("server", "kind", "detail"),
+    [
+        (
+            ([200], 0.0, 0.0, ['data: {"error": {"message": "boom", "code": 500}}', "data: [DONE]"]),
+            "http-error",
+            "boom",
+        ),
+        # The server behind the router died mid-answer: the 200 went out, [DONE] never comes.
+        (([200], 0.0, 0.0, [f"data: {json.dumps(CHUNKS[0])}"]), "cut-off", "after 1 tokens"),
+        (([503],), "http-error", "HTTP 503"),
+    ],
+    indirect=["server"],
+)
+def test_a_stream_with_an_error_event_or_cut_off_is_not_answered(server: _Server, kind: str, detail: str) -> None:
+    got = send(server.http_port, {"prompt": [1], "stream": True})
+    assert (got.kind, got.answer, got.ttft_s) == (kind, None, None)
+    assert detail in got.detail
 
 
 @pytest.mark.parametrize("server", [([503, 503, 200],)], indirect=True)
@@ -113,8 +205,11 @@ def test_a_failed_request_is_sent_again_until_it_is_answered(server: _Server) ->
     load.run(1)
     assert [o.kind for o in load.outcomes] == ["http-error", "http-error", "answered"]
     assert [o.attempt for o in load.outcomes] == [0, 1, 2]
-    assert load.outcomes[-1].token_ids == [7, 8]
+    assert load.outcomes[-1].token_ids == [7, 8] and load.outcomes[-1].logprobs == [-0.5, -0.25]
     assert by_request(load.outcomes) == {"answered": 1, "hung-up": 0, "gave-up": 0}
+    # The clients stream: the answer's first token is timed, a failed attempt has none.
+    assert [o.ttft_s is not None for o in load.outcomes] == [False, False, True]
+    assert 0 < (load.outcomes[-1].ttft_s or 0) < load.outcomes[-1].latency_s
 
 
 @pytest.mark.parametrize("server", [([200],)], indirect=True)
@@ -131,11 +226,15 @@ def test_the_injector_kills_and_restarts_once_the_count_is_sent(server: _Server)
     requests, _ = plan(SoakOptions(requests=20, hangups=0.0))
     load = Load(requests[:4], server, "m", 1)
     injector = Injector(load, Servers(), [(3, "decode"), (1, "prefill")])
+    before = time.time()
     injector.start()
     load.run(1)
     injector.join()
     assert [c.split(" after")[0] for c in calls] == ["kill prefill", "restart prefill", "kill decode", "restart decode"]
     assert [o[0] for o in injector.outages] == ["prefill", "decode"] and injector.error is None
+    # Each kill's wall-clock time, what the servers' log times are read against.
+    assert [name for name, _ in injector.kills] == ["prefill", "decode"]
+    assert before <= injector.kills[0][1] <= injector.kills[1][1] <= time.time()
     assert by_request(load.outcomes)["answered"] == 4
 
 
@@ -168,16 +267,25 @@ def test_the_report_names_every_figure_and_each_failed_check() -> None:
         wall_s=200.0,
         requests={"answered": 149, "hung-up": 11, "gave-up": 0},
         hang_ups={"router": 4, "direct": 7},
-        attempts={"answered": 149, "http-error": 136, "dropped": 0, "hung": 0, "hung-up": 11},
+        attempts={"answered": 149, "http-error": 136, "dropped": 0, "cut-off": 3, "hung": 0, "hung-up": 11},
         first_errors=["http-error: HTTP 500: Transparent proxy request failed"],
         failed_during_outages=136,
+        cut_off_during_outages=3,
         latency_p50_s=1.041,
         latency_p99_s=5.265,
+        ttft_p50_s=0.312,
+        ttft_p99_s=2.5,
+        ttft_max_s=7.25,
+        ttft_slow=0,
+        ttft_in_outages=40,
+        ttft_slow_in_outages=2,
         quiet={"prefill": {"running": 0.0}, "decode": {"running": 0.0}},
         settle_s=1.0,
         counters={"decode": {"aborted_mid_load": 3.0}, "decode-3": {"aborted_mid_load": 1.0}},
         prefill_held_after_decode_kill=0.486,
         lease_releases=32,
+        lease_releases_unplanned=0,
+        late_reads=0,
         breaker_changes=["open", "half-open", "closed"],
         processes=["prefill: killed by the soak (SIGKILL), as planned"],
         comparison=Comparison(compared=16, bit_equal=16, tokens_equal=16),
@@ -189,8 +297,13 @@ def test_the_report_names_every_figure_and_each_failed_check() -> None:
         "answered              149   latency p50 1041 ms, p99 5265 ms",
         "(vllm:kvcompose_aborted_loads): decode 4, prefill 0",
         "failed cleanly        136",
+        "cut off                 3   (the stream ended before [DONE]; 3 while a server was down",
         "up to 48.6%",
         "the blocks of 32 request(s) on NIXL lease expiry",
+        "0 outside the lease after the decode's kill (must be 0)",
+        "decode reads after the prefill's lease expired: 0 (must be 0",
+        "time to first token (streamed): p50 312 ms, p99 2500 ms, max 7250 ms; above 5 s: 0 outside the outages",
+        "2 of 40 answered while a server was down",
         "open 1x, half-open 1x, closed 1x",
         "token ids equal 16/16, bit for bit 16/16",
         "result: PASS",
@@ -198,4 +311,147 @@ def test_the_report_names_every_figure_and_each_failed_check() -> None:
         assert figure in text, figure
     report.problems = ["decode: not back to 0 once quiet: {'kv_usage': 0.5}"]
     assert report.render().endswith("result: FAIL\n  - decode: not back to 0 once quiet: {'kv_usage': 0.5}")
-    assert json.loads(json.dumps(report.as_dict()))["requests"]["answered"] == 149
+    as_json = json.loads(json.dumps(report.as_dict()))
+    assert as_json["requests"]["answered"] == 149
+    assert {k: as_json[k] for k in ("late_reads", "lease_releases_unplanned", "ttft_p99_s", "ttft_max_s")} == {
+        "late_reads": 0,
+        "lease_releases_unplanned": 0,
+        "ttft_p99_s": 2.5,
+        "ttft_max_s": 7.25,
+    }
+
+
+def test_a_stream_cut_off_is_a_problem_only_outside_the_outages() -> None:
+    def o(kind: str, at: float) -> Outcome:
+        return Outcome(0, 0, kind, at, 1.0, "router", detail=f"broke at {at}")
+
+    outages = [("decode", 100.0, 150.0)]
+    got = [o("cut-off", 99.5), o("cut-off", 120.0), o("http-error", 30.0), o("answered", 30.0)]
+    assert cut_off_problems(got, outages) == []  # the decode killed mid-answer
+    assert during(got, outages, kind="cut-off") == 2
+    got.append(o("cut-off", 30.0))
+    assert cut_off_problems(got, outages) == [
+        "1 stream(s) broke off before [DONE] while every server was up, e.g. broke at 30.0"
+    ]
+
+
+def test_first_tokens_are_held_to_the_bound_outside_the_outages_only() -> None:
+    def o(at: float, ttft: float | None, kind: str = "answered", latency: float = 8.0) -> Outcome:
+        return Outcome(len(got), 0, kind, at, latency, "router", ttft_s=ttft)
+
+    outages = [("decode", 100.0, 150.0)]
+    got: list[Outcome] = []
+    got += [o(10.0 + i, 0.2 + i / 100) for i in range(20)]  # the quiet part of the run
+    got.append(o(40.0, TTFT_BOUND_S + 1.5))  # a stall with every server up: the check's target
+    got.append(o(93.0, 30.0))  # sent 7 s before the kill, still running at it
+    got.append(o(160.0, 12.0))  # within 15 s of the decode being healthy again: the router taking it back
+    got.append(o(120.0, 0.1))  # answered in an outage, under the bound
+    got.append(o(50.0, None, kind="http-error"))  # failed: no first token
+    ft = first_tokens(got, outages)
+    assert [x.index for x in ft.slow] == [20]
+    assert (ft.in_outages, ft.slow_in_outages) == (3, 2)
+    assert ft.max_s == 30.0 and 0.2 <= ft.p50_s <= 0.4
+    (problem,) = ft.problems()
+    assert problem.startswith(f"1 answered request(s) outside the outages waited over {TTFT_BOUND_S:g} s")
+    assert "request 20 6.5 s (sent at 40.0 s)" in problem
+    # Without the stall: nothing to report, however slow the requests during the outage were.
+    assert first_tokens([x for x in got if x.index != 20], outages).problems() == []
+    # Without outage windows every slow answer counts.
+    assert len(first_tokens(got, []).slow) == 3
+
+
+#: Lines as vLLM's prefill writes them (vllm/logger.py's format; NIXL's worker's messages).
+NEAR = datetime(2026, 11, 26, 5, 0, 0)
+EXPIRY = (
+    "(EngineCore pid=3627) WARNING 11-26 {t} [nixl/base_worker.py:3033] Releasing expired KV blocks for request "
+    "cmpl-{r}-0 which were retrieved by 0 remote worker(s) before lease expired."
+)
+LATE = (
+    "(EngineCore pid=3627) ERROR 11-26 {t} [nixl/pull_worker.py:668] Potentially invalid KV blocks for unrecognized "
+    "request cmpl-{r}-0 were retrieved by a decode worker. They may have expired."
+)
+
+
+def test_a_vllm_log_lines_time_is_read_from_its_header() -> None:
+    line = EXPIRY.format(t="05:12:02", r="a")
+    assert log_time(line, NEAR) == datetime(2026, 11, 26, 5, 12, 2)
+    # Coloured (VLLM_LOGGING_COLOR=1), with a prefix (VLLM_LOGGING_PREFIX), another process's name.
+    coloured = (
+        "\x1b[0;36m(EngineCore_DP0 pid=7)\x1b[0;0m \x1b[33mWARNING\x1b[0m \x1b[90m11-26 05:12:03\x1b[0m [x.py:1] hi"
+    )
+    assert log_time(coloured, NEAR) == datetime(2026, 11, 26, 5, 12, 3)
+    assert log_time("[node-1] (APIServer pid=12) INFO 11-26 23:59:59 [a.py:2] up", NEAR) == datetime(
+        2026, 11, 26, 23, 59, 59
+    )
+    # No header (a traceback line, a message quoting a time): no time.
+    assert log_time("Traceback (most recent call last): 11-26 05:12:02", NEAR) is None
+    assert log_time("(EngineCore pid=1) WARNING 13-45 05:12:02 [a.py:1] not a date", NEAR) is None
+    # The header has no year: the nearest one to the run (a run over New Year; 02-29 in a leap year).
+    assert log_time("(EngineCore pid=1) INFO 12-31 23:59:58 [a.py:1] x", datetime(2027, 1, 1, 0, 0, 5)) == datetime(
+        2026, 12, 31, 23, 59, 58
+    )
+    assert log_time("(EngineCore pid=1) INFO 01-01 00:00:03 [a.py:1] x", datetime(2026, 12, 31, 23, 59)) == datetime(
+        2027, 1, 1, 0, 0, 3
+    )
+    assert log_time("(EngineCore pid=1) INFO 02-29 10:00:00 [a.py:1] x", datetime(2027, 3, 1)) == datetime(
+        2028, 2, 29, 10, 0, 0
+    )
+
+
+def test_every_prefill_process_log_is_read_restarts_included(tmp_path: Path) -> None:
+    (tmp_path / "prefill.log").write_text(
+        "(APIServer pid=1) INFO 11-26 05:10:00 [a.py:1] starting\n" + EXPIRY.format(t="05:12:02", r="a") + "\n"
+    )
+    # The restarted prefill (Stack.restart names it prefill-<n>), its late read and an expiry.
+    (tmp_path / "prefill-2.log").write_text(
+        LATE.format(t="05:13:10", r="b") + "\n" + EXPIRY.format(t="05:13:30", r="c") + "\n"
+    )
+    (tmp_path / "prefill-12.log").write_text(EXPIRY.format(t="05:20:00", r="e") + "\n")  # restarts past 9
+    (tmp_path / "decode.log").write_text(LATE.format(t="05:13:11", r="d") + "\n")  # not a prefill's
+    assert [p.name for p in process_logs(tmp_path, "prefill")] == ["prefill.log", "prefill-2.log", "prefill-12.log"]
+    expiries = logged(tmp_path, "prefill", LEASE_EXPIRY, NEAR)
+    assert [e.at for e in expiries] == [
+        datetime(2026, 11, 26, 5, 12, 2),
+        datetime(2026, 11, 26, 5, 13, 30),
+        datetime(2026, 11, 26, 5, 20, 0),
+    ]
+    (late,) = logged(tmp_path, "prefill", LATE_READ, NEAR)
+    assert late.at == datetime(2026, 11, 26, 5, 13, 10) and "cmpl-b-0" in late.text
+
+
+def test_lease_expiries_are_planned_only_in_the_lease_after_the_decode_kill() -> None:
+    kill = datetime(2026, 11, 26, 5, 12, 2, 700_000)
+
+    def at(t: str) -> LogLine:
+        return LogLine(datetime.strptime(f"2026-11-26 {t}", "%Y-%m-%d %H:%M:%S"), t)
+
+    lines = [at("05:12:01"), at("05:12:02"), at("05:12:32"), at("05:12:47"), at("05:12:48"), LogLine(None, "?")]
+    unplanned = unplanned_expiries(lines, [kill], lease_s=30.0, slack_s=15.0)
+    # Before the kill's second; after its lease and slack (05:12:47.7); a line whose time is unreadable.
+    assert [e.text for e in unplanned] == ["05:12:01", "05:12:48", "?"]
+    assert unplanned_expiries(lines[1:4], [kill], lease_s=30.0) == []
+    # No decode was killed: no expiry is planned.
+    assert len(unplanned_expiries(lines, [], lease_s=30.0)) == len(lines)
+
+
+def test_late_reads_and_unplanned_expiries_are_problems() -> None:
+    late = [LogLine(datetime(2026, 11, 26, 5, 13, 10), LATE.format(t="05:13:10", r="b"))]
+    unplanned = [LogLine(datetime(2026, 11, 26, 5, 20, 1), "x"), LogLine(None, "y")]
+    assert lease_problems([], [], 30.0) == []
+    first, second = lease_problems(late, unplanned, 30.0)
+    assert first.startswith("1 decode read(s) after the prefill's NIXL lease expired") and "cmpl-b-0" in first
+    assert second.startswith("2 NIXL lease expiry(ies) on the prefill outside the 30 s")
+    assert "05:20:01, time unreadable" in second
+    assert lease_problems([], unplanned, 30.0) == [second]
+
+
+def test_the_prefills_lease_is_its_compositions_else_vllms(tmp_path: Path) -> None:
+    assert prefill_lease_s() == 30.0  # the shipped example keeps vLLM's default
+    text = (
+        (EXAMPLES / "pd-prefill.yaml")
+        .read_text()
+        .replace("backends: [UCX]", "backends: [UCX]\n      lease_seconds: 45")
+    )
+    (tmp_path / "p.yaml").write_text(text)
+    assert load(tmp_path / "p.yaml").children[1].options.lease_seconds == 45  # a valid composition
+    assert prefill_lease_s(tmp_path / "p.yaml") == 45.0
