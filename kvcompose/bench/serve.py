@@ -1,12 +1,16 @@
-"""Benchmark 11: the serving stack under load, kvcompose vs a bare NixlConnector on the decode side.
+"""Benchmark 11: the serving stack under load, kvcompose vs a bare NixlConnector and vs vLLM's
+MultiConnector on the decode side.
 
-Three engines and two routers at once, all vLLM's own programs:
+Four engines and three routers at once, all vLLM's own programs:
 
-* one prefill server (``examples/pd-prefill.yaml``), shared by both sides;
+* one prefill server (``examples/pd-prefill.yaml``), shared by every side;
 * decode ``kvcompose``: ``examples/pd-decode.yaml`` (host-memory tier + NIXL, ``load: ranges``);
 * decode ``NixlConnector``: that composition's NIXL child alone as the server's
   ``--kv-transfer-config`` (:func:`~kvcompose.bench.pd_ttft.nixl_alone`: vLLM's NixlConnector
   through the nixl plugin's module path, the same options);
+* decode ``MultiConnector``: vLLM's own MultiConnector over the same two children
+  (:func:`~kvcompose.vllm.args.vllm_multiconnector`), its fixed rules (the first child with a hit
+  loads, every child saves);
 * one vLLM router per side (P/D mode, nixl) in front of the shared prefill and that side's decode.
 
 The workload is a chat service's: every prompt is one of :data:`PREFIXES` shared prefixes (a
@@ -15,9 +19,10 @@ prefix cache, decode's, the host tier), and :data:`IN_FLIGHT` requests are in fl
 (a thread per client, streaming ``/v1/completions`` through the router). Each round sends a batch
 of :data:`BATCH` requests through one side, then a batch of the same shape (other new parts)
 through the other, the order flipping every round, so both sides share the machine's moments of
-load. A sample is one batch's requests per second; each request's time to first token (the
-first streamed token, as the client sees it: prefill, the NIXL pull and decode's first step) and
-errors are collected per side.
+load. A sample is one batch's answered requests per second (a failed request is an error, never
+served); each request's time to first token (the first streamed token, as the client sees it:
+prefill, the NIXL pull and decode's first step) and errors are collected per side, and the TTFT
+tail (p99, max) is reported beside the median, with kvcompose's p99 against each other side's.
 """
 
 from __future__ import annotations
@@ -38,11 +43,15 @@ from kvcompose.bench.measure import Samples, ratio, repeats_for
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.flow import delta
-from kvcompose.e2e.node import EngineSpec
+from kvcompose.e2e.node import EngineSpec, composed_kv_transfer_config
 from kvcompose.e2e.server import HOST
+from kvcompose.vllm.args import vllm_multiconnector
 
-SIDES = ("NixlConnector", "kvcompose")
-#: A third side on request (``run(sides=ALL_SIDES)``, a fourth engine): the composite with its
+#: The baseline first (every side's requests/s ratio is to it); :data:`SUBJECT` is the one whose
+#: TTFT p99 is set against every other side's.
+SIDES = ("NixlConnector", "kvcompose", "MultiConnector")
+SUBJECT = "kvcompose"
+#: One more side on request (``run(sides=ALL_SIDES)``, a fifth engine): the composite with its
 #: NIXL child alone, which tells the composite's own cost from the host tier's work.
 ALL_SIDES = (*SIDES, "kvcompose-pd-only")
 IN_FLIGHT = 16
@@ -116,22 +125,39 @@ class Workload:
 
 
 def run_batch(router_port: int, model: str, prompts: list[list[int]], tally: Tally) -> float:
-    """``prompts`` through the router at :data:`IN_FLIGHT` at once; requests per second."""
+    """``prompts`` through the router at :data:`IN_FLIGHT` at once; answered requests per second
+    (a failed request is counted in ``tally.errors``, never as served)."""
 
-    def one(prompt: list[int]) -> None:
+    def one(prompt: list[int]) -> bool:
         try:
             tally.ttft_s.append(stream_completion(HOST, router_port, model, prompt))
+            return True
         except Exception as exc:  # every failure is counted and shown, none stops the run
             tally.error(f"{type(exc).__name__}: {exc}"[:300])
+            return False
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        list(pool.map(one, prompts))
-    return len(prompts) / (time.perf_counter() - t0)
+        answered = sum(pool.map(one, prompts))
+    return answered / (time.perf_counter() - t0)
 
 
 def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else values[0]
+
+
+def ttft_p99_ratios(sides: dict[str, dict[str, Any]], subject: str = SUBJECT) -> dict[str, float | None]:
+    """``subject``'s TTFT p99 over each other side's (``"kvcompose/NixlConnector": 1.04``), from
+    :func:`side_report`'s figures; None where a side answered nothing. Above 1: the subject's tail
+    is longer."""
+    if subject not in sides:
+        return {}
+    mine = sides[subject]["ttft_p99_ms"]
+    return {
+        f"{subject}/{side}": round(mine / e["ttft_p99_ms"], 3) if mine and e["ttft_p99_ms"] else None
+        for side, e in sides.items()
+        if side != subject
+    }
 
 
 def run(
@@ -142,8 +168,8 @@ def run(
     batch: int | None = None,
     sides: tuple[str, ...] = SIDES,
 ) -> Result:
-    """Requests per second behind the router, one sample per side and round; each side's ratio
-    to ``NixlConnector`` (the first of ``sides``)."""
+    """Answered requests per second behind the router, one sample per side and round; each side's
+    ratio to ``NixlConnector`` (the first of ``sides``), and the TTFT tail (:func:`summarize`)."""
     from kvcompose.e2e.model import make_model
     from kvcompose.e2e.node import free_ports, wait_all_ready
     from kvcompose.e2e.router import RouterNode
@@ -193,8 +219,28 @@ def run(
         finally:
             for n in reversed(nodes):
                 n.close()
+    return summarize(samples, tallies, moved, per_batch, rounds, quick, started_s, logs, echo)
+
+
+def summarize(
+    samples: dict[str, Samples],
+    tallies: dict[str, Tally],
+    moved: dict[str, dict[str, float]],
+    per_batch: int,
+    rounds: int,
+    quick: bool,
+    started_s: float,
+    logs: Path,
+    echo: Callable[[str], None] = print,
+) -> Result:
+    """The result of a run: the sides' answered requests/s samples and ratios (to the first side,
+    and kvcompose to MultiConnector), each side's figures (:func:`side_report`) and the TTFT tail
+    (:func:`ttft_p99_ratios`), echoed and in the JSON. Raises when a side pulled nothing over NIXL
+    (it measured something else than P/D)."""
+    sides = tuple(samples)
     label = f"{IN_FLIGHT} in flight, {per_batch}-request batches, {PREFIXES} shared {PREFIX_TOKENS}-token prefixes"
-    extra = {side: _side_report(tallies[side], moved.get(side, {})) for side in sides}
+    extra = {side: side_report(tallies[side], moved.get(side, {})) for side in sides}
+    tail = ttft_p99_ratios(extra)
     for side in sides:  # a side that did not do P/D measured something else
         if not extra[side]["nixl_bytes"]:
             raise RuntimeError(
@@ -204,46 +250,77 @@ def run(
     for side in sides:
         e = extra[side]
         echo(
-            f"   {side}: TTFT p50 {e['ttft_p50_ms']} ms, p90 {e['ttft_p90_ms']} ms, "
+            f"   {side}: answered {e['answered']} of {e['requests']}, TTFT {ttft_line(e)}, "
             f"errors {e['errors']}{' ' + str(e['first_errors']) if e['errors'] else ''}"
         )
+    if tail:
+        echo("   TTFT p99 " + ", ".join(f"{k} {v}" for k, v in tail.items()))
+    for side in sides:  # a ratio to a side that served nothing is no figure
+        if not samples[side].max or not samples[side].median:
+            raise RuntimeError(
+                f"serve: decode {side} answered no request in most batches ({extra[side]['errors']} errors, e.g. "
+                f"{extra[side]['first_errors']}); see {logs}/decode-{side}.log"
+            )
+    ratios = [ratio(label, samples, side, sides[0], higher_is_better=True) for side in sides[1:]]
+    if SUBJECT in sides and "MultiConnector" in sides:
+        ratios.append(ratio(label, samples, SUBJECT, "MultiConnector", higher_is_better=True))
+    case_extra = {"sides": extra, "ttft_p99_ratios": tail, "engines_start_s": round(started_s, 1)}
     return Result(
         "serve",
-        "Requests/s behind vLLM's router (1 prefill, 1 decode per side): kvcompose vs a bare NixlConnector",
+        "Answered requests/s behind vLLM's router (1 prefill, 1 decode per side): kvcompose vs a bare "
+        "NixlConnector and vLLM's MultiConnector",
         "req/s",
         1.0,
-        [Case(label, samples, {"sides": extra, "engines_start_s": round(started_s, 1), "engine_logs": str(logs)})],
-        [ratio(label, samples, side, sides[0], higher_is_better=True) for side in sides[1:]],
+        [Case(label, samples, {**case_extra, "engine_logs": str(logs)})],
+        ratios,
         Target(">=", 0.98, "kvcompose", "NixlConnector"),
         rounds,
         quick,
         [
-            "one prefill server shared by both sides; decode kvcompose: examples/pd-decode.yaml (host tier + NIXL, "
-            "load: ranges); decode NixlConnector: its NIXL child alone (same options); a vLLM router per side",
-            f"a sample: one batch's requests/s, {IN_FLIGHT} streamed requests in flight; the sides alternate batch "
-            "by batch (order flipping every round); every prompt a shared prefix + a new part",
+            "one prefill server shared by every side; decode kvcompose: examples/pd-decode.yaml (host tier + NIXL, "
+            "load: ranges); decode NixlConnector: its NIXL child alone (same options); decode MultiConnector: "
+            "vLLM's MultiConnector over the same two children; a vLLM router per side",
+            f"a sample: one batch's answered requests/s (failures are errors, not served), {IN_FLIGHT} streamed "
+            "requests in flight; the sides alternate batch by batch (order flipping every round); every prompt a "
+            "shared prefix + a new part",
             "TTFT: first streamed token as the client sees it (prefill + NIXL pull + decode's first step); "
             "errors: HTTP errors and failed streams",
+            "TTFT ms: " + "; ".join(f"{side} {ttft_line(extra[side])}" for side in sides),
+            *(["TTFT p99 " + ", ".join(f"{k} {v}" for k, v in tail.items())] if tail else []),
         ],
         {"in_flight": IN_FLIGHT, "batch": per_batch, "max_tokens": MAX_TOKENS, "decode_blocks": DECODE_BLOCKS},
     )
 
 
-def _side_report(tally: Tally, moved: dict[str, float]) -> dict[str, Any]:
+def side_report(tally: Tally, moved: dict[str, float]) -> dict[str, Any]:
+    """One side's figures for the JSON: requests, answered, errors, TTFT p50/p90/p99/max (ms, None
+    when nothing was answered), and what its decode did (``moved``: its counters' deltas)."""
     from kvcompose.e2e.flow import COMPUTED, NIXL_BYTES, answered, loads_key
 
     ttft = sorted(tally.ttft_s)
+
+    def ms(q: float) -> float | None:
+        return round(_quantile(ttft, q) * 1e3, 1) if ttft else None
+
     return {
         "requests": len(ttft) + tally.errors,
+        "answered": len(ttft),
         "errors": tally.errors,
         "first_errors": tally.first_errors,
-        "ttft_p50_ms": round(_quantile(ttft, 0.5) * 1e3, 1) if ttft else None,
-        "ttft_p90_ms": round(_quantile(ttft, 0.9) * 1e3, 1) if ttft else None,
+        "ttft_p50_ms": ms(0.5),
+        "ttft_p90_ms": ms(0.9),
+        "ttft_p99_ms": ms(0.99),
+        "ttft_max_ms": round(ttft[-1] * 1e3, 1) if ttft else None,
         "decode_answered": int(answered(moved)),
         "nixl_bytes": int(moved.get(NIXL_BYTES, 0)),
         "host_loads": int(moved.get(loads_key("host"), 0)),
         "computed_prompt_tokens": int(moved.get(COMPUTED, 0)),
     }
+
+
+def ttft_line(e: dict[str, Any]) -> str:
+    """``p50 512.0 / p99 1302.5 / max 2210.0 ms``, from :func:`side_report`'s figures."""
+    return f"p50 {e['ttft_p50_ms']} / p99 {e['ttft_p99_ms']} / max {e['ttft_max_ms']} ms"
 
 
 def decode_spec(side: str, model: str, decode_yaml: Path, port: int, logs: Path) -> EngineSpec:
@@ -255,6 +332,9 @@ def decode_spec(side: str, model: str, decode_yaml: Path, port: int, logs: Path)
         return EngineSpec(name, model, str(pd_only(decode_yaml, logs)), port, num_gpu_blocks=DECODE_BLOCKS)
     if side == "NixlConnector":
         return EngineSpec(name, model, kv_config=nixl_alone(decode_yaml, port), num_gpu_blocks=DECODE_BLOCKS)
+    if side == "MultiConnector":
+        multi = vllm_multiconnector(composed_kv_transfer_config(decode_yaml, port))
+        return EngineSpec(name, model, kv_config=multi, num_gpu_blocks=DECODE_BLOCKS)
     raise ValueError(f"unknown side {side!r}; choose from {ALL_SIDES}")
 
 
