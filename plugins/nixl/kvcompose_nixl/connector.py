@@ -64,6 +64,7 @@ from kvcompose_nixl import (
 )
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import ask_patiently
+from kvcompose_nixl.lease import LeaseWatch, stamp
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -215,7 +216,13 @@ class _SettingsMixin:
 
 class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
     """vLLM's pull-mode NixlConnector, plus side-channel options, local compute when a remote
-    prefill comes with no remote blocks, and range loads (see the module docstring)."""
+    prefill comes with no remote blocks, range loads, and no read used after the prefill's
+    lease on its blocks ended (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        #: The decode side's lease checks (:mod:`kvcompose_nixl.lease`); None on a scheduler.
+        self.leases = LeaseWatch(self.connector_worker) if self.connector_worker is not None else None
 
     def on_new_request(self, request: Request) -> None:
         """vLLM starts lease heartbeats to the prefill instance for every remote prefill; there
@@ -255,7 +262,11 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         """See :meth:`request_finished_all_groups`."""
         if request.kv_transfer_params:  # most requests have none: no call then
             self._forget_unserved_prefill(request)
-        return super().request_finished(request, block_ids)
+        delay, params = super().request_finished(request, block_ids)
+        if delay:
+            assert self.connector_scheduler is not None
+            stamp(self.connector_scheduler, request.request_id, params)
+        return delay, params
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -266,7 +277,11 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         free: clear the flag first so vLLM finishes the request like a local one."""
         if request.kv_transfer_params:  # most requests have none: no call then
             self._forget_unserved_prefill(request)
-        return super().request_finished_all_groups(request, block_ids)
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        if delay:
+            assert self.connector_scheduler is not None
+            stamp(self.connector_scheduler, request.request_id, params)
+        return delay, params
 
     @staticmethod
     def _forget_unserved_prefill(request: Request) -> None:

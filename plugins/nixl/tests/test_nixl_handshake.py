@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,58 +23,10 @@ from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import HandshakeTimeout, patient
+from kvcompose_nixl.testing import LateListener
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 TRY_S = 1.0  # the unit tests' stand-in for vLLM's 5 s wait
-
-
-class LateListener:
-    """A side channel on 127.0.0.1 that answers its ``n``-th request after ``delays[n]`` seconds
-    (``None``: never), by asking ``upstream`` (a real side channel) or, without one, with a
-    fixed reply. Runs in a thread until :meth:`close`."""
-
-    def __init__(self, delays: list[float | None], upstream: tuple[str, int] | None = None) -> None:
-        self.delays = delays
-        self.upstream = upstream
-        self.asked = 0
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        # One thread, one socket, as vLLM's listener; a late answer does not hold up the next request.
-        due: list[tuple[float, bytes, bytes]] = []
-        while not self._stop.is_set():
-            if self._sock.poll(10):
-                identity, _, msg = self._sock.recv_multipart()
-                delay = self.delays[min(self.asked, len(self.delays) - 1)]
-                self.asked += 1
-                if delay is not None:
-                    due.append((time.monotonic() + delay, identity, msg))
-            for entry in [e for e in due if e[0] <= time.monotonic()]:
-                due.remove(entry)
-                self._sock.send_multipart((entry[1], b"", *self._answer(entry[2])))
-
-    def _answer(self, msg: bytes) -> list[bytes]:
-        if self.upstream is None:
-            return [b"metadata:" + msg]
-        req = self._ctx.socket(zmq.REQ)
-        try:
-            req.setsockopt(zmq.RCVTIMEO, 10_000)
-            req.connect(f"tcp://{self.upstream[0]}:{self.upstream[1]}")
-            req.send(msg)
-            return list(req.recv_multipart())
-        finally:
-            req.close(linger=0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close(linger=0)
-        self._ctx.term()
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ tests need no NIXL hardware, no model weights and no network: the model is a loc
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -292,6 +293,11 @@ def test_prefill_returns_params_with_side_channel_from_options(
     # The plugin declares every key vLLM returns (the scheduler itself adds the P-side cache
     # hit count for the decode side's usage report; that key is vLLM's, not NIXL's).
     assert set(params) - {"remote_prefill_cached_tokens"} <= PARAM_KEYS
+
+    # The lease's end, in the scheduler's clock, for the decode side's late-read check.
+    lease_end = scheduler.connector.connector_scheduler._reqs_need_send[rid]
+    assert params["remote_blocks_expiry_time"] == lease_end
+    assert 29 < lease_end - time.perf_counter() <= 30
 
     # Blocks stay held for the decode instance until it reports the read done.
     pool = scheduler.kv_cache_manager.block_pool

@@ -1,0 +1,95 @@
+"""A decode instance never computes from KV it read after the prefill's lease on it ended
+(:mod:`kvcompose_nixl.lease`), with a real prefill instance and vLLM's own NIXL worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvcompose.testing.harness import make_request
+from kvcompose.testing.prefill_process import PrefillProcess
+from kvcompose.testing.worker import WorkerHarness
+from kvcompose_nixl import HANDSHAKE_TRY_S
+from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
+from kvcompose_nixl.testing import LateListener
+
+BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
+LEASE_S = 2
+PREFILL_BLOCKS = 16
+
+
+def composition(role: str, port: int, options: str = "", top: str = "") -> str:
+    return f"""version: 1
+{top}connectors:
+  - name: pd
+    type: nixl
+    role: {role}
+    options: {{side_channel_host: 127.0.0.1, side_channel_port: {port},
+               progress_delay_us: 100, ucx_error_handling: none{options}}}
+"""
+
+
+def prompt_of(seed: int, blocks: int) -> list[int]:
+    return [3 + (i * 37 + seed * 101) % 490 for i in range(blocks * BLOCK)]
+
+
+@pytest.mark.engine
+def test_a_read_that_ends_after_the_lease_is_recomputed_not_used() -> None:
+    """The prefill instance's lease on request A's blocks ends while the decode's handshake is
+    still unanswered (its side channel answers the first try 7 s late), the prefill gives the
+    blocks to request B, and only then does the decode read them: it copies B's KV. The read
+    counts as failed, vLLM's scheduler recomputes A's blocks (``load_failure: recompute``), and
+    A's blocks end up holding A's KV, not B's."""
+    pytest.importorskip("nixl")
+    from kvcompose.e2e.node import free_ports
+
+    p_port, d_port = free_ports(2)
+    producer = composition("producer", p_port, f", lease_seconds: {LEASE_S}")
+    with PrefillProcess(producer, block_size=BLOCK, num_blocks=PREFILL_BLOCKS) as prefill:
+        late = LateListener([HANDSHAKE_TRY_S + 2, 0.0], upstream=("127.0.0.1", p_port))
+        consumer = composition("consumer", d_port, ", handshake_tries: 3", top="load_failure: recompute\n")
+        d = WorkerHarness.from_yaml(consumer, block_size=BLOCK, num_blocks=32)
+        try:
+            prompt = prompt_of(1, 3)
+            done = prefill.prefill(prompt, "prefill-A")
+            assert done.params["remote_blocks_expiry_time"] is not None  # the lease's end, stamped
+            params: dict[str, Any] = {**done.params, "remote_port": late.port}
+            d.scheduler.add_request(
+                make_request(
+                    len(prompt) + 1,
+                    block_size=BLOCK,
+                    prompt=[*prompt, 7],
+                    max_tokens=2,
+                    request_id="A",
+                    kv_transfer_params=params,
+                )
+            )
+            d.engine_step(write_blocks=True)  # blocks allocated; the read waits for the handshake
+            (ids,) = d.scheduler.kv_cache_manager.get_block_ids("A")
+            reused: set[int] = set()
+            failed: set[str] = set()
+            invalid: set[int] = set()
+
+            def settled(_outs: object) -> bool:
+                if not reused and prefill.step().finished_sending:  # the lease ended: B takes the blocks
+                    b = prefill.prefill(prompt_of(2, PREFILL_BLOCKS - 2), "prefill-B")
+                    reused.update(set(b.block_ids) & set(done.block_ids))
+                out = d.last_output
+                assert out is not None
+                failed.update(out.failed_recving or ())
+                invalid.update(out.invalid_block_ids or ())
+                return "A" in failed or "A" in (out.finished_recving or ())
+
+            d.step_until(settled, "the load neither finished nor failed", timeout_s=90, write_blocks=True)
+            assert reused, "the prefill instance did not give A's blocks to B"
+            assert failed == {"A"} and invalid == set(ids[: len(prompt) // BLOCK])
+            watch = d.child("pd").leases
+            assert watch is not None and watch.late_reads == 1
+            d.step_until(lambda _outs: "A" not in d.scheduler.requests, "A did not finish", write_blocks=True)
+            assert all(d.holds_prefix(ids[k], prompt[: (k + 1) * BLOCK]) for k in range(len(prompt) // BLOCK))
+        finally:
+            d.shutdown()
+            late.close()
+            calm_progress_thread(0)  # the nixl child set these process-wide for its agent
+            set_ucx_error_handling(None)
