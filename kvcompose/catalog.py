@@ -361,6 +361,8 @@ class Plan:
         )
         pd = self.pd_transport
         lines.append("P/D kv_transfer_params: " + (pd.name if pd else "none (no P/D transport)"))
+        if pd is not None and len(self.children) > 1:
+            lines.append(f"each worker step: {pd.name}'s reads are posted before the other children start their loads")
         owner = self.host_buffer_owner
         lines.append("host-buffer copies: " + (self.children[owner].name if owner is not None else "no child"))
         lines.append("a failed load: " + _LOAD_FAILURE[self.composition.load_failure])

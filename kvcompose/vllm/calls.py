@@ -106,8 +106,8 @@ class ChildFailed(RuntimeError):
 
 
 class CallTable(dict[str, list[Entry]]):
-    """``table[method]``: ``[(child index, callable), ...]`` in YAML order, for the active children
-    that get ``method``.
+    """``table[method]``: ``[(child index, callable), ...]`` in YAML order (one child first where
+    ``first`` says so), for the active children that get ``method``.
 
     A dict filled on first use of each method (``__missing__``), so a forwarded call costs one
     dict subscription (docs/performance.md: worker step, before/after).
@@ -119,6 +119,7 @@ class CallTable(dict[str, list[Entry]]):
         bypassed here, when the monitor says so); the composite settles what that child owed.
     :param monitor: the faults rule's monitor of this connector instance: it says when a child
         that raised is bypassed and when it is called again (:meth:`step`).
+    :param first: per method, the child called before the others (YAML order otherwise).
     """
 
     def __init__(
@@ -130,8 +131,10 @@ class CallTable(dict[str, list[Entry]]):
         only: Mapping[str, Sequence[int]],
         on_fault: Callable[[int, str], None],
         monitor: FaultMonitor | None = None,
+        first: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__()
+        self._first = dict(first or {})
         self.monitor = monitor if monitor is not None else faults.monitor()
         self._children = list(children)
         self._names = tuple(names)
@@ -154,8 +157,11 @@ class CallTable(dict[str, list[Entry]]):
         cls, children: Sequence[KVConnectorBase_V1], plan: Plan, on_fault: Callable[[int, str], None]
     ) -> CallTable:
         """The table of a composite over ``children``: the save hooks to the store rule's
-        targets, vLLM's host-buffer copy op to the child that owns host-buffer copies."""
+        targets, vLLM's host-buffer copy op to the child that owns host-buffer copies, and the
+        P/D transport's ``start_load_kv`` before the other children's: its reads are in flight
+        while they copy, instead of waiting for their copies on the engine's thread."""
         host = plan.host_buffer_owner
+        pd = plan.pd_transport
         return cls(
             children,
             plan.names,
@@ -167,6 +173,7 @@ class CallTable(dict[str, list[Entry]]):
                 "set_host_xfer_buffer_ops": () if host is None else (host,),
             },
             on_fault=on_fault,
+            first={} if pd is None else {"start_load_kv": pd.index},
         )
 
     def __missing__(self, method: str) -> list[Entry]:
@@ -247,6 +254,9 @@ class CallTable(dict[str, list[Entry]]):
 
     def _resolve(self, method: str, among: Sequence[int]) -> list[Entry]:
         only = self._only.get(method)
+        first = self._first.get(method)
+        if first is not None and first in among:
+            among = [first, *(i for i in among if i != first)]
         return [
             (i, self._bind(i, method))
             for i in among

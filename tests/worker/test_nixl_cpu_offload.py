@@ -161,3 +161,31 @@ def test_the_cpu_child_is_the_real_vllm_class_family(kvcompose_scheduler: Factor
     sched = kvcompose_scheduler(composition("consumer"))
     assert isinstance(sched.connector.child("host"), SimpleCPUOffloadConnector)
     assert sched.connector.sub_connectors[1] is sched.connector.child("host")
+
+
+def test_the_pd_read_is_posted_before_the_host_tier_loads_whatever_the_yaml_order(
+    fake_nixl: FakeNixl, kvcompose_worker: Factory
+) -> None:
+    """The host tier is listed first (it loads first under ``first-wins``), but in a worker step
+    NIXL's ``start_load_kv`` runs before its: a read waiting behind the host tier's copies on the
+    engine's thread would reach the prefill instance that much later."""
+    host_first = """
+version: 1
+connectors:
+  - name: host
+    type: cpu-offload
+    options: {cpu_bytes: 16MiB}
+  - name: pd
+    type: nixl
+    role: consumer
+    options: {side_channel_host: 127.0.0.1, side_channel_port: 5634}
+"""
+    h = kvcompose_worker(host_first, num_blocks=12, block_size=BLOCK)
+    conn = h.connector
+    calls: list[str] = []
+    for name in ("host", "pd"):
+        child = conn.child(name)
+        child.start_load_kv = (lambda f, n: lambda *a, **k: (calls.append(n), f(*a, **k))[1])(child.start_load_kv, name)
+    h.step(h.idle_metadata())
+    assert calls and calls == ["pd", "host"] * (len(calls) // 2)
+    assert conn.names == ("host", "pd")
