@@ -94,3 +94,19 @@ def test_a_signal_stops_every_started_group_and_says_so(sig: signal.Signals) -> 
         "prefill engine (pid "
     ), err
     assert "decode engine (pid " in err
+
+
+def test_a_started_group_is_a_process_group_of_its_own_in_this_session() -> None:
+    """Its own group, so that stopping it reaches its children and a terminal's Ctrl-C does not;
+    this session, so that Linux does not schedule it as a group of its own (autogroup): two
+    engines in two sessions starved each other's workers on a shared core (docs/e2e.md)."""
+    import os
+
+    from kvcompose.e2e.node import start_group, stop_group
+
+    proc = start_group("probe", ["sh", "-c", "sleep 600 & wait"])
+    try:
+        assert os.getpgid(proc.pid) == proc.pid != os.getpgrp()
+        assert os.getsid(proc.pid) == os.getsid(0)
+    finally:
+        stop_group(proc, grace_s=5)
