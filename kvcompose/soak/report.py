@@ -34,6 +34,12 @@ LEASE_SLACK_S = 15.0
 #: blocks it no longer holds (their lease expired): the decode read blocks that may have been
 #: reused by another request, and computed from them.
 LATE_READ = "Potentially invalid KV blocks for unrecognized request"
+#: The nixl plugin on the decode (``kvcompose_nixl.lease.REFUSED``), when a read ended after the
+#: prefill's lease: the load counted as failed, nothing was computed from it. The prefill still
+#: logs :data:`LATE_READ` for it.
+REFUSED_READ = re.compile(r"NIXL read refused: \S+ \(prefill request (\S+)\)")
+#: The request a :data:`LATE_READ` line names.
+LATE_READ_REQUEST = re.compile(LATE_READ + r" (\S+)")
 #: vLLM's NIXL worker on the prefill, when a request's lease runs out before every decode read it.
 LEASE_EXPIRY = "Releasing expired KV blocks for request"
 #: vLLM's log line header (``vllm/logger.py``): ``(EngineCore pid=3627) WARNING 11-26 05:12:02
@@ -331,6 +337,18 @@ def unplanned_expiries(
         )
 
     return [e for e in expiries if not planned(e.at)]
+
+
+def used_late_reads(late_reads: list[LogLine], decode_lines: list[str]) -> list[LogLine]:
+    """The prefill's late-read lines for reads the decode did not refuse (:data:`REFUSED_READ` in
+    ``decode_lines``, the decode logs' lines): those a decode may have computed from."""
+    refused = {m.group(1) for line in decode_lines if (m := REFUSED_READ.search(line))}
+    out = []
+    for line in late_reads:
+        m = LATE_READ_REQUEST.search(line.text)
+        if m is None or m.group(1) not in refused:
+            out.append(line)
+    return out
 
 
 def lease_problems(late_reads: list[LogLine], unplanned: list[LogLine], lease_s: float) -> list[str]:

@@ -49,6 +49,7 @@ from kvcompose.soak.report import (
     quantile,
     quiet_problems,
     unplanned_expiries,
+    used_late_reads,
 )
 from kvcompose.soak.stack import COUNTERS, GAUGES, ROLES, Sampler, Stack
 from kvcompose.testing.types import registered
@@ -99,7 +100,9 @@ def run(
             breaker = _logged(logs, "decode", rf"connector {FLAKY}: breaker (open|half-open|closed):")
             # vLLM's NIXL worker on the prefill: a lease run out before every decode read, a read after one.
             expiries = logged(logs, "prefill", LEASE_EXPIRY, started)
-            late_reads = logged(logs, "prefill", LATE_READ, started)
+            # ... and the reads the decode refused for it (nothing computed from them).
+            refused = _logged(logs, "decode", r"NIXL read refused: [^\n]*")
+            late_reads = used_late_reads(logged(logs, "prefill", LATE_READ, started), refused)
         finally:
             stack.close()
         comparison = _compare(

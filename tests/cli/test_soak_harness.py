@@ -40,6 +40,7 @@ from kvcompose.soak.report import (
     process_logs,
     quiet_problems,
     unplanned_expiries,
+    used_late_reads,
 )
 
 
@@ -455,3 +456,21 @@ def test_the_prefills_lease_is_its_compositions_else_vllms(tmp_path: Path) -> No
     (tmp_path / "p.yaml").write_text(text)
     assert load(tmp_path / "p.yaml").children[1].options.lease_seconds == 45  # a valid composition
     assert prefill_lease_s(tmp_path / "p.yaml") == 45.0
+
+
+def test_a_late_read_the_decode_refused_is_not_one_it_may_have_computed_from() -> None:
+    """The nixl plugin refuses a read that ended after the lease (kvcompose_nixl.lease); the prefill
+    logs its late notification all the same. Only the prefill's lines for reads the decode did
+    not refuse are problems."""
+    from kvcompose_nixl.lease import REFUSED
+
+    def late(req: str) -> LogLine:
+        return LogLine(None, f"{LATE_READ} {req} were retrieved by a decode worker. They may have expired.")
+
+    decode = [
+        f"{REFUSED} chatcmpl-d-1 (prefill request chatcmpl-p-1) ended 0.1 s after the prefill instance's lease",
+        "an unrelated line naming chatcmpl-p-2",
+    ]
+    kept = used_late_reads([late("chatcmpl-p-1"), late("chatcmpl-p-2")], decode)
+    assert [line.text for line in kept] == [late("chatcmpl-p-2").text]
+    assert used_late_reads([late("chatcmpl-p-1")], []) != []

@@ -39,6 +39,9 @@ log = logging.getLogger("kvcompose.nixl")
 #: vLLM's ``kv_transfer_params`` key for the end of a lease on the sender's blocks
 #: (``nixl/metadata.py``: read into ``RemoteMeta.blocks_expiry_time``).
 EXPIRY_KEY = "remote_blocks_expiry_time"
+#: How the decode's log starts the line of a read it refused (the soak matches it with the
+#: prefill's ``Potentially invalid KV blocks`` line for the same request).
+REFUSED = "NIXL read refused:"
 #: A heartbeat counts only when sent this long before the lease's end known then: it must reach
 #: the prefill's worker before that worker's next step reaps the lease.
 HEARTBEAT_MARGIN_S = 2.0
@@ -133,10 +136,13 @@ class LeaseWatch:
                     failed.add(req_id)
                     self.late_reads += 1
                     self._worker.xfer_stats.record_kv_expired_req()
+                    lease = self._leases[req_id]
                     log.warning(
-                        "NIXL read of %s ended %.1f s after the prefill instance's lease on its blocks; "
-                        "the blocks may hold another request's KV: the load counts as failed",
+                        "%s %s (prefill request %s) ended %.1f s after the prefill instance's lease on its "
+                        "blocks; the blocks may hold another request's KV: the load counts as failed",
+                        REFUSED,
                         req_id,
+                        lease.remote_request_id,
                         now - end,
                     )
             for req_id in done | failed:
