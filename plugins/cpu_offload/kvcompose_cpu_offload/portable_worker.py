@@ -68,9 +68,11 @@ try:  # built with the plugin where a C compiler is found (pyproject.toml: ext-m
 except ImportError:  # pragma: no cover - a build without a compiler
     _streamcopy = None  # type: ignore[assignment]
 
-#: Transfers of at least this many bytes (per region pair) are streamed past the cache where the
-#: CPU allows it (``_streamcopy.STREAMS``); smaller ones, whose bytes are likely still in the
-#: cache, are copied with memmove by the same helper, in one call that releases the GIL once.
+#: Transfers of at least this many bytes (per region pair) go through the compiled helper, which
+#: streams them past the cache where the CPU allows it (``_streamcopy.STREAMS``). Smaller ones
+#: are copied with numpy: their bytes are likely still in the cache, and the helper's fixed cost
+#: (about 25 us to lay out the pieces) is not paid back below about 1 MiB (measured: 512 KiB in
+#: 32 blocks, numpy 41 us against 72 us; 8 MiB, 1.8 ms against 0.86 ms).
 STREAM_MIN_BYTES = 1 << 20
 
 #: The longest the engine's thread waits for one copy thread's transfer (vLLM's preemption
@@ -105,21 +107,19 @@ def copy_blocks(pairs: Sequence[tuple[np.ndarray, np.ndarray]], src_ids: Sequenc
     ``dst[dst_ids[i]]`` for each ``i`` (dim 0 is the block index).
 
     With the compiled helper (:mod:`kvcompose_cpu_offload._streamcopy`, built with the plugin
-    where a C compiler is found) and layouts it can address (:func:`pieces`): one call for the
-    pair, the GIL released once, streamed past the cache from :data:`STREAM_MIN_BYTES` on.
-    Otherwise one numpy assignment per run of consecutive blocks (the runs found once
+    where a C compiler is found), a pair moving at least :data:`STREAM_MIN_BYTES` and layouts it
+    can address (:func:`pieces`): one call for the pair, streamed past the cache, the GIL
+    released. Otherwise one numpy assignment per run of consecutive blocks (the runs found once
     for the transfer): numpy copies the run piece by piece through the cache, and releases the
     GIL too. Measured against each other and the alternatives in docs/performance.md
     (benchmark 4).
     """
     runs: list[tuple[int, int, int]] | None = None
     for src, dst in pairs:
-        if _streamcopy is not None:
+        if _streamcopy is not None and len(src_ids) * src[0].nbytes >= STREAM_MIN_BYTES:
             plan = pieces(src, dst, src_ids, dst_ids)
             if plan is not None:
-                # One GIL release for the whole pair: numpy releases and retakes it per run, and
-                # each retake can wait a switch interval behind a copy thread (docs/e2e.md).
-                _streamcopy.copy_pieces(*plan, 0 if len(src_ids) * src[0].nbytes >= STREAM_MIN_BYTES else -1)
+                _streamcopy.copy_pieces(*plan, 0)
                 continue
         if runs is None:
             runs = contiguous_runs(src_ids, dst_ids)
@@ -292,41 +292,6 @@ class ThreadEvent:
 # --------------------------------------------------------------------------- copy threads
 
 
-def online_cpus(path: str = "/sys/devices/system/cpu/online") -> set[int]:
-    """The CPUs the kernel has online (``0-3,8`` style), or none when that is unreadable."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return set()
-    cpus: set[int] = set()
-    for part in filter(None, text.split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-def leave_engine_cpus() -> set[int] | None:
-    """Move the calling thread (a copy thread) off the CPUs the engine's thread is bound to.
-
-    vLLM's CPU platform binds a worker's thread to its OpenMP cores and keeps the others
-    (``VLLM_CPU_NUM_OF_RESERVED_CPU``) for the processes and threads around the engine; a thread
-    it starts inherits that binding. A copy thread left there takes turns with the engine's
-    thread on the same core and, worse, hands the GIL back and forth with it through the
-    scheduler, which held engine steps up for seconds under load (docs/e2e.md, stalls). Returns
-    the CPUs the thread now runs on (``None``: left as it was, no other CPU to go to).
-    """
-    try:
-        bound = os.sched_getaffinity(0)
-        spare = online_cpus() - bound
-        if not spare:
-            return None
-        os.sched_setaffinity(0, spare)
-        return os.sched_getaffinity(0)
-    except (OSError, AttributeError):  # a cpuset without those CPUs, or no affinity calls here
-        return None
-
-
 class CopyThreads:
     """A store thread and a load thread, each fed by a FIFO queue: the side streams of the CPU tier.
 
@@ -405,7 +370,6 @@ class CopyThreads:
             event.set_done()
 
     def _io_loop(self, q: queue.SimpleQueue[Any], is_store: bool) -> None:
-        leave_engine_cpus()
         while True:
             item = q.get()
             if item is None:  # the shutdown sentinel, queued behind every transfer: a drain

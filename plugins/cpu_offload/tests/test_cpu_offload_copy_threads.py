@@ -10,10 +10,8 @@ and wait for the copies in flight.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,12 +23,7 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 from kvcompose.testing.harness import assert_scheduler_empty, make_request
 from kvcompose.testing.kv import fill_random, make_engine_kv
 from kvcompose.testing.worker import WorkerHarness
-from kvcompose_cpu_offload.portable_worker import (
-    HostCopyBackend,
-    PortableSimpleCPUOffloadWorker,
-    leave_engine_cpus,
-    online_cpus,
-)
+from kvcompose_cpu_offload.portable_worker import HostCopyBackend, PortableSimpleCPUOffloadWorker
 
 BLOCK = 16
 PROMPT = 4 * BLOCK + 8
@@ -245,38 +238,3 @@ def test_a_preemption_flush_and_shutdown_wait_for_every_store(
         worker.shutdown()
     assert _pool_holds_the_store(kv, worker)
     assert gate is None or not gate.ran_out
-
-
-def test_online_cpus_reads_the_kernels_list(tmp_path: Path) -> None:
-    listing = tmp_path / "online"
-    listing.write_text("0-3,8,10-11\n")
-    assert online_cpus(str(listing)) == {0, 1, 2, 3, 8, 10, 11}
-    assert online_cpus(str(tmp_path / "missing")) == set()
-
-
-def test_a_copy_thread_leaves_the_cpu_its_engine_thread_is_bound_to() -> None:
-    """As vLLM's CPU platform binds a worker's thread to its OpenMP cores: a thread started from
-    a thread bound to one CPU moves to the others (on a host with more than one)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("one CPU: nowhere else to go")
-    seen: dict[str, Any] = {}
-
-    def engine_thread() -> None:
-        os.sched_setaffinity(0, {cpus[0]})
-
-        def copy_thread() -> None:
-            seen["before"] = os.sched_getaffinity(0)
-            seen["moved"] = leave_engine_cpus()
-            seen["after"] = os.sched_getaffinity(0)
-
-        t = threading.Thread(target=copy_thread)
-        t.start()
-        t.join()
-        seen["engine"] = os.sched_getaffinity(0)
-
-    t = threading.Thread(target=engine_thread)
-    t.start()
-    t.join()
-    assert seen["before"] == {cpus[0]} and seen["engine"] == {cpus[0]}
-    assert seen["after"] == seen["moved"] and cpus[0] not in seen["after"] and seen["after"]
