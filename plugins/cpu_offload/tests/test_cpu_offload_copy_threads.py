@@ -238,3 +238,16 @@ def test_a_preemption_flush_and_shutdown_wait_for_every_store(
         worker.shutdown()
     assert _pool_holds_the_store(kv, worker)
     assert gate is None or not gate.ran_out
+
+
+def test_the_engines_wait_on_a_copy_thread_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's preemption flush waits on the engine's thread for every copy in flight: a copy that
+    never ends fails the wait with a clear error instead of holding the engine for good."""
+    from kvcompose_cpu_offload import portable_worker
+
+    monkeypatch.setattr(portable_worker, "SYNC_TIMEOUT_S", 0.05)
+    stuck = portable_worker.ThreadEvent("host copy store")
+    with pytest.raises(TimeoutError, match=r"KV offload host copy store still running after 0.05 s"):
+        stuck.synchronize()
+    stuck.set_done()
+    stuck.synchronize()

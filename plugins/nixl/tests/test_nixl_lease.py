@@ -57,9 +57,9 @@ def test_a_read_that_ends_after_the_lease_is_recomputed_not_used() -> None:
             params: dict[str, Any] = {**done.params, "remote_port": late.port}
             d.scheduler.add_request(
                 make_request(
-                    len(prompt) + 1,
+                    len(prompt),
                     block_size=BLOCK,
-                    prompt=[*prompt, 7],
+                    prompt=prompt,
                     max_tokens=2,
                     request_id="A",
                     kv_transfer_params=params,
@@ -83,11 +83,18 @@ def test_a_read_that_ends_after_the_lease_is_recomputed_not_used() -> None:
 
             d.step_until(settled, "the load neither finished nor failed", timeout_s=90, write_blocks=True)
             assert reused, "the prefill instance did not give A's blocks to B"
-            assert failed == {"A"} and invalid == set(ids[: len(prompt) // BLOCK])
+            assert failed == {"A"} and invalid == set(ids)
             watch = d.child("pd").leases
             assert watch is not None and watch.late_reads == 1
-            d.step_until(lambda _outs: "A" not in d.scheduler.requests, "A did not finish", write_blocks=True)
-            assert all(d.holds_prefix(ids[k], prompt[: (k + 1) * BLOCK]) for k in range(len(prompt) // BLOCK))
+            # What the read brought is B's KV: computing from it would have been silently wrong.
+            full = range(len(prompt) // BLOCK)
+            assert not all(d.holds_prefix(ids[k], prompt[: (k + 1) * BLOCK]) for k in full)
+            request = d.scheduler.requests["A"]
+            d.step_until(
+                lambda _outs: request.num_computed_tokens >= len(prompt), "A not recomputed", write_blocks=True
+            )
+            (now,) = d.scheduler.kv_cache_manager.get_block_ids("A")
+            assert all(d.holds_prefix(now[k], prompt[: (k + 1) * BLOCK]) for k in full)
         finally:
             d.shutdown()
             late.close()
