@@ -21,9 +21,10 @@ BENCHMARKS: dict[str, str] = {
     "ranges": "pd_ranges",
     "cold-start": "cold_start",
     "serve": "serve",
+    "pd-load": "pd_load",
 }
 #: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
-FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve")
+FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve", "pd-load")
 
 
 def _runner(name: str) -> Callable[..., Result]:
