@@ -355,7 +355,7 @@ class RangesResult(Result):
                     "subject": t.subject,
                     "baseline": t.baseline,
                     "why": t.why,
-                    "met": all(t.met(r) for r in self.ratios if t.applies(r)),
+                    "met": t.verdict(self.ratios),
                 }
                 for t in self.target.items
             ]
@@ -432,7 +432,7 @@ class RangesResult(Result):
         widths = [max(len(x) for x in col) for col in zip(head, *rows)]
         fmt = lambda cells: "  ".join(x.ljust(w) for x, w in zip(cells, widths)).rstrip()  # noqa: E731
         m = self.machine
-        verdict = {True: "met", False: "NOT MET", None: "-"}[self.target_met]
+        verdict = {True: "met", False: "NOT MET", None: "no figure"}[self.target_met]
         lines = [
             f"== {self.title}",
             f"   {m['cores']} cores ({m['usable_cores']} usable), {m['cpu']}, load {m['loadavg_1m']:.2f}; "

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -68,6 +69,11 @@ class Target:
         """Judged on the median ratio: the best sample alone can flatter either side."""
         return r.by_median <= self.value if self.op == "<=" else r.by_median >= self.value
 
+    def verdict(self, ratios: Sequence[Ratio]) -> bool | None:
+        """Met by every ratio it applies to; ``None`` (no figure, never met) when there is none."""
+        mine = [r for r in ratios if self.applies(r)]
+        return all(self.met(r) for r in mine) if mine else None
+
     def __str__(self) -> str:
         return f"{self.subject}/{self.baseline} {self.op} {self.value:g}"
 
@@ -99,6 +105,13 @@ class AllTargets(Target):
 
     def met(self, r: Ratio) -> bool:
         return all(t.met(r) for t in self.items if t.applies(r))
+
+    def verdict(self, ratios: Sequence[Ratio]) -> bool | None:
+        """Missed when one item is missed; else ``None`` when one item has no figure."""
+        verdicts = [t.verdict(ratios) for t in self.items]
+        if False in verdicts:
+            return False
+        return None if None in verdicts or not verdicts else True
 
     def __str__(self) -> str:
         return self.summary or "; ".join(str(t) for t in self.items)
@@ -135,9 +148,8 @@ class Result:
 
     @property
     def target_met(self) -> bool | None:
-        if self.target is None:
-            return None
-        return all(self.target.met(r) for r in self.ratios if self.target.applies(r))
+        """Whether the target is met; ``None`` without a target or without a figure for it."""
+        return None if self.target is None else self.target.verdict(self.ratios)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -214,7 +226,8 @@ class Result:
             f"== {self.title}",
             f"   {m['cores']} cores ({m['usable_cores']} usable), {m['cpu']}, load {m['loadavg_1m']:.2f}; "
             f"{self.repeats} interleaved repeats{' (quick)' if self.quick else ''}"
-            + (f"; target {self.target} on the median ratio" if self.target else ""),
+            + (f"; target {self.target} on the median ratio" if self.target else "")
+            + ("; no figure for the target" if self.target and self.target_met is None else ""),
             fmt(head),
             fmt(["-" * w for w in widths]),
         ]

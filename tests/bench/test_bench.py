@@ -155,3 +155,23 @@ def test_nixl_read_names_the_memory_it_cannot_use() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="memory='VRAM' needs a CUDA device"):
             nixl_read.run(quick=True, memory="VRAM")
+
+
+def test_a_target_without_a_figure_is_no_figure_never_met(tmp_path: Path) -> None:
+    """``all([])`` is true: a target no ratio applies to (its baseline measured nothing, its case
+    not run) must read "no figure", in the JSON and the table, not "met"."""
+    from kvcompose.bench.report import AllTargets, CaseTarget
+
+    samples = {"MultiConnector": Samples([1.0] * 5), "kvcompose": Samples([0.9] * 5)}
+    ratios = [ratio("16 reqs", samples, "kvcompose", "MultiConnector")]
+    other = Target("<=", 1.0, "kvcompose", "NixlConnector")
+    r = Result("demo", "Demo", "us/step", 1e6, [Case("16 reqs", samples)], ratios, other, 5)
+    assert r.target_met is None
+    assert json.loads(r.write(tmp_path).read_text())["target"]["met"] is None
+    assert "no figure for the target" in r.table()
+    met = CaseTarget("<=", 1.0, "kvcompose", "MultiConnector", "16 reqs")
+    missing = CaseTarget("<=", 1.0, "kvcompose", "MultiConnector", "1024 reqs")
+    assert AllTargets("<=", 1.0, "kvcompose", "MultiConnector", (met,)).verdict(ratios) is True
+    assert AllTargets("<=", 1.0, "kvcompose", "MultiConnector", (met, missing)).verdict(ratios) is None
+    missed = CaseTarget("<=", 0.5, "kvcompose", "MultiConnector", "16 reqs")
+    assert AllTargets("<=", 1.0, "kvcompose", "MultiConnector", (missed, missing)).verdict(ratios) is False

@@ -277,3 +277,16 @@ def test_lockstep_sends_each_request_to_every_composition_first_one_rotating() -
     assert all(d.resets == len(w.order()) for d in decodes.values())  # each device cache dropped per request
     reference = {s.key: s.token_ids for s in got[::n]}
     assert pd_ranges.compare_answers(got, reference) == []
+
+
+def test_a_baseline_that_measured_nothing_leaves_its_target_without_a_figure() -> None:
+    """pd_ranges drops a ratio whose baseline is 0 (no division by it): the target that ratio
+    would judge is then "no figure", and the whole result is not "met"."""
+    got = three({"pd-first": [10, 20], "host-first": [10, 15], "ranges": [9, 12]})
+    for s in got:
+        if s.composition == "host-first":
+            s.host_tokens = 0
+    r = build_result(got, REFERENCE, 1)
+    assert r.target_met is not True
+    host = [t for t in r.to_json()["target"]["targets"] if t["case"].startswith("host")]
+    assert host and all(t["met"] is None for t in host)
