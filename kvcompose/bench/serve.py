@@ -17,8 +17,9 @@ The workload is a chat service's: every prompt is one of :data:`PREFIXES` shared
 system prompt, a document) followed by a new part, so prefixes repeat across requests (prefill's
 prefix cache, decode's, the host tier), and :data:`IN_FLIGHT` requests are in flight at once
 (a thread per client, streaming ``/v1/completions`` through the router). Each round sends a batch
-of :data:`BATCH` requests through each side in turn, batches of the same shape (other new parts),
-the order reversing every round, so the sides share the machine's moments of load. A sample is
+of :data:`BATCH` requests through each side in turn, each batch drawn anew from the same
+distribution (a prefix of :data:`PREFIXES`, a new part of :data:`NEW_TOKENS` tokens), the order
+reversing every round, so the sides share the machine's moments of load. A sample is
 one batch's answered requests per second (a failed request is an error, never served); each
 request's time to first token (the first streamed token, as the client sees it: prefill, the NIXL
 pull and decode's first step) and errors are collected per side, and the TTFT tail (p99, max) is

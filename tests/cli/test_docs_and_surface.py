@@ -112,3 +112,23 @@ def test_check_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "1. host (cpu-offload, both)" in out and "2. pd (nixl, consumer)" in out
     assert "host loads the prefix it holds; then pd pulls the rest from the prefill instance" in out
     assert "host-buffer copies: pd" in out
+
+
+def test_every_option_of_every_installed_type_is_in_the_yaml_reference() -> None:
+    """docs/yaml.md's tables name each option the schema of a type it documents declares
+    (``type: vllm`` passes vLLM's own keys through and declares none; the test kit's types are
+    documented in docs/testing.md)."""
+    import msgspec
+
+    text = (DOCS / "yaml.md").read_text()
+    plugins = get_plugins()
+    shipped = {r.name for r in plugins.provided() if r.kind == "type" and f"### `type: {r.name}`" in text}
+    assert {"nixl", "cpu-offload", "vllm"} <= shipped
+    missing = [
+        f"{name}.{field.name}"
+        for name, ctype in plugins.connector_types.items()
+        if name in shipped
+        for field in msgspec.structs.fields(ctype.options)
+        if f"`{field.name}`" not in text
+    ]
+    assert not missing, f"options missing from docs/yaml.md: {missing}"
