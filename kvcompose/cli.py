@@ -76,21 +76,74 @@ def cmd_vllm_args(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """Bad input that is no composition (a file that is not there, an output it may not replace):
+    ``kvcompose COMMAND: message``, exit status 2."""
+
+
+#: What ``kvcompose import`` reads, for its errors.
+IMPORT_SOURCES = "CONFIG is a --kv-transfer-config value, a file holding one, or - for stdin"
+
+
+def _import_source(source: str | None) -> tuple[str, str]:
+    """The text ``kvcompose import`` reads and where it came from (its header and errors say so)."""
+    if source in (None, "-"):
+        try:
+            return sys.stdin.read(), "stdin"
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"stdin: not UTF-8 text (byte {exc.start}); {IMPORT_SOURCES}") from None
+    if source.strip() and not source.lstrip().startswith(("{", "-", "'", '"')):
+        path = Path(source)
+        try:
+            there = path.exists()
+        except (OSError, ValueError):  # a name no file can have (a whole command line, too long)
+            there = False
+        if there:
+            try:
+                return path.read_text(encoding="utf-8"), source
+            except OSError as exc:
+                raise UsageError(f"{source}: cannot read the file: {exc.strerror}") from None
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"{source}: not UTF-8 text (byte {exc.start}); {IMPORT_SOURCES}") from None
+        if len(source.split()) == 1 and "{" not in source and not _is_json(source):
+            # One word, no JSON: a file's name, mistyped (not a value, nor a command line).
+            raise UsageError(f"{source}: no such file ({IMPORT_SOURCES})")
+    return source, "the command line"
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _write_new(target: str, text: str, force: bool) -> None:
+    """``text`` into the file ``target``; one already there with other contents only with ``force``."""
+    path = Path(target)
+    try:
+        if path.is_dir():
+            raise UsageError(f"{target}: is a directory (-o names the file to write)")
+        if path.exists() and not force and path.read_bytes() != text.encode():
+            raise UsageError(f"{target} already exists with other contents (--force replaces it)")
+        if not path.parent.is_dir():
+            raise UsageError(f"{target}: no such directory: {path.parent} (create it first)")
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"{target}: cannot write the file: {exc.strerror or exc}") from None
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from kvcompose import migrate
 
-    if args.source in (None, "-"):
-        text, origin = sys.stdin.read(), "stdin"
-    elif not args.source.lstrip().startswith(("{", "-", "'", '"')) and Path(args.source).is_file():
-        text, origin = Path(args.source).read_text(), args.source
-    else:
-        text, origin = args.source, "the command line"
+    text, origin = _import_source(args.source)
     cfg = migrate.parse(text, origin)
-    data = migrate.composition_data(cfg, get_plugins().connector_types)
-    out = migrate.to_yaml(data, origin, migrate.left_behind(cfg))
+    data = migrate.composition_data(cfg, get_plugins().connector_types, origin)
     build(from_builtins(data, origin))  # what is written must compose (vllm-args of it)
+    out = migrate.to_yaml(data, origin, migrate.left_behind(cfg))
     if args.output:
-        Path(args.output).write_text(out)
+        _write_new(args.output, out, args.force)
         print(f"{args.output}: {migrate.describe(data)}", file=sys.stderr)
     else:
         print(out, end="")
@@ -274,7 +327,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="CONFIG",
         help="the JSON (with or without the flag name and shell quotes), a file holding it, or - / nothing: stdin",
     )
-    s.add_argument("-o", "--output", metavar="FILE", help="write the YAML here (default: stdout)")
+    s.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="write the YAML here (default: stdout); a file already there with other contents is refused",
+    )
+    s.add_argument("--force", action="store_true", help="with -o: replace a file that differs")
     s.set_defaults(func=cmd_import)
     s = _command(
         sub,
@@ -380,6 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ExampleError as exc:
         print(f"kvcompose examples: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"kvcompose {args.command}: {exc}", file=sys.stderr)
         return 2
     except PluginError as exc:
         print(f"kvcompose: plugin error: {exc}", file=sys.stderr)

@@ -25,8 +25,10 @@ from kvcompose.catalog import ConnectorType, given_options
 from kvcompose.compose import build
 from kvcompose.config import DEFAULT_RULES, KEY, VLLM_ROLES, Source, dec_hook, from_builtins, msgspec_problem
 from kvcompose.errors import CompositionError, Problem
+from kvcompose.errors import Path as DocPath
 from kvcompose.generic import TYPE_NAME, VllmType
 from kvcompose.plugins import get_plugins
+from kvcompose.reader import MAX_DEPTH
 from kvcompose.vllm.args import CHILDREN_KEY, CONNECTOR_NAME, EXTRA_KEY, children_configs, embedded
 from kvcompose.vllm.register import REGISTERED_NAME
 
@@ -52,14 +54,16 @@ def parse(text: str, filename: str = "<kv-transfer-config>") -> dict[str, Any]:
     """
     text = text.strip()
     if not text:
-        raise CompositionError([Problem("no --kv-transfer-config value given", hint="pass the JSON, a file or stdin")])
+        problem = Problem("no --kv-transfer-config value given", hint="pass the JSON, a file or stdin")
+        raise CompositionError([problem], filename)
     value = text
     if not text.startswith("{"):
         try:
             words = shlex.split(text.replace("\\\n", " "))
         except ValueError as exc:
             raise CompositionError([Problem(f"cannot split it as a shell would: {exc}")], filename) from None
-        value = _flag_value(words)
+        value = _flag_value(words, filename)
+    deep = Problem(f"nested more than {MAX_DEPTH} levels deep", hint="a --kv-transfer-config needs a few")
     try:
         data = json.loads(value)
     except json.JSONDecodeError as exc:
@@ -68,12 +72,43 @@ def parse(text: str, filename: str = "<kv-transfer-config>") -> dict[str, Any]:
             [Problem(f"not valid JSON: {exc.msg}", line=line, column=column, hint="the value of --kv-transfer-config")],
             filename,
         ) from None
+    except RecursionError:
+        raise CompositionError([deep], filename) from None
     if not isinstance(data, dict):
-        raise CompositionError([Problem("a --kv-transfer-config value is a JSON object")], filename)
+        problem = Problem(f"a --kv-transfer-config value is a JSON object, not {json_kind(data)}")
+        raise CompositionError([problem], filename)
+    if _depth(data) > MAX_DEPTH:
+        raise CompositionError([deep], filename)
     return data
 
 
-def _flag_value(words: list[str]) -> str:
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in words: ``an array``, ``a string``, ..."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    kinds = ((Mapping, "an object"), (list, "an array"), (str, "a string"), ((int, float), "a number"))
+    return next((kind for cls, kind in kinds if isinstance(value, cls)), type(value).__name__)
+
+
+def _depth(data: Any) -> int:
+    """How deep objects and arrays nest in ``data`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _flag_value(words: list[str], filename: str) -> str:
     for i, word in enumerate(words):
         if word.startswith(FLAG + "="):
             return word.split("=", 1)[1]
@@ -81,13 +116,34 @@ def _flag_value(words: list[str]) -> str:
             return words[i + 1]
     if len(words) == 1:
         return words[0]
-    raise CompositionError([Problem(f"no {FLAG} value in the command line")])
+    raise CompositionError([Problem(f"no {FLAG} value in the command line")], filename)
+
+
+def extra_of(cfg: Mapping[str, Any], at: DocPath = ()) -> Mapping[str, Any]:
+    """``cfg``'s ``kv_connector_extra_config`` (absent or null: empty); anything but a JSON object
+    is an error located at ``at`` (where ``cfg`` is in the whole config)."""
+    extra = cfg.get("kv_connector_extra_config")
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise CompositionError(
+            [
+                Problem(
+                    f"expected a JSON object, got {json_kind(extra)}",
+                    at + ("kv_connector_extra_config",),
+                    "the connector's own settings by name; a MultiConnector's: "
+                    f'{{"{CHILDREN_KEY}": [{{"kv_connector": ...}}, ...]}}',
+                )
+            ]
+        )
+    return extra
 
 
 def is_composite(cfg: Mapping[str, Any]) -> bool:
     """vLLM's MultiConnector, kvcompose's, or a subclass of MultiConnector under another name
     (Dynamo's ``PdConnector``): whatever lists its children under ``connectors``."""
-    listed = (cfg.get("kv_connector_extra_config") or {}).get(CHILDREN_KEY)
+    extra = cfg.get("kv_connector_extra_config")
+    listed = extra.get(CHILDREN_KEY) if isinstance(extra, Mapping) else None
     return cfg.get("kv_connector") in COMPOSITE_NAMES or isinstance(listed, list)
 
 
@@ -95,10 +151,16 @@ def entries(cfg: Mapping[str, Any]) -> list[Any]:
     """The children's configs: a composite's ``connectors`` list, or the single connector."""
     if not is_composite(cfg):
         return [cfg]
-    listed = (cfg.get("kv_connector_extra_config") or {}).get(CHILDREN_KEY)
+    listed = extra_of(cfg).get(CHILDREN_KEY)
     if not isinstance(listed, list) or not listed:
         raise CompositionError(
-            [Problem(f"a MultiConnector config lists its children under kv_connector_extra_config.{CHILDREN_KEY}")]
+            [
+                Problem(
+                    f"a MultiConnector config lists its children under kv_connector_extra_config.{CHILDREN_KEY}",
+                    ("kv_connector_extra_config", CHILDREN_KEY),
+                    "a non-empty array of connector configs",
+                )
+            ]
         )
     return listed
 
@@ -112,17 +174,31 @@ def child_name(connector: str) -> str:
 
 
 def child_data(
-    entry: Any, index: int, name: str, types: Mapping[str, ConnectorType], default_role: str | None
+    entry: Any,
+    index: int,
+    name: str,
+    types: Mapping[str, ConnectorType],
+    default_role: Any,
+    at: DocPath | None = None,
 ) -> dict[str, Any]:
-    """One composition child for one entry: a built-in type that reads it whole, else ``vllm``."""
-    at = ("kv_connector_extra_config", CHILDREN_KEY, index)
+    """One composition child for one entry: a built-in type that reads it whole, else ``vllm``.
+
+    ``at``: where the entry is in the config (default: a composite's ``connectors[index]``; a
+    single connector is the whole config, ``()``), for the errors; ``default_role`` is the
+    composite's ``kv_role``, for an entry without one of its own.
+    """
+    if at is None:
+        at = ("kv_connector_extra_config", CHILDREN_KEY, index)
     if not isinstance(entry, dict) or not isinstance(entry.get("kv_connector"), str):
         raise CompositionError([Problem("a child config is an object with a kv_connector name", at)])
-    kv_role = entry.get("kv_role") or default_role or VLLM_ROLES["both"]
-    role = ROLE_OF_KV_ROLE.get(kv_role)
+    if entry.get("kv_role"):
+        kv_role, role_at = entry["kv_role"], at + ("kv_role",)
+    else:  # the composite's, where the entry has none
+        kv_role, role_at = default_role or VLLM_ROLES["both"], ("kv_role",)
+    role = ROLE_OF_KV_ROLE.get(kv_role) if isinstance(kv_role, str) else None
     if role is None:
         raise CompositionError(
-            [Problem(f"unknown kv_role {kv_role!r}", at + ("kv_role",), "one of " + ", ".join(ROLE_OF_KV_ROLE))]
+            [Problem(f"unknown kv_role {kv_role!r}", role_at, "one of " + ", ".join(ROLE_OF_KV_ROLE))]
         )
     for ctype in [t for t in types.values() if t.name != TYPE_NAME]:
         options = ctype.options_from_vllm(entry)
@@ -157,11 +233,28 @@ def _child(name: str, type_name: str, role: str, options: dict[str, Any]) -> dic
     return child
 
 
-def composition_data(cfg: Mapping[str, Any], types: Mapping[str, ConnectorType]) -> dict[str, Any]:
-    """The composition (plain data) that composes the children ``cfg`` configures."""
-    embedded = (cfg.get("kv_connector_extra_config") or {}).get(EXTRA_KEY)
+def composition_data(
+    cfg: Mapping[str, Any], types: Mapping[str, ConnectorType], filename: str = "<composition>"
+) -> dict[str, Any]:
+    """The composition (plain data) that composes the children ``cfg`` configures.
+
+    A config that does not say one is a :class:`CompositionError` naming ``filename`` (where
+    ``cfg`` came from) and the key.
+    """
+    try:
+        return _composition_data(cfg, types)
+    except CompositionError as exc:
+        raise CompositionError(exc.problems, filename) from None
+
+
+def _composition_data(cfg: Mapping[str, Any], types: Mapping[str, ConnectorType]) -> dict[str, Any]:
+    embedded = extra_of(cfg).get(EXTRA_KEY)
     if is_composite(cfg) and isinstance(embedded, Mapping) and "composition" in embedded:
-        return dict(embedded["composition"])
+        composition = embedded["composition"]
+        if not isinstance(composition, Mapping):
+            at = ("kv_connector_extra_config", EXTRA_KEY, "composition")
+            raise CompositionError([Problem(f"expected a JSON object, got {json_kind(composition)}", at)])
+        return dict(composition)
     listed = entries(cfg)
     names: list[str] = []
     for entry in listed:
@@ -171,11 +264,12 @@ def composition_data(cfg: Mapping[str, Any], types: Mapping[str, ConnectorType])
             n += 1
             name = f"{base}-{n}"
         names.append(name)
-    default_role = cfg.get("kv_role") if is_composite(cfg) else None
-    data: dict[str, Any] = {
-        "version": 1,
-        "connectors": [child_data(e, i, n, types, default_role) for i, (e, n) in enumerate(zip(listed, names))],
-    }
+    if is_composite(cfg):
+        default_role = cfg.get("kv_role")
+        children = [child_data(e, i, n, types, default_role) for i, (e, n) in enumerate(zip(listed, names))]
+    else:  # the config is the one child's
+        children = [child_data(listed[0], 0, names[0], types, None, at=())]
+    data: dict[str, Any] = {"version": 1, "connectors": children}
     if cfg.get("kv_load_failure_policy") in ("fail", "recompute"):
         data["load_failure"] = cfg["kv_load_failure_policy"]
     return data
@@ -186,7 +280,9 @@ def left_behind(cfg: Mapping[str, Any]) -> list[str]:
     if not is_composite(cfg):
         return []
     top = [k for k in cfg if k not in COMPOSITE_KEYS and k != "kv_load_failure_policy"]
-    extra = [f"kv_connector_extra_config.{k}" for k in cfg.get("kv_connector_extra_config") or {} if k != CHILDREN_KEY]
+    given = cfg.get("kv_connector_extra_config")
+    given = given if isinstance(given, Mapping) else {}
+    extra = [f"kv_connector_extra_config.{k}" for k in given if k != CHILDREN_KEY]
     name = cfg.get("kv_connector")
     if name not in COMPOSITE_NAMES:
         module = cfg.get("kv_connector_module_path")
@@ -252,7 +348,7 @@ def source(extra_config: Mapping[str, Any] | None, kv_role: str | None = None) -
     if not is_dropin(extra):
         return embedded(extra)
     cfg = {"kv_connector": CONNECTOR_NAME, "kv_role": kv_role, "kv_connector_extra_config": extra}
-    return from_builtins(composition_data(cfg, get_plugins().connector_types), DROPIN_SOURCE)
+    return from_builtins(composition_data(cfg, get_plugins().connector_types, DROPIN_SOURCE), DROPIN_SOURCE)
 
 
 def is_dropin(extra_config: Mapping[str, Any] | None) -> bool:

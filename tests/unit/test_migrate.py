@@ -211,3 +211,36 @@ def test_names_follow_the_connector() -> None:
     }
     data = migrate.composition_data(two, get_plugins().connector_types)
     assert [c["name"] for c in data["connectors"]] == ["nixl", "nixl-2"]
+
+
+@pytest.mark.parametrize("extra", [["connectors"], "connectors", 3, True])
+@pytest.mark.parametrize("connector", ["MultiConnector", "NixlConnector"])
+def test_an_extra_config_that_is_not_an_object_is_located(connector: str, extra: object) -> None:
+    cfg = {"kv_connector": connector, "kv_connector_extra_config": extra}
+    with pytest.raises(CompositionError, match=r"^cfg.json: kv_connector_extra_config: expected a JSON object, got "):
+        migrate.composition_data(cfg, get_plugins().connector_types, "cfg.json")
+
+
+def test_a_kv_role_that_is_not_text_is_located() -> None:
+    child = {"kv_connector": "NixlConnector", "kv_role": ["kv_both"]}
+    cfg = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [child]}}
+    with pytest.raises(CompositionError, match=r"connectors\[0\]\.kv_role: unknown kv_role \['kv_both'\]"):
+        migrate.composition_data(cfg, get_plugins().connector_types)
+    cfg = {**cfg, "kv_role": {"x": 1}, "kv_connector_extra_config": {"connectors": [{"kv_connector": "NixlConnector"}]}}
+    with pytest.raises(CompositionError, match=r": kv_role: unknown kv_role \{'x': 1\}"):
+        migrate.composition_data(cfg, get_plugins().connector_types)
+
+
+def test_an_embedded_composition_that_is_not_an_object_is_located() -> None:
+    cfg = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {EXTRA_KEY: {"composition": 5}}}
+    with pytest.raises(
+        CompositionError, match=rf"kv_connector_extra_config\.{EXTRA_KEY}\.composition: expected a JSON"
+    ):
+        migrate.composition_data(cfg, get_plugins().connector_types)
+
+
+def test_a_config_nested_too_deeply_is_refused() -> None:
+    with pytest.raises(CompositionError, match="nested more than 32 levels deep"):
+        migrate.parse('{"kv_connector":"NixlConnector","kv_connector_extra_config":{"x":' + "[" * 40 + "]" * 40 + "}}")
+    with pytest.raises(CompositionError, match="nested more than 32 levels deep"):
+        migrate.parse("[" * 100_000 + "]" * 100_000)
