@@ -190,12 +190,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_warmup(args: argparse.Namespace) -> int:
     from kvcompose.e2e.node import NodeError
-    from kvcompose.e2e.server import ServerClient
-    from kvcompose.e2e.warmup import warm
+    from kvcompose.e2e.warmup import check_url, connect, warm
 
     try:
-        prefills = [ServerClient.at(u) for u in args.prefill]
-        decodes = [ServerClient.at(u) for u in args.decode]
+        for url in args.prefill + args.decode:
+            check_url(url)
+    except ValueError as exc:
+        print(f"kvcompose warmup: {exc}", file=sys.stderr)
+        return 2
+    try:
+        prefills = [connect(u) for u in args.prefill]
+        decodes = [connect(u) for u in args.decode]
         warmed = warm(prefills, decodes, echo=print)
     except NodeError as exc:
         print(f"kvcompose warmup: {exc}", file=sys.stderr)

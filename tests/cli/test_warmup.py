@@ -5,13 +5,16 @@ its own, and a server that cannot be reached is a one-line error. Against real s
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 from kvcompose.cli import main
 from kvcompose.e2e.flow import NIXL_BYTES
-from kvcompose.e2e.node import free_ports
+from kvcompose.e2e.node import NodeError, free_ports
 from kvcompose.e2e.warmup import WARMUP_TOKENS, warm
 
 Params = list[dict[str, Any] | None] | None
@@ -72,3 +75,87 @@ def test_a_server_that_cannot_be_reached_is_named_in_one_line(capsys: pytest.Cap
     assert main(["warmup", "--prefill", url, "--decode", url]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"kvcompose warmup: {url}: GET /v1/models failed") and "Traceback" not in err
+
+
+class Answers(BaseHTTPRequestHandler):
+    """A server that is not vLLM's: GET answers what ``answers`` holds for the path, else 404."""
+
+    answers: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = self.answers.get(self.path)
+        self.send_response(404 if body is None else 200)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, dict[str, bytes]]]:
+    """A real local HTTP server, its URL and the answers it gives (a test fills them in)."""
+    answers: dict[str, bytes] = {}
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (Answers,), {"answers": answers}))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", answers
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("127.0.0.1:8100", "no http://"),
+        ("localhost:8100", "no http://"),
+        ("ftp://127.0.0.1:8100", "scheme 'ftp'"),
+        ("http://", "no host"),
+        ("http://127.0.0.1:port", "Port could not be cast to integer value as 'port'"),
+        ("http://[::1", "Invalid IPv6 URL"),
+    ],
+)
+def test_a_url_that_is_no_servers_is_named_with_what_is_wrong(
+    url: str, why: str, server: tuple[str, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    good, _ = server
+    assert main(["warmup", "--prefill", good, "--decode", url]) == 2
+    assert capsys.readouterr().err == (
+        f"kvcompose warmup: {url}: not a server URL ({why}; give it as http://HOST:PORT)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("answers", "said"),
+    [
+        ({"/v1/models": b"<html>Welcome to nginx!</html>"}, "GET /v1/models answered no JSON: b'<html>Welcome"),
+        ({"/v1/models": b"\xff\xfe\x00"}, "GET /v1/models answered no JSON: b'\\xff\\xfe\\x00'"),
+        ({"/v1/models": b'{"object": "list"}'}, "GET /v1/models answered no model list"),
+        ({"/v1/models": b'{"data": ["m"]}'}, "GET /v1/models answered no model list"),
+        ({"/v1/models": b'{"data": [{"id": "m"}]}', "/metrics": b"{not prometheus"}, "GET /metrics answered no"),
+    ],
+    ids=["html", "bytes", "no-data", "no-ids", "metrics"],
+)
+def test_an_answer_that_is_not_vllms_is_named_with_the_url(
+    answers: dict[str, bytes],
+    said: str,
+    server: tuple[str, dict[str, bytes]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url, served = server
+    served.update(answers)
+    assert main(["warmup", "--prefill", url, "--decode", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvcompose warmup: {url}: {said}"), err
+    assert err.endswith("is it a vLLM server?\n") and err.count("\n") == 1, err
+
+
+def test_a_pair_whose_answer_is_not_vllms_is_named() -> None:
+    class Odd(Prefill):
+        def generate(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+            return [{"token_ids": [1]}]  # no kv_transfer_params: not a P/D prefill's answer
+
+    with pytest.raises(NodeError, match=r"^p1 -> d1: the warm-up request got an answer a vLLM server does not give"):
+        warm([Odd("p1")], [Decode("d1")])
