@@ -22,6 +22,7 @@ Environment:
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
 from collections.abc import Iterable
@@ -61,6 +62,15 @@ class PluginError(RuntimeError):
     """A plugin is broken or two plugins claim the same name."""
 
 
+def _said(exc: BaseException) -> str:
+    """An exception's message on one line (pluggy's and a SyntaxError's span several)."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_said(exc)}"
+
+
 @dataclass(frozen=True)
 class Provided:
     """Something a plugin contributed, with who contributed it (for ``kvcompose plugins``)."""
@@ -96,7 +106,10 @@ class Plugins:
         for plugin in extra:
             self.pm.register(plugin)
             self._providers[id(plugin)] = getattr(plugin, "__name__", type(plugin).__name__)
-        self.pm.check_pending()
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:  # a kvcompose_* hook kvcompose does not have
+            raise PluginError(f"{self._provider(exc.plugin)} does not fit kvcompose's hooks: {_said(exc)}") from exc
         if tracing_enabled():
             self.pm.trace.root.setwriter(lambda msg: trace_log.info("%s", msg.rstrip()))
             self.pm.enable_tracing()
@@ -107,20 +120,46 @@ class Plugins:
             if name.startswith("-"):
                 self.pm.set_blocked(name[1:])
         selected = [n for n in names if not n.startswith("-")]
-        try:
-            if selected:
-                for name in selected:
-                    if not self.pm.load_setuptools_entrypoints(NAME, name=name):
-                        raise PluginError(
-                            f"{ENV_SELECT} selects plugin {name!r}, but no installed distribution "
-                            f"provides an entry point of that name in the {NAME!r} group"
-                        )
-            else:
-                self.pm.load_setuptools_entrypoints(NAME)
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin {exc.plugin!r} does not fit kvcompose's hooks: {exc}") from exc
-        for plugin, dist in self.pm.list_plugin_distinfo():
-            self._providers[id(plugin)] = f"{dist.metadata['name']} {dist.version}"
+        loaded = self._load_group(set(selected) or None)
+        for name in selected:
+            if name not in loaded:
+                raise PluginError(
+                    f"{ENV_SELECT} selects plugin {name!r}, but no installed distribution "
+                    f"provides an entry point of that name in the {NAME!r} group"
+                )
+
+    def _load_group(self, only: set[str] | None) -> set[str]:
+        """Register every entry point of the ``kvcompose`` group (those in ``only``, when given), as
+        pluggy's ``load_setuptools_entrypoints`` does, but one that fails to import or does not fit
+        the hooks is a :class:`PluginError` naming its distribution. Returns the names loaded."""
+        loaded: set[str] = set()
+        for dist in list(importlib.metadata.distributions()):
+            for ep in dist.entry_points:
+                if (
+                    ep.group != NAME
+                    or (only is not None and ep.name not in only)
+                    or self.pm.has_plugin(ep.name)
+                    or self.pm.is_blocked(ep.name)
+                ):
+                    continue
+                provider = f"{dist.metadata['name']} {dist.version}"
+                where = f"plugin {ep.name!r} ({ep.value}) of the distribution {provider}"
+                remedy = (
+                    f"fix or reinstall {dist.metadata['name']}, uninstall it, or skip it with {ENV_SELECT}=-{ep.name}"
+                )
+                try:
+                    plugin = ep.load()
+                except Exception as exc:
+                    raise PluginError(f"{where} failed to load: {_one_line(exc)} ({remedy})") from exc
+                try:
+                    self.pm.register(plugin, name=ep.name)
+                except pluggy.PluginValidationError as exc:
+                    raise PluginError(f"{where} does not fit kvcompose's hooks: {_said(exc)} ({remedy})") from exc
+                except ValueError as exc:  # pluggy: the same object under another name
+                    raise PluginError(f"{where} cannot be registered: {exc} ({remedy})") from exc
+                self._providers[id(plugin)] = provider
+                loaded.add(ep.name)
+        return loaded
 
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object at run time (tests do; so can embedding code)."""

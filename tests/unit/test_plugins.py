@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,3 +176,61 @@ def test_worker_kv_events_are_kept_per_child_and_aggregated() -> None:
     merged = x.merge(y)
     assert set(merged.children) == {"host", "pd"}
     assert [e.block_hashes for e in merged.children["host"].get_all_events()] == [[1], [2]]
+
+
+def broken_distribution(root: Path, module: str, source: str, value: str | None = None) -> Path:
+    """A distribution ``kvcompose-broken 1.2`` in ``root`` (put it on ``sys.path``), whose entry point
+    ``broken`` in the ``kvcompose`` group names ``value`` (default: ``module``), written from ``source``."""
+    (root / f"{module}.py").write_text(source)
+    info = root / "kvcompose_broken-1.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcompose-broken\nVersion: 1.2\n")
+    (info / "entry_points.txt").write_text(f"[kvcompose]\nbroken = {value or module}\n")
+    return root
+
+
+BROKEN = [
+    ("import kvcompose_no_such_module\n", None, "ModuleNotFoundError: No module named 'kvcompose_no_such_module'"),
+    ("raise RuntimeError('needs a GPU')\n", None, "RuntimeError: needs a GPU"),
+    ("def broken(:\n", None, "SyntaxError: "),
+    ("", "{module}:plugin", "AttributeError: "),
+]
+
+
+@pytest.mark.parametrize(("source", "value", "error"), BROKEN, ids=["import", "raises", "syntax", "attribute"])
+def test_a_plugin_that_fails_to_load_is_an_error_naming_its_distribution(
+    source: str, value: str | None, error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = f"kvcompose_broken_{tmp_path.name}".replace("-", "_")
+    value = value.format(module=module) if value else None
+    monkeypatch.syspath_prepend(str(broken_distribution(tmp_path, module, source, value)))
+    with pytest.raises(PluginError) as err:
+        Plugins(env={})
+    said = str(err.value)
+    assert "\n" not in said
+    assert said.startswith(
+        f"plugin 'broken' ({value or module}) of the distribution kvcompose-broken 1.2 failed to load: "
+    )
+    assert error in said
+    assert said.endswith("(fix or reinstall kvcompose-broken, uninstall it, or skip it with KVCOMPOSE_PLUGINS=-broken)")
+    # What the error says to do works, and selecting it names it too.
+    assert "nixl" in Plugins(env={"KVCOMPOSE_PLUGINS": "-broken"}).connector_types
+    with pytest.raises(PluginError, match="kvcompose-broken 1.2 failed to load"):
+        Plugins(env={"KVCOMPOSE_PLUGINS": "broken"})
+
+
+def test_a_plugin_that_does_not_fit_the_hooks_is_an_error_naming_its_distribution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = "kvcompose_broken_misfit"
+    source = "from kvcompose import hookimpl\n\n@hookimpl\ndef kvcompose_connector_types(gpu):\n    return []\n"
+    monkeypatch.syspath_prepend(str(broken_distribution(tmp_path, module, source)))
+    try:
+        with pytest.raises(
+            PluginError,
+            match=r"^plugin 'broken' \(kvcompose_broken_misfit\) of the distribution "
+            r"kvcompose-broken 1.2 does not fit kvcompose's hooks: .*'gpu'",
+        ):
+            Plugins(env={})
+    finally:
+        sys.modules.pop(module, None)
