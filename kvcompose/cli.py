@@ -10,13 +10,16 @@ after stopping every engine and router process it started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from kvcompose.bench.runner import BENCHMARKS
 from kvcompose.catalog import Plan
@@ -24,7 +27,7 @@ from kvcompose.compose import build, load
 from kvcompose.config import from_builtins
 from kvcompose.errors import CompositionError
 from kvcompose.examples import ExampleError
-from kvcompose.plugins import PluginError, get_plugins
+from kvcompose.plugins import PluginError, get_plugins, trace_log, tracing_enabled
 
 
 def _plan(path: str) -> Plan:
@@ -432,8 +435,49 @@ def _parser() -> argparse.ArgumentParser:
     return parser()  # built once per process: argparse spends milliseconds on it
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record comes (a test may have replaced it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _trace_to_stderr() -> Iterator[None]:
+    """With ``KVCOMPOSE_TRACE`` set: the ``kvcompose.trace`` logger's lines (every hook call, every
+    child call) on stderr, each line prefixed ``kvcompose.trace:``. Nothing configures logging in
+    the CLI otherwise, and a logger without a handler shows INFO nowhere."""
+    if not tracing_enabled():
+        yield
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    level = trace_log.level
+    trace_log.addHandler(handler)
+    if not trace_log.isEnabledFor(logging.INFO):
+        trace_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        trace_log.removeHandler(handler)
+        trace_log.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with _trace_to_stderr():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         status = args.func(args)
         # Inside the try: a reader that went away shows here, not at interpreter exit.
