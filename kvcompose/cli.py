@@ -158,7 +158,12 @@ def cmd_examples(args: argparse.Namespace) -> int:
 
     chosen = [examples.example(args.name)] if args.name else examples.all_examples()
     if args.write:
-        for path in examples.write(chosen, Path(args.write), force=args.force):
+        try:
+            written = examples.write(chosen, Path(args.write), force=args.force)
+        except OSError as exc:  # DIR is a file, a file there is a folder, no permission, ...
+            where = f" ({exc.filename})" if exc.filename and exc.filename != args.write else ""
+            raise UsageError(f"cannot write into {args.write}: {exc.strerror or exc}{where}") from None
+        for path in written:
             print(path)
     elif args.name:
         print(chosen[0].text(), end="")
