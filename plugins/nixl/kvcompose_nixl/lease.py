@@ -118,6 +118,11 @@ class LeaseWatch:
             for engine_id in ready:
                 for remote_id in metadata.heartbeat_by_engine[engine_id].req_ids:
                     self._beats.setdefault((engine_id, remote_id), []).append(now)
+            # A request vLLM stopped beating for without a read (an abort, a notify-only read)
+            # leaves its beats behind: drop those no lease could still be extended by.
+            stale = now - 4 * self._worker._lease_extension
+            for key in [k for k, sent in self._beats.items() if sent[-1] < stale]:
+                del self._beats[key]
 
         return beating
 
