@@ -31,7 +31,7 @@ from kvcompose.bench.measure import Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock
 from kvcompose.bench.report import AllTargets, Case, CaseTarget, Result
 from kvcompose.bench.serve import decode_spec
-from kvcompose.e2e.load import Load, chat_load, prefix_load
+from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, Load, chat_load, prefix_load
 from kvcompose.e2e.node import EngineSpec
 
 SUBJECT = "kvcompose"
@@ -42,9 +42,6 @@ BOUND_S = 5.0
 #: The issue's target: kvcompose's TTFT p99 within this of its NIXL child alone's.
 P99_TARGET = 1.2
 RUNS = 5  # quick: 1
-#: vLLM's lines on the prefill: a lease that ran out, and a read after one.
-LEASE_EXPIRY = "Releasing expired KV blocks for request"
-LATE_READ = "Potentially invalid KV blocks for unrecognized request"
 
 
 @dataclass

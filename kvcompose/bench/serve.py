@@ -31,7 +31,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from kvcompose.bench.measure import Samples, ratio, repeats_for
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.flow import delta
+from kvcompose.e2e.load import quantile
 from kvcompose.e2e.node import EngineSpec, composed_kv_transfer_config
 from kvcompose.e2e.server import HOST
 from kvcompose.vllm.args import vllm_multiconnector
@@ -141,10 +141,6 @@ def run_batch(router_port: int, model: str, prompts: list[list[int]], tally: Tal
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         answered = sum(pool.map(one, prompts))
     return answered / (time.perf_counter() - t0)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else values[0]
 
 
 def ttft_p99_ratios(sides: dict[str, dict[str, Any]], subject: str = SUBJECT) -> dict[str, float | None]:
@@ -301,7 +297,7 @@ def side_report(tally: Tally, moved: dict[str, float]) -> dict[str, Any]:
     ttft = sorted(tally.ttft_s)
 
     def ms(q: float) -> float | None:
-        return round(_quantile(ttft, q) * 1e3, 1) if ttft else None
+        return round(quantile(ttft, q) * 1e3, 1) if ttft else None
 
     return {
         "requests": len(ttft) + tally.errors,

@@ -52,6 +52,23 @@ PREFIX_ARGS = {
     "max_concurrency": 8,
 }
 WORDS = re.findall(r"[a-z]+", CORPUS.lower())
+#: vLLM's NIXL worker on the prefill, when a request's lease runs out before every decode read it.
+LEASE_EXPIRY = "Releasing expired KV blocks for request"
+#: vLLM's NIXL worker on the prefill, when a decode's read notification names a request whose
+#: blocks it no longer holds (their lease expired): the decode read blocks that may have been
+#: reused by another request (and, without the nixl plugin's check, computed from them).
+LATE_READ = "Potentially invalid KV blocks for unrecognized request"
+#: The nixl plugin on the decode (``kvcompose_nixl.lease.REFUSED``), when a read ended after the
+#: prefill's lease: the load counted as failed, nothing was computed from it. The prefill still
+#: logs :data:`LATE_READ` for it. Group 1: the prefill's request id.
+REFUSED_READ = re.compile(r"NIXL read refused: \S+ \(prefill request (\S+)\)")
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (inclusive method); the one value, or 0 for none."""
+    if len(values) < 2:
+        return values[0] if values else 0.0
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 @dataclass
@@ -92,13 +109,12 @@ class Load:
         ttft = sorted(self.served)
         if not ttft:
             return {"served": 0, "failed": len(self.failed), "requests_per_s": 0.0}
-        p99 = statistics.quantiles(ttft, n=100, method="inclusive")[98] if len(ttft) > 1 else ttft[0]
         return {
             "served": len(ttft),
             "failed": len(self.failed),
             "requests_per_s": len(ttft) / self.wall_s,
-            "ttft_p50_s": statistics.median(ttft),
-            "ttft_p99_s": p99,
+            "ttft_p50_s": quantile(ttft, 0.5),
+            "ttft_p99_s": quantile(ttft, 0.99),
             "ttft_max_s": ttft[-1],
         }
 

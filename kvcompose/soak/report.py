@@ -5,13 +5,14 @@ failed is a line of :attr:`SoakReport.problems` (``kvcompose soak`` exits 1 when
 from __future__ import annotations
 
 import re
-import statistics
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from kvcompose.e2e.load import LATE_READ, quantile
 from kvcompose.soak.drive import FINAL, OUTCOMES, Outcome
 from kvcompose.soak.plan import HANG_UP_PATHS, Request
 from kvcompose.soak.stack import GAUGES, ROLES, Sample
@@ -30,28 +31,12 @@ TTFT_BOUND_S = 5.0
 #: the dead decode before its health checks (every 2 s) took it out, the prefill's own time for
 #: them on a loaded host, and the reaper's next step.
 LEASE_SLACK_S = 15.0
-#: vLLM's NIXL worker on the prefill, when a decode's read notification names a request whose
-#: blocks it no longer holds (their lease expired): the decode read blocks that may have been
-#: reused by another request, and computed from them.
-LATE_READ = "Potentially invalid KV blocks for unrecognized request"
-#: The nixl plugin on the decode (``kvcompose_nixl.lease.REFUSED``), when a read ended after the
-#: prefill's lease: the load counted as failed, nothing was computed from it. The prefill still
-#: logs :data:`LATE_READ` for it.
-REFUSED_READ = re.compile(r"NIXL read refused: \S+ \(prefill request (\S+)\)")
-#: The request a :data:`LATE_READ` line names.
+#: The request a :data:`~kvcompose.e2e.load.LATE_READ` line names.
 LATE_READ_REQUEST = re.compile(LATE_READ + r" (\S+)")
-#: vLLM's NIXL worker on the prefill, when a request's lease runs out before every decode read it.
-LEASE_EXPIRY = "Releasing expired KV blocks for request"
 #: vLLM's log line header (``vllm/logger.py``): ``(EngineCore pid=3627) WARNING 11-26 05:12:02
 #: [file.py:12] message``; the time is month-day hour:min:sec, local time, without a year.
 LOG_HEADER = re.compile(r"\([^()]* pid=\d+\) [A-Z]+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # vLLM colours its header when told to (VLLM_LOGGING_COLOR=1)
-
-
-def quantile(values: list[float], q: float) -> float:
-    if len(values) < 2:
-        return values[0] if values else 0.0
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 @dataclass
@@ -339,10 +324,10 @@ def unplanned_expiries(
     return [e for e in expiries if not planned(e.at)]
 
 
-def used_late_reads(late_reads: list[LogLine], decode_lines: list[str]) -> list[LogLine]:
-    """The prefill's late-read lines for reads the decode did not refuse (:data:`REFUSED_READ` in
-    ``decode_lines``, the decode logs' lines): those a decode may have computed from."""
-    refused = {m.group(1) for line in decode_lines if (m := REFUSED_READ.search(line))}
+def used_late_reads(late_reads: list[LogLine], refused: Collection[str]) -> list[LogLine]:
+    """The prefill's late-read lines for reads the decode did not refuse (``refused``: the prefill
+    request ids of the decode's :data:`~kvcompose.e2e.load.REFUSED_READ` lines): those a decode
+    may have computed from."""
     out = []
     for line in late_reads:
         m = LATE_READ_REQUEST.search(line.text)

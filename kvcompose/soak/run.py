@@ -26,13 +26,12 @@ from datetime import datetime
 from pathlib import Path
 
 from kvcompose.e2e.flow import same_output
+from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ, quantile
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import EngineNode, EngineSpec, NodeError, wait_all_ready
 from kvcompose.soak.drive import Injector, Load, Outcome
 from kvcompose.soak.plan import FLAKY, SoakOptions, decode_composition, plan, prefill_lease_s
 from kvcompose.soak.report import (
-    LATE_READ,
-    LEASE_EXPIRY,
     LOGPROB_TOLERANCE,
     Comparison,
     SoakReport,
@@ -46,7 +45,6 @@ from kvcompose.soak.report import (
     lease_problems,
     logged,
     process_logs,
-    quantile,
     quiet_problems,
     unplanned_expiries,
     used_late_reads,
@@ -101,7 +99,7 @@ def run(
             # vLLM's NIXL worker on the prefill: a lease run out before every decode read, a read after one.
             expiries = logged(logs, "prefill", LEASE_EXPIRY, started)
             # ... and the reads the decode refused for it (nothing computed from them).
-            refused = _logged(logs, "decode", r"NIXL read refused: [^\n]*")
+            refused = set(_logged(logs, "decode", REFUSED_READ.pattern))
             late_reads = used_late_reads(logged(logs, "prefill", LATE_READ, started), refused)
         finally:
             stack.close()

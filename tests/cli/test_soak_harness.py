@@ -17,14 +17,13 @@ import pytest
 
 from kvcompose.cli import main
 from kvcompose.compose import load
+from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ
 from kvcompose.e2e.node import free_ports
 from kvcompose.e2e.server import completion_body, parse_completion
 from kvcompose.examples import EXAMPLES
 from kvcompose.soak.drive import Injector, Load, Outcome, send
 from kvcompose.soak.plan import FLAKY, QUICK, SoakOptions, decode_composition, plan, prefill_lease_s
 from kvcompose.soak.report import (
-    LATE_READ,
-    LEASE_EXPIRY,
     TTFT_BOUND_S,
     Comparison,
     LogLine,
@@ -471,6 +470,7 @@ def test_a_late_read_the_decode_refused_is_not_one_it_may_have_computed_from() -
         f"{REFUSED} chatcmpl-d-1 (prefill request chatcmpl-p-1) ended 0.1 s after the prefill instance's lease",
         "an unrelated line naming chatcmpl-p-2",
     ]
-    kept = used_late_reads([late("chatcmpl-p-1"), late("chatcmpl-p-2")], decode)
+    refused = REFUSED_READ.findall("\n".join(decode))  # as the soak reads the decode's logs
+    kept = used_late_reads([late("chatcmpl-p-1"), late("chatcmpl-p-2")], refused)
     assert [line.text for line in kept] == [late("chatcmpl-p-2").text]
     assert used_late_reads([late("chatcmpl-p-1")], []) != []
