@@ -327,10 +327,9 @@ def start_group(name: str, argv: list[str], **popen: Any) -> subprocess.Popen[An
     Ctrl-C reaches only this process, which then stops them (:func:`stopped_on_interrupt`).
 
     The group stays in this process's session: Linux schedules each session as a group of its
-    own (autogroup), and then an idle vLLM worker's ``sched_yield`` busy-wait yields only inside
-    its own engine's group, holding its share of the core vLLM bound it to while the other
-    engine's worker, bound to the same core, waits: decode steps were held up for 10-30 s until
-    the prefill stopped stepping (docs/e2e.md, stalls under load)."""
+    own (autogroup), and an idle vLLM worker's ``sched_yield`` busy-wait then yields only inside
+    its own engine's group, keeping the core vLLM binds every engine's worker to from the other
+    engine's worker (docs/e2e.md, stalls under load)."""
     proc: subprocess.Popen[Any] = subprocess.Popen(argv, process_group=0, **popen)
     _RUNNING[proc.pid] = (name, proc)
     return proc

@@ -309,19 +309,31 @@ def logged(logs: Path, role: str, text: str, near: datetime) -> list[LogLine]:
 
 
 def unplanned_expiries(
-    expiries: list[LogLine], decode_kills: list[datetime], lease_s: float, slack_s: float = LEASE_SLACK_S
+    expiries: list[LogLine], causes: list[datetime], lease_s: float, slack_s: float = LEASE_SLACK_S
 ) -> list[LogLine]:
-    """The lease expiries no decode kill explains: logged before a kill (to its second: the log's
-    times are whole seconds) or later than ``lease_s + slack_s`` after it, or whose time cannot be
-    read. A prefill lets a lease expire only when no decode reads the blocks: the requests it
-    prefilled for a decode that was then killed."""
+    """The lease expiries no planned cause explains: logged before every cause (to its second: the
+    log's times are whole seconds) or later than ``lease_s + slack_s`` after it, or whose time
+    cannot be read. A prefill lets a lease expire only when no decode reads the blocks: the
+    requests it prefilled for a decode that was then killed, and those whose client hung up at the
+    router while the prefill computed them (the router then never sends the decode request).
+    ``causes``: the decode kills' and those hang-ups' wall-clock times."""
 
     def planned(at: datetime | None) -> bool:
         return at is not None and any(
-            k.replace(microsecond=0) <= at <= k + timedelta(seconds=lease_s + slack_s) for k in decode_kills
+            k.replace(microsecond=0) <= at <= k + timedelta(seconds=lease_s + slack_s) for k in causes
         )
 
     return [e for e in expiries if not planned(e.at)]
+
+
+def router_hang_ups(outcomes: list[Outcome], load_started: float) -> list[datetime]:
+    """When each client that hung up through the router did (wall clock; ``load_started``: the
+    ``time.time()`` the outcomes' ``sent_at`` counts from)."""
+    return [
+        datetime.fromtimestamp(load_started + o.sent_at + o.latency_s)
+        for o in outcomes
+        if o.kind == "hung-up" and o.path == "router"
+    ]
 
 
 def used_late_reads(late_reads: list[LogLine], refused: Collection[str]) -> list[LogLine]:
@@ -349,7 +361,8 @@ def lease_problems(late_reads: list[LogLine], unplanned: list[LogLine], lease_s:
         when = ", ".join("time unreadable" if e.at is None else e.at.strftime("%H:%M:%S") for e in unplanned[:5])
         out.append(
             f"{len(unplanned)} NIXL lease expiry(ies) on the prefill outside the {lease_s:g} s (+ {LEASE_SLACK_S:g} s) "
-            f"after the decode was killed (at {when}): a decode that never read a request's blocks"
+            f"after the decode was killed or a client hung up at the router (at {when}): a decode that never read "
+            "a request's blocks"
         )
     return out
 

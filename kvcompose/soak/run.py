@@ -46,6 +46,7 @@ from kvcompose.soak.report import (
     logged,
     process_logs,
     quiet_problems,
+    router_hang_ups,
     unplanned_expiries,
     used_late_reads,
 )
@@ -90,6 +91,7 @@ def run(
             injector = Injector(load, stack, kills)
             injector.start()
             load.run(options.concurrency, _progress(load, echo))
+            load_started = time.time() - (time.monotonic() - load.t0)  # the outcomes' times count from load.t0
             injector.join()
             echo("load done; waiting for the engines to be quiet ...")
             quiet, settle_s = _quiet(stack, time.monotonic())
@@ -110,8 +112,9 @@ def run(
     requests_by = by_request(load.outcomes)
     answered = sorted(o.latency_s for o in load.outcomes if o.kind == "answered")
     ttft = first_tokens(load.outcomes, injector.outages)
-    decode_kills = [datetime.fromtimestamp(at) for name, at in injector.kills if name == "decode"]
-    unplanned = unplanned_expiries(expiries, decode_kills, lease_s)
+    causes = [datetime.fromtimestamp(at) for name, at in injector.kills if name == "decode"]
+    causes += router_hang_ups(load.outcomes, load_started)
+    unplanned = unplanned_expiries(expiries, causes, lease_s)
     problems = deaths + quiet_problems(quiet) + lease_problems(late_reads, unplanned, lease_s) + ttft.problems()
     if injector.error is not None:
         problems.append(f"fault injection failed: {injector.error}")

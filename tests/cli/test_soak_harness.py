@@ -474,3 +474,22 @@ def test_a_late_read_the_decode_refused_is_not_one_it_may_have_computed_from() -
     kept = used_late_reads([late("chatcmpl-p-1"), late("chatcmpl-p-2")], refused)
     assert [line.text for line in kept] == [late("chatcmpl-p-2").text]
     assert used_late_reads([late("chatcmpl-p-1")], []) != []
+
+
+def test_a_client_that_hung_up_at_the_router_plans_a_lease_expiry_from_when_it_did() -> None:
+    """The router sends no decode request for a client gone while prefill computed: the prefill
+    holds those blocks until its lease ends. Only router hang-ups plan one; a direct one does not
+    (the decode has the request and releases the prefill's blocks when it aborts it)."""
+    from kvcompose.soak.report import router_hang_ups
+
+    start = datetime(2026, 11, 26, 5, 12, 0).timestamp()
+    outcomes = [
+        Outcome(1, 0, "hung-up", 10.0, 0.5, "router"),
+        Outcome(2, 0, "hung-up", 20.0, 0.5, "direct"),
+        Outcome(3, 0, "answered", 30.0, 0.5, "router"),
+    ]
+    causes = router_hang_ups(outcomes, start)
+    assert causes == [datetime(2026, 11, 26, 5, 12, 10, 500_000)]
+    expiry = LogLine(datetime(2026, 11, 26, 5, 12, 41), "05:12:41")
+    assert unplanned_expiries([expiry], causes, lease_s=30.0) == []
+    assert unplanned_expiries([expiry], [], lease_s=30.0) == [expiry]

@@ -13,7 +13,6 @@ stalled 10-30 s now and then, on every side (docs/e2e.md, stalls under load).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,24 +21,21 @@ from kvcompose.bench.pd_load import BOUND_S, SIDES, SUBJECT, WORKLOADS, Run, Sta
 from kvcompose.e2e.chat import load_tokenizer, render
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import EngineNode
-from tests.engine.stack import module_stack
 
 pytestmark = pytest.mark.engine
 
 SAMPLE = 4
 
 
-class LoadStack(Stack):
-    """:class:`Stack` built the way :func:`module_stack` builds (``cls(logs)``)."""
-
-    def __init__(self, logs: Path) -> None:
-        started = Stack.start(str(make_model(0)), logs, SIDES)
-        self.__dict__.update(started.__dict__)
-
-
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    yield from module_stack(LoadStack, "kvcompose-pd-load-")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    started = Stack.start(
+        str(make_model(0)), tmp_path_factory.mktemp("pd-load"), SIDES
+    )  # stops what it started on failure
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 @pytest.fixture(scope="module")
