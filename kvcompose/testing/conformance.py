@@ -89,18 +89,75 @@ def _lookup(s: Subject, req: Request, n: int = 0) -> tuple[int | None, bool]:
     return s.connector.get_num_new_matched_tokens(req, n)
 
 
-def lookup_is_side_effect_free(s: Subject) -> None:
-    req = s.fresh_request()
-    s.scheduler.add_request(req)  # on_new_request, as vLLM calls it first
+def _same_lookups(s: Subject, req: Request, what: str, times: int = 3) -> tuple[int | None, bool]:
+    """Look ``req`` up ``times`` times: the answers and the free device blocks must not move."""
     before = s.free_blocks()
-    first, second = _lookup(s, req), _lookup(s, req)
-    call = f"get_num_new_matched_tokens(<{req.request_id}>, 0) twice"
-    if first != second:
-        raise s.violation("lookup-is-side-effect-free", call, "the same answer both times", (first, second))
+    answers = [_lookup(s, req) for _ in range(times)]
+    call = f"get_num_new_matched_tokens(<{what} {req.request_id}>, 0) {times}x"
+    if len(set(answers)) != 1:
+        raise s.violation("lookup-is-side-effect-free", call, "the same answer every time", answers)
     if s.free_blocks() != before:
         raise s.violation(
             "lookup-is-side-effect-free", call, f"{before} free blocks left untouched", f"{s.free_blocks()} free blocks"
         )
+    return answers[0]
+
+
+def lookup_is_side_effect_free(s: Subject) -> None:
+    """A miss and a hit, each looked up repeatedly, change nothing; a hit looked up and then
+    abandoned (the request aborted before allocation) is still there for the next request.
+
+    The hit is a prompt the connector saw run to completion; a type that then answers 0 (it
+    stores nothing, as a P/D consumer) is skipped for the hit half, with that reason.
+    """
+    from vllm.v1.request import RequestStatus
+
+    from kvcompose.testing.harness import assert_scheduler_empty, make_request
+
+    assert s.worker is not None
+    miss = s.fresh_request()
+    s.scheduler.add_request(miss)  # on_new_request, as vLLM calls it first
+    _same_lookups(s, miss, "new prompt")
+    s.scheduler.finish_requests(miss.request_id, RequestStatus.FINISHED_ABORTED)
+
+    seen = s.fresh_request()
+    s.scheduler.add_request(seen)
+    for _ in range(4):
+        s.worker.engine_step(eos=True)
+    s.worker.drain(eos=True)
+    s.scheduler.reset_prefix_cache()  # only the connector may answer for the prompt now
+
+    def again() -> Request:
+        req = make_request(prompt=seen.prompt_token_ids, block_size=s.block_size)
+        s.scheduler.add_request(req)
+        return req
+
+    looked = again()
+    hit = _same_lookups(s, looked, "prompt seen before")
+    if not hit[0]:
+        pytest.skip(f"{s.type_name!r} holds nothing for a prompt it saw finish: the hit half does not apply")
+    s.scheduler.finish_requests(looked.request_id, RequestStatus.FINISHED_ABORTED)  # never allocated
+    s.worker.drain(eos=True)
+    try:
+        assert_scheduler_empty(s.scheduler)
+    except AssertionError as exc:
+        raise s.violation(
+            "lookup-is-side-effect-free",
+            f"abort <{looked.request_id}> after looking up its hit",
+            "nothing held once the looked-up request is gone",
+            str(exc),
+        ) from exc
+    later = again()
+    got = _lookup(s, later)
+    if got != hit:
+        raise s.violation(
+            "lookup-is-side-effect-free",
+            f"get_num_new_matched_tokens(<{later.request_id}, the same prompt>, 0) after an abandoned lookup",
+            f"the hit still there: {hit}",
+            got,
+        )
+    s.scheduler.finish_requests(later.request_id, RequestStatus.FINISHED_ABORTED)
+    s.worker.drain(eos=True)
 
 
 def nothing_matches_is_zero(s: Subject) -> None:
@@ -279,6 +336,7 @@ CONTRACTS: tuple[Contract, ...] = (
         "lookup-is-side-effect-free",
         "get_num_new_matched_tokens may be called repeatedly and should be side-effect free",
         lookup_is_side_effect_free,
+        needs_worker=True,
     ),
     Contract("nothing-matches-is-zero", "(0, False) when no external token matches", nothing_matches_is_zero),
     Contract("async-only-with-tokens", "the async flag is False when the count is 0", async_only_with_tokens),

@@ -15,9 +15,11 @@ from kvcompose.testing.conformance import (
     Subject,
     composition,
     conformance,
+    lookup_is_side_effect_free,
     nothing_matches_is_zero,
 )
 from kvcompose.testing.harness import decode_request, make_request, scheduler_from_yaml
+from kvcompose.testing.worker import WorkerHarness
 
 EXAMPLE = {
     "kv_connector": "ExampleConnector",
@@ -38,6 +40,20 @@ def test_the_kit_reports_decode_bench_claiming_a_prompt_no_tier_holds() -> None:
     subject = Subject("vllm", scheduler_from_yaml(composition("vllm", DECODE_BENCH)))
     with pytest.raises(ContractViolation, match=r"nothing-matches-is-zero.*\n.*\n.*\n  got:      \(63, False\)"):
         nothing_matches_is_zero(subject)
+
+
+def test_the_kit_reports_a_hit_pinned_by_an_abandoned_lookup() -> None:
+    """A lookup that pins its hit until an allocation that never comes (the request aborted)
+    answers the same each time, yet takes the hit from every later request."""
+    pinning = {
+        **EXAMPLE,
+        "kv_connector": "PinningExampleConnector",
+        "kv_connector_module_path": "tests.kit.pinning_connector",
+    }
+    with WorkerHarness.from_yaml(composition("vllm", pinning), block_size=32, num_blocks=64) as worker:
+        subject = Subject("vllm", worker.scheduler, worker, block_size=32)
+        with pytest.raises(ContractViolation, match=r"after an abandoned lookup\n  expected: the hit still there"):
+            lookup_is_side_effect_free(subject)
 
 
 COMPOSED_WITH_NIXL = f"""
