@@ -354,6 +354,12 @@ class FaultMonitor(Protocol):
         """A contained call of ``child`` raised. True: bypass the child from now on."""
         ...
 
+    def succeeded(self, child: int) -> None:
+        """A contained call of ``child`` returned. The composite reports it only while ``child``
+        is in :attr:`watched`, so a healthy child costs nothing; a monitor that lets a child back
+        on probation counts these, not quiet steps."""
+        return None
+
     def step(self) -> tuple[int, ...]:
         """A step starts: the bypassed children to call again from now on (each one's next call
         is its probe)."""

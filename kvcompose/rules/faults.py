@@ -43,7 +43,8 @@ class BreakerParams(ChildrenParams, kw_only=True):
     failures: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 3
     #: Seconds a bypassed child is left alone before one probe call.
     cooldown_s: Annotated[float, msgspec.Meta(ge=0, le=86_400)] = 30.0
-    #: Steps in a row without a failure, from the probe on, before the child is fully back.
+    #: Steps in a row with a call that succeeded and none that failed, from the probe on,
+    #: before the child is fully back.
     successes: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 3
 
 
@@ -51,8 +52,9 @@ class BreakerParams(ChildrenParams, kw_only=True):
 class _Child:
     state: ChildState = "closed"
     failures: int = 0  # while closed, since the last step free of failures
-    successes: int = 0  # while half-open: steps in a row without a failure
+    successes: int = 0  # while half-open: steps in a row with a call that succeeded, none failed
     failed_this_step: bool = False
+    succeeded_this_step: bool = False
     opened_at: float = 0.0
 
 
@@ -62,8 +64,9 @@ class Breaker(FaultMonitor):
     closed: called; ``failures`` failed calls with no step free of failures between them open
     it. open: bypassed (its loads recompute, its stores are skipped) until ``cooldown_s`` passed;
     then, at the next step, half-open: called again, its first call the probe. A failure in
-    half-open opens it again (a new cooldown); ``successes`` steps in a row without a failure
-    close it. Each state change is logged once.
+    half-open opens it again (a new cooldown); ``successes`` steps in a row, each with a call
+    that succeeded and none that failed, close it (a step in which the child was not called
+    proves nothing and counts neither way). Each state change is logged once.
     """
 
     def __init__(self, rule: BreakerRule) -> None:
@@ -93,26 +96,33 @@ class Breaker(FaultMonitor):
             return True
         return False
 
+    def succeeded(self, child: int) -> None:
+        self._children[child].succeeded_this_step = True
+
     def step(self) -> tuple[int, ...]:
         back = []
         now = None
         for i in tuple(self.watched):
             c = self._children[i]
             clean, c.failed_this_step = not c.failed_this_step, False
+            called, c.succeeded_this_step = c.succeeded_this_step, False
             if c.state == "closed":
                 if clean:  # a step free of failures: the count starts again
                     c.failures = 0
                     self.watched.discard(i)
             elif c.state == "half-open":
-                if clean:
+                if clean and called:
                     c.successes += 1
                     if c.successes >= self._rule.successes:
-                        self._change(i, c, "closed", f"{c.successes} steps in a row without a failure; fully back")
+                        self._change(
+                            i, c, "closed", f"{c.successes} steps in a row with calls that succeeded; fully back"
+                        )
                         self.watched.discard(i)
             else:
                 now = self._rule.clock() if now is None else now
                 if now - c.opened_at >= self._rule.cooldown_s:
                     c.successes = 0
+                    c.succeeded_this_step = False  # a call under way when it opened is no probe
                     self._change(i, c, "half-open", "cooldown over; its next call is a probe")
                     back.append(i)
         return tuple(sorted(back))
@@ -175,7 +185,7 @@ def _explain_breaker(children: tuple[Child, ...], p: BreakerParams) -> str:
         f"faults: {', '.join(p.children)} {'has' if len(p.children) == 1 else 'each have'} a circuit breaker: "
         f"when {calls}, the child is bypassed "
         f"(its loads recompute, its stores are skipped); after {p.cooldown_s:g} s one probe call goes "
-        f"to it, and after {steps} without a failure it is fully back (a failed probe bypasses it "
+        f"to it, and after {steps} with calls that succeeded and none that failed it is fully back (a failed probe bypasses it "
         "again); its state is the gauge vllm:kvcompose_breaker_state"
     )
 

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcompose.catalog import Plan
 from kvcompose.rules.contract import FaultMonitor, FaultsRule
+from kvcompose.vllm.surface import provides
 
 log = logging.getLogger("kvcompose.vllm")
 trace_log = logging.getLogger("kvcompose.trace")
@@ -207,9 +208,14 @@ class CallTable(dict[str, list[Entry]]):
         return None if None in values else next(iter(values), None)
 
     def every(self, method: str) -> list[Entry]:
-        """``method`` on every child, bypassed ones included, uncontained (``shutdown``: a child
-        bypassed by the faults rule still gets it, and the caller reports every error)."""
-        return [(i, self._bind(i, method, contain=False)) for i in range(len(self._children))]
+        """``method`` on every child that has it, bypassed ones included, uncontained
+        (``shutdown``, the sleep-mode calls: a child bypassed by the faults rule still gets them,
+        and the caller reports every error)."""
+        return [
+            (i, self._bind(i, method, contain=False))
+            for i in range(len(self._children))
+            if provides(self._children[i], method)
+        ]
 
     def call_every(self, method: str) -> None:
         """``method`` on every child (:meth:`every`); each child gets its call whatever the others
@@ -260,7 +266,7 @@ class CallTable(dict[str, list[Entry]]):
         return [
             (i, self._bind(i, method))
             for i in among
-            if (only is None or i in only) and not self._does_nothing(i, method)
+            if (only is None or i in only) and provides(self._children[i], method) and not self._does_nothing(i, method)
         ]
 
     def _does_nothing(self, i: int, method: str) -> bool:
@@ -288,7 +294,7 @@ class CallTable(dict[str, list[Entry]]):
             if i in self.disabled:  # an entry captured before the child was bypassed
                 return neutral
             try:
-                return fn(*args, **kwargs)
+                answer = fn(*args, **kwargs)
             except Exception:
                 bypass = monitor.failed(i)
                 log.warning(
@@ -302,6 +308,9 @@ class CallTable(dict[str, list[Entry]]):
                     self.disable(i)
                 self._on_fault(i, method)
                 return neutral
+            if i in monitor.watched:  # on probation: the monitor counts calls that succeeded
+                monitor.succeeded(i)
+            return answer
 
         return contained
 

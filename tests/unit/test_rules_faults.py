@@ -154,11 +154,45 @@ def test_open_until_the_cooldown_then_half_open_then_closed_after_clean_steps() 
     assert b.step() == () and b.state(1) == "open"
     clock.now += 0.1
     assert b.step() == (1,) and b.state(1) == "half-open" and b.watched == {1}
-    assert b.step() == ()  # let back once; one clean step
+    b.succeeded(1)  # the probe
+    assert b.step() == ()  # let back once; one clean step with a call that succeeded
     assert b.state(1) == "half-open"
+    b.succeeded(1)
     b.step()
     assert b.state(1) == "closed" and not b.watched
     assert b.take_changes() == {1: "closed"}  # the latest state of each child that changed
+
+
+def test_a_half_open_child_that_gets_no_call_is_not_declared_recovered() -> None:
+    """Steps without a call to the child prove nothing: only steps whose calls succeeded close it."""
+    clock = Clock()
+    b = breaker(clock, failures=1, cooldown_s=30, successes=3)
+    b.failed(1)
+    clock.now += 30
+    assert b.step() == (1,)
+    for _ in range(10):  # no call reaches the child (no request, nothing for it to do)
+        b.step()
+    assert b.state(1) == "half-open" and b.watched == {1}
+    for _ in range(2):
+        b.succeeded(1)
+        b.step()
+    b.step()  # a quiet step between does not reset the count either
+    assert b.state(1) == "half-open"
+    b.succeeded(1)
+    b.step()
+    assert b.state(1) == "closed" and b.take_changes() == {1: "closed"}
+
+
+def test_a_call_that_succeeded_and_one_that_failed_in_a_step_is_a_failed_probe() -> None:
+    clock = Clock()
+    b = breaker(clock, failures=1, cooldown_s=30, successes=1)
+    b.failed(1)
+    clock.now += 30
+    b.step()
+    b.succeeded(1)
+    assert b.failed(1) is True and b.state(1) == "open"
+    b.step()
+    assert b.state(1) == "open"
 
 
 def test_a_failed_probe_opens_again_with_a_new_cooldown() -> None:
@@ -192,6 +226,7 @@ def test_the_states_of_a_breaker_are_logged_once_each(caplog: pytest.LogCaptureF
         b.failed(1)
         clock.now += 5
         b.step()
+        b.succeeded(1)
         b.step()
         b.step()
     states = [r.getMessage().split("breaker ")[1].split(":")[0] for r in caplog.records]
@@ -206,7 +241,7 @@ def test_breaker_from_yaml_with_its_options() -> None:
     assert (plan.faults.failures, plan.faults.cooldown_s, plan.faults.successes) == (2, 0.5, 4)
     text = "\n".join(plan.explain())
     assert "c has a circuit breaker: when 2 calls fail" in text
-    assert "after 0.5 s one probe call" in text and "after 4 steps in a row without a failure" in text
+    assert "after 0.5 s one probe call" in text and "after 4 steps in a row with calls that succeeded and none that failed" in text
 
 
 def test_breaker_defaults() -> None:
