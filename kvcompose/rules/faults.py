@@ -185,8 +185,8 @@ def _explain_breaker(children: tuple[Child, ...], p: BreakerParams) -> str:
         f"faults: {', '.join(p.children)} {'has' if len(p.children) == 1 else 'each have'} a circuit breaker: "
         f"when {calls}, the child is bypassed "
         f"(its loads recompute, its stores are skipped); after {p.cooldown_s:g} s one probe call goes "
-        f"to it, and after {steps} with calls that succeeded and none that failed it is fully back (a failed probe bypasses it "
-        "again); its state is the gauge vllm:kvcompose_breaker_state"
+        f"to it, and after {steps} with calls that succeeded and none that failed it is fully back "
+        "(a failed probe bypasses it again); its state is the gauge vllm:kvcompose_breaker_state"
     )
 
 

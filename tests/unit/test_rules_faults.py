@@ -241,7 +241,8 @@ def test_breaker_from_yaml_with_its_options() -> None:
     assert (plan.faults.failures, plan.faults.cooldown_s, plan.faults.successes) == (2, 0.5, 4)
     text = "\n".join(plan.explain())
     assert "c has a circuit breaker: when 2 calls fail" in text
-    assert "after 0.5 s one probe call" in text and "after 4 steps in a row with calls that succeeded and none that failed" in text
+    assert "after 0.5 s one probe call" in text
+    assert "after 4 steps in a row with calls that succeeded and none that failed" in text
 
 
 def test_breaker_defaults() -> None:
