@@ -12,9 +12,15 @@
  *
  * copy_pieces(dst, src, sizes, stream_min): three buffers of uint64 (destination addresses,
  * source addresses, byte counts), one entry per piece; pieces of at least stream_min bytes are
- * streamed when the CPU has AVX-512F (STREAMS), the others and every piece elsewhere are copied
- * with memmove. The GIL is released for the copy, so a copy thread leaves the engine's thread
- * free. Pieces must not overlap each other (memmove semantics hold within a piece only).
+ * streamed when the CPU has AVX-512F (STREAMS, the AVX-512 loop), the others and every piece
+ * elsewhere are copied with memmove (the plain loop). A negative stream_min streams no piece: the
+ * plain loop on any CPU, which is how the caller forces it (KVCOMPOSE_COPY_LOOP=plain). The GIL
+ * is released for the copy, so a copy thread leaves the engine's thread free. The addresses are
+ * trusted: the caller checks the block ids they come from. Returns how many pieces were streamed
+ * (0: the plain loop copied them all). Pieces must not overlap each other; within a piece,
+ * memmove semantics hold on both loops (a piece whose source and destination overlap is never
+ * streamed: the streamed loop writes a span before it has read the end of the one below it, so
+ * it is no memmove in either direction).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -100,6 +106,12 @@ __attribute__((target("avx512f"))) static void stream_copy(char *d, const char *
 }
 #endif
 
+/* Whether a piece's source and destination share a byte (then only memmove copies it right). */
+static inline int overlaps(uint64_t d, uint64_t s, uint64_t n)
+{
+    return d < s + n && s < d + n;
+}
+
 static int uint64_buffer(Py_buffer *b, const char *what)
 {
     if (b->len % 8) {
@@ -127,15 +139,13 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args)
     const uint64_t *d = dst.buf, *s = src.buf, *n = sizes.buf;
     size_t count = (size_t)sizes.len / 8;
     size_t min = stream_min < 0 ? SIZE_MAX : (size_t)stream_min;
+    size_t streamed = 0;
     Py_BEGIN_ALLOW_THREADS
-#if KVC_STREAMING
-    int streamed = 0;
-#endif
     for (size_t k = 0; k < count; k++) {
 #if KVC_STREAMING
-        if (streams && n[k] >= min) {
+        if (streams && n[k] >= min && !overlaps(d[k], s[k], n[k])) {
             stream_copy((char *)(uintptr_t)d[k], (const char *)(uintptr_t)s[k], (size_t)n[k]);
-            streamed = 1;
+            streamed++;
             continue;
         }
 #endif
@@ -146,8 +156,7 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args)
         _mm_sfence(); /* streamed lines are visible before the copy is reported done */
 #endif
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
+    result = PyLong_FromSize_t(streamed);
 done:
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
@@ -157,7 +166,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"copy_pieces", copy_pieces, METH_VARARGS,
-     "copy_pieces(dst, src, sizes, stream_min): copy each piece; stream those of at least stream_min bytes."},
+     "copy_pieces(dst, src, sizes, stream_min): copy each piece; stream those of at least stream_min bytes "
+     "(none if negative). Returns how many were streamed."},
     {NULL, NULL, 0, NULL},
 };
 

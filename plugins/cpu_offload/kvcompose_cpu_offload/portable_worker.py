@@ -20,6 +20,18 @@ cannot start on a platform without CUDA (on vLLM's CPU platform it fails with
   a forward pass (:class:`StepMetadata`), which starts them at once; the preemption flush and
   shutdown start them first.
 
+Block ids are checked before a transfer copies anything (:func:`check_block_ids`): an id outside
+a side's blocks fails the transfer through its event, with nothing copied (the compiled helper
+would write out of bounds, and numpy would wrap a negative id to the end of the pool).
+
+Copy loops. Transfers of :data:`STREAM_MIN_BYTES` or more go through the compiled helper
+(``_streamcopy.c``), which copies with one of two loops: ``avx512`` (non-temporal 64-byte
+stores, where the CPU has AVX-512F) or ``plain`` (``memmove`` per piece, everywhere else).
+Setting the environment variable ``KVCOMPOSE_COPY_LOOP=plain`` forces the plain loop on any
+CPU (to test it, or to compare the two); ``auto`` (the default) picks ``avx512`` where it
+runs. :func:`copy_loop` says which loop a transfer gets, and
+:meth:`PortableSimpleCPUOffloadWorker.take_copy_loops` which loops the transfers used.
+
 Everything else is vLLM's own code, inherited unchanged: how raw ``[num_blocks, block_bytes]``
 storage regions are derived from the engine's KV tensors, how the pool is sized, metadata
 binding, completion polling (finished loads -> request ids in ``finished_recving``, finished
@@ -30,6 +42,7 @@ scheduler-side manager therefore sees exactly what vLLM's CUDA worker would repo
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import threading
@@ -75,9 +88,64 @@ except ImportError:  # pragma: no cover - a build without a compiler
 #: 32 blocks, numpy 41 us against 72 us; 8 MiB, 1.8 ms against 0.86 ms).
 STREAM_MIN_BYTES = 1 << 20
 
+#: The environment variable that picks the compiled helper's copy loop (:func:`copy_loop`).
+COPY_LOOP_ENV = "KVCOMPOSE_COPY_LOOP"
+_COPY_LOOP_CHOICES = ("auto", "plain")
+
 #: The longest the engine's thread waits for one copy thread's transfer (vLLM's preemption
 #: flush): a copy moves gigabytes per second, so a transfer not done by then never will be.
 SYNC_TIMEOUT_S = 60.0
+
+
+@functools.cache
+def _forced_plain(setting: str) -> bool:
+    """Whether a :data:`COPY_LOOP_ENV` value forces the plain loop; an unknown one is ignored once, with a warning."""
+    if setting not in _COPY_LOOP_CHOICES:
+        logger.warning("%s=%r is not one of %s; using auto", COPY_LOOP_ENV, setting, ", ".join(_COPY_LOOP_CHOICES))
+    return setting == "plain"
+
+
+def copy_loop() -> str:
+    """The loop the compiled helper copies with now: ``"avx512"`` (streamed stores; the CPU has
+    AVX-512F), ``"plain"`` (``memmove`` per piece: no AVX-512F, or ``KVCOMPOSE_COPY_LOOP=plain``),
+    or ``"numpy"`` where the helper is not built. Read at each transfer, so a test can switch it."""
+    if _streamcopy is None:
+        return "numpy"
+    if _streamcopy.STREAMS and not _forced_plain(os.environ.get(COPY_LOOP_ENV, "auto").strip().lower()):
+        return "avx512"
+    return "plain"
+
+
+def _helper_copy(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> str:
+    """One call of the compiled helper on laid-out pieces; returns the loop that copied them."""
+    # A negative stream_min streams no piece: the plain loop.
+    loop = copy_loop()
+    streamed = _streamcopy.copy_pieces(dst, src, sizes, 0 if loop == "avx512" else -1)
+    if streamed is None:  # a build from before copy_pieces counted its streamed pieces
+        return loop
+    return "avx512" if streamed else "plain"
+
+
+def check_block_ids(ids: Sequence[int], count: int, what: str) -> None:
+    """Raise :class:`IndexError` unless every id in ``ids`` is in ``[0, count)``.
+
+    Called once per transfer before anything is copied: the compiled helper turns ids into
+    addresses unchecked, and numpy wraps a negative index. ``what`` names the ids in the
+    message (``"source block"``, ``"disk slot"``).
+    """
+    if not len(ids):
+        return
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+        lo, hi = int(arr.min()), int(arr.max())
+    except OverflowError:  # an id beyond int64 is out of range anyway
+        lo, hi = 0, max(ids)
+    if lo >= 0 and hi < count:
+        return
+    raise IndexError(
+        f"{what} id {lo if lo < 0 else hi} is outside [0, {count}); "
+        f"nothing of the transfer's {len(ids)} blocks was copied"
+    )
 
 
 def contiguous_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -102,9 +170,15 @@ def as_array(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def copy_blocks(pairs: Sequence[tuple[np.ndarray, np.ndarray]], src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+def copy_blocks(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], src_ids: Sequence[int], dst_ids: Sequence[int]
+) -> set[str]:
     """For each ``(src, dst)`` region pair of one transfer, copy block ``src[src_ids[i]]`` to
-    ``dst[dst_ids[i]]`` for each ``i`` (dim 0 is the block index).
+    ``dst[dst_ids[i]]`` for each ``i`` (dim 0 is the block index). Returns the loops that copied
+    (:func:`copy_loop`'s names; ``"numpy"`` for numpy).
+
+    Every id is checked against its side's blocks first (:func:`check_block_ids`): a bad one
+    raises :class:`IndexError` before any pair is copied.
 
     With the compiled helper (:mod:`kvcompose_cpu_offload._streamcopy`, built with the plugin
     where a C compiler is found), a pair moving at least :data:`STREAM_MIN_BYTES` and layouts it
@@ -114,12 +188,18 @@ def copy_blocks(pairs: Sequence[tuple[np.ndarray, np.ndarray]], src_ids: Sequenc
     GIL too. Measured against each other and the alternatives in docs/performance.md
     (benchmark 4).
     """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    if pairs:
+        check_block_ids(src_ids, min(src.shape[0] for src, _ in pairs), "source block")
+        check_block_ids(dst_ids, min(dst.shape[0] for _, dst in pairs), "destination block")
+    loops: set[str] = set()
     runs: list[tuple[int, int, int]] | None = None
     for src, dst in pairs:
         if _streamcopy is not None and len(src_ids) * src[0].nbytes >= STREAM_MIN_BYTES:
             plan = pieces(src, dst, src_ids, dst_ids)
             if plan is not None:
-                _streamcopy.copy_pieces(*plan, 0)
+                loops.add(_helper_copy(*plan))
                 continue
         if runs is None:
             runs = contiguous_runs(src_ids, dst_ids)
@@ -128,6 +208,8 @@ def copy_blocks(pairs: Sequence[tuple[np.ndarray, np.ndarray]], src_ids: Sequenc
                 dst[d] = src[s]
             else:
                 dst[d : d + n] = src[s : s + n]
+        loops.add("numpy")
+    return loops
 
 
 def _chunks(arr: np.ndarray, whole: bool) -> tuple[int, np.ndarray] | None:
@@ -305,6 +387,8 @@ class CopyThreads:
     """
 
     _what: ClassVar[str] = "copy"
+    #: The copy loops the transfers used since :meth:`take_copy_loops` last ran (set in ``init``).
+    _copy_loops: set[str]
     _store_queue: queue.SimpleQueue[Any]
     _load_queue: queue.SimpleQueue[Any]
     _store_thread: threading.Thread | None
@@ -315,6 +399,11 @@ class CopyThreads:
 
     def load(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         raise NotImplementedError
+
+    def take_copy_loops(self) -> set[str]:
+        """The copy loops (:func:`copy_loop`'s names) the transfers used since the last call."""
+        loops, self._copy_loops = self._copy_loops, set()
+        return loops
 
     def _start_threads(self) -> None:
         name = self._what.replace(" ", "-")
@@ -409,6 +498,7 @@ class HostCopyBackend(CopyThreads):
     def __init__(self) -> None:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
         self._block_bytes = 0
+        self._copy_loops = set()
         self._store_queue = queue.SimpleQueue()
         self._load_queue = queue.SimpleQueue()
         self._store_thread = None
@@ -440,12 +530,14 @@ class HostCopyBackend(CopyThreads):
         return (not is_store or not step_has_forward) and num_blocks * self._block_bytes <= self.inline_copy_bytes
 
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread."""
-        copy_blocks(self._pairs, src_blocks, dst_blocks)
+        """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread
+        (every id checked first, see :func:`copy_blocks`)."""
+        self._copy_loops |= copy_blocks(self._pairs, src_blocks, dst_blocks)
 
     def load(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Copy pool blocks ``src_blocks`` to device blocks ``dst_blocks`` now, in the caller's thread."""
-        copy_blocks([(host, device) for device, host in self._pairs], src_blocks, dst_blocks)
+        """Copy pool blocks ``src_blocks`` to device blocks ``dst_blocks`` now, in the caller's thread
+        (every id checked first, see :func:`copy_blocks`)."""
+        self._copy_loops |= copy_blocks([(host, device) for device, host in self._pairs], src_blocks, dst_blocks)
 
     def shutdown(self) -> None:
         """Let the copies already queued finish, then stop the threads (idempotent)."""
@@ -513,11 +605,14 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
         that a disk gets requests large enough to stream, and keeps it only for the record.
         """
         self._total_block_bytes = total_block_bytes
+        self._num_disk_slots = num_disk_slots
         self._num_buffer_slots = num_buffer_slots
+        self._copy_loops = set()
         self._tensor_names = list(device_regions)
         self._regions = [device_regions[n] for n in self._tensor_names]
         self._per_tensor_bpb = [t.stride(0) * t.element_size() for t in self._regions]
         self._region_arrays = [as_array(r).reshape(r.shape[0], -1).view(np.int8) for r in self._regions]
+        self._num_blocks = min(r.shape[0] for r in self._regions)
 
         if not use_page_cache and total_block_bytes % _ALIGNMENT:
             # Staged I/O moves whole slots from aligned buffers: a slot's size is what O_DIRECT sees.
@@ -618,18 +713,21 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
                 dst, src, n = slots.ravel()[order], blocks.ravel()[order], n.ravel()[order]
             else:  # the buffer is read forwards as it is
                 dst, src, n = blocks.ravel(), slots.ravel(), n.ravel()
-            _streamcopy.copy_pieces(dst.astype(np.uint64), src.astype(np.uint64), np.ascontiguousarray(n), 0)
+            self._copy_loops.add(_helper_copy(dst.astype(np.uint64), src.astype(np.uint64), np.ascontiguousarray(n)))
             return
         staged = [(region, buf[:, column]) for region, column in zip(self._region_arrays, self._columns)]
         slots = range(len(run))
         if to_buffer:
-            copy_blocks(staged, run, slots)
+            self._copy_loops |= copy_blocks(staged, run, slots)
         else:
-            copy_blocks([(b, r) for r, b in staged], slots, run)
+            self._copy_loops |= copy_blocks([(b, r) for r, b in staged], slots, run)
 
     def _transfer(self, blocks: list[int], slots: list[int], write: bool) -> None:
         if len(blocks) != len(slots):
             raise ValueError(f"{len(blocks)} blocks but {len(slots)} disk slots")
+        # Before any I/O: a bad slot would write past the file, a bad block id past the KV cache.
+        check_block_ids(blocks, self._num_blocks, "device block")
+        check_block_ids(slots, self._num_disk_slots, "disk slot")
         runs = self._slot_runs(blocks, slots)
         size = self._total_block_bytes
         if self._in_place:
@@ -795,6 +893,11 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
         #: Stores issued by the last step's ``wait_for_save``, handed to the store thread when the
         #: next step starts: (device blocks, pool blocks, event index).
         self._stores_to_start: list[tuple[list[int], list[int], int]] = []
+
+    def take_copy_loops(self) -> set[str]:
+        """The copy loops (:func:`copy_loop`'s names) this worker's transfers used since the last
+        call: what a benchmark records beside its timings."""
+        return set() if self._backend is None else self._backend.take_copy_loops()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's region derivation and sizing, then our pool and backend (``_init_*_mode``)."""
