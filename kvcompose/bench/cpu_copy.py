@@ -29,6 +29,11 @@ from a buffer in huge pages (the disk's best: a request carries one segment per 
 contiguous span of its buffer). ``sequential file I/O, 4 KiB pages``, the same call from an
 ordinary anonymous mapping, is shown beside it. The directory is ``$KVCOMPOSE_BENCH_DISK_DIR``,
 else the system's temporary directory.
+
+Each case records ``copy_loop``: which loop of the plugin's compiled copy moved its bytes
+(``avx512``: streamed stores, where the CPU has AVX-512F; ``plain``: ``memmove`` per piece;
+``numpy`` where the helper is not built), as the worker reports it. ``KVCOMPOSE_COPY_LOOP=plain``
+forces the plain loop on any CPU, to compare the two on one machine.
 """
 
 from __future__ import annotations
@@ -243,6 +248,15 @@ def run(
     )
 
 
+def _copy_loops(worker: Any) -> str | None:
+    """The copy loops the worker's transfers used since the last call (``"+"``-joined when
+    several); ``None`` from a plugin that does not report them."""
+    take = getattr(worker, "take_copy_loops", None)
+    if take is None:
+        return None
+    return "+".join(sorted(take())) or None
+
+
 def _engine_worker(geo: Geometry, pool: int, **options: Any) -> tuple[Any, Any]:
     """An engine-laid-out KV cache of ``pool`` usable blocks and a portable worker registered on it."""
     from kvcompose.testing.kv import fill_random, make_engine_kv
@@ -331,9 +345,11 @@ def _sweep(geo: Geometry, per_copy: int, reps: int, gen: torch.Generator) -> tup
 
                 _check(regions, subject, dev_ids, host_ids, is_store, f"{direction} {_label(size)} {pattern}")
                 memcpy(0), loop(0)  # first touch of the pages
+                _copy_loops(worker)  # from here on, this case's samples only
                 samples = interleave({MEMCPY: memcpy, LOOP: loop, SUBJECT: subject}, reps)
                 label = f"{direction} {_label(size)} {pattern}"
                 extra = {"block_bytes": size, "blocks": n, "layers": NUM_LAYERS, "pattern": pattern}
+                extra["copy_loop"] = _copy_loops(worker)
                 cases.append(Case(label, samples, {**extra, "direction": direction, "model": geo.model}))
                 ratios.append(ratio(label, samples, SUBJECT, MEMCPY, higher_is_better=True))
                 ratios.append(ratio(label, samples, SUBJECT, LOOP, higher_is_better=True))
@@ -422,10 +438,12 @@ def _disk_sweep(
                     subject(0)
                     if not all(torch.equal(r[dev_ids], b) for r, b in zip(regions, before)):
                         raise RuntimeError(f"cpu_copy: the disk tier did not bring the blocks back ({label})")
+                _copy_loops(worker)  # from here on, this case's samples only
                 samples = interleave(
                     {FILE_IO: baseline, SUBJECT: subject, FILE_IO_SMALL_PAGES: small_pages_baseline}, reps
                 )
                 extra = {"block_bytes": size, "blocks": n, "layers": NUM_LAYERS, "pattern": pattern, "tier": "disk"}
+                extra["copy_loop"] = _copy_loops(worker)
                 cases.append(Case(label, samples, {**extra, "direction": direction, "model": geo.model}))
                 ratios.append(ratio(label, samples, SUBJECT, FILE_IO, higher_is_better=True))
                 ratios.append(ratio(label, samples, SUBJECT, FILE_IO_SMALL_PAGES, higher_is_better=True))

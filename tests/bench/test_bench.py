@@ -119,6 +119,24 @@ def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
     # Every case carries its own target against the memcpy, and the JSON says whether it was met.
     assert all(r.target is not None and r.target.applies(x) for x in r.ratios if x.baseline == MEMCPY)
     assert r.to_json()["target"]["met"] in (True, False)
+    # Each case says which loop of the compiled copy moved its bytes (1 MiB a transfer: the helper's).
+    assert {c.to_json()["copy_loop"] for c in r.cases} == {_expected_copy_loop()}
+
+
+def _expected_copy_loop() -> str:
+    from kvcompose_cpu_offload import portable_worker
+
+    return portable_worker.copy_loop()
+
+
+def test_cpu_copy_records_the_plain_loop_when_it_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcompose.bench.cpu_copy import NUM_LAYERS, run
+
+    if _expected_copy_loop() == "numpy":
+        pytest.skip("the cpu-offload plugin's compiled copy is not built here")
+    monkeypatch.setenv("KVCOMPOSE_COPY_LOOP", "plain")
+    r = run(quick=True, sizes=(16 * 1024,), repeats=1, bytes_per_copy=NUM_LAYERS * 16 * 1024 * 8)
+    assert [c.to_json()["copy_loop"] for c in r.cases] == ["plain"] * 4
 
 
 def test_cpu_copy_disk_cases_hold_the_worker_to_sequential_io_from_huge_pages(tmp_path: Path) -> None:
@@ -143,6 +161,7 @@ def test_cpu_copy_disk_cases_hold_the_worker_to_sequential_io_from_huge_pages(tm
     # Only consecutive slots are held to the sequential rate; the files are gone afterwards.
     assert [r.target is not None and r.target.applies(x) for x in held] == [False, False, True, True]
     assert list(tmp_path.iterdir()) == []
+    assert {c.to_json()["copy_loop"] for c in disk} == {_expected_copy_loop()}  # the staging copies' loop
 
 
 def test_nixl_read_names_the_memory_it_cannot_use() -> None:
