@@ -24,12 +24,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvcompose.catalog import Plan
+    from kvcompose.e2e.hosts import Host
 
 #: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
 BLOCK_SIZE = 32
@@ -136,6 +137,14 @@ class EngineSpec:
         return {OMP_BIND_ENV: "|".join(str(i) for i in range(self.tensor_parallel_size))}
 
 
+def placed(spec: EngineSpec, host: Host | None) -> EngineSpec:
+    """``spec`` as it runs in ``host`` (:mod:`kvcompose.e2e.hosts`): its ``nixl`` children's side
+    channel on the host's address, unless the spec names one; as it is without a host."""
+    if host is None:
+        return spec
+    return replace(spec, nixl_options={"side_channel_host": host.address, **spec.nixl_options})
+
+
 def composed_kv_transfer_config(
     composition: Path,
     side_channel_port: int | None = None,
@@ -179,21 +188,27 @@ def composed_plan(
 
 
 class EngineNode:
-    """Handle on one engine process. Start several, then :meth:`wait_ready` on each."""
+    """Handle on one engine process. Start several, then :meth:`wait_ready` on each. ``host``:
+    the process runs in that host (:mod:`kvcompose.e2e.hosts`), with its network settings."""
 
-    def __init__(self, spec: EngineSpec, log_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, spec: EngineSpec, log_dir: Path, extra_env: dict[str, str] | None = None, host: Host | None = None
+    ) -> None:
+        spec = placed(spec, host)
         self.spec = spec
+        self.host = host
         self.log_path = log_dir / f"{spec.name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         read_fd, write_fd = os.pipe()
-        env = engine_env({**spec.env(), **(extra_env or {})})
+        env = engine_env({**(host.env() if host else {}), **spec.env(), **(extra_env or {})})
         env["KVCOMPOSE_NODE_FD"] = str(write_fd)
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
         self._env = env
+        argv = [sys.executable, "-m", "kvcompose.e2e.node", json.dumps(asdict(spec))]
         self.proc = start_group(
             f"{spec.name} engine",
-            [sys.executable, "-m", "kvcompose.e2e.node", json.dumps(asdict(spec))],
+            host.command(argv) if host else argv,
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=subprocess.STDOUT,

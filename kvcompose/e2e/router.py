@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError, free_ports, log_tail, start_group, stop_group
 from kvcompose.e2e.server import (
@@ -41,6 +41,9 @@ from kvcompose.e2e.server import (
     parse_chat,
     parse_completion,
 )
+
+if TYPE_CHECKING:
+    from kvcompose.e2e.hosts import Host
 
 ROUTER_MODULE = "vllm_router.launch_router"
 #: The ``vllm-router`` release this code was checked against (pinned in pyproject's ``serve``
@@ -59,9 +62,15 @@ SESSION_HEADER = "X-Session-ID"
 
 
 def router_argv(
-    prefill_urls: list[str], decode_urls: list[str], port: int, metrics_port: int, policy: str = "round_robin"
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    port: int,
+    metrics_port: int,
+    policy: str = "round_robin",
+    host: str = HOST,
 ) -> list[str]:
-    """The router's command line: vLLM P/D mode over NIXL, bound to 127.0.0.1.
+    """The router's command line: vLLM P/D mode over NIXL, bound to ``host`` (127.0.0.1, or a
+    host's address).
 
     ``policy`` picks a prefill and a decode server per request. ``round_robin`` (the default
     here): with one prefill and one decode there is nothing to choose, and unlike the router's
@@ -72,13 +81,13 @@ def router_argv(
     its own (its default, 29000, would collide between two stacks on one host). Workers are
     checked every second at start (default: every 30 s), and the workers passed are already up.
     """
-    argv = [sys.executable, "-m", ROUTER_MODULE, "--host", HOST, "--port", str(port)]
+    argv = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
     argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", policy]
     for url in prefill_urls:
         argv += ["--prefill", url]
     for url in decode_urls:
         argv += ["--decode", url]
-    argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port)]
+    argv += ["--prometheus-host", host, "--prometheus-port", str(metrics_port)]
     argv += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
     return argv
 
@@ -87,8 +96,8 @@ class RouterNode:
     """One router process in front of ``prefills`` and ``decodes`` (anything with a ``url``: a
     :class:`~kvcompose.e2e.server.ServerNode`), choosing among them by ``policy``
     (:func:`router_argv`; ``args``: more of the router's own flags); its log is ``<name>.log`` in
-    ``log_dir``, beside the engines'. Call
-    :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
+    ``log_dir``, beside the engines'; ``host``: it runs in that host (:mod:`kvcompose.e2e.hosts`),
+    bound to its address. Call :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
 
     def __init__(
         self,
@@ -100,6 +109,7 @@ class RouterNode:
         policy: str = "round_robin",
         name: str = "router",
         args: Sequence[str] = (),
+        host: Host | None = None,
     ) -> None:
         if importlib.util.find_spec("vllm_router") is None:
             raise NodeError(
@@ -108,16 +118,24 @@ class RouterNode:
             )
         self.model = model
         self.port, metrics_port = free_ports(2) if port is None else (port, free_ports(1)[0])
-        self.url = f"http://{HOST}:{self.port}"
+        bind = host.address if host else HOST
+        self.url = f"http://{bind}:{self.port}"
+        self.host = host
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.argv = router_argv([p.url for p in prefills], [d.url for d in decodes], self.port, metrics_port, policy)
+        urls = [p.url for p in prefills], [d.url for d in decodes]
+        self.argv = router_argv(*urls, self.port, metrics_port, policy, bind)
         self.argv += args
         self._log = open(self.log_path, "w")
         # Its own process group: close() signals exactly the processes started here.
         self.proc = start_group(
-            self.name, self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+            self.name,
+            host.command(self.argv) if host else self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=host.environ() if host else None,
         )
         self._http = HttpClient(self.name, self.url, self._state)
         self._workers = [*prefills, *decodes]

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcompose.e2e.flow import SETTLE_TIMEOUT_S, answered
 from kvcompose.e2e.node import (
@@ -37,10 +37,14 @@ from kvcompose.e2e.node import (
     free_ports,
     log_tail,
     metric_key,
+    placed,
     signal_group,
     start_group,
     stop_group,
 )
+
+if TYPE_CHECKING:
+    from kvcompose.e2e.hosts import Host
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HOST = "127.0.0.1"
@@ -61,9 +65,10 @@ def kv_transfer_value(spec: EngineSpec) -> str | None:
     return None if config is None else json.dumps(config, separators=(",", ":"))
 
 
-def server_argv(spec: EngineSpec, port: int) -> list[str]:
-    """The server's command line: the offline engine kwargs as flags, bound to 127.0.0.1."""
-    argv = [sys.executable, "-m", SERVER_MODULE, "--host", HOST, "--port", str(port)]
+def server_argv(spec: EngineSpec, port: int, host: str = HOST) -> list[str]:
+    """The server's command line: the offline engine kwargs as flags, bound to ``host``
+    (127.0.0.1, or a host's address)."""
+    argv = [sys.executable, "-m", SERVER_MODULE, "--host", host, "--port", str(port)]
     for key, value in spec.llm_kwargs().items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -117,7 +122,7 @@ class HttpClient:
         self.name = name
         self.url = url
         self._died = died
-        # Never through a proxy from the environment: everything is on 127.0.0.1.
+        # Never through a proxy from the environment: every server is on this machine.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def request(
@@ -324,24 +329,36 @@ POLLS = re.compile(r'"GET /(metrics|health) HTTP')
 
 class ServerNode(ServerClient):
     """One vLLM API server process started here; the same calls as
-    :class:`~kvcompose.e2e.node.EngineNode`."""
+    :class:`~kvcompose.e2e.node.EngineNode`. ``host``: the server runs in that host
+    (:mod:`kvcompose.e2e.hosts`), bound to its address, with its network settings."""
 
     def __init__(
-        self, spec: EngineSpec, log_dir: Path, port: int | None = None, extra_env: dict[str, str] | None = None
+        self,
+        spec: EngineSpec,
+        log_dir: Path,
+        port: int | None = None,
+        extra_env: dict[str, str] | None = None,
+        host: Host | None = None,
     ) -> None:
+        spec = placed(spec, host)
         self.spec = spec
+        self.host = host
         self.port = port if port is not None else free_ports(1)[0]
-        super().__init__(spec.name, f"http://{HOST}:{self.port}", spec.model, self._state)
+        bind = host.address if host else HOST
+        super().__init__(spec.name, f"http://{bind}:{self.port}", spec.model, self._state)
         self.log_path = log_dir / f"{spec.name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         # Dev mode adds /reset_prefix_cache, which the repeated turns need.
-        env = engine_env({"VLLM_SERVER_DEV_MODE": "1", **spec.env(), **(extra_env or {})})
+        env = engine_env(
+            {"VLLM_SERVER_DEV_MODE": "1", **(host.env() if host else {}), **spec.env(), **(extra_env or {})}
+        )
         self._env = env
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
+        argv = server_argv(spec, self.port, bind)
         self.proc = start_group(
             f"{spec.name} server",
-            server_argv(spec, self.port),
+            host.command(argv) if host else argv,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
