@@ -8,11 +8,17 @@ channel and waits 5 s for the answer (``_nixl_handshake``, ``zmq.RCVTIMEO`` 5000
 dead: on a loaded 2-core host here the peer's listener got the requests 1-6 s late while it
 and its engine core sat idle (``docs/e2e.md``, cold start).
 
-:func:`patient` wraps the worker's ``_nixl_handshake`` so that it asks up to ``tries`` times,
-each one vLLM's own request and wait, and, when no try is answered, fails with an error that
-says which side channel was asked, how often, and what to check. The connector installs it on
-its worker (:func:`ask_patiently`); ``handshake_tries`` sets ``tries`` (default 1: vLLM's one
-request, with the clearer error).
+:func:`patient` asks up to ``tries`` times, each one request and vLLM's wait, and, when no try
+is answered, fails with an error that says which side channel was asked, how often, and what to
+check. ``handshake_tries`` sets ``tries`` (default 1: vLLM's one request, with the clearer error).
+
+The waiting happens off vLLM's handshake thread. vLLM runs every handshake on one executor
+thread (NIXL's agent calls are not thread-safe), so one silent peer would hold the handshakes to
+every healthy peer for ``tries`` x 5 s. :class:`WaitingExecutor` takes that executor's place: it
+first waits for the peer's side channel to answer (:func:`ask_side_channel`, ZMQ only, on a
+thread per peer), and only then hands vLLM's ``_nixl_handshake`` to vLLM's thread, where the
+peer, just heard from, answers at once. The connector installs both on its worker
+(:func:`ask_patiently`).
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import msgspec
 import zmq
 
 from kvcompose_nixl import HANDSHAKE_TRY_S
@@ -69,9 +77,77 @@ def patient(once: Callable[..., T], tries: int, try_s: float = HANDSHAKE_TRY_S) 
     return handshake
 
 
-def ask_patiently(worker: Any, tries: int) -> None:
-    """Make vLLM's NIXL ``worker`` ask a peer's side channel up to ``tries`` times.
+#: vLLM's side-channel request (``GET_META_MSG`` in ``nixl/metadata.py``), for rank (0, 0),
+#: which every prefill instance answers.
+_META_REQUEST = msgspec.msgpack.encode((b"get_meta_msg", 0, 0))
 
-    vLLM submits ``self._nixl_handshake`` to its handshake executor by attribute at each new peer
-    (``_ensure_handshake``), so the wrapper is set on the instance; the class stays vLLM's."""
-    worker._nixl_handshake = patient(worker._nixl_handshake, tries)
+
+def ask_side_channel(host: str, port: int, wait_s: float = HANDSHAKE_TRY_S) -> None:
+    """One metadata request to the side channel at ``host:port``; ``zmq.Again`` when no answer
+    comes in ``wait_s``. The answer is dropped: only that the peer answers matters here."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(wait_s * 1000))
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send(_META_REQUEST)
+        sock.recv_multipart()
+    finally:
+        sock.close()
+
+
+class WaitingExecutor(Executor):
+    """vLLM's one-thread handshake executor behind a wait, on threads of its own, for each
+    peer's side channel to answer: a silent peer holds only its own handshake.
+
+    :param inner: vLLM's executor, which runs every handshake (NIXL's agent calls) on one thread.
+    :param wait: asks ``(host, port)`` until the side channel answers; raises when it never does.
+    :param threads: peers waited for at once.
+    """
+
+    def __init__(self, inner: Executor, wait: Callable[[str, int], None], threads: int = 8) -> None:
+        self._inner = inner
+        self._wait = wait
+        self._waits = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvcompose-nixl-side-channel")
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """``fn(host, port, ...)``, vLLM's handshake, on vLLM's thread once ``host:port`` answered."""
+        host, port = args[0], args[1]
+        outer: Future[T] = Future()
+
+        def wait_then_handshake() -> None:
+            try:
+                self._wait(host, port)
+                inner = self._inner.submit(fn, *args, **kwargs)
+            except BaseException as exc:  # the peer never answered, or vLLM shut its executor
+                outer.set_exception(exc)
+                return
+            inner.add_done_callback(lambda done: _settle(outer, done))
+
+        self._waits.submit(wait_then_handshake)
+        return outer
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._waits.shutdown(wait=False, cancel_futures=True)
+        self._inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _settle(outer: Future[T], done: Future[T]) -> None:
+    exc = done.exception()
+    if exc is not None:
+        outer.set_exception(exc)
+    else:
+        outer.set_result(done.result())
+
+
+def ask_patiently(worker: Any, tries: int) -> None:
+    """Make vLLM's NIXL ``worker`` wait for a peer's side channel, up to ``tries`` requests, off
+    its handshake thread (:class:`WaitingExecutor`), then run vLLM's handshake there.
+
+    vLLM submits ``self._nixl_handshake`` to ``self._handshake_initiation_executor`` by attribute
+    at each new peer (``_ensure_handshake``), so both are replaced on the instance; the class
+    stays vLLM's. The handshake itself keeps vLLM's one request, with the clearer error."""
+    worker._nixl_handshake = patient(worker._nixl_handshake, 1)
+    worker._handshake_initiation_executor = WaitingExecutor(
+        worker._handshake_initiation_executor, patient(ask_side_channel, tries)
+    )
