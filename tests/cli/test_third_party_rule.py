@@ -8,7 +8,6 @@ point, exactly as it finds a package a user installed, and this test run's plugi
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import shutil
@@ -20,15 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcompose.rules.contract import LoadRule
-
 REPO = Path(__file__).parents[2]
 EXAMPLE = REPO / "examples" / "prefer-rule"
 PROJECT = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
-
-# The rule reads the request's kv_transfer_params, which reach a load rule only once the
-# contract's ``select`` carries them; until then the rule cannot run in vLLM's scheduler.
-SELECT_SEES_PARAMS = "kv_transfer_params" in inspect.signature(LoadRule.select).parameters
 
 
 @dataclass(frozen=True)
@@ -100,7 +93,6 @@ def test_the_packages_own_tests_pass(installed: Installed) -> None:
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
-@pytest.mark.skipif(not SELECT_SEES_PARAMS, reason="LoadRule.select does not pass the request's kv_transfer_params")
 def test_the_rule_in_vllms_scheduler(installed: Installed) -> None:
     tests = installed.source / "tests/test_prefer_scheduler.py"
     out = installed.run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests))

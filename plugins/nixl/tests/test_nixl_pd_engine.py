@@ -1,7 +1,9 @@
 """Two real vLLM engines doing NIXL P/D on CPU (slow: about a minute each; marker ``engine``).
 
 The work is in ``nixl_pd_engine_check.py``, run as a subprocess so that each engine gets a
-fresh process and the test session never holds vLLM engine state.
+fresh process and the test session never holds vLLM engine state. Its ``--upstream`` mode, which
+shows vLLM's own NixlConnector killing the decode engine on the short-prompt request, is a probe
+of vLLM, not a test of kvcompose: run it by hand (plugins/nixl/README.md).
 """
 
 from __future__ import annotations
@@ -32,11 +34,4 @@ def test_pd_pull_with_kvcompose_classes() -> None:
     """KV moves over NIXL, the side channel comes from the options, the short-prompt request
     without remote blocks is computed locally and the decode engine keeps serving."""
     result = run_check()
-    assert result["ok"], result
-
-
-def test_pd_pull_upstream_engine_dies_on_short_prompt() -> None:
-    """Documents the vLLM 0.32 defect at engine level: with vLLM's own NixlConnector the same
-    request kills the decode engine core on ``assert num_external_tokens == 0``."""
-    result = run_check("--upstream")
     assert result["ok"], result
