@@ -261,7 +261,6 @@ class Hosts:
         self.root_address: str | None = None
         self.hosts: dict[str, Host] = {}
         self._created: list[str] = []
-        self._previous_sigterm: Any = None
 
     # ------------------------------------------------------------------ access
 
@@ -291,7 +290,7 @@ class Hosts:
             raise HostsUnavailable(reason)
         with _LIVE_LOCK:
             _LIVE.add(self)
-        self._catch_sigterm()
+        _catch_sigterm()
         try:
             with _signals_held():
                 with _creation_lock():
@@ -359,23 +358,23 @@ class Hosts:
             self._created = [n for n in self._created if n in leftovers]
         with _LIVE_LOCK:
             _LIVE.discard(self)
-        self._restore_sigterm()
+            last = not _LIVE
+        if last:
+            _restore_sigterm()
         return leftovers
 
-    def _catch_sigterm(self) -> None:
-        """SIGTERM, left at its default (which would end the process without cleanup), becomes an
-        exit that unwinds: ``with`` blocks and the atexit hook remove the hosts."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
-    def _restore_sigterm(self) -> None:
-        if self._previous_sigterm is None or threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-        self._previous_sigterm = None
+def _catch_sigterm() -> None:
+    """SIGTERM, left at its default (which would end the process without cleanup), becomes an
+    exit that unwinds while any kit is up: ``with`` blocks and the atexit hook remove the hosts."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _restore_sigterm() -> None:
+    """SIGTERM's default again, once the last kit is down (unless someone else set it since)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

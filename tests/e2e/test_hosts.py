@@ -47,11 +47,12 @@ RATE_BOUNDS = (0.80, 1.05)
 
 @pytest.fixture
 def no_leftovers() -> Iterator[None]:
-    """Root, and the kit's namespaces after the test are the ones before it."""
+    """Root (else skip), and no namespace of this process's kits in ``ip netns list`` before the
+    test or after it (other processes' kits may come and go meanwhile)."""
     hosts_or_skip()
-    before = set(list_namespaces())
+    assert kit_namespaces(os.getpid()) == []
     yield
-    assert set(list_namespaces()) - before == set()
+    assert kit_namespaces(os.getpid()) == [] and _root_devices(os.getpid()) == []
 
 
 def _root_devices(pid: int) -> list[str]:
@@ -240,6 +241,16 @@ def test_a_process_running_the_kit_stopped_by_a_signal_leaves_no_namespace(no_le
     assert child.wait(30) != 0
     assert kit_namespaces(child.pid) == [] and _root_devices(child.pid) == []
     assert _ended(made["sleeper"])
+
+
+def test_sigterm_unwinds_while_any_kit_is_up_and_is_its_default_again_after(no_leftovers: None) -> None:
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("SIGTERM has a handler in this process already; the kit leaves it alone")
+    with Hosts(["a"]):
+        with Hosts(["b"]):
+            pass
+        assert signal.getsignal(signal.SIGTERM) is hosts_module._exit_on_sigterm  # one kit is still up
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_kit_killed_outright_is_swept_by_the_next_one(no_leftovers: None) -> None:

@@ -12,13 +12,14 @@ Skipped, with the kit's one-line reason, where namespaces cannot be made.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
-from kvcompose.e2e.hosts import Hosts, LinkBytes, list_namespaces, unavailable
+from kvcompose.e2e.hosts import Hosts, LinkBytes, kit_namespaces, unavailable
 from kvcompose.e2e.linkprobe import off_network, ucx_lanes
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
@@ -66,10 +67,10 @@ class Stack(Nodes):
 
 @pytest.fixture(scope="module")
 def stack(baseline: EngineNode) -> Iterator[Stack]:
-    before = set(list_namespaces())
+    assert kit_namespaces(os.getpid()) == []
     with Hosts(["prefill", "decode"], link=LINK) as hosts:
         yield from module_stack(Stack, "kvcompose-e2e-hosts-", baseline, hosts)
-    assert set(list_namespaces()) == before, "the hosts' namespaces outlived the module"
+    assert kit_namespaces(os.getpid()) == [], "the hosts' namespaces outlived the module"
 
 
 def test_a_chat_across_two_hosts_is_served_host_plus_pd_over_the_link_and_equals_the_baseline(
