@@ -108,6 +108,9 @@ def run(
     proc.start()
     cases: list[Case] = []
     ratios = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU baseline gathers on one thread, as NIXL's READ is one caller's syscalls
+    baseline_threads = torch.get_num_threads()
     try:
         if not here.poll(120):
             raise RuntimeError("nixl_read: the target process did not publish its agent within 120 s")
@@ -157,6 +160,7 @@ def run(
             ratios.append(ratio(label, samples, "NIXL READ", "memcpy gather", higher_is_better=True))
         agent.remove_remote_agent(peer)
     finally:
+        torch.set_num_threads(threads)
         if proc.is_alive():
             here.send("stop")
             proc.join(30)
@@ -181,6 +185,13 @@ def run(
                 "memcpy gather: index_select on that device"
             ),
             "remote blocks are a random permutation of the target's pool (no descriptor merging), every byte checked",
+            "memcpy gather on the CPU: torch with one thread (torch.set_num_threads(1) while the benchmark runs)",
         ],
-        {"pool_bytes": pool_bytes, "bytes_per_read": per_read, "sizes": list(sizes), "memory": memory},
+        {
+            "pool_bytes": pool_bytes,
+            "bytes_per_read": per_read,
+            "sizes": list(sizes),
+            "memory": memory,
+            "baseline_threads": baseline_threads if device == "cpu" else None,
+        },
     )

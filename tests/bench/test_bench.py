@@ -176,6 +176,19 @@ def test_nixl_read_names_the_memory_it_cannot_use() -> None:
             nixl_read.run(quick=True, memory="VRAM")
 
 
+def test_nixl_read_gathers_its_baseline_on_one_thread_and_gives_the_threads_back() -> None:
+    """The docs call the memcpy gather one-thread: the run sets it, records it, and restores torch's count."""
+    pytest.importorskip("nixl")
+    import torch
+
+    from kvcompose.bench import nixl_read
+
+    before = torch.get_num_threads()
+    result = nixl_read.run(quick=True, sizes=(256 * 1024,), repeats=2)
+    assert result.config["baseline_threads"] == 1 and torch.get_num_threads() == before
+    assert any("one thread" in note for note in result.notes)
+
+
 def test_a_target_without_a_figure_is_no_figure_never_met(tmp_path: Path) -> None:
     """``all([])`` is true: a target no ratio applies to (its baseline measured nothing, its case
     not run) must read "no figure", in the JSON and the table, not "met"."""
