@@ -22,9 +22,10 @@ BENCHMARKS: dict[str, str] = {
     "cold-start": "cold_start",
     "serve": "serve",
     "pd-load": "pd_load",
+    "lease": "lease_cost",
 }
 #: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
-FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve", "pd-load")
+FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve", "pd-load", "lease")
 
 
 def _runner(name: str) -> Callable[..., Result]:

@@ -176,6 +176,29 @@ def test_nixl_read_names_the_memory_it_cannot_use() -> None:
             nixl_read.run(quick=True, memory="VRAM")
 
 
+def test_every_benchmark_is_in_the_performance_docs_table() -> None:
+    """docs/performance.md's first table lists every module ``kvcompose bench`` runs."""
+    from kvcompose.bench.runner import BENCHMARKS
+
+    text = (Path(__file__).parents[2] / "docs" / "performance.md").read_text()
+    table = text[: text.index("## Machine and method")]
+    missing = [m for m in BENCHMARKS.values() if f"| `kvcompose/bench/{m}.py`" not in table]
+    assert not missing, f"benchmarks missing from docs/performance.md's table: {missing}"
+
+
+def test_lease_cost_orphans_leave_less_than_one_request_free() -> None:
+    """The lease benchmark's sizing: the orphans leave too few blocks for one more request, so the
+    requests behind them wait for the lease (what it measures)."""
+    from kvcompose.bench import lease_cost
+    from kvcompose.bench.runner import BENCHMARKS, FULL_ONLY
+
+    per = lease_cost.blocks_of(lease_cost.PROMPT_TOKENS)
+    assert per == 17  # 512 prompt tokens and the one generated, 32-token blocks
+    free = lease_cost.NUM_BLOCKS - 1 - lease_cost.ORPHANS * per
+    assert 0 <= free < per
+    assert BENCHMARKS["lease"] == "lease_cost" and "lease" in FULL_ONLY
+
+
 def test_nixl_read_gathers_its_baseline_on_one_thread_and_gives_the_threads_back() -> None:
     """The docs call the memcpy gather one-thread: the run sets it, records it, and restores torch's count."""
     pytest.importorskip("nixl")

@@ -74,6 +74,7 @@ PARAM_KEYS: frozenset[str] = frozenset(
         "remote_num_tokens",
         "remote_blocks_expiry_time",  # pull only (lease deadline for bidirectional readback)
         "transfer_mode",  # "pull" | "push": lets a router tell the two apart
+        "remote_registration_generation",  # vLLM 0.33 (NIXL metadata version 15)
         # Read by the worker when a router supplies it (metadata.py, ReqMeta.remote_block_size).
         "remote_block_size",
     }
@@ -175,6 +176,24 @@ class NixlOptions(Options):
         _NonEmpty | None,
         msgspec.Meta(description="this child's NIXL engine id; unset: the engine's"),
     ] = None
+
+
+def _lease_trade(o: NixlOptions, role: str | None) -> str:
+    """What a lease other than vLLM's default buys and costs, for the side that holds blocks."""
+    if o.lease_seconds is None or role == "consumer":
+        return ""
+    if o.lease_seconds >= DEFAULT_LEASE_SECONDS:
+        return (
+            f"; a decode instance that dies holds this instance's blocks for its requests up to {o.lease_seconds} s "
+            "(docs/performance.md 5g: what that costs the other requests)"
+        )
+    return (
+        f"; the {o.lease_seconds} s lease, shorter than vLLM's {DEFAULT_LEASE_SECONDS} s, frees a dead decode "
+        "instance's blocks sooner, but a decode instance that has not read them within it (a first handshake, a "
+        "stalled step, heartbeats further apart than 2/3 of it: a decode sends one every lease_seconds/6 of its "
+        "own setting, so give the decode instances the same lease_seconds) finds them freed and recomputes the "
+        "prompt, or fails it under kv_load_failure_policy: fail"
+    )
 
 
 def _transport(o: NixlOptions) -> str:
@@ -326,6 +345,7 @@ class NixlType(ConnectorType):
             text = f"{produce}; and {consume} (vLLM deprecates kv_both for NIXL)"
         if o.bidirectional:
             text += "; the prefill instance may read KV back from decode (bidirectional)"
+        text += _lease_trade(o, child.role)
         tries = ""
         if o.handshake_tries is not None:
             tries = f"; a peer's side channel is asked up to {o.handshake_tries} times, {HANDSHAKE_TRY_S} s each"

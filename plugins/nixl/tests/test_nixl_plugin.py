@@ -321,6 +321,15 @@ def test_describe_each_role() -> None:
     assert "writes the prompt KV into them" in push
 
 
+def test_describe_says_what_a_shorter_lease_trades_away() -> None:
+    short = NixlType().describe(child("producer", lease_seconds=10))
+    assert "the 10 s lease, shorter than vLLM's 30 s, frees a dead decode instance's blocks sooner" in short
+    assert "finds them freed and recomputes the prompt" in short and "the same lease_seconds" in short
+    longer = NixlType().describe(child("producer", lease_seconds=60))
+    assert "a decode instance that dies holds this instance's blocks for its requests up to 60 s" in longer
+    assert "shorter" not in NixlType().describe(child("consumer", lease_seconds=10))  # a decode holds no blocks
+
+
 def test_describe_host_buffer_and_side_channel() -> None:
     text = NixlType().describe(child("producer", buffer_device="cpu", side_channel_port=5700))
     assert "device-to-host copies" in text
