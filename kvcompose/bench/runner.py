@@ -23,9 +23,10 @@ BENCHMARKS: dict[str, str] = {
     "serve": "serve",
     "pd-load": "pd_load",
     "lease": "lease_cost",
+    "multi-turn": "multi_turn",
 }
 #: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
-FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve", "pd-load", "lease")
+FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve", "pd-load", "lease", "multi-turn")
 
 
 def _runner(name: str) -> Callable[..., Result]:

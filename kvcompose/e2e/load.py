@@ -83,6 +83,15 @@ class Turn:
     turn: int = -1
     messages: list[dict[str, str]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    #: seconds from sending to the answer's last token (chat); 0 when not measured
+    total_s: float = 0.0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Seconds per output token after the first (chat), or None without two tokens."""
+        if self.ttft_s is None or len(self.token_ids) < 2 or not self.total_s:
+            return None
+        return (self.total_s - self.ttft_s) / (len(self.token_ids) - 1)
 
 
 @dataclass
@@ -186,17 +195,28 @@ def chat_load(
     conversations: int = CONVERSATIONS,
     turns: int = TURNS,
     clients: int = CLIENTS,
+    system_tokens: int = 0,
+    group: int = 4,
 ) -> Load:
-    """Multi-turn conversations through the router at ``url`` (see the module docstring)."""
+    """Multi-turn conversations through the router at ``url`` (see the module docstring).
+
+    Every message is drawn from ``(seed, conversation, turn)`` alone, so two runs with one seed
+    send the same prompts whichever client sends them. ``system_tokens``: each group of
+    ``group`` conversations shares a system prompt of that many tokens (0: a one-line one).
+    """
 
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     rng = random.Random(seed)
-    history = [
-        [{"role": "system", "content": f"You are the assistant of team {c % 4}. Answer briefly."}]
-        for c in range(conversations)
+    systems = [
+        " ".join(
+            [f"You are the assistant of team {g}. Answer briefly."]
+            + ([words(random.Random(f"{seed}-system-{g}"), system_tokens, count)] if system_tokens else [])
+        )
+        for g in range(-(-conversations // group))
     ]
+    history = [[{"role": "system", "content": systems[c // group]}] for c in range(conversations)]
     first = [rng.randint(*FIRST_TOKENS) for _ in range(conversations)]
     next_turn = [0] * conversations
     ready = list(range(conversations))
@@ -205,13 +225,13 @@ def chat_load(
     start = time.perf_counter()
 
     def client(k: int) -> None:
-        r = random.Random(seed * 1000 + k)
         while True:
             with lock:
                 if not ready:
                     return
                 c = ready.pop(0)
             t = next_turn[c]
+            r = random.Random(f"{seed}-{c}-{t}")
             message = {"role": "user", "content": words(r, first[c] if t == 0 else r.randint(*LATER_TOKENS), count)}
             messages = [*history[c], message]
             body = {
@@ -226,7 +246,7 @@ def chat_load(
             }
             sent = time.perf_counter() - start
             ttft, text, ids, error = stream_chat(url, body, f"conversation-{seed}-{c}")
-            turn = Turn(sent, ttft, error, c, t, messages, ids)
+            turn = Turn(sent, ttft, error, c, t, messages, ids, time.perf_counter() - start - sent)
             with lock:
                 done.append(turn)
                 history[c] = [*messages, {"role": "assistant", "content": text}]
