@@ -311,6 +311,10 @@ class Plan:
     trace: bool = False
     #: What the checks warn of (located, :attr:`Problem.warning` set); the plan runs anyway.
     warnings: tuple[Problem, ...] = ()
+    #: Whether the checks imported the modules the composition names (a ``vllm`` child's
+    #: ``kv_connector_module_path``): importing runs their code, so the engine does (it imports
+    #: them anyway) and the CLI only when asked (``--import-modules``).
+    import_modules: bool = False
 
     @property
     def composition(self) -> Composition:

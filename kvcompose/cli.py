@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -22,35 +23,69 @@ from pathlib import Path
 from typing import TextIO
 
 from kvcompose.bench.runner import BENCHMARKS
-from kvcompose.catalog import Plan
+from kvcompose.catalog import Child, Plan
 from kvcompose.compose import build, load
 from kvcompose.config import from_builtins
 from kvcompose.errors import CompositionError
 from kvcompose.examples import ExampleError
+from kvcompose.generic import imported, module_class, unverified
 from kvcompose.plugins import PluginError, get_plugins, trace_log, tracing_enabled
 
 
-def _plan(path: str) -> Plan:
-    plan = load(path)
+def _plan(args: argparse.Namespace) -> Plan:
+    plan = load(args.file, import_modules=args.import_modules)
     for warning in plan.warnings:
         print(warning.render(plan.source.filename), file=sys.stderr)
     return plan
 
 
+#: The flag that lets check, explain and vllm-args import the modules a composition names.
+IMPORT_FLAG = "--import-modules"
+
+
+def class_line(plan: Plan, command: str, file: str) -> str | None:
+    """One line saying which children's classes were imported and checked, or were not and how to
+    check them (None: the composition names no class a check could leave unresolved)."""
+    left, why = unverified(plan)
+    if left:
+        how = f"; `kvcompose {command} {IMPORT_FLAG} {shlex.quote(file)}` imports and checks {_them(left)}"
+        return f"not verified: {_classes(left)}, {why}" + ("" if plan.import_modules else how)
+    done = imported(plan)
+    if done:
+        return f"imported and checked: {_classes(done)}"
+    return None
+
+
+def _classes(children: Sequence[Child]) -> str:
+    """``the class of a (m.A)`` / ``the classes of a (m.A), b (B)``."""
+    listed = ", ".join(f"{c.name} ({module_class(c)})" for c in children)
+    return ("the class of " if len(children) == 1 else "the classes of ") + listed
+
+
+def _them(children: Sequence[Child]) -> str:
+    return "it" if len(children) == 1 else "them"
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    plan = _plan(args.file)
+    plan = _plan(args)
     print(f"{args.file}: ok, {len(plan.children)} connectors")
+    line = class_line(plan, "check", args.file)
+    if line:
+        print(f"{args.file}: {line}")
     for line in plan.explain():
         print("  " + line)
     return 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    plan = _plan(args.file)
+    plan = _plan(args)
     print("\n".join(plan.explain()))
     print("\nvLLM child configs, in order:")
     for c in plan.children:
         print(f"  {c.name}: {json.dumps(c.vllm_config(), sort_keys=True)}")
+    line = class_line(plan, "explain", args.file)
+    if line:
+        print(f"\n{args.file}: {line}")
     return 0
 
 
@@ -75,7 +110,11 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_vllm_args(args: argparse.Namespace) -> int:
     from kvcompose.vllm.args import render
 
-    print(render(_plan(args.file), args.style))
+    plan = _plan(args)
+    line = class_line(plan, "vllm-args", args.file)
+    if line:  # stderr: stdout is the value alone, for "$(kvcompose vllm-args FILE)"
+        print(f"{args.file}: {line}", file=sys.stderr)
+    print(render(plan, args.style))
     return 0
 
 
@@ -277,6 +316,17 @@ def _command(
     )
 
 
+def _import_modules_flag(s: argparse.ArgumentParser) -> None:
+    """``--import-modules``, for the commands that check a composition."""
+    s.add_argument(
+        IMPORT_FLAG,
+        action="store_true",
+        help="import the modules the file names (a vllm child's kv_connector_module_path) and check their "
+        "classes; this runs their code, so use it on files you trust (default: not imported, and the "
+        "output says which classes were left unchecked)",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcompose",
@@ -288,6 +338,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = _command(sub, "check", "validate a composition and say what it will do", "kvcompose check pd-decode.yaml")
     s.add_argument("file")
+    _import_modules_flag(s)
     s.set_defaults(func=cmd_check)
     s = _command(
         sub,
@@ -296,6 +347,7 @@ def parser() -> argparse.ArgumentParser:
         "kvcompose explain pd-decode.yaml",
     )
     s.add_argument("file")
+    _import_modules_flag(s)
     s.set_defaults(func=cmd_explain)
     s = _command(
         sub,
@@ -325,6 +377,7 @@ def parser() -> argparse.ArgumentParser:
         default="json",
         help="json: the value alone (default); shell: the whole flag, quoted",
     )
+    _import_modules_flag(s)
     s.set_defaults(func=cmd_vllm_args)
     s = _command(
         sub,

@@ -36,8 +36,12 @@ def _rule_choice(kind: str, value: Any) -> tuple[str, dict[str, Any]]:
     return name, rest
 
 
-def build(source: Source, plugins: Plugins | None = None) -> Plan:
-    """Resolve types, options and rules; run every check. Raises a located CompositionError."""
+def build(source: Source, plugins: Plugins | None = None, *, import_modules: bool = False) -> Plan:
+    """Resolve types, options and rules; run every check. Raises a located CompositionError.
+
+    ``import_modules``: the checks may import the modules the composition names
+    (:attr:`Plan.import_modules`); off, they resolve only what needs no such import.
+    """
     plugins = plugins or get_plugins()
     comp = source.composition
     problems: list[Problem] = []
@@ -108,6 +112,7 @@ def build(source: Source, plugins: Plugins | None = None) -> Plan:
         rules=chosen,
         rule_params=params,
         trace=tracing_enabled(),
+        import_modules=import_modules,
         **built,
     )
     for c in children:
@@ -121,11 +126,13 @@ def build(source: Source, plugins: Plugins | None = None) -> Plan:
     return plan
 
 
-def load(path: str | Path, plugins: Plugins | None = None) -> Plan:
-    """Read, validate and resolve a composition file."""
-    return build(load_file(path), plugins)
+def load(path: str | Path, plugins: Plugins | None = None, *, import_modules: bool = False) -> Plan:
+    """Read, validate and resolve a composition file (``import_modules``: see :func:`build`)."""
+    return build(load_file(path), plugins, import_modules=import_modules)
 
 
-def loads(text: str, plugins: Plugins | None = None, filename: str = "<composition>") -> Plan:
+def loads(
+    text: str, plugins: Plugins | None = None, filename: str = "<composition>", *, import_modules: bool = False
+) -> Plan:
     """Same as :func:`load`, from YAML text."""
-    return build(load_text(text, filename), plugins)
+    return build(load_text(text, filename), plugins, import_modules=import_modules)

@@ -19,7 +19,10 @@ above it returned it first), it loads only from the local prefix end (``load: ra
 no range) unless its options declare ``range_loads``, and it never owns vLLM's host-buffer copy
 op. What vLLM asks of the class itself (KV layout, HMA, handshake, stats) the composed connector
 asks the class at engine start. Nothing here imports vLLM unless a check runs where vLLM is
-installed, which resolves the class as vLLM would.
+installed, which resolves the class as vLLM would: a name through vLLM's registry, and a module
+path only when the plan allows imports (:attr:`~kvcompose.catalog.Plan.import_modules`: the
+engine's plan does; ``kvcompose check`` only with ``--import-modules``), since importing a module
+a file names runs that module's code.
 """
 
 from __future__ import annotations
@@ -208,7 +211,8 @@ class VllmType(ConnectorType):
         )
 
     def check(self, child: Child, plan: Plan) -> Iterator[Problem]:
-        """Where vLLM is installed: the class must resolve as vLLM would resolve it."""
+        """Where vLLM is installed: the class must resolve as vLLM would resolve it (a module path's
+        only when the plan allows imports; see :func:`unverified`)."""
         o = child.options_as(VllmOptions)
         at = ("connectors", child.index, "options")
         if o.range_alignment and not o.range_loads:
@@ -217,10 +221,16 @@ class VllmType(ConnectorType):
                 at + ("range_alignment",),
                 "remove range_alignment, or declare range_loads: true",
             )
+        if o.kv_connector_module_path:
+            bad_name = _module_name_problem(o.kv_connector_module_path, at + ("kv_connector_module_path",))
+            if bad_name is not None:
+                yield bad_name
+                return
         if importlib.util.find_spec("vllm") is None:
             return
         if o.kv_connector_module_path:
-            yield from _check_module_class(o, at)
+            if plan.import_modules:
+                yield from _check_module_class(o, at)
             return
         names = registered_names()
         if o.kv_connector not in names:
@@ -244,40 +254,107 @@ def registered_names() -> list[str]:
     return sorted(KVConnectorFactory._registry)  # vLLM has no public listing
 
 
+def module_class(child: Child) -> str:
+    """The class a ``vllm`` child names: ``module.Class`` with a module path, else the registered name."""
+    o = child.options_as(VllmOptions)
+    if o.kv_connector_module_path:
+        return f"{o.kv_connector_module_path}.{o.kv_connector}"
+    return o.kv_connector
+
+
+def unverified(plan: Plan) -> tuple[list[Child], str]:
+    """The ``vllm`` children whose class the checks did not resolve, and why (no children: all were).
+
+    Without vLLM nothing can be resolved; with it, a module path is left unimported unless the plan
+    allows imports (the name is still checked to be one vLLM can import).
+    """
+    children = [c for c in plan.children if isinstance(c.options, VllmOptions)]
+    if children and importlib.util.find_spec("vllm") is None:
+        return children, "vLLM is not installed here"
+    if plan.import_modules:
+        return [], ""
+    named = [c for c in children if c.options_as(VllmOptions).kv_connector_module_path]
+    return named, "not imported: importing a module runs its code"
+
+
+def imported(plan: Plan) -> list[Child]:
+    """The ``vllm`` children whose module the checks imported, and whose class they checked."""
+    if not plan.import_modules or importlib.util.find_spec("vllm") is None:
+        return []
+    return [c for c in plan.children if isinstance(c.options, VllmOptions) and c.options.kv_connector_module_path]
+
+
+def _module_name_problem(name: str, at: tuple[str | int, ...]) -> Problem | None:
+    """A module path vLLM's ``importlib.import_module`` cannot take (relative, or with an empty part)."""
+    if all(name.split(".")):
+        return None
+    what = "a relative module name" if name.startswith(".") else "not a module name (a part between dots is empty)"
+    return Problem(
+        f"{name!r} is {what}: vLLM imports kv_connector_module_path by its full dotted name",
+        at,
+        "write the module's full name from its top-level package, e.g. my_package.connector",
+    )
+
+
 def _check_module_class(o: VllmOptions, at: tuple[str | int, ...]) -> Iterator[Problem]:
-    """The module imports and holds a vLLM connector class of that name (an import error is not
-    a problem here: the class may need a package installed only where vLLM serves)."""
+    """The module imports and holds a vLLM connector class of that name; whatever the import
+    raises is a problem located at the module path (the engine would meet it at start)."""
     from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 
-    assert o.kv_connector_module_path is not None
+    path = o.kv_connector_module_path
+    assert path is not None
     try:
-        module = importlib.import_module(o.kv_connector_module_path)
-    except ImportError:
-        return
-    cls = getattr(module, o.kv_connector, None)
-    if cls is None:
-        found = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, KVConnectorBase)]
+        module = importlib.import_module(path)
+        cls = getattr(module, o.kv_connector, None)
+    except (Exception, SystemExit) as exc:  # the module's own code ran: anything, sys.exit() included
         yield Problem(
-            f"{o.kv_connector_module_path} has no class {o.kv_connector!r}",
+            f"importing {path} failed: {_one_line(exc)}",
+            at + ("kv_connector_module_path",),
+            "the engine imports it too; install what it needs, or check where vLLM serves",
+        )
+        return
+    if cls is None:
+        found = [n for n, v in vars(module).items() if _is_subclass(v, KVConnectorBase)]
+        yield Problem(
+            f"{path} has no class {o.kv_connector!r}",
             at + ("kv_connector",),
             did_you_mean(o.kv_connector, found),
         )
-    elif not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
+    elif not _is_subclass(cls, KVConnectorBase):
         yield Problem(
-            f"{o.kv_connector_module_path}.{o.kv_connector} is not a vLLM KV connector class",
+            f"{path}.{o.kv_connector} is not a vLLM KV connector class",
             at + ("kv_connector",),
             "name a subclass of vLLM's KVConnectorBase_V1",
         )
 
 
+def _is_subclass(value: object, base: type) -> bool:
+    """``issubclass`` for anything a module holds (a class whose metaclass raises is not one)."""
+    try:
+        return isinstance(value, type) and issubclass(value, base)
+    except Exception:  # a foreign metaclass's __subclasscheck__
+        return False
+
+
+#: The longest exception message a problem quotes (a module may raise with a page of text).
+_MESSAGE_LIMIT = 300
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line, cut to a readable length (errors are one line each)."""
+    said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if len(said) > _MESSAGE_LIMIT:
+        said = said[:_MESSAGE_LIMIT] + "..."
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+
+
 def _unresolvable(o: VllmOptions) -> str | None:
-    """Why the class cannot be imported on this machine (None: it can, or vLLM is absent)."""
-    if importlib.util.find_spec("vllm") is None:
+    """Why vLLM's registry cannot import the class of a registered name here (None: it can, vLLM
+    is absent, or the child names a module, which only a check allowed to import resolves)."""
+    if o.kv_connector_module_path or importlib.util.find_spec("vllm") is None:
         return None
     try:
-        if o.kv_connector_module_path:
-            importlib.import_module(o.kv_connector_module_path)
-        elif o.kv_connector in registered_names():
+        if o.kv_connector in registered_names():
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
             KVConnectorFactory.get_connector_class_by_name(o.kv_connector)

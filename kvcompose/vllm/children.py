@@ -41,8 +41,11 @@ vllm_log = init_logger("vllm.kvcompose")
 
 def plan_from_config(ktc: KVTransferConfig, announce: bool = False) -> Plan:
     """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``, or
-    from a MultiConnector ``connectors`` list taken as it is (``announce``: say what was composed)."""
-    plan = build(source(ktc.kv_connector_extra_config, ktc.kv_role))
+    from a MultiConnector ``connectors`` list taken as it is (``announce``: say what was composed).
+
+    The checks import the modules the children name: the engine imports them next anyway, and a
+    module that fails to import is then a located error instead of vLLM's traceback."""
+    plan = build(source(ktc.kv_connector_extra_config, ktc.kv_role), import_modules=True)
     if announce and is_dropin(ktc.kv_connector_extra_config):
         announce_dropin(to_builtins(plan.composition), vllm_log)
     return plan

@@ -8,6 +8,7 @@ import pytest
 
 from kvcompose.compose import loads
 from kvcompose.errors import CompositionError
+from kvcompose.generic import module_class, unverified
 from kvcompose.rules.params import Owners
 
 EXAMPLE = """\
@@ -31,6 +32,7 @@ def plan_of(  # noqa: ANN201
     connector: str = "ExampleConnector",
     extra: str = "{shared_storage_path: /tmp/kv}",
     rules: str = "load: ranges",
+    import_modules: bool = False,
     **more: str,
 ):
     text = EXAMPLE.format(connector=connector, extra=extra, rules=rules)
@@ -38,7 +40,7 @@ def plan_of(  # noqa: ANN201
         text = text.replace(
             "      kv_connector_extra_config:", f"      {key}: {value}\n      kv_connector_extra_config:"
         )
-    return loads(text, filename="tiers.yaml")
+    return loads(text, filename="tiers.yaml", import_modules=import_modules)
 
 
 def test_renders_the_connector_and_its_extra_config_as_they_are() -> None:
@@ -83,21 +85,28 @@ def test_the_extra_config_must_be_a_mapping() -> None:
         plan_of(extra="[shared_storage_path]")
 
 
-def test_a_module_path_must_hold_the_class() -> None:
+def test_a_module_path_must_hold_the_class_when_imports_are_allowed() -> None:
     with pytest.raises(CompositionError, match=r"kvcompose_nixl.connector has no class 'NixlConnectr'.*did you mean"):
-        plan_of("NixlConnectr", kv_connector_module_path="kvcompose_nixl.connector")
+        plan_of("NixlConnectr", kv_connector_module_path="kvcompose_nixl.connector", import_modules=True)
     with pytest.raises(CompositionError, match=r"kvcompose.compose.Plan is not a vLLM KV connector class"):
-        plan_of("Plan", kv_connector_module_path="kvcompose.compose")
+        plan_of("Plan", kv_connector_module_path="kvcompose.compose", import_modules=True)
+    # Not allowed to import (the CLI's default), the class is left unchecked, not refused.
+    plan = plan_of("Plan", kv_connector_module_path="kvcompose.compose")
+    assert unverified(plan) == ([plan.child("disk")], "not imported: importing a module runs its code")
 
 
-def test_a_module_that_cannot_be_imported_here_is_named_not_refused() -> None:
-    """Its package may be installed only where vLLM serves (LMCache's, Mooncake's)."""
-    plan = plan_of(
-        "LMCacheConnectorV1Dynamic", kv_connector_module_path="lmcache.integration.vllm.lmcache_connector_v1"
-    )
-    assert "its class cannot be imported here (ModuleNotFoundError: No module named 'lmcache')" in "\n".join(
-        plan.explain()
-    )
+def test_a_module_that_cannot_be_imported_here_is_left_unverified_or_refused_when_imported() -> None:
+    """Its package may be installed only where vLLM serves (LMCache's, Mooncake's): unimported, the
+    plan names it as unverified; asked to import it, the failure is located at the module path."""
+    module = "lmcache.integration.vllm.lmcache_connector_v1"
+    plan = plan_of("LMCacheConnectorV1Dynamic", kv_connector_module_path=module)
+    assert [c.name for c in unverified(plan)[0]] == ["disk"]
+    assert module_class(plan.child("disk")) == module + ".LMCacheConnectorV1Dynamic"
+    with pytest.raises(CompositionError) as err:
+        plan_of("LMCacheConnectorV1Dynamic", kv_connector_module_path=module, import_modules=True)
+    [problem] = err.value.problems
+    assert problem.path == ("connectors", 1, "options", "kv_connector_module_path")
+    assert problem.message == f"importing {module} failed: ModuleNotFoundError: No module named 'lmcache'"
 
 
 def test_declared_range_loads_and_param_keys_reach_the_rules() -> None:
