@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvcompose.bench.report import Result
 
@@ -23,12 +24,16 @@ def require_matplotlib() -> None:
 
 
 def draw(result: Result, directory: Path) -> Path:
-    """One horizontal bar per ratio (median, with the best sample marked) and the target line."""
+    """One horizontal bar per ratio (median, with the best sample marked) and the target line;
+    a benchmark with TTFT by turn index (``config["ttft_by_turn"]``) draws that instead."""
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")  # no display here
     import matplotlib.pyplot as plt
+
+    if "ttft_by_turn" in result.config:
+        return _draw_turns(result, directory, plt)
 
     ratios = result.ratios
     labels = [
@@ -52,6 +57,27 @@ def draw(result: Result, directory: Path) -> Path:
         fontsize=9,
     )
     ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{result.name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _draw_turns(result: Result, directory: Path, plt: Any) -> Path:
+    """Median TTFT by turn index, one line per side, one panel per link."""
+    by_link: dict[str, dict[str, list[float]]] = result.config["ttft_by_turn"]
+    fig, axes = plt.subplots(1, len(by_link), figsize=(5 * len(by_link), 3.6), squeeze=False)
+    for ax, (link, sides) in zip(axes[0], by_link.items(), strict=True):
+        for side, ttfts in sides.items():
+            ax.plot(range(1, len(ttfts) + 1), [t * 1e3 for t in ttfts], marker="o", label=side)
+        ax.set_title(f"{link} link", fontsize=9)
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT p50 (ms)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    fig.suptitle(result.title, fontsize=9)
     fig.tight_layout()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{result.name}.png"

@@ -91,3 +91,12 @@ def test_targets_are_the_slow_links_later_turns(tmp_path: Path) -> None:
     done["slow"] = {s: [side(s, {0: 1.0, 1: slow[s], 2: slow[s]})] for s in SIDES}
     assert summarize(done, 1, False, tmp_path, {"slow/kvcompose": ["conversation 0 turn 2"]}, 60.0).target_met is False
     assert BENCHMARKS["multi-turn"] == "multi_turn" and "multi-turn" in FULL_ONLY
+
+
+def test_the_png_is_ttft_by_turn_one_line_per_side(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from kvcompose.bench.plot import draw
+
+    done = {"slow": {s: [side(s, {0: 1.0, 1: 0.5, 2: 0.4})] for s in SIDES}}
+    path = draw(summarize(done, 1, False, tmp_path, {}, 1.0), tmp_path)
+    assert path.name == "multi_turn.png" and path.stat().st_size > 10_000
