@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from kvcompose.catalog import ConnectorType, given_options
+from kvcompose.catalog import ConnectorType, Plan, given_options
 from kvcompose.compose import build
 from kvcompose.config import DEFAULT_RULES, KEY, VLLM_ROLES, Source, dec_hook, from_builtins, msgspec_problem
 from kvcompose.errors import CompositionError, Problem
@@ -29,7 +29,14 @@ from kvcompose.errors import Path as DocPath
 from kvcompose.generic import TYPE_NAME, VllmType
 from kvcompose.plugins import get_plugins
 from kvcompose.reader import MAX_DEPTH
-from kvcompose.vllm.args import CHILDREN_KEY, CONNECTOR_NAME, EXTRA_KEY, children_configs, embedded
+from kvcompose.vllm.args import (
+    CHILDREN_KEY,
+    CONNECTOR_NAME,
+    EXTRA_KEY,
+    children_configs,
+    embedded,
+    listed_mismatch,
+)
 from kvcompose.vllm.register import REGISTERED_NAME
 
 log = logging.getLogger("kvcompose.vllm")
@@ -254,6 +261,8 @@ def _composition_data(cfg: Mapping[str, Any], types: Mapping[str, ConnectorType]
         if not isinstance(composition, Mapping):
             at = ("kv_connector_extra_config", EXTRA_KEY, "composition")
             raise CompositionError([Problem(f"expected a JSON object, got {json_kind(composition)}", at)])
+        # The list beside it is what vLLM ran: a hand edit of it would be lost here without a word.
+        refuse_mismatch(build(from_builtins(dict(composition))), entries(cfg))
         return dict(composition)
     listed = entries(cfg)
     names: list[str] = []
@@ -365,5 +374,18 @@ def child_configs(extra_config: Mapping[str, Any] | None, kv_role: str | None = 
     """
     extra = extra_config or {}
     if not is_dropin(extra):
-        return children_configs(extra)
+        listed = children_configs(extra)
+        refuse_mismatch(build(embedded(extra)), listed)
+        return listed
     return [c.vllm_config() for c in build(source(extra, kv_role)).children]
+
+
+#: What a ``--kv-transfer-config``'s errors are reported against (it is no file).
+CONFIG_NAME = FLAG
+
+
+def refuse_mismatch(plan: Plan, listed: list[Any], filename: str = CONFIG_NAME) -> None:
+    """Raise a located CompositionError when the listed entries are not what ``plan`` renders."""
+    problem = listed_mismatch(plan, listed)
+    if problem is not None:
+        raise CompositionError([problem], filename)

@@ -17,7 +17,6 @@ revision ``REV`` (an A/B of a change to it in one process).
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import subprocess
 import sys
@@ -26,8 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcompose import hookimpl
 from kvcompose.bench.pd_ttft import PROMPT_TOKENS, composition_file, nixl_alone
 from kvcompose.bench.serve import pd_only
+from kvcompose.plugins import get_plugins
 from kvcompose.testing.harness import decode_request, model_runner_output, scheduler_for, yaml_kv_transfer_config
 
 BLOCK = 32
@@ -58,16 +59,33 @@ def decodes(scheduler: Any, n: int, waits: int) -> tuple[float, float]:
     return took / n, first / n
 
 
-def before_config(config: dict[str, Any], rev: str, into: Path) -> dict[str, Any]:
-    """``config`` with its cpu-offload child's class taken from the plugin's connector at ``rev``."""
+#: The type of the ``--before`` side's host tier: the cpu-offload type, its class from the copy.
+BEFORE_TYPE = "cpu-offload-before"
+
+
+class _BeforeType:
+    """Contributes :data:`BEFORE_TYPE`: the plugin's cpu-offload type with its module path pointed at
+    the copy, so the composition and the children list vLLM reads name the same class (the
+    composite refuses a list edited by hand)."""
+
+    def __init__(self, module: str) -> None:
+        base = type(get_plugins().connector_types["cpu-offload"])
+        self.type = type("CpuOffloadBefore", (base,), {"name": BEFORE_TYPE, "vllm_module_path": module})()
+
+    @hookimpl
+    def kvcompose_connector_types(self) -> list[Any]:
+        return [self.type]
+
+
+def before_config(composition: Path, rev: str, into: Path) -> dict[str, Any]:
+    """``composition``'s config with its cpu-offload child's class taken from the plugin's connector at ``rev``."""
     source = subprocess.run(["git", "show", f"{rev}:{CONNECTOR}"], check=True, capture_output=True, text=True).stdout
     (into / "cpu_offload_before.py").write_text(source)
     sys.path.insert(0, str(into))
-    changed = copy.deepcopy(config)
-    for child in changed["kv_connector_extra_config"]["connectors"]:
-        if child["kv_connector"] == "SimpleCPUOffloadConnector":
-            child["kv_connector_module_path"] = "cpu_offload_before"
-    return changed
+    get_plugins().register(_BeforeType("cpu_offload_before"), name=BEFORE_TYPE)
+    text = composition.read_text()
+    assert "type: cpu-offload\n" in text
+    return yaml_kv_transfer_config(text.replace("type: cpu-offload\n", f"type: {BEFORE_TYPE}\n"))
 
 
 def main() -> None:
@@ -85,7 +103,7 @@ def main() -> None:
             "kvcompose-pd-only": yaml_kv_transfer_config(pd_only(composition_file(d / "pd", 5602), d / "pd")),
         }
         if args.before:
-            configs[f"kvcompose at {args.before}"] = before_config(configs["kvcompose"], args.before, d)
+            configs[f"kvcompose at {args.before}"] = before_config(composed, args.before, d)
         schedulers = {side: scheduler_for(c, num_blocks=256, block_size=BLOCK) for side, c in configs.items()}
         times: dict[str, list[tuple[float, float]]] = {side: [] for side in schedulers}
         for _ in range(args.reps):
