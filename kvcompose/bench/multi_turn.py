@@ -62,12 +62,16 @@ TARGET_MULTI = 0.8
 
 def scaled_rate(real_bits_per_s: float) -> int:
     """The link rate at which the tiny model moves as many tokens per second as the 8B model on
-    ``real_bits_per_s``: the real rate divided by the ratio of their KV bytes per token."""
-    return int(real_bits_per_s * TINY_KV_PER_TOKEN / LLAMA_8B_KV_PER_TOKEN)
+    ``real_bits_per_s``: the real rate divided by the ratio of their KV bytes per token, in whole
+    Mbit/s."""
+    return round(real_bits_per_s * TINY_KV_PER_TOKEN / LLAMA_8B_KV_PER_TOKEN / 1e6) * 10**6
 
 
-def specs(side: str, model: str, work: Path, p_port: int, d_port: int) -> tuple[EngineSpec, EngineSpec]:
-    """The prefill and decode servers of ``side``."""
+def specs(
+    side: str, model: str, work: Path, p_port: int, d_port: int, p_host: str = "127.0.0.1", d_host: str = "127.0.0.1"
+) -> tuple[EngineSpec, EngineSpec]:
+    """The prefill and decode servers of ``side``, their NIXL side channels on ``p_host:p_port``
+    and ``d_host:d_port`` (a bare connector's config is not a composition the kit can place)."""
     import yaml
 
     from kvcompose.bench.pd_ttft import nixl_alone
@@ -76,41 +80,30 @@ def specs(side: str, model: str, work: Path, p_port: int, d_port: int) -> tuple[
     from kvcompose.vllm.args import vllm_multiconnector
 
     prefill_yaml, decode_yaml = EXAMPLES / "pd-prefill.yaml", EXAMPLES / "pd-decode.yaml"
+    p_opts, d_opts = {"side_channel_host": p_host}, {"side_channel_host": d_host}
     blocks = {"num_gpu_blocks": DEVICE_BLOCKS}
-    if side == SUBJECT:
+    if side in (SUBJECT, "kvcompose-first-wins"):
+        if side != SUBJECT:
+            data = yaml.safe_load(decode_yaml.read_text())
+            data["rules"]["load"] = "first-wins"
+            work.mkdir(parents=True, exist_ok=True)
+            decode_yaml = work / "pd-decode-first-wins.yaml"
+            decode_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
         return (
-            EngineSpec(f"{side}-prefill", model, str(prefill_yaml), p_port, **blocks),
-            EngineSpec(f"{side}-decode", model, str(decode_yaml), d_port, **blocks),
-        )
-    if side == "kvcompose-first-wins":
-        data = yaml.safe_load(decode_yaml.read_text())
-        data["rules"]["load"] = "first-wins"
-        work.mkdir(parents=True, exist_ok=True)
-        first_wins = work / "pd-decode-first-wins.yaml"
-        first_wins.write_text(yaml.safe_dump(data, sort_keys=False))
-        return (
-            EngineSpec(f"{side}-prefill", model, str(prefill_yaml), p_port, **blocks),
-            EngineSpec(f"{side}-decode", model, str(first_wins), d_port, **blocks),
+            EngineSpec(f"{side}-prefill", model, str(prefill_yaml), p_port, p_opts, **blocks),
+            EngineSpec(f"{side}-decode", model, str(decode_yaml), d_port, d_opts, **blocks),
         )
     if side == "bare":
         return (
-            EngineSpec(f"{side}-prefill", model, kv_config=nixl_alone(prefill_yaml, p_port), **blocks),
-            EngineSpec(f"{side}-decode", model, kv_config=nixl_alone(decode_yaml, d_port), **blocks),
+            EngineSpec(f"{side}-prefill", model, kv_config=nixl_alone(prefill_yaml, p_port, p_opts), **blocks),
+            EngineSpec(f"{side}-decode", model, kv_config=nixl_alone(decode_yaml, d_port, d_opts), **blocks),
         )
     if side == "MultiConnector":
+        p_multi = vllm_multiconnector(composed_kv_transfer_config(prefill_yaml, p_port, p_opts))
+        d_multi = vllm_multiconnector(composed_kv_transfer_config(decode_yaml, d_port, d_opts))
         return (
-            EngineSpec(
-                f"{side}-prefill",
-                model,
-                kv_config=vllm_multiconnector(composed_kv_transfer_config(prefill_yaml, p_port)),
-                **blocks,
-            ),
-            EngineSpec(
-                f"{side}-decode",
-                model,
-                kv_config=vllm_multiconnector(composed_kv_transfer_config(decode_yaml, d_port)),
-                **blocks,
-            ),
+            EngineSpec(f"{side}-prefill", model, kv_config=p_multi, **blocks),
+            EngineSpec(f"{side}-decode", model, kv_config=d_multi, **blocks),
         )
     raise ValueError(f"unknown side {side!r}; choose from {SIDES}")
 
@@ -135,6 +128,7 @@ class SideRun:
         computed per instance, NIXL bytes per request, host-tier hits, failures."""
         first = [t.ttft_s for t in self.chat.turns if t.turn == 0 and t.error is None and t.ttft_s is not None]
         later = [t.ttft_s for t in self.later() if t.error is None and t.ttft_s is not None]
+        first, later = first or [float("inf")], later or [float("inf")]  # nothing served: infinitely slow
         tpot = [x for t in self.chat.turns if t.error is None and (x := t.tpot_s) is not None]
         requests = max(1, len(self.chat.turns))
         return {
@@ -215,7 +209,7 @@ def side_run(side: str, link: str, hosts: Any, model: str, tokenizer: Any, logs:
     from kvcompose.e2e.router import RouterNode
     from kvcompose.e2e.server import ServerNode
 
-    p_spec, d_spec = specs(side, model, logs, *free_ports(2))
+    p_spec, d_spec = specs(side, model, logs, *free_ports(2), hosts["prefill"].address, hosts["decode"].address)
     prefill = ServerNode(p_spec, logs, host=hosts["prefill"])
     decode = ServerNode(d_spec, logs, host=hosts["decode"])
     nodes: list[Any] = [prefill, decode]

@@ -3,6 +3,7 @@ TTFT, answers against the baseline, ratios and the issue's targets."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,14 +43,16 @@ def side(name: str, ttft: dict[int, float], nixl: float = 6000.0) -> SideRun:
 def test_links_are_scaled_by_kv_bytes_per_token() -> None:
     # Llama-3-8B's 128 KiB a token against the tiny model's 1 KiB: 128x fewer bits per second.
     assert multi_turn.LLAMA_8B_KV_PER_TOKEN == 128 * 1024
-    assert scaled_rate(100e9) == 781_250_000 and scaled_rate(25e9) == 195_312_500
+    assert scaled_rate(100e9) == 781_000_000 and scaled_rate(25e9) == 195_000_000
 
 
 def test_each_side_has_its_prefill_and_decode(tmp_path: Path) -> None:
     for name in SIDES:
-        p, d = specs(name, "m", tmp_path, 5601, 5602)
+        p, d = specs(name, "m", tmp_path, 5601, 5602, "10.0.0.2", "10.0.0.3")
         assert p.num_gpu_blocks == d.num_gpu_blocks == multi_turn.DEVICE_BLOCKS
-        assert p.kv_transfer_config() is not None and d.kv_transfer_config() is not None
+        # Every side's side channels on its hosts' addresses, bare connectors' too.
+        assert '"kvcompose_side_channel_host": "10.0.0.2"' in json.dumps(p.kv_transfer_config())
+        assert '"kvcompose_side_channel_host": "10.0.0.3"' in json.dumps(d.kv_transfer_config())
     bare_p, bare_d = specs("bare", "m", tmp_path, 5601, 5602)
     assert bare_d.kv_transfer_config()["kv_connector"] == "NixlConnector"
     multi = specs("MultiConnector", "m", tmp_path, 5601, 5602)[1].kv_transfer_config()
@@ -58,6 +61,15 @@ def test_each_side_has_its_prefill_and_decode(tmp_path: Path) -> None:
     assert "load: first-wins" in Path(str(first_wins.composition)).read_text()
     with pytest.raises(ValueError, match="unknown side"):
         specs("nope", "m", tmp_path, 1, 2)
+
+
+def test_a_side_that_served_nothing_is_infinitely_slow(tmp_path: Path) -> None:
+    dead = SideRun("bare", "slow", conversations({0: 1.0, 1: 1.0, 2: 1.0}, failed=0), Load("prefix", [], 1.0))
+    dead.chat = Load("chat", [Turn(0.0, None, "HTTP 500", 0, t) for t in range(3)], 1.0)
+    assert dead.figures()["later_ttft_p50_s"] == float("inf")
+    done = {"slow": {"bare": [dead], "kvcompose": [side("kvcompose", {0: 1.0, 1: 0.2, 2: 0.2})]}}
+    r = summarize(done, 1, False, tmp_path, {}, 1.0)
+    assert [x.by_median for x in r.ratios if x.case == "slow link, turns 2+"] == [0.0]
 
 
 def test_figures_split_turn_1_from_later_turns_and_count_failures() -> None:
