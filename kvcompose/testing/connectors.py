@@ -36,9 +36,14 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
 
     Options (``kv_connector_extra_config``): ``name``, ``matched_tokens`` (int or None for
     "ask again"), ``is_async``, ``delay_free`` (return True from request_finished),
-    ``params`` (kv_transfer_params to return). A test may also set ``results`` (a
-    ``KVConnectorTransferResults`` returned once by the next ``get_transfer_results``).
+    ``params`` (kv_transfer_params to return), ``sleep_mode`` (what ``supports_sleep_mode``
+    answers; default True). A test may also set ``results`` (a ``KVConnectorTransferResults``
+    returned once by the next ``get_transfer_results``).
     """
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return bool(kv_transfer_config.kv_connector_extra_config.get("sleep_mode", True))
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -127,6 +132,12 @@ class RecordConnector(KVConnectorBase_V1, SupportsHMA):
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         self._rec("set_host_xfer_buffer_ops", copy_operation)
+
+    def unregister_kv_caches(self) -> None:
+        self._rec("unregister_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        self._rec("restore_kv_caches")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._rec("get_transfer_results", set(finished_req_ids))

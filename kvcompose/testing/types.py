@@ -27,6 +27,8 @@ class RecordOptions(Options):
     is_async: bool = False
     delay_free: bool = False
     params: dict[str, Any] | None = None
+    #: What the connector class answers to vLLM 0.33's ``supports_sleep_mode``.
+    sleep_mode: bool = True
 
 
 #: Every engine call a fault may name: the methods of vLLM's ``KVConnectorBase_V1`` that a
@@ -115,7 +117,7 @@ class RecordType(ConnectorType):
             **{
                 k: v
                 for k, v in msgspec.to_builtins(o).items()
-                if k in ("matched_tokens", "is_async", "delay_free", "params")
+                if k in ("matched_tokens", "is_async", "delay_free", "params", "sleep_mode")
             },
         }
         return {

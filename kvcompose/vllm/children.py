@@ -34,6 +34,7 @@ from kvcompose.vllm.health import ChildStatePromMetrics
 from kvcompose.vllm.loadstats import STATS_KEY as LOADS_KEY
 from kvcompose.vllm.loadstats import ChildLoadPromMetrics
 from kvcompose.vllm.metadata import ComposedStats
+from kvcompose.vllm.surface import sleep_mode
 
 #: Under vLLM's logger, whose handler and ``VLLM_LOGGING_LEVEL`` an engine's log already has.
 vllm_log = init_logger("vllm.kvcompose")
@@ -103,6 +104,12 @@ class ClassLevelAnswers:
         return requires_piecewise_for_cudagraph(extra_config)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Sleep mode (vLLM 0.33) when every child supports it, as vLLM's MultiConnector decides."""
+        answers = sleep_mode_support(kv_transfer_config)
+        return bool(answers) and all(answers.values())
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return ComposedStats() if data is None else ComposedStats.from_dict(data)
 
@@ -115,6 +122,15 @@ class ClassLevelAnswers:
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def sleep_mode_support(ktc: KVTransferConfig) -> dict[str, bool]:
+    """Per child name, whether its connector class supports sleep mode (vLLM 0.33's
+    ``supports_sleep_mode``, asked with the child's own config; no such classmethod: no)."""
+    return {
+        name: sleep_mode(KVConnectorFactory.get_connector_class(cktc), cktc)
+        for name, cktc in zip(child_names(ktc), child_configs(ktc), strict=True)
+    }
 
 
 def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:

@@ -39,7 +39,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvcompose.rules.contract import TransferResults
+from kvcompose.versions import version_warnings
 from kvcompose.vllm import children as vllm_children
+from kvcompose.vllm import metadata as vllm_metadata
 from kvcompose.vllm.calls import CallTable
 from kvcompose.vllm.children import ClassLevelAnswers
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
@@ -52,9 +54,8 @@ from kvcompose.vllm.metadata import (
     ComposedMetadata,
     ComposedStats,
     ComposedWorkerMetadata,
-    from_vllm_results,
-    to_vllm_results,
 )
+from kvcompose.vllm.surface import forward_unknown_calls
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
@@ -73,13 +74,16 @@ log = logging.getLogger("kvcompose.vllm")
 _NONE: dict[str, Any] = {}
 
 
+@forward_unknown_calls
 class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     """Children and rules from a kvcompose composition, behind vLLM's connector interface.
 
     The class is ``SupportsHMA`` (vLLM tests that on the class); effective HMA support is that of
     every child, which vLLM's config resolution computes from the ``connectors`` list. What vLLM
     asks of the class before any instance exists is combined over the children's classes
-    (:class:`~kvcompose.vllm.children.ClassLevelAnswers`).
+    (:class:`~kvcompose.vllm.children.ClassLevelAnswers`), sleep-mode support included. A call
+    of a newer vLLM that the class does not define reaches every child by the generic rule of
+    :mod:`kvcompose.vllm.surface`.
     """
 
     # ------------------------------------------------------------------ construction
@@ -94,6 +98,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             for warning in plan.warnings:
                 log.warning("composition: %s", warning.render(plan.source.filename))
+            for outside in version_warnings():  # runs anyway (docs/versions.md, the policy)
+                log.warning("%s", outside)
         classes = vllm_children.child_classes(vllm_config)
         if len(classes) != len(plan.children):
             raise ValueError(
@@ -107,6 +113,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self._instance = instance_name(role == KVConnectorRole.SCHEDULER)
         self.calls = CallTable.for_plan(self._connectors, plan, on_fault=self._child_failed)
         self._per_layer = self.calls.per_layer
+        #: How vLLM's transfer reports map to the rules' (and which fields are carried through).
+        self._results = vllm_metadata.RESULTS
         self._completion = plan.completion.tracker()
         self._abandoned = False  # loads of a disabled child to settle as failed
         #: Reports withheld from vLLM (not from a loader, duplicate or late), for tests and logs.
@@ -252,14 +260,27 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         reports: list[TransferResults | None] = [None] * len(self._connectors)
         some, self._abandoned = self._abandoned, False
+        codec = self._results
+        if codec.carried:  # a newer vLLM's fields kvcompose does not know: merged by type
+            raw: list[KVConnectorTransferResults | None] = []
+            for i, fn in self.calls["get_transfer_results"]:
+                raw.append(fn(finished_req_ids))
+                report = reports[i] = codec.read(raw[-1])
+                some = some or report is not None
+            carried = codec.merge_carried(raw)
+            if not some:
+                return codec.write(TransferResults(), carried)
+            out, dropped = self._completion.settle(reports)
+            self.dropped_completions += dropped
+            return codec.write(out, carried)
         for i, fn in self.calls["get_transfer_results"]:
-            report = reports[i] = from_vllm_results(fn(finished_req_ids))
+            report = reports[i] = codec.read(fn(finished_req_ids))
             some = some or report is not None
         if not some:  # most steps: nothing finished anywhere
             return KVConnectorTransferResults()
         out, dropped = self._completion.settle(reports)
         self.dropped_completions += dropped
-        return to_vllm_results(out)
+        return codec.write(out)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set()
@@ -297,6 +318,14 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         self.calls.call_every("shutdown")
+
+    # Sleep mode (vLLM 0.33): every child that has the call gets it, bypassed ones included
+    # (they still hold registrations); on 0.32 vLLM never calls these.
+    def unregister_kv_caches(self) -> None:
+        self.calls.call_every("unregister_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        self.calls.call_every("restore_kv_caches")
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -18,31 +18,68 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvcompose.merge import merge_values
 from kvcompose.rules.contract import TransferResults
 
-#: vLLM's transfer-result fields, copied by name between vLLM's class and the rules' own.
+#: The fields of a transfer report that the completion rule reads (kvcompose's own class).
+KNOWN_FIELDS = frozenset(f.name for f in dataclasses.fields(TransferResults))
+
+
+class ResultsCodec:
+    """Copies a vLLM transfer-results class to and from the rules' :class:`TransferResults`.
+
+    The fields kvcompose knows go through the completion rule; every other field of vLLM's
+    class (one a newer vLLM added) is *carried*: each child's value merged by
+    :func:`kvcompose.merge.merge_values` and handed back to vLLM unchanged otherwise.
+    """
+
+    def __init__(self, vllm_cls: type[KVConnectorTransferResults]) -> None:
+        self.vllm_cls = vllm_cls
+        names = [f.name for f in dataclasses.fields(vllm_cls)]
+        #: vLLM's fields the rules read, in vLLM's order.
+        self.known: tuple[str, ...] = tuple(n for n in names if n in KNOWN_FIELDS)
+        #: vLLM's fields kvcompose does not know: carried through, merged by type.
+        self.carried: tuple[str, ...] = tuple(n for n in names if n not in KNOWN_FIELDS)
+
+    def read(self, results: KVConnectorTransferResults | None) -> TransferResults | None:
+        """A child's report as the completion rule reads it (copies: the rule may change them);
+        ``None`` for a report of nothing, the usual step."""
+        if results is None:
+            return None
+        values = [getattr(results, f) for f in self.known]
+        if not any(values):
+            return None
+        return TransferResults(**{f: set(v) for f, v in zip(self.known, values, strict=True)})
+
+    def merge_carried(self, reports: list[KVConnectorTransferResults | None]) -> dict[str, Any]:
+        """The carried fields of the children's reports, each merged by type; a field no child
+        filled in is left out (vLLM's default applies)."""
+        out: dict[str, Any] = {}
+        for name in self.carried:
+            merged = merge_values([getattr(r, name, None) for r in reports if r is not None])
+            if merged is not None:
+                out[name] = merged
+        return out
+
+    def write(self, results: TransferResults, carried: Mapping[str, Any] | None = None) -> KVConnectorTransferResults:
+        """vLLM's report: the rules' fields, and the carried ones."""
+        return self.vllm_cls(**{f: getattr(results, f) for f in self.known}, **(carried or {}))
+
+
+#: The codec of the installed vLLM's class.
+RESULTS = ResultsCodec(KVConnectorTransferResults)
+#: vLLM's transfer-result fields (the installed vLLM's class).
 RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(KVConnectorTransferResults))
-_missing = set(RESULT_FIELDS) - {f.name for f in dataclasses.fields(TransferResults)}
-if _missing:
-    raise ImportError(
-        f"this vLLM's KVConnectorTransferResults has fields {sorted(_missing)} that "
-        "kvcompose.rules.contract.TransferResults lacks; kvcompose would drop them"
-    )
 
 
 def from_vllm_results(results: KVConnectorTransferResults | None) -> TransferResults | None:
-    """A child's report as the completion rule reads it (copies: the rule may change them);
-    ``None`` for a report of nothing, the usual step."""
-    if results is None:
-        return None
-    values = [getattr(results, f) for f in RESULT_FIELDS]
-    if not any(values):
-        return None
-    return TransferResults(**{f: set(v) for f, v in zip(RESULT_FIELDS, values, strict=True)})
+    """A child's report as the completion rule reads it (:meth:`ResultsCodec.read`)."""
+    return RESULTS.read(results)
 
 
 def to_vllm_results(results: TransferResults) -> KVConnectorTransferResults:
-    return KVConnectorTransferResults(*[getattr(results, f) for f in RESULT_FIELDS])
+    """vLLM's report of the rules' fields (:meth:`ResultsCodec.write`)."""
+    return RESULTS.write(results)
 
 
 @dataclass
