@@ -295,8 +295,22 @@ class FakeNixlAgent:
         if agent_name != LOCAL and agent_name not in self.remote_agents:
             raise FakeNixlError(f"agent {self.name}: prep_xfer_dlist for unknown remote agent {agent_name!r}")
         handle = next(self._ids)
-        self._dlists[handle] = (agent_name, self._descs(xfer_list))
+        self._dlists[handle] = (agent_name, self._strided(xfer_list) or self._descs(xfer_list))
         return handle
+
+    @staticmethod
+    def _strided(xfer_list: Any) -> list[tuple[int, int, int]] | None:
+        """NIXL 1.5's compressed form (vLLM 0.33 prepares its lists so): an N x 5 array of
+        ``(address, length, device, stride, count)``, ``count`` descriptors ``stride`` bytes
+        apart, indexed one by one afterwards; None for any other form."""
+        shape = getattr(xfer_list, "shape", None)
+        if shape is None or len(shape) != 2 or shape[1] != 5:
+            return None
+        return [
+            (int(addr) + k * int(stride), int(length), int(dev))
+            for addr, length, dev, stride, count in xfer_list.tolist()
+            for k in range(int(count))
+        ]
 
     def release_dlist_handle(self, handle: int) -> None:
         self._rec("release_dlist_handle", handle)

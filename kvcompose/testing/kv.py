@@ -129,11 +129,13 @@ def make_engine_kv(
     allocator). ``vllm_config`` defaults to the kit's CPU config for ``kv_transfer_config``;
     its cache config receives the layout and block count, as the engine core records them.
     """
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    from kvcompose.vllm.surface import kv_cache_config_from_groups
+
+    get_kv_cache_config_from_groups = kv_cache_config_from_groups()
     if num_layers < 1 or num_blocks < 2:
         raise ValueError(
             f"make_engine_kv: need num_layers >= 1 and num_blocks >= 2 "
