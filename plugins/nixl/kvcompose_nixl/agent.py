@@ -24,6 +24,7 @@ patch in the parent would not reach it.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 #: NIXL UCX backend parameter (``nixl_ucx_err_handling_param_name`` in NIXL's UCX plugin).
@@ -85,3 +86,35 @@ def set_ucx_error_handling(mode: UcxErrorHandling | None) -> bool:
     create_backend._kvcompose_base = base  # type: ignore[attr-defined]
     agent.create_backend = create_backend
     return True
+
+
+def missing_settings() -> list[str]:
+    """What the settings above need from the installed NIXL and it lacks, each in words (empty:
+    everything is there, or NIXL is not installed). The supported NIXL releases
+    (``kvcompose.versions.NIXL``) have them all; a NIXL outside that range may not.
+
+    Creates one agent without backends, to read the UCX plugin's parameters.
+    """
+    try:
+        import nixl._api as api
+    except ImportError:
+        return []
+    missing = []
+    config = getattr(getattr(api, "nixlBind", None), "nixlAgentConfig", None)
+    delay = inspect.getattr_static(config, "pthrDelay", None) if config is not None else None
+    if not (isinstance(delay, property) or hasattr(delay, "__set__")):
+        missing.append("progress_delay_us: nixl._api.nixlBind.nixlAgentConfig has no settable pthrDelay")
+    agent_cls = getattr(api, "nixl_agent", None)
+    create = getattr(agent_cls, "create_backend", None)
+    if create is None or not {"backend", "initParams"} <= set(inspect.signature(create).parameters):
+        missing.append("ucx_error_handling: nixl._api.nixl_agent has no create_backend(backend, initParams)")
+    elif UCX_ERROR_HANDLING_PARAM not in _ucx_params(api):
+        missing.append(f"ucx_error_handling: NIXL's UCX plugin takes no {UCX_ERROR_HANDLING_PARAM!r} parameter")
+    return missing
+
+
+def _ucx_params(api: Any) -> dict[str, str]:
+    agent = api.nixl_agent("kvcompose-settings-check", api.nixl_agent_config(backends=[]))
+    if "UCX" not in agent.get_plugin_list():
+        return {}
+    return dict(agent.get_plugin_params("UCX"))

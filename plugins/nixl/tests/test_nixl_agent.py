@@ -94,3 +94,29 @@ def test_error_handling_without_ucx_is_refused_with_where_and_why() -> None:
         )
     assert "connectors[0].options.ucx_error_handling" in str(e.value) and "no UCX" in str(e.value)
     assert ":3:" in str(e.value)  # the line of the child's options
+
+
+def test_every_setting_the_plugin_applies_exists_in_the_installed_nixl() -> None:
+    """The settings above patch NIXL's Python wrapper and name a UCX plugin parameter: a NIXL
+    that renamed one would make them silent no-ops (docs/versions.md, NIXL)."""
+    from importlib import metadata
+
+    from kvcompose.versions import NIXL, distribution_version, providers_of
+    from kvcompose_nixl.agent import missing_settings
+
+    pytest.importorskip("nixl._api")
+    installed = [distribution_version(d) for d in providers_of("nixl", metadata.packages_distributions())]
+    assert installed and all(NIXL.contains(v) for v in installed), installed
+    assert missing_settings() == []
+
+
+def test_a_nixl_without_a_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    api = pytest.importorskip("nixl._api")
+    from kvcompose_nixl import agent
+
+    monkeypatch.setattr(agent, "_ucx_params", lambda api: {"num_workers": "1"})
+    monkeypatch.setattr(api.nixlBind, "nixlAgentConfig", type("OldConfig", (), {}))
+    assert agent.missing_settings() == [
+        "progress_delay_us: nixl._api.nixlBind.nixlAgentConfig has no settable pthrDelay",
+        "ucx_error_handling: NIXL's UCX plugin takes no 'ucx_error_handling_mode' parameter",
+    ]
