@@ -74,6 +74,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.file}: {line}")
     for line in plan.explain():
         print("  " + line)
+    from kvcompose.sleep_mode import sleep_mode_line  # imports vLLM only where it has sleep mode
+
+    print("  " + sleep_mode_line(plan))
     return 0
 
 
@@ -297,9 +300,11 @@ class _Versions(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="the versions of kvcompose, its plugins, vLLM and NIXL")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
-        from kvcompose.versions import version_lines
+        from kvcompose.versions import version_lines, version_warnings
 
         print("\n".join(version_lines()))
+        for warning in version_warnings():
+            print(warning, file=sys.stderr)
         parser.exit()
 
 
