@@ -1,9 +1,19 @@
 # The two commands of the README. Each creates or reuses .venv itself.
 PY := .venv/bin/python
 
-.PHONY: demo test lint setup bench
+.PHONY: demo test lint setup bench setup-next test-vllm-next
 setup:
 	@scripts/setup.sh
+
+# What test-vllm-next runs on vLLM 0.33 (engines cannot: docs/versions.md).
+NEXT_SUITES := tests/unit tests/scheduler tests/worker tests/kit plugins/nixl/tests plugins/cpu_offload/tests
+# Asserts how vLLM's own CPU-offload worker fails with CPU torch; CUDA torch without a driver
+# fails it earlier, in CUDA's initialisation (docs/versions.md).
+NEXT_DESELECT := --deselect plugins/cpu_offload/tests/test_cpu_offload_worker.py::test_vllm_worker_fails_here_and_the_connector_swaps_it
+
+# The next vLLM (0.33) in .venv-next, beside .venv's 0.32 (docs/versions.md).
+setup-next:
+	@scripts/setup-next.sh
 
 # Engines run one set at a time on a shared machine (at most two fit in memory).
 ENGINE_LOCK := flock /tmp/kvcompose-engines.lock
@@ -28,3 +38,10 @@ lint: setup
 # Benchmarks (docs/performance.md): `make bench BENCH_ARGS=--quick` for the 2-minute run.
 bench: setup
 	$(PY) -m kvcompose.cli bench $(BENCH_ARGS)
+
+# The suites that run against the next vLLM on a CPU host (docs/versions.md): the composite
+# against the next wheel's base.py (parsed, in .venv), then NEXT_SUITES without engines on vLLM
+# 0.33 (CUDA torch on a CPU: VLLM_TARGET_DEVICE picks vLLM's CPU platform).
+test-vllm-next: setup setup-next
+	$(PY) -m pytest -q -p no:cacheprovider tests/cli/test_vllm_surface.py $(PYTEST_ARGS)
+	VLLM_TARGET_DEVICE=cpu .venv-next/bin/python -m pytest -q -p no:cacheprovider -m "not engine" $(NEXT_DESELECT) $(NEXT_SUITES) $(PYTEST_ARGS)

@@ -1,0 +1,100 @@
+"""The composite forwards every call of vLLM's connector API: the installed vLLM's and the next
+one's, read from the 0.33 wheel's ``base.py`` (parsed, never imported; docs/versions.md).
+
+``make test-vllm-next`` downloads the wheel into ``.venv-next/wheels`` (or set
+``KVCOMPOSE_VLLM_NEXT_WHEEL``); without it the wheel's test is skipped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from kvcompose.versions import BASE_PY, ConnectorAPI, connector_api, installed_base_py, parse_connector_api
+from kvcompose.vllm import surface
+from kvcompose.vllm.connector import KVComposeConnector
+
+ROOT = Path(__file__).parents[2]
+
+
+def next_wheel() -> Path | None:
+    """The next vLLM's wheel: ``KVCOMPOSE_VLLM_NEXT_WHEEL``, else the one ``make test-vllm-next`` keeps."""
+    given = os.environ.get("KVCOMPOSE_VLLM_NEXT_WHEEL")
+    if given:
+        return Path(given)
+    found = sorted((ROOT / ".venv-next" / "wheels").glob("vllm-*.whl"))
+    return found[-1] if found else None
+
+
+def wheel_api(wheel: Path) -> ConnectorAPI:
+    with zipfile.ZipFile(wheel) as zf:
+        source = zf.read(f"vllm/{BASE_PY}").decode()
+    return parse_connector_api(source, f"{wheel.name}:vllm/{BASE_PY}")
+
+
+def not_forwarded(api: ConnectorAPI) -> list[str]:
+    """Names of ``api`` the composite does not define itself, or defines as another kind."""
+    missing = []
+    for name in sorted(api.all - surface.NOT_FORWARDED):
+        mine = inspect.getattr_static(KVComposeConnector, name, None)
+        if mine is None or mine is inspect.getattr_static(KVConnectorBase_V1, name, None):
+            missing.append(f"{name} (not defined)")
+        elif name in KVComposeConnector.forwarded_generically:
+            missing.append(f"{name} (only by the generic rule)")
+        elif surface_kind(mine) != api.kind(name):
+            missing.append(f"{name} (a {surface_kind(mine)}, vLLM's is a {api.kind(name)})")
+    return missing
+
+
+def surface_kind(member: object) -> str:
+    if isinstance(member, classmethod):
+        return "classmethod"
+    return "property" if isinstance(member, property) else "method"
+
+
+def test_the_parser_reads_the_installed_base_as_python_sees_it() -> None:
+    base = installed_base_py()
+    assert base is not None
+    api = connector_api(base)
+    assert {name: api.kind(name) for name in api.all} == surface.base_calls()
+
+
+def test_the_composite_forwards_every_call_of_the_installed_vllm() -> None:
+    base = installed_base_py()
+    assert base is not None
+    assert not_forwarded(connector_api(base)) == []
+
+
+def test_the_composite_forwards_every_call_of_the_next_vllm() -> None:
+    wheel = next_wheel()
+    if wheel is None:
+        pytest.skip("no next vLLM wheel: run `make test-vllm-next` (or set KVCOMPOSE_VLLM_NEXT_WHEEL)")
+    api = wheel_api(wheel)
+    assert {"supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"} <= api.all, wheel.name
+    assert not_forwarded(api) == [], wheel.name
+    print(f"{wheel.name}: {len(api.all)} public members of KVConnectorBase_V1, all forwarded")
+
+
+def test_a_call_kvcompose_does_not_know_reaches_every_child_merged_by_type(kvcompose_worker) -> None:  # type: ignore[no-untyped-def]
+    """A newer vLLM's base class with a call the composite does not define: forwarded to every
+    child that has it, the answers merged by type (kvcompose.merge)."""
+
+    class NewerBase(KVConnectorBase_V1):
+        def pinned_blocks(self, request_id: str) -> set[int] | None:
+            return None
+
+    composite = surface.forward_unknown_calls(type("Newer", (KVComposeConnector,), {}), base=NewerBase)
+    assert composite.forwarded_generically == ("pinned_blocks",)
+    conn = kvcompose_worker(
+        "version: 1\nconnectors: [{name: a, type: record}, {name: b, type: record}, {name: c, type: record}]\n",
+        register=False,
+    ).connector
+    conn.child("a").pinned_blocks = lambda request_id: {1, 2}
+    conn.child("b").pinned_blocks = lambda request_id: {3}
+    # c has no such call (a class written for an older vLLM): it is passed over.
+    assert composite.pinned_blocks(conn, "r1") == {1, 2, 3}
