@@ -86,10 +86,10 @@ Ask = Callable[[int, int], "tuple[int | None, bool]"]
 class TransferResults:
     """One child's transfer report for a step, or what the composite forwards to vLLM.
 
-    The fields of vLLM's ``KVConnectorTransferResults``, copied by name: the vLLM adapter
-    refuses to start on a vLLM whose results carry a field this class does not, so a field a
-    newer vLLM adds is never dropped silently (and a test pins the two together). Failed
-    receives also appear in ``finished_recving`` (vLLM's rule).
+    The fields of vLLM's ``KVConnectorTransferResults`` the rules read, copied by name (a test
+    pins the two together). A field a newer vLLM adds that this class lacks is not the rules':
+    the vLLM adapter carries it through, merged by type (docs/versions.md). Failed receives
+    also appear in ``finished_recving`` (vLLM's rule).
     """
 
     finished_sending: set[str] = field(default_factory=set)
