@@ -55,6 +55,13 @@ GROUP = 6
 #: Device blocks of each instance: 4,096 tokens, less than the conversations' history.
 DEVICE_BLOCKS = 128
 RUNS = 1
+#: vLLM's histograms of where a request's time goes, per instance (mean seconds per observation).
+PHASES = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill_step": "vllm:request_prefill_time_seconds",
+    "ttft_in_engine": "vllm:time_to_first_token_seconds",
+    "nixl_read": "vllm:nixl_xfer_time_seconds",
+}
 #: The issue's targets, turns 2+ TTFT p50 on the slow link.
 TARGET_BARE = 0.5
 TARGET_MULTI = 0.8
@@ -147,6 +154,7 @@ class SideRun:
                 "decode": int(self.decode.get(f"{CACHED_BY_SOURCE}host}}", 0)),
             },
             "decode_link_rx_bytes": self.decode_link_rx,
+            "phases_ms": {"prefill": phases(self.prefill), "decode": phases(self.decode)},
             "prefix_load": {k: round(v, 4) if isinstance(v, float) else v for k, v in self.prefix.summary().items()},
         }
 
@@ -160,6 +168,16 @@ class SideRun:
             )
             for i in range(turns)
         ]
+
+
+def phases(moved: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per observation of each of :data:`PHASES` that moved on an instance."""
+    out = {}
+    for name, metric in PHASES.items():
+        count = moved.get(f"{metric}_count", 0.0)
+        if count:
+            out[name] = round(moved.get(f"{metric}_sum", 0.0) / count * 1e3, 2)
+    return out
 
 
 def mismatches(run: Load, baseline: Load) -> list[str]:

@@ -35,7 +35,12 @@ def side(name: str, ttft: dict[int, float], nixl: float = 6000.0) -> SideRun:
         conversations(ttft),
         Load("prefix", [Turn(0.0, 0.1)], 1.0),
         {COMPUTED: 900.0, f"{CACHED_BY_SOURCE}host}}": 300.0},
-        {COMPUTED: 6.0, NIXL_BYTES: nixl},
+        {
+            COMPUTED: 6.0,
+            NIXL_BYTES: nixl,
+            "vllm:nixl_xfer_time_seconds_sum": 0.03,
+            "vllm:nixl_xfer_time_seconds_count": 6.0,
+        },
         8000,
     )
 
@@ -79,6 +84,7 @@ def test_figures_split_turn_1_from_later_turns_and_count_failures() -> None:
     assert f["tpot_p50_s"] == pytest.approx(0.1)  # 0.2 s after the first of three tokens
     assert f["nixl_bytes_per_request"] == 1000 and f["host_hit_tokens"] == {"prefill": 300, "decode": 0}
     assert run.ttft_by_turn() == [0.5, 0.1, 0.2]
+    assert f["phases_ms"] == {"prefill": {}, "decode": {"nixl_read": 5.0}}  # where the time went, per instance
     broken = SideRun("bare", "slow", conversations({0: 1.0, 1: 1.0, 2: 1.0}, failed=1), Load("prefix", [], 1.0))
     assert broken.figures()["failed"] == 1 and broken.figures()["requests_per_s"] == 0.83  # 5 served in 6 s
 
