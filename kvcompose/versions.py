@@ -100,11 +100,13 @@ def outside(runtime: Supported, providers: dict[str, list[str]]) -> list[str]:
 
 
 def version_lines() -> list[str]:
-    """``kvcompose --version``'s lines: kvcompose, its plugins, and each runtime with its range."""
+    """``kvcompose --version``'s lines: kvcompose, its plugins, each runtime found, and the ranges
+    kvcompose supports."""
     providers = metadata.packages_distributions()
     # kvcompose's own: the code running now, even from a checkout that pip never installed.
     lines = [f"kvcompose {__version__}"] + [f"{name} {distribution_version(name)}" for name in PLUGINS]
     lines += [f"{r.label} {runtime_version(r.import_name, providers)}" for r in RUNTIMES]
+    lines.append("supported: " + ", ".join(f"{r.label} {r.specifier}" for r in RUNTIMES) + " (docs/versions.md)")
     return lines
 
 

@@ -69,6 +69,7 @@ def test_version_warns_on_stderr_outside_the_range(
     assert exit_.value.code == 0  # a warning, not a refusal: the composite forwards what it can
     out, err = capsys.readouterr()
     assert "vLLM 0.35.0 (" in out
+    assert out.splitlines()[-1] == "supported: vLLM >=0.32.0,<0.34, NIXL >=1.5.0,<1.6 (docs/versions.md)"
     assert "warning: vLLM 0.35.0 (vllm" in err
     assert "is outside the range kvcompose supports (>=0.32.0,<0.34); see docs/versions.md" in err
 
