@@ -72,6 +72,7 @@ def _draw_turns(result: Result, directory: Path, plt: Any) -> Path:
     for ax, (link, sides) in zip(axes[0], by_link.items(), strict=True):
         for side, ttfts in sides.items():
             ax.plot(range(1, len(ttfts) + 1), [t * 1e3 for t in ttfts], marker="o", label=side)
+        ax.set_xticks(range(1, max((len(t) for t in sides.values()), default=0) + 1))
         ax.set_title(f"{link} link", fontsize=9)
         ax.set_xlabel("turn")
         ax.set_ylabel("TTFT p50 (ms)")
