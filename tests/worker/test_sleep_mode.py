@@ -19,6 +19,7 @@ from kvcompose.compose import loads
 from kvcompose.vllm.args import kv_transfer_config
 from kvcompose.vllm.children import sleep_mode_support
 from kvcompose.vllm.connector import KVComposeConnector
+from kvcompose.vllm.surface import HAS_SLEEP_MODE
 
 Factory = Callable[..., Any]
 
@@ -67,3 +68,22 @@ def test_sleep_mode_needs_every_child(a: str, b: str, expected: bool) -> None:
     assert KVConnectorFactory.get_connector_class(ktc) is KVComposeConnector
     assert KVComposeConnector.supports_sleep_mode(ktc) is expected
     assert sleep_mode_support(ktc) == {"a": a == "true", "b": b == "true"}
+
+
+@pytest.mark.skipif(not HAS_SLEEP_MODE, reason="this vLLM's connector API has no sleep mode (0.33 added it)")
+@pytest.mark.parametrize(("b", "accepted"), [("true", True), ("false", False)])
+def test_vllms_own_config_check_asks_the_composite(b: str, accepted: bool) -> None:
+    """vLLM 0.33's VllmConfig refuses --enable-sleep-mode when the connector class says no."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+
+    from kvcompose.testing.kv import TINY_MODEL
+
+    ktc = KVTransferConfig(**kv_transfer_config(loads(COMPOSITION.format(a="true", b=b))))
+    model = ModelConfig(model=str(TINY_MODEL), skip_tokenizer_init=True, dtype="float32", max_model_len=512)
+    model.enable_sleep_mode = True  # set after validation: ModelConfig refuses it on the CPU platform
+    cfg = {"model_config": model, "cache_config": CacheConfig(block_size=16), "device_config": DeviceConfig("cpu")}
+    if accepted:
+        VllmConfig(kv_transfer_config=ktc, **cfg)
+        return
+    with pytest.raises(ValueError, match="MultiConnector does not support sleep mode"):
+        VllmConfig(kv_transfer_config=ktc, **cfg)
