@@ -219,11 +219,21 @@ def cmd_examples(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvcompose.bench.plot import PlotUnavailable
     from kvcompose.bench.runner import run
+    from kvcompose.e2e.hosts import DEFAULT_LINK
     from kvcompose.e2e.node import stopped_on_interrupt
 
+    if args.link and not args.hosts:
+        print("kvcompose bench: --link sets the rate of --hosts' links; add --hosts", file=sys.stderr)
+        return 2
     try:
         with stopped_on_interrupt():
-            run(quick=args.quick, only=args.only or (), png=args.png, out=Path(args.out))
+            run(
+                quick=args.quick,
+                only=args.only or (),
+                png=args.png,
+                out=Path(args.out),
+                link=(args.link or DEFAULT_LINK) if args.hosts else None,
+            )
     except (PlotUnavailable, ValueError) as exc:
         print(f"kvcompose bench: {exc}", file=sys.stderr)
         return 2
@@ -458,6 +468,12 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
     s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
+    s.add_argument(
+        "--hosts",
+        action="store_true",
+        help="prefill and decode each in a host of their own (network namespaces, needs root): cold-start only",
+    )
+    s.add_argument("--link", metavar="RATE", help="with --hosts: the links' rate in tc's units (default 800mbit)")
     s.set_defaults(func=cmd_bench)
     s = _command(
         sub,

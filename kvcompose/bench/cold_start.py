@@ -20,6 +20,10 @@ Each side runs twice per round: ``cold`` (the first request is a user's) and ``w
 first gets ``kvcompose warmup``'s one small P/D request, :func:`kvcompose.e2e.warmup.warm`, and the
 first measured request comes after it: what a user sees when instances are warmed before traffic).
 
+``link`` (``kvcompose bench --only cold-start --hosts [--link RATE]``) puts each pair's prefill and
+decode in two hosts of their own (:mod:`kvcompose.e2e.hosts`: network namespaces, links at that
+rate, UCX over tcp on the hosts' ``eth0``), made fresh for the pair.
+
 ``error_handling`` sets the NIXL children's ``ucx_error_handling`` (the examples say ``none``);
 ``run(error_handling="peer")`` measures NIXL's default, the cold start before the fix
 (``docs/performance.md`` 5d has both tables).
@@ -31,12 +35,16 @@ import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvcompose.bench.measure import Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.node import EngineNode, EngineSpec, free_ports, wait_all_ready
 from kvcompose.examples import EXAMPLES
+
+if TYPE_CHECKING:
+    from kvcompose.e2e.hosts import Host, Hosts
 
 SIDES = ("NixlConnector", "kvcompose")
 #: Without and with a warm-up request before the measured ones.
@@ -48,11 +56,17 @@ PROMPT_TOKENS = 600
 TIMEOUT_S = 400.0
 
 
-def engine_spec(side: str, role: str, model: str, port: int, error_handling: str) -> EngineSpec:
+def engine_spec(
+    side: str, role: str, model: str, port: int, error_handling: str, host: Host | None = None
+) -> EngineSpec:
     """The ``role`` engine of ``side`` from the ``role`` example, its NIXL child on side-channel
-    ``port`` with ``ucx_error_handling`` set to ``error_handling``."""
+    ``port`` with ``ucx_error_handling`` set to ``error_handling``; in ``host``, the side channel
+    on the host's address (a bare NixlConnector's config is rendered here, so the kit's
+    :func:`~kvcompose.e2e.node.placed` cannot reach into it)."""
     name, example = f"{side}-{role}", EXAMPLES / f"pd-{role}.yaml"
-    options = {"ucx_error_handling": error_handling}
+    options: dict[str, Any] = {"ucx_error_handling": error_handling}
+    if host is not None:
+        options["side_channel_host"] = host.address
     if side == "kvcompose":
         return EngineSpec(name, model, str(example), port, options)
     if side == "NixlConnector":
@@ -61,15 +75,46 @@ def engine_spec(side: str, role: str, model: str, port: int, error_handling: str
 
 
 def pair_ttfts(
-    side: str, error_handling: str, model: str, logs: Path, seed: int, requests: int, warmup: bool = False
+    side: str,
+    error_handling: str,
+    model: str,
+    logs: Path,
+    seed: int,
+    requests: int,
+    warmup: bool = False,
+    link: str | None = None,
 ) -> list[float]:
     """Start a fresh pair of ``side`` and time ``requests`` P/D requests in a row (decode TTFTs);
-    with ``warmup``, after one warm-up request (:func:`kvcompose.e2e.warmup.warm`)."""
+    with ``warmup``, after one warm-up request (:func:`kvcompose.e2e.warmup.warm`). ``link``: the
+    prefill and the decode each in a host of their own (:mod:`kvcompose.e2e.hosts`, fresh for the
+    pair), their links at that rate; None: both on this host's loopback."""
+    if link is None:
+        return _pair_ttfts(side, error_handling, model, logs, seed, requests, warmup, None)
+    from kvcompose.e2e.hosts import Hosts
+
+    with Hosts(["prefill", "decode"], link=link) as hosts:
+        return _pair_ttfts(side, error_handling, model, logs, seed, requests, warmup, hosts)
+
+
+def _pair_ttfts(
+    side: str,
+    error_handling: str,
+    model: str,
+    logs: Path,
+    seed: int,
+    requests: int,
+    warmup: bool,
+    hosts: Hosts | None,
+) -> list[float]:
     from kvcompose.e2e.flow import decode_request, token_prompt
     from kvcompose.e2e.warmup import warm
 
     nodes = [
-        EngineNode(engine_spec(side, role, model, port, error_handling), logs)
+        EngineNode(
+            engine_spec(side, role, model, port, error_handling, hosts[role] if hosts else None),
+            logs,
+            host=hosts[role] if hosts else None,
+        )
         for role, port in zip(("prefill", "decode"), free_ports(2))
     ]
     try:
@@ -97,8 +142,10 @@ def run(
     echo: Callable[[str], None] = print,
     work: Path | None = None,
     error_handling: str = "none",
+    link: str | None = None,
 ) -> Result:
-    """First vs following decode TTFT over fresh pairs, per side (see the module docstring)."""
+    """First vs following decode TTFT over fresh pairs, per side (see the module docstring).
+    ``link``: every pair across two hosts whose links run at that rate (``--hosts``)."""
     from kvcompose.e2e.model import make_model
 
     pairs = repeats or (1 if quick else PAIRS)
@@ -111,7 +158,9 @@ def run(
             for side, variant in series if k % 2 == 0 else series[::-1]:
                 label = _label(side, variant)
                 seed = 1_000 * (len(runs[label]) + 1) + 100 * k + (50 if variant == "warmed" else 0)
-                ttfts = pair_ttfts(side, error_handling, model, logs, seed, REQUESTS, warmup=variant == "warmed")
+                ttfts = pair_ttfts(
+                    side, error_handling, model, logs, seed, REQUESTS, warmup=variant == "warmed", link=link
+                )
                 runs[label].append(ttfts)
                 echo(f"   {label} pair {k + 1}: TTFT ms " + " ".join(f"{t * 1e3:.0f}" for t in ttfts))
     cases, ratios = [], []
@@ -122,7 +171,8 @@ def run(
         ratios.append(ratio(side, {"first": first, "steady": steady}, "first", "steady"))
     return Result(
         "cold_start",
-        f"First P/D request of a fresh pair vs the following ones (ucx_error_handling: {error_handling})",
+        f"First P/D request of a fresh pair vs the following ones (ucx_error_handling: {error_handling}"
+        + (f"; prefill and decode on two hosts, links at {link})" if link else ")"),
         "ms",
         1e3,
         cases,
@@ -141,7 +191,13 @@ def run(
             "cold: the pair's first request is measured; after warm-up: `kvcompose warmup`'s one small P/D request "
             "first (not measured), then the measured ones",
         ],
-        {"pairs": pairs, "requests": REQUESTS, "error_handling": error_handling, "engine_logs": str(logs)},
+        {
+            "pairs": pairs,
+            "requests": REQUESTS,
+            "error_handling": error_handling,
+            "link": link,
+            "engine_logs": str(logs),
+        },
     )
 
 

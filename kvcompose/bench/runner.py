@@ -27,6 +27,9 @@ BENCHMARKS: dict[str, str] = {
 }
 #: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
 FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve", "pd-load", "lease", "multi-turn")
+#: Those that run across hosts with ``--hosts`` (``run(link=...)``: prefill and decode each in a
+#: host of their own, :mod:`kvcompose.e2e.hosts`).
+ACROSS_HOSTS = ("cold-start",)
 
 
 def _runner(name: str) -> Callable[..., Result]:
@@ -41,11 +44,14 @@ def run(
     png: bool = False,
     out: Path = RESULTS_DIR,
     echo: Callable[[str], None] = print,
+    link: str | None = None,
 ) -> list[Result]:
     """Run the chosen benchmarks (all by default; by name or module name) one after another.
 
     Writes ``<out>/<benchmark>.json`` per benchmark and ``<out>/summary.json``; with ``png``
-    also ``<out>/<benchmark>.png``.
+    also ``<out>/<benchmark>.png``. ``link``: the benchmarks of :data:`ACROSS_HOSTS` run with
+    prefill and decode in two hosts joined by links at that rate (``--hosts``); only those may
+    be chosen then.
     """
     # A benchmark answers to its module name too (``cpu_copy``, the name of its JSON file).
     by_module = {module: name for name, module in BENCHMARKS.items()}
@@ -53,6 +59,16 @@ def run(
     unknown = [n for n in only if n not in BENCHMARKS]
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+    if link is not None:
+        from kvcompose.e2e.hosts import parse_rate
+
+        parse_rate(link)  # a ValueError naming tc's units
+        other = [n for n in only if n not in ACROSS_HOSTS]
+        if not only or other:
+            raise ValueError(
+                f"--hosts runs {', '.join(ACROSS_HOSTS)} only; choose it with --only"
+                + (f" (not {', '.join(other)})" if other else "")
+            )
     if png:
         from kvcompose.bench.plot import require_matplotlib
 
@@ -82,7 +98,7 @@ def run(
         if cores is not None:
             os.sched_setaffinity(0, cores)
         t0 = time.perf_counter()
-        result = _runner(name)(quick=quick)
+        result = _runner(name)(quick=quick, **({"link": link} if link is not None else {}))
         result.config["wall_s"] = round(time.perf_counter() - t0, 1)
         path = result.write(out)
         echo("")

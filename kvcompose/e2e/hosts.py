@@ -75,6 +75,16 @@ _RATE_UNITS = {
     "gibps": 8 * 2**30,
     "tibps": 8 * 2**40,
 }
+#: The link rate the demo and the benchmarks use across hosts unless told: the tiny test model's
+#: KV is 1 KiB per token (2 layers x K and V x 2 KV heads x 32 dims x 4 bytes, float32; measured:
+#: 622,592 NIXL bytes for a 600-token prompt, 19 blocks of 32 tokens), Llama-3-8B's 128 KiB
+#: (32 layers x K and V x 8 KV heads x 128 dims x 2 bytes). A link that moves the tiny model's
+#: tokens as fast as 100 Gbit/s moves the 8B model's is 100 Gbit/s / 128 = 781 Mbit/s, rounded
+#: to 800mbit.
+DEFAULT_LINK = "800mbit"
+#: The hardware address :meth:`Host.cut` points two hosts' entries for each other at: a locally
+#: administered address that is all zeros otherwise, which no veth the kit makes is given.
+NOWHERE = "02:00:00:00:00:00"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 
 
@@ -220,6 +230,63 @@ class Host:
         out = _run(["ip", "-n", self.netns, "-j", "-s", "link", "show", "dev", self.device])
         stats = json.loads(out)[0]["stats64"]
         return LinkBytes(int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]))
+
+    def mac(self) -> str:
+        """``eth0``'s hardware address."""
+        out = _run(["ip", "-n", self.netns, "-j", "link", "show", "dev", self.device])
+        return str(json.loads(out)[0]["address"])
+
+    def cut(self, peer: Host) -> None:
+        """Cut the path between this host and ``peer`` both ways, silently, as a failed switch
+        path does: each host's neighbour entry for the other becomes a hardware address no host
+        has (:data:`NOWHERE`), so their packets to each other reach no one, with no error to the
+        sender (TCP retransmits, UCX sees no answer). Everything else, the root namespace's
+        router and clients included, still reaches both. :meth:`restore` undoes it."""
+        for a, b in ((self, peer), (peer, self)):
+            _run(
+                [
+                    "ip",
+                    "-n",
+                    a.netns,
+                    "neigh",
+                    "replace",
+                    b.address,
+                    "lladdr",
+                    NOWHERE,
+                    "nud",
+                    "permanent",
+                    "dev",
+                    a.device,
+                ]
+            )
+
+    def restore(self, peer: Host) -> None:
+        """Undo :meth:`cut`: each host's entry for the other is its real address again."""
+        for a, b in ((self, peer), (peer, self)):
+            _run(
+                [
+                    "ip",
+                    "-n",
+                    a.netns,
+                    "neigh",
+                    "replace",
+                    b.address,
+                    "lladdr",
+                    b.mac(),
+                    "nud",
+                    "reachable",
+                    "dev",
+                    a.device,
+                ]
+            )
+
+    def is_cut(self, peer: Host) -> bool:
+        """Whether :meth:`cut` holds between this host and ``peer`` (either way)."""
+        for a, b in ((self, peer), (peer, self)):
+            out = _run(["ip", "-n", a.netns, "-j", "neigh", "show", b.address, "dev", a.device])
+            if any(e.get("lladdr") == NOWHERE for e in json.loads(out or "[]")):
+                return True
+        return False
 
 
 #: Sequence numbers of the kits this process creates (several may live at once).

@@ -83,6 +83,40 @@ def test_cli_rejects_an_unknown_benchmark(capsys: pytest.CaptureFixture[str], tm
     assert "unknown benchmark" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--hosts"], "choose it with --only"),
+        (["--hosts", "--only", "scheduler"], "(not scheduler)"),
+        (["--hosts", "--only", "cold-start", "--only", "pd-ttft"], "(not pd-ttft)"),
+        (["--hosts", "--link", "fast", "--only", "cold-start"], "tc's units"),
+        (["--link", "1gbit", "--only", "cold-start"], "add --hosts"),
+    ],
+)
+def test_cli_runs_only_cold_start_across_hosts_and_checks_the_rate_first(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], says: str
+) -> None:
+    from kvcompose.cli import main
+
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    assert says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_cold_start_across_hosts_puts_a_bare_nixl_connectors_side_channel_on_its_host() -> None:
+    """The bare NixlConnector's config is rendered by the benchmark, so the kit cannot place its
+    side channel: without the host's address there, decode asks 127.0.0.1 in its own host and
+    every read waits vLLM's 5 s handshake timeout, then computes (no NIXL bytes)."""
+    from kvcompose.bench.cold_start import engine_spec
+    from kvcompose.e2e.hosts import Host
+
+    host = Host("prefill", "kvc-0-0-prefill", "10.213.9.2")
+    spec = engine_spec("NixlConnector", "prefill", "m", 5600, "none", host)
+    assert spec.kv_config is not None
+    assert spec.kv_config["kv_connector_extra_config"]["kvcompose_side_channel_host"] == "10.213.9.2"
+    assert "10.213.9.2" not in str(engine_spec("NixlConnector", "prefill", "m", 5600, "none").kv_config)
+
+
 def test_both_composites_do_the_same_scheduler_work() -> None:
     """The scheduler benchmark compares like with like: same loads per tier, same tokens."""
     from kvcompose.bench.scheduler_step import Driver

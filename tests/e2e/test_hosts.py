@@ -384,3 +384,37 @@ def _kv_config(argv: list[str]) -> str:
         return argv[argv.index("--kv-transfer-config") + 1]
     spec = json.loads(argv[-1])  # the offline engine's EngineSpec
     return json.dumps(EngineSpec(**spec).kv_transfer_config())
+
+
+def _connects(src: hosts_module.Host | None, address: str, port: int) -> bool:
+    """Whether a TCP connection from ``src`` (None: the root namespace) to ``address:port`` opens
+    within a second."""
+    code = f"import socket; socket.create_connection(({address!r}, {port}), timeout=1.0)"
+    argv = [sys.executable, "-c", code]
+    return subprocess.run(src.command(argv) if src else argv, capture_output=True).returncode == 0
+
+
+def test_a_cut_path_drops_both_ways_between_two_hosts_only_and_is_restored(no_leftovers: None) -> None:
+    listen = "import socket\ns = socket.socket(); s.bind(('0.0.0.0', 9099)); s.listen(64)\nwhile True: s.accept()[0]"
+    with Hosts(["prefill", "decode", "other"]) as hosts:
+        p, d, o = hosts["prefill"], hosts["decode"], hosts["other"]
+        servers = [h.popen([sys.executable, "-c", listen]) for h in (p, d)]
+        try:
+            deadline = time.monotonic() + 10
+            while not (_connects(None, p.address, 9099) and _connects(None, d.address, 9099)):
+                assert time.monotonic() < deadline, "the listeners did not come up"
+                time.sleep(0.1)
+            assert _connects(p, d.address, 9099) and _connects(d, p.address, 9099)
+            p.cut(d)
+            assert p.is_cut(d) and d.is_cut(p)
+            # Silent both ways (the connection times out: no error from the kernel either) ...
+            assert not _connects(p, d.address, 9099) and not _connects(d, p.address, 9099)
+            # ... and nothing else: the root namespace (the router) and a third host reach both.
+            assert all(_connects(src, h.address, 9099) for src in (None, o) for h in (p, d))
+            p.restore(d)
+            assert not p.is_cut(d) and not d.is_cut(p)
+            assert _connects(p, d.address, 9099) and _connects(d, p.address, 9099)
+        finally:
+            for s in servers:
+                s.kill()
+                s.wait(10)
