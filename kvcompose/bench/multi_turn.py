@@ -323,7 +323,11 @@ def summarize(
             for baseline in ("bare", "MultiConnector"):
                 if SUBJECT in samples and baseline in samples:
                     ratios.append(ratio(label, samples, SUBJECT, baseline))
-        by_turn[link] = {side: rs[0].ttft_by_turn() for side, rs in by_side.items() if rs}
+        by_turn[link] = {
+            side: [statistics.median(turn) for turn in zip(*(r.ttft_by_turn() for r in rs), strict=False)]
+            for side, rs in by_side.items()
+            if rs
+        }  # per turn index, the median over the runs
         if link == "slow" and SUBJECT in by_side:
             targets.append(CaseTarget("<=", TARGET_BARE, SUBJECT, "bare", "slow link, turns 2+", "TTFT p50"))
             targets.append(CaseTarget("<=", TARGET_MULTI, SUBJECT, "MultiConnector", "slow link, turns 2+", "TTFT p50"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def draw(result: Result, directory: Path) -> Path:
 
 
 def _draw_turns(result: Result, directory: Path, plt: Any) -> Path:
-    """Median TTFT by turn index, one line per side, one panel per link."""
+    """TTFT p50 by turn index (the median over the runs), one line per side, one panel per link."""
     by_link: dict[str, dict[str, list[float]]] = result.config["ttft_by_turn"]
     fig, axes = plt.subplots(1, len(by_link), figsize=(5 * len(by_link), 3.6), squeeze=False)
     for ax, (link, sides) in zip(axes[0], by_link.items(), strict=True):
@@ -78,7 +79,7 @@ def _draw_turns(result: Result, directory: Path, plt: Any) -> Path:
         ax.set_ylabel("TTFT p50 (ms)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
-    fig.suptitle(result.title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(result.title, 70)), fontsize=9)
     fig.tight_layout()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{result.name}.png"
