@@ -242,10 +242,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvcompose.e2e.demo import run
+    from kvcompose.e2e.hosts import DEFAULT_LINK
     from kvcompose.e2e.node import stopped_on_interrupt
 
     with stopped_on_interrupt():
-        return run(http=args.http, decodes=args.decodes)
+        return run(http=args.http, decodes=args.decodes, link=(args.link or DEFAULT_LINK) if args.hosts else None)
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
@@ -435,7 +436,8 @@ def parser() -> argparse.ArgumentParser:
         "checked against a single-engine baseline (the main job)",
         "kvcompose demo                      # offline engines\n"
         "kvcompose demo --http               # vLLM's router and HTTP servers\n"
-        "kvcompose demo --http --decodes 2  # 1P2D: one conversation per decode",
+        "kvcompose demo --http --decodes 2  # 1P2D: one conversation per decode\n"
+        "kvcompose demo --hosts              # the --http stack, prefill and decode on two hosts",
     )
     s.add_argument(
         "--http",
@@ -451,6 +453,18 @@ def parser() -> argparse.ArgumentParser:
         default=1,
         help="with --http: decode servers behind the router (2: 1P2D, the router's consistent_hash keeps each "
         "conversation on one decode, whose host tier serves its later turns)",
+    )
+    s.add_argument(
+        "--hosts",
+        action="store_true",
+        help="the --http stack across hosts: prefill and each decode in a host of its own (network namespaces, "
+        "needs root), the router in this one",
+    )
+    s.add_argument(
+        "--link",
+        metavar="RATE",
+        help="with --hosts: the links' rate in tc's units (default 800mbit: the tiny model's KV scaled to "
+        "Llama-3-8B's on 100 Gbit/s)",
     )
     s.set_defaults(func=cmd_demo)
     s = _command(

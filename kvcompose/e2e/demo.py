@@ -27,6 +27,15 @@ router, whose ``consistent_hash`` policy routes by the ``X-Session-ID`` header. 
 router which decode each session lands on (:func:`~kvcompose.e2e.flow.session_per_decode`), sends
 the table's requests as one session, and runs one conversation per decode: each conversation's
 turns must reach the decode whose host tier holds its earlier turns.
+
+``link="800mbit"`` (``kvcompose demo --hosts [--link RATE]``) is that serving stack across hosts
+(:mod:`kvcompose.e2e.hosts`): the prefill server in a host of its own, each decode server in
+another, their links at ``link`` (the default, :data:`~kvcompose.e2e.hosts.DEFAULT_LINK`, scales
+a 100 Gbit/s link for Llama-3-8B's KV to the tiny model's), UCX held to tcp over each host's
+``eth0``; the baseline and the router stay in the root namespace. The table's header names the
+link, and a column gives each request's NIXL pull time (decode's
+``vllm:nixl_xfer_time_seconds``, the reads of that request). The outputs must still equal the
+baseline's.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from kvcompose.e2e.flow import (
     session_per_decode,
     token_prompt,
 )
+from kvcompose.e2e.hosts import Hosts, HostsError, parse_rate
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
 from kvcompose.e2e.router import RouterNode
@@ -100,10 +110,19 @@ def _moved(s: Served) -> str:
     return " + ".join(parts) or "-"
 
 
-def _row(s: Served, ok: bool) -> str:
+#: decode's NIXL transfer-time histogram (its sum moves by the request's reads' durations).
+XFER_TIME = "vllm:nixl_xfer_time_seconds_sum"
+
+
+def _pull(s: Served) -> str:
+    """The request's NIXL pull time (decode's reads), or ``-`` where it pulled nothing."""
+    return f"{s.counters.get(XFER_TIME, 0.0) * 1000:7.1f} ms" if s.nixl_bytes else f"{'-':>10}"
+
+
+def _row(s: Served, ok: bool, pull: bool = False) -> str:
     return (
         f"  {s.label:<12} {s.served_by():<18} {s.computed_tokens:>8}  {_moved(s):<42} "
-        f"TTFT {s.ttft_s * 1000:9.1f} ms    {'equal' if ok else 'MISMATCH'}"
+        f"TTFT {s.ttft_s * 1000:9.1f} ms    {_pull(s) + '   ' if pull else ''}{'equal' if ok else 'MISMATCH'}"
     )
 
 
@@ -114,14 +133,44 @@ def run(
     decode_yaml: Path = EXAMPLES / "pd-decode.yaml",
     http: bool = False,
     decodes: int = 1,
+    link: str | None = None,
 ) -> int:
     """Run the demo; 0 when every decode output equals the baseline, 1 otherwise. ``http``:
     prefill and decode are vLLM API servers behind vLLM's router, else offline engines (the
     baseline is offline). ``decodes`` (with ``http``): that many decode servers behind the
-    router, which keeps each conversation on one of them (``consistent_hash``)."""
+    router, which keeps each conversation on one of them (``consistent_hash``). ``link`` (implies
+    ``http``): the prefill and each decode server in a host of its own, links at that rate."""
+    if link is not None:
+        http = True
+        try:
+            parse_rate(link)
+        except ValueError as exc:
+            print(f"demo: --link: {exc}", file=out)
+            return 2
     if decodes not in (1, 2) or (decodes > 1 and not http):
         print(f"demo: --decodes {decodes}: 1 (offline or --http) or 2 (--http only)", file=out)
         return 2
+    if link is None:
+        return _run(work, out, prefill_yaml, decode_yaml, http, decodes, None)
+    names = ["prefill"] + (["decode"] if decodes == 1 else [f"decode{i + 1}" for i in range(decodes)])
+    try:
+        with Hosts(names, link=link) as hosts:
+            return _run(work, out, prefill_yaml, decode_yaml, http, decodes, hosts)
+    except HostsError as exc:
+        print(f"demo: --hosts: {exc}", file=out)
+        return 2
+
+
+def _run(
+    work: Path | None,
+    out: TextIO,
+    prefill_yaml: Path,
+    decode_yaml: Path,
+    http: bool,
+    decodes: int,
+    hosts: Hosts | None,
+) -> int:
+    where = (lambda name: hosts[name.replace("-", "")]) if hosts is not None else (lambda name: None)
     started = time.monotonic()
     model = make_model(0)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-demo-"))
@@ -137,7 +186,8 @@ def run(
         print(f"starting baseline (offline engine, no connector) and prefill {kind} ...", file=out, flush=True)
         baseline = EngineNode(EngineSpec("baseline", str(model)), logs)
         nodes.append(baseline)
-        prefill = Node(EngineSpec("prefill", str(model), str(prefill_yaml), p_port), logs)
+        placed = {"host": where("prefill")} if hosts is not None else {}
+        prefill = Node(EngineSpec("prefill", str(model), str(prefill_yaml), p_port), logs, **placed)
         nodes.append(prefill)
         wait_all_ready([baseline, prefill], progress=_progress(out))
         expected = {label: baseline.generate([ids], MAX_TOKENS)[0] for label, ids in prompts.items()}
@@ -156,7 +206,10 @@ def run(
         nodes.remove(baseline)
         names = ["decode"] if decodes == 1 else [f"decode-{i + 1}" for i in range(decodes)]
         print(f"baseline done; starting {', '.join(names)} {kind} ...", file=out, flush=True)
-        pool = [Node(EngineSpec(name, str(model), str(decode_yaml), port), logs) for name, port in zip(names, d_ports)]
+        pool = [
+            Node(EngineSpec(name, str(model), str(decode_yaml), port), logs, **({"host": where(name)} if hosts else {}))
+            for name, port in zip(names, d_ports)
+        ]
         nodes += pool
         wait_all_ready(pool, progress=_progress(out))
         if http:
@@ -175,6 +228,12 @@ def run(
                 via += f"; the table's requests as {table_session}, which the router sends to {table_decode}"
         else:
             via = "offline engines, proxy flow"
+        if hosts is not None:
+            placed_at = ", ".join(f"{h.name} {h.address}" for h in hosts)
+            via += (
+                f"; prefill and each decode in a host of its own ({placed_at}), "
+                f"links at {link_text(next(iter(hosts)).rate)}, UCX over tcp on each host's eth0"
+            )
         channels = ", ".join(f"{d.spec.name} :{port}" for d, port in zip(pool, d_ports))
         print(
             f"engines ready after {time.monotonic() - started:.0f} s "
@@ -196,9 +255,13 @@ def run(
 
         def add_row(s: Served, ok: bool, why: str = "") -> None:
             served.append((s, ok))
-            print(_row(s, ok) + why, file=out, flush=True)
+            print(_row(s, ok, hosts is not None) + why, file=out, flush=True)
 
-        print(HEADER, file=out)
+        if hosts is not None:
+            print(f"  across hosts, links at {link_text(next(iter(hosts)).rate)}", file=out)
+            print(HEADER.replace("output", f"{'NIXL pull':<13}output"), file=out)
+        else:
+            print(HEADER, file=out)
         for label, ids in prompts.items():
             s = serve(ids, f"{label} ({len(ids)})")
             add_row(s, s.equals(expected[label]))
@@ -289,6 +352,16 @@ def run(
         print(f"MISMATCH in {', '.join(bad)}", file=out)
         return 1
     return 0
+
+
+def link_text(bits: int | None) -> str:
+    """A link rate for the table's header (``800 Mbit/s``)."""
+    if bits is None:
+        return "unshaped"
+    for unit, n in (("Gbit/s", 10**9), ("Mbit/s", 10**6), ("kbit/s", 10**3)):
+        if bits >= n:
+            return f"{bits / n:g} {unit}"
+    return f"{bits} bit/s"
 
 
 def _logprob_gap(s: Served, expected: dict[str, Any]) -> float:
