@@ -58,12 +58,7 @@ def draw(result: Result, directory: Path) -> Path:
         fontsize=9,
     )
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{result.name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, plt, directory, result.name)
 
 
 def _draw_turns(result: Result, directory: Path, plt: Any) -> Path:
@@ -80,9 +75,13 @@ def _draw_turns(result: Result, directory: Path, plt: Any) -> Path:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     fig.suptitle("\n".join(textwrap.wrap(result.title, 70)), fontsize=9)
+    return _save(fig, plt, directory, result.name)
+
+
+def _save(fig: Any, plt: Any, directory: Path, name: str) -> Path:
     fig.tight_layout()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{result.name}.png"
+    path = directory / f"{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

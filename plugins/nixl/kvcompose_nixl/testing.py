@@ -9,8 +9,24 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import zmq
+
+
+def pulled(prompt: list[int], request_id: str, params: dict[str, Any], block_size: int) -> Any:
+    """What a proxy hands a decode instance: a request for ``prompt`` with a prefill's
+    ``kv_transfer_params``, two tokens out (a vLLM ``Request``, from the kit's ``make_request``)."""
+    from kvcompose.testing.harness import make_request
+
+    return make_request(
+        len(prompt),
+        block_size=block_size,
+        prompt=prompt,
+        max_tokens=2,
+        request_id=request_id,
+        kv_transfer_params=params,
+    )
 
 
 class LateListener:

@@ -19,13 +19,12 @@ from typing import Any
 import pytest
 import zmq
 
-from kvcompose.testing.harness import make_request
 from kvcompose.testing.prefill_process import PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import HandshakeTimeout, WaitingExecutor, ask_side_channel, patient
-from kvcompose_nixl.testing import LateListener
+from kvcompose_nixl.testing import LateListener, pulled
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 TRY_S = 1.0  # the unit tests' stand-in for vLLM's 5 s wait
@@ -164,16 +163,7 @@ def test_a_decode_worker_reads_through_a_side_channel_that_answers_7_s_late(trie
             prompt = [3 + (i * 37) % 490 for i in range(3 * BLOCK)]
             done = prefill.prefill(prompt, "prefill-A")
             params: dict[str, Any] = {**done.params, "remote_port": late.port}
-            d.scheduler.add_request(
-                make_request(
-                    len(prompt),
-                    block_size=BLOCK,
-                    prompt=prompt,
-                    max_tokens=2,
-                    request_id="A",
-                    kv_transfer_params=params,
-                )
-            )
+            d.scheduler.add_request(pulled(prompt, "A", params, BLOCK))
             d.engine_step()  # blocks allocated, the read waits for the handshake
             (ids,) = d.scheduler.kv_cache_manager.get_block_ids("A")
             failed: set[str] = set()
@@ -218,16 +208,7 @@ def test_a_silent_prefill_instance_does_not_hold_the_reads_from_a_healthy_one() 
             done = prefill.prefill(prompt, "prefill-B")
             to_silent = {**done.params, "remote_port": silent.port, "remote_engine_id": "a-silent-instance"}
             for rid, params in (("A", to_silent), ("B", done.params)):  # the silent one first
-                d.scheduler.add_request(
-                    make_request(
-                        len(prompt),
-                        block_size=BLOCK,
-                        prompt=prompt,
-                        max_tokens=2,
-                        request_id=rid,
-                        kv_transfer_params=params,
-                    )
-                )
+                d.scheduler.add_request(pulled(prompt, rid, params, BLOCK))
             d.engine_step()  # both allocated; both reads wait for their handshakes
             finished: set[str] = set()
             failed: set[str] = set()

@@ -33,6 +33,7 @@ from kvcompose.testing.kv import fill_random
 from kvcompose.testing.prefill_process import Prefilled, PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
+from kvcompose_nixl.testing import pulled
 
 pytestmark = pytest.mark.engine
 
@@ -114,16 +115,7 @@ def prefilled(p: PrefillProcess, prompt: list[int], request_id: str) -> Prefille
 def read(d: WorkerHarness, prompt: list[int], done: Prefilled, request_id: str) -> tuple[list[int], int]:
     """The decode instance takes the proxy's request; engine steps until vLLM reports its load done.
     Returns the request's blocks and the bytes NIXL's worker reported moving on the way."""
-    d.scheduler.add_request(
-        make_request(
-            len(prompt),
-            block_size=BLOCK,
-            prompt=prompt,
-            max_tokens=2,
-            request_id=request_id,
-            kv_transfer_params=done.params,
-        )
-    )
+    d.scheduler.add_request(pulled(prompt, request_id, done.params, BLOCK))
     moved = 0
 
     def loaded(_outs: object) -> bool:

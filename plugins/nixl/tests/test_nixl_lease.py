@@ -7,12 +7,11 @@ from typing import Any
 
 import pytest
 
-from kvcompose.testing.harness import make_request
 from kvcompose.testing.prefill_process import PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
-from kvcompose_nixl.testing import LateListener
+from kvcompose_nixl.testing import LateListener, pulled
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 LEASE_S = 2
@@ -55,16 +54,7 @@ def test_a_read_that_ends_after_the_lease_is_recomputed_not_used() -> None:
             done = prefill.prefill(prompt, "prefill-A")
             assert done.params["remote_blocks_expiry_time"] is not None  # the lease's end, stamped
             params: dict[str, Any] = {**done.params, "remote_port": late.port}
-            d.scheduler.add_request(
-                make_request(
-                    len(prompt),
-                    block_size=BLOCK,
-                    prompt=prompt,
-                    max_tokens=2,
-                    request_id="A",
-                    kv_transfer_params=params,
-                )
-            )
+            d.scheduler.add_request(pulled(prompt, "A", params, BLOCK))
             d.engine_step(write_blocks=True)  # blocks allocated; the read waits for the handshake
             (ids,) = d.scheduler.kv_cache_manager.get_block_ids("A")
             reused: set[int] = set()
