@@ -139,7 +139,8 @@ class NixlOptions(Options):
         msgspec.Meta(
             description="UCX error handling of the NIXL agent (ucx_error_handling_mode); unset: NIXL's peer, "
             "whose tcp wire-up makes a new pair's first transfer wait for the idle prefill instance; none: "
-            "shared memory between engines on one host, a dead peer shows as failed reads (UCX only)"
+            "shared memory between engines on one host, a dead peer shows as failed reads (UCX only); across "
+            "hosts UCX uses tcp in either mode, and a cut link holds a read until it is back in both"
         ),
     ] = None
     handshake_tries: Annotated[
