@@ -200,8 +200,12 @@ def test_an_exception_in_the_block_removes_the_hosts_and_what_runs_in_them(no_le
     assert kit_namespaces(os.getpid()) == []
 
 
+# A shell without job control (CI's, a script's `&`) starts its background jobs with SIGINT
+# ignored, and the child inherits that; a user's Ctrl-C reaches a foreground process that has
+# Python's handler, which the script puts back.
 KIT_SCRIPT = """
-import json, sys, time
+import json, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from kvcompose.e2e.hosts import Hosts
 with Hosts(["prefill", "decode"], link="1gbit") as hosts:
     sleeper = hosts["decode"].popen(["sleep", "300"])
