@@ -70,6 +70,9 @@ class CutReport:
     expired: int = 0
     late_reads: int = 0
     refused: int = 0
+    #: the pair's first requests before the cut that failed: a fresh pair's first read can end
+    #: after a short lease (docs/e2e.md, cold start) and be refused; the pair is wired after it
+    first_failed: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         out = []
@@ -88,7 +91,8 @@ class CutReport:
         return out
 
     def lines(self) -> list[str]:
-        rows = [f"path cut {self.cut_s:.0f} s"]
+        rows = [f"before the cut, failed first request(s): {e}" for e in self.first_failed]
+        rows.append(f"path cut {self.cut_s:.0f} s")
         rows += [f"  during: {o.describe()}" for o in self.during]
         zero = "never" if self.usage_zero_after_s is None else f"{self.usage_zero_after_s:.1f} s after the restore"
         rows.append(f"  KV usage 0 on both: {zero}")
@@ -128,7 +132,7 @@ def cut_and_restore(
     say = echo or (lambda _line: None)
     report = CutReport(cut_s, bound_s)
     logged = _log_counts(prefill, decode)
-    routed_request(router, [decode], token_prompt(seed, prompt_tokens), max_tokens, children=())
+    _wire(router, decode, seed, prompt_tokens, max_tokens, report)
     outcomes = [Outcome(0.0) for _ in range(requests)]
     threads: list[threading.Thread] = []
     prefill_host.cut(decode_host)
@@ -167,6 +171,24 @@ def cut_and_restore(
         say(line)
     return report
 
+
+def _wire(router: Any, decode: Any, seed: int, prompt_tokens: int, max_tokens: int, report: CutReport) -> None:
+    """Requests before the cut until one is answered over NIXL (three at most): the pair's
+    handshake and first read happen before the cut, not during it."""
+    for k in range(FIRST_TRIES):
+        try:
+            if routed_request(
+                router, [decode], token_prompt(seed - k, prompt_tokens), max_tokens, children=()
+            ).nixl_bytes:
+                return
+            report.first_failed.append("answered with nothing over NIXL")
+        except Exception as exc:  # a fresh pair's first read refused after a short lease: HTTP 500
+            report.first_failed.append(f"{type(exc).__name__}: {exc}"[:300])
+    raise RuntimeError(f"the pair never answered over NIXL before the cut: {report.first_failed}")
+
+
+#: Requests :func:`_wire` sends before the cut at most.
+FIRST_TRIES = 3
 
 #: What the servers' logs say of leases (vLLM's lines; the nixl child's refusal).
 EXPIRED = "Releasing expired KV blocks"
