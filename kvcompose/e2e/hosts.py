@@ -243,42 +243,31 @@ class Host:
         sender (TCP retransmits, UCX sees no answer). Everything else, the root namespace's
         router and clients included, still reaches both. :meth:`restore` undoes it."""
         for a, b in ((self, peer), (peer, self)):
-            _run(
-                [
-                    "ip",
-                    "-n",
-                    a.netns,
-                    "neigh",
-                    "replace",
-                    b.address,
-                    "lladdr",
-                    NOWHERE,
-                    "nud",
-                    "permanent",
-                    "dev",
-                    a.device,
-                ]
-            )
+            a._neighbour(b, NOWHERE, "permanent")
 
     def restore(self, peer: Host) -> None:
         """Undo :meth:`cut`: each host's entry for the other is its real address again."""
         for a, b in ((self, peer), (peer, self)):
-            _run(
-                [
-                    "ip",
-                    "-n",
-                    a.netns,
-                    "neigh",
-                    "replace",
-                    b.address,
-                    "lladdr",
-                    b.mac(),
-                    "nud",
-                    "reachable",
-                    "dev",
-                    a.device,
-                ]
-            )
+            a._neighbour(b, b.mac(), "reachable")
+
+    def _neighbour(self, peer: Host, lladdr: str, state: str) -> None:
+        """This host's neighbour entry for ``peer``: ``lladdr``, in ``state``."""
+        _run(
+            [
+                "ip",
+                "-n",
+                self.netns,
+                "neigh",
+                "replace",
+                peer.address,
+                "lladdr",
+                lladdr,
+                "nud",
+                state,
+                "dev",
+                self.device,
+            ]
+        )
 
     def is_cut(self, peer: Host) -> bool:
         """Whether :meth:`cut` holds between this host and ``peer`` (either way)."""
