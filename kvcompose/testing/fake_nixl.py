@@ -10,6 +10,9 @@ are ``(address, length, device)`` tuples over real host memory and a transfer co
 - ``cycles_before_done``: how many ``check_xfer_state`` calls answer ``"PROC"`` before ``"DONE"``;
 - ``fail_next(kind)``: the next transfer ends in ``"ERR"`` (``"err"``), raises from ``transfer``
   (``"raise"``), or completes without its notification (``"drop-notif"``);
+- ``cut()`` / ``restore()``: a link cut between the agents, as TCP lives through one: while cut no
+  transfer completes and every notification is held; ``restore`` delivers the held ones in order
+  and transfers go on;
 - ``agents``: every agent made, by name; each records its calls in ``calls``.
 
 For a P/D test, :meth:`FakeNixl.pair` builds a producer and a consumer worker harness (vLLM's
@@ -80,6 +83,30 @@ class FakeNixl:
     agents: dict[str, FakeNixlAgent] = field(default_factory=dict)
     _faults: list[str] = field(default_factory=list)
     _harnesses: list[WorkerHarness] = field(default_factory=list)
+    #: notifications sent while the link is cut: (receiving agent, sender, message)
+    _held: list[tuple[FakeNixlAgent, str, bytes]] | None = None
+
+    @property
+    def is_cut(self) -> bool:
+        return self._held is not None
+
+    def cut(self) -> None:
+        """Cut the link: transfers answer PROC and notifications wait until :meth:`restore`."""
+        if self._held is None:
+            self._held = []
+
+    def restore(self) -> None:
+        """Restore the link: held notifications arrive, in the order they were sent."""
+        held, self._held = self._held or [], None
+        for peer, sender, msg in held:
+            peer.notifs[sender].append(msg)
+
+    def deliver(self, peer: FakeNixlAgent, sender: str, msg: bytes) -> None:
+        """A notification from ``sender`` to ``peer``: at once, or held while the link is cut."""
+        if self._held is not None:
+            self._held.append((peer, sender, msg))
+        else:
+            peer.notifs[sender].append(msg)
 
     def fail_next(self, kind: str) -> None:
         """The next transfer: ``"err"`` (state ERR), ``"raise"`` (transfer raises), ``"drop-notif"``."""
@@ -382,13 +409,13 @@ class FakeNixlAgent:
                 ctypes.memmove(dst, src, l_len)
         x.fault, x.notif = fault, notif_msg or x.notif
         x.state = "PROC"
-        if x.cycles_left > 0:
+        if x.cycles_left > 0 or self.controller.is_cut:
             return "PROC"
         return self._advance(x)
 
     def _advance(self, x: _Xfer) -> str:
         """PROC for ``cycles_before_done`` checks after ``transfer``, then DONE (or ERR)."""
-        if x.state != "PROC":
+        if x.state != "PROC" or self.controller.is_cut:
             return x.state
         if x.cycles_left > 0:
             x.cycles_left -= 1
@@ -396,7 +423,7 @@ class FakeNixlAgent:
         x.state = "ERR" if x.fault == "err" else "DONE"
         peer = self.controller.agents.get(x.remote_agent)
         if x.state == "DONE" and x.notif and x.fault != "drop-notif" and peer is not None:
-            peer.notifs[self.name].append(x.notif)
+            self.controller.deliver(peer, self.name, x.notif)
         return x.state
 
     def check_xfer_state(self, handle: int) -> str:
@@ -419,7 +446,7 @@ class FakeNixlAgent:
         peer = self.controller.agents.get(remote_agent_name)
         if peer is None:
             raise FakeNixlError(f"agent {self.name}: send_notif to unknown agent {remote_agent_name!r}")
-        peer.notifs[self.name].append(bytes(notif_msg))
+        self.controller.deliver(peer, self.name, bytes(notif_msg))
 
     def get_new_notifs(self, backends: list[str] = []) -> dict[str, list[bytes]]:  # noqa: B006
         out, self.notifs = dict(self.notifs), defaultdict(list)

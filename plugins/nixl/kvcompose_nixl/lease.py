@@ -14,12 +14,20 @@ Both halves of the nixl child keep the lease in view:
   returns, as vLLM's own ``remote_blocks_expiry_time`` (its scheduler's ``perf_counter``; vLLM
   fills that field only for a decode instance's blocks, for bidirectional transfers);
 * the decode's worker (:class:`LeaseWatch`) turns that end into its own clock with the offset
-  vLLM's handshake measured, pushes it by each heartbeat it sent at least
+  vLLM's handshake measured, pushes it by each heartbeat known to have arrived at least
   :data:`HEARTBEAT_MARGIN_S` before the end it knew, and when a read finishes after the end it
   reports the read failed instead of done: vLLM marks the request's blocks invalid, the request
   recomputes them or fails under ``kv_load_failure_policy``, and vLLM's
   ``vllm:nixl_num_kv_expired_reqs`` counts it, as it counts a read vLLM itself declines as
   expired. The prefill instance is not notified (it released the blocks already).
+
+A heartbeat is a one-way NIXL notification: sent is not arrived. Across a cut link the beats
+wait in the transport and reach the prefill after it reaped the lease. So a beat counts as
+arrived when a read from the same prefill engine, posted after the beat, completed: the link
+carried a round trip after it, and the time that read was seen done bounds the beat's arrival.
+Under load reads from a prefill complete every step; a lone read that takes longer than the
+lease with no other read from its prefill finishing meanwhile is refused and recomputed, the
+safe side (docs/e2e.md, "Link cut across hosts").
 
 The estimate errs early: the prefill's worker starts its lease after its scheduler stamped it,
 and a heartbeat extends from when the prefill reads it, not when it was sent. A prefill
@@ -42,8 +50,8 @@ EXPIRY_KEY = "remote_blocks_expiry_time"
 #: How the decode's log starts the line of a read it refused (the soak matches it with the
 #: prefill's ``Potentially invalid KV blocks`` line for the same request).
 REFUSED = "NIXL read refused:"
-#: A heartbeat counts only when sent this long before the lease's end known then: it must reach
-#: the prefill's worker before that worker's next step reaps the lease.
+#: A heartbeat counts only when known to have arrived this long before the lease's end known then:
+#: the prefill's worker reads it at its next step, which must come before that step reaps the lease.
 HEARTBEAT_MARGIN_S = 2.0
 
 
@@ -65,17 +73,28 @@ class _Lease:
     expires: float
 
 
+@dataclass
+class _Beat:
+    #: local time the heartbeat was sent
+    sent: float
+    #: local time a read from the same engine, posted after it, was seen done; None until then
+    arrived_by: float | None = None
+
+
 class LeaseWatch:
     """Wraps three methods of vLLM's pull-mode NIXL worker, on the instance (the class stays
-    vLLM's): ``start_load_kv`` records each read's lease, ``_send_heartbeats`` when each request's
-    lease was renewed, ``_pop_done_transfers`` fails a read that ended after its lease."""
+    vLLM's): ``start_load_kv`` records each read's lease and when it was posted,
+    ``_send_heartbeats`` when each request's heartbeats were sent, ``_pop_done_transfers`` which
+    heartbeats a completed read shows arrived, and fails a read that ended after its lease."""
 
     def __init__(self, worker: Any, margin_s: float = HEARTBEAT_MARGIN_S) -> None:
         self._worker = worker
         self._margin_s = margin_s
         self._leases: dict[str, _Lease] = {}
-        #: (engine, remote request) -> local times heartbeats for it were sent, oldest first
-        self._beats: dict[tuple[str, str], list[float]] = {}
+        #: request -> (engine read from, local time the read was handed to vLLM's worker)
+        self._posted: dict[str, tuple[str, float]] = {}
+        #: (engine, remote request) -> heartbeats sent for it, oldest first
+        self._beats: dict[tuple[str, str], list[_Beat]] = {}
         #: Reads reported failed because they ended after their lease.
         self.late_reads = 0
         worker.start_load_kv = self._recording(worker.start_load_kv)
@@ -93,17 +112,21 @@ class LeaseWatch:
             return None
         end = lease.expires - offset
         extension = self._worker._lease_extension
-        for sent in self._beats.get((lease.engine_id, lease.remote_request_id), ()):
-            if sent <= end - self._margin_s:
-                end = max(end, sent + extension)
+        for beat in self._beats.get((lease.engine_id, lease.remote_request_id), ()):
+            if beat.arrived_by is not None and beat.arrived_by <= end - self._margin_s:
+                end = max(end, beat.sent + extension)
         return end
 
     def _recording(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
         def recorded(metadata: Any) -> None:
+            now = time.perf_counter()
             for req_id, meta in metadata.reqs_to_recv.items():
                 remote = meta.remote
-                # A read of no block only notifies the prefill: nothing is computed from it.
-                if remote is not None and remote.blocks_expiry_time is not None and any(meta.local_block_ids):
+                # A read of no block only notifies the prefill: no round trip, nothing computed.
+                if remote is None or not any(meta.local_block_ids):
+                    continue
+                self._posted[req_id] = (remote.engine_id, now)
+                if remote.blocks_expiry_time is not None:
                     self._leases[req_id] = _Lease(remote.engine_id, remote.request_id, remote.blocks_expiry_time)
             start_load_kv(metadata)
 
@@ -117,23 +140,38 @@ class LeaseWatch:
             now = time.perf_counter()
             for engine_id in ready:
                 for remote_id in metadata.heartbeat_by_engine[engine_id].req_ids:
-                    self._beats.setdefault((engine_id, remote_id), []).append(now)
+                    self._beats.setdefault((engine_id, remote_id), []).append(_Beat(now))
             # A request vLLM stopped beating for without a read (an abort, a notify-only read)
             # leaves its beats behind: drop those no lease could still be extended by.
             stale = now - 4 * self._worker._lease_extension
-            for key in [k for k, sent in self._beats.items() if sent[-1] < stale]:
+            for key in [k for k, beats in self._beats.items() if beats[-1].sent < stale]:
                 del self._beats[key]
 
         return beating
+
+    def _arrived(self, engine_id: str, posted: float, now: float) -> None:
+        """A read from ``engine_id`` posted at ``posted`` was seen done at ``now``: every beat to
+        that engine sent before it had arrived by then."""
+        for (engine, _), beats in self._beats.items():
+            if engine != engine_id:
+                continue
+            for beat in beats:
+                if beat.sent > posted:
+                    break
+                if beat.arrived_by is None:
+                    beat.arrived_by = now
 
     def _checking(
         self, pop_done: Callable[[dict[str, list[int]]], tuple[set[str], set[str]]]
     ) -> Callable[[dict[str, list[int]]], tuple[set[str], set[str]]]:
         def checked(transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
             done, failed = pop_done(transfers)
-            if not self._leases:
+            if not self._posted:
                 return done, failed
             now = time.perf_counter()
+            for req_id in done:
+                if req_id in self._posted:
+                    self._arrived(*self._posted[req_id], now)
             for req_id in list(done):
                 end = self.deadline(req_id)
                 if end is not None and now > end:
@@ -152,14 +190,15 @@ class LeaseWatch:
                     )
             for req_id in done | failed:
                 self._forget(req_id)
-            if len(self._leases) > len(self._worker._recving_metadata):  # reads vLLM dropped (aborts)
-                for req_id in [r for r in self._leases if r not in self._worker._recving_metadata]:
+            if len(self._posted) > len(self._worker._recving_metadata):  # reads vLLM dropped (aborts)
+                for req_id in [r for r in self._posted if r not in self._worker._recving_metadata]:
                     self._forget(req_id)
             return done, failed
 
         return checked
 
     def _forget(self, request_id: str) -> None:
+        self._posted.pop(request_id, None)
         lease = self._leases.pop(request_id, None)
         if lease is not None:
             self._beats.pop((lease.engine_id, lease.remote_request_id), None)

@@ -1,11 +1,16 @@
 """A decode instance never computes from KV it read after the prefill's lease on it ended
-(:mod:`kvcompose_nixl.lease`), with a real prefill instance and vLLM's own NIXL worker."""
+(:mod:`kvcompose_nixl.lease`), with vLLM's own NIXL workers: over the kit's fake agent with a
+link cut, and with a real prefill instance."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
+
+from kvcompose.testing.fake_nixl import FakeNixl, nixl_worker
+from kvcompose.testing.harness import make_request, prefill_request
 
 from kvcompose.testing.prefill_process import PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
@@ -27,6 +32,48 @@ def composition(role: str, port: int, options: str = "", top: str = "") -> str:
     options: {{side_channel_host: 127.0.0.1, side_channel_port: {port},
                progress_delay_us: 100, ucx_error_handling: none{options}}}
 """
+
+
+#: heartbeats every step and each extends the lease to 4 s from when it is read: with the default
+#: 2 s margin, beats sent in the lease's first 4 s would push a 6 s lease to 8 s if they counted
+CUT_LEASE_S = 6
+
+
+def test_heartbeats_sent_while_the_link_is_cut_do_not_extend_the_lease(fake_nixl: FakeNixl) -> None:
+    """The link is cut while the decode's read is in flight: the decode goes on sending
+    heartbeats, none reaches the prefill, whose lease ends and frees the blocks. When the link is
+    back the read completes; the heartbeats were sent, not received, so the read counts as
+    failed, not done (an earlier LeaseWatch extended the lease by heartbeats sent and took it)."""
+    options = f", lease_seconds: {CUT_LEASE_S}"
+    p, d = fake_nixl.pair(
+        composition("producer", 5801, options), composition("consumer", 5802, options, top="load_failure: recompute\n")
+    )
+    req = prefill_request(3 * BLOCK, block_size=BLOCK)
+    p.scheduler.add_request(req)
+    _, eco = p.engine_step()
+    (out,) = [o for e in eco.values() for o in e.outputs]
+    params = out.kv_transfer_params
+    expires = params["remote_blocks_expiry_time"]  # one process: the scheduler's clock is ours
+    dreq = make_request(3 * BLOCK, block_size=BLOCK, prompt=req.prompt_token_ids, kv_transfer_params=params)
+    d.scheduler.add_request(dreq)
+    fake_nixl.cut()
+    d.engine_step()  # the read is posted and waits on the cut link
+    released: set[str] = set()
+    while time.perf_counter() < expires + 1.0:
+        p.engine_step()
+        released |= p.last_output.finished_sending or set()
+        d.engine_step()
+        assert not (d.last_output.finished_recving or d.last_output.failed_recving)
+        time.sleep(0.1)
+    assert released == {req.request_id}, "the prefill instance kept the blocks past its lease"
+    consumer = nixl_worker(d).nixl_wrapper  # the fake agent
+    assert any(msg.startswith(b"HB:") for _, msg in consumer.called("send_notif")), "no heartbeat was sent"
+    fake_nixl.restore()
+    d.engine_step()
+    out = d.last_output
+    assert out.failed_recving == {dreq.request_id} and len(out.invalid_block_ids) == 3  # recomputed, not used
+    watch = d.child("pd").leases
+    assert watch is not None and watch.late_reads == 1
 
 
 def prompt_of(seed: int, blocks: int) -> list[int]:
