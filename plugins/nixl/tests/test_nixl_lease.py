@@ -11,7 +11,6 @@ import pytest
 
 from kvcompose.testing.fake_nixl import FakeNixl, nixl_worker
 from kvcompose.testing.harness import make_request, prefill_request
-
 from kvcompose.testing.prefill_process import PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
