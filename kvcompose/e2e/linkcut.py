@@ -88,6 +88,11 @@ class CutReport:
                 out.append("a request after the restore moved nothing over NIXL")
         if not self.after:
             out.append("no request after the restore")
+        if self.late_reads > self.refused:
+            out.append(
+                f"the decode used {self.late_reads - self.refused} read(s) of blocks the prefill had released "
+                f"({self.late_reads} read(s) of released blocks, {self.refused} refused)"
+            )
         return out
 
     def lines(self) -> list[str]:
