@@ -280,20 +280,29 @@ def cmd_soak(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
+    from kvcompose.e2e.hosts import HostsError, parse_rate
     from kvcompose.e2e.node import NodeError, stopped_on_interrupt
     from kvcompose.soak.plan import QUICK, SoakOptions
     from kvcompose.soak.run import run
 
     base = QUICK if args.quick else SoakOptions()
-    given = {k: getattr(args, k) for k in ("requests", "concurrency", "seed") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("requests", "concurrency", "seed", "link") if getattr(args, k) is not None}
+    if args.link and not args.hosts:
+        print("kvcompose soak: --link sets the rate of --hosts' link; add --hosts", file=sys.stderr)
+        return 2
     try:
-        options = dataclasses.replace(base, **given)
+        options = dataclasses.replace(base, hosts=args.hosts, **given)
+        if options.link is not None:
+            parse_rate(options.link)  # a ValueError naming tc's units
     except ValueError as exc:
         print(f"kvcompose soak: {exc}", file=sys.stderr)
         return 2
     try:
         with stopped_on_interrupt():
             report = run(options, Path(args.work) if args.work else None, echo=lambda line: print(line, flush=True))
+    except HostsError as exc:  # not root, or no namespace could be made: nothing was measured
+        print(f"kvcompose soak: {exc}", file=sys.stderr)
+        return 2
     except NodeError as exc:  # the stack did not start: nothing was measured
         print(f"kvcompose soak: {exc}", file=sys.stderr)
         return 1
@@ -507,7 +516,8 @@ def parser() -> argparse.ArgumentParser:
         "a child raising; then every engine must be quiet and answers equal a baseline",
         "kvcompose soak                       # 1,000 requests, 32 at a time (about 10 minutes)\n"
         "kvcompose soak --quick               # CI's short variant\n"
-        "kvcompose soak --seed 7 --json soak.json",
+        "kvcompose soak --seed 7 --json soak.json\n"
+        "kvcompose soak --quick --hosts       # prefill and decode on two hosts; the link between them cut once",
     )
     s.add_argument("--requests", type=int, help="requests to send (default 1000; --quick: 160)")
     s.add_argument("--concurrency", type=int, help="clients sending at once (default 32; --quick: 8)")
@@ -515,6 +525,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="the short variant CI runs")
     s.add_argument("--work", metavar="DIR", help="where the logs and the decode composition go (default: a temp dir)")
     s.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    s.add_argument(
+        "--hosts",
+        action="store_true",
+        help="prefill and decode each in a host of their own (network namespaces, needs root), the router in this "
+        "one; the link between the two is cut once, longer than the prefill's lease, and restored",
+    )
+    s.add_argument("--link", metavar="RATE", help="with --hosts: the link's rate in tc's units (default 800mbit)")
     s.set_defaults(func=cmd_soak)
     return p
 

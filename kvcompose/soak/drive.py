@@ -71,7 +71,7 @@ class Outcome:
 class Urls(Protocol):
     """Where the requests go (:class:`~kvcompose.soak.stack.Stack`)."""
 
-    def port(self, role: str) -> int: ...
+    def address(self, role: str) -> tuple[str, int]: ...
 
 
 class Reply(NamedTuple):
@@ -85,11 +85,12 @@ class Reply(NamedTuple):
     ttft_s: float | None = None
 
 
-def send(port: int, body: dict[str, Any], hang_up_after: float | None = None) -> Reply:
-    """POST ``body`` to ``/v1/completions`` on ``port``; streamed when ``body["stream"]`` is true
-    (:func:`read_stream`). With ``hang_up_after``, the client closes the connection that many
-    seconds after sending."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_S)
+def send(address: tuple[str, int] | int, body: dict[str, Any], hang_up_after: float | None = None) -> Reply:
+    """POST ``body`` to ``/v1/completions`` at ``address`` (host and port; a port alone: on
+    127.0.0.1); streamed when ``body["stream"]`` is true (:func:`read_stream`). With
+    ``hang_up_after``, the client closes the connection that many seconds after sending."""
+    host, port = (HOST, address) if isinstance(address, int) else address
+    conn = http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S)
     try:
         t0 = time.monotonic()
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -177,6 +178,8 @@ class Load:
         self.outcomes: list[Outcome] = []
         self._latencies: list[float] = []
         self.t0 = time.monotonic()
+        #: Every request of the plan has its final outcome (:meth:`run` returned).
+        self.done = False
 
     @property
     def sent(self) -> int:
@@ -197,19 +200,19 @@ class Load:
     def _attempt(self, r: Request) -> tuple[str, Reply]:
         body = {**completion_body(self._model, r.prompt, self._max_tokens), "stream": True}
         if r.hang_up is None:
-            return "router", send(self._urls.port("router"), body)
+            return "router", send(self._urls.address("router"), body)
         if r.hang_up.path == "router":
-            return "router", send(self._urls.port("router"), body, r.hang_up.at * self._typical_latency())
+            return "router", send(self._urls.address("router"), body, r.hang_up.at * self._typical_latency())
         # The proxy flow by hand, hanging up on decode while it pulls; the prefill leg's answer
         # carries the kv_transfer_params, so it is not streamed.
         prefill = send(
-            self._urls.port("prefill"),
+            self._urls.address("prefill"),
             {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         )
         if prefill.answer is None:
             return "direct", prefill
         decode_body = {**body, "kv_transfer_params": prefill.answer.get("kv_transfer_params")}
-        return "direct", send(self._urls.port("decode"), decode_body, r.hang_up.at)
+        return "direct", send(self._urls.address("decode"), decode_body, r.hang_up.at)
 
     def _client(self) -> None:
         while (r := self._take()) is not None:
@@ -239,6 +242,7 @@ class Load:
             alive[0].join(1.0)
             if progress is not None:
                 progress()
+        self.done = True
 
 
 class Servers(Protocol):
@@ -248,21 +252,40 @@ class Servers(Protocol):
 
     def restart(self, role: str) -> None: ...
 
+    def cut_link(self) -> None: ...
+
+    def restore_link(self) -> None: ...
+
+
+#: After the restore, the longest wait for the pair to serve again: TCP retransmits on a stalled
+#: connection at doubling intervals, so the first one after a long cut comes seconds to a cut's
+#: length after the path is back (docs/e2e.md, "A cut path between the prefill and the decode host").
+LINK_BACK_S = 120.0
+#: The outage name of a link cut in :attr:`Injector.outages`.
+LINK = "link"
+
 
 class Injector:
     """Kills each ``(count, role)`` server of ``kills`` (SIGKILL) once ``load`` has sent ``count``
-    requests, then restarts it (returning once it is healthy); what happened and when is in
-    :attr:`events`, the outages in :attr:`outages`, the kills' wall-clock times in :attr:`kills`."""
+    requests, then restarts it (returning once it is healthy); with ``cut`` = ``(count, seconds)``,
+    cuts the link between prefill and decode that long, restores it and waits until a request sent
+    after the restore is answered. What happened and when is in :attr:`events`, the outages in
+    :attr:`outages`, the kills' and the cut's wall-clock times in :attr:`kills` and :attr:`cuts`."""
 
-    def __init__(self, load: Load, servers: Servers, kills: list[tuple[int, str]]) -> None:
+    def __init__(
+        self, load: Load, servers: Servers, kills: list[tuple[int, str]], cut: tuple[int, float] | None = None
+    ) -> None:
         self._load = load
         self._servers = servers
-        self._kills = sorted(kills)
+        self._faults: list[tuple[int, str]] = sorted([*kills, *([(cut[0], LINK)] if cut else [])])
+        self._cut_s = cut[1] if cut else 0.0
         self.events: list[str] = []
         self.error: BaseException | None = None
-        self.outages: list[tuple[str, float, float]] = []  # (server, killed at, healthy at), load seconds
+        self.outages: list[tuple[str, float, float]] = []  # (server or link, down at, back at), load seconds
         #: (server, ``time.time()`` just before its SIGKILL): what its peers' log times are read against.
         self.kills: list[tuple[str, float]] = []
+        #: ``time.time()`` at the cut and at the restore.
+        self.cuts: list[tuple[float, float]] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> None:
@@ -276,17 +299,57 @@ class Injector:
 
     def _run(self) -> None:
         try:
-            for at, name in self._kills:
+            for at, name in self._faults:
                 while self._load.sent < at:
                     time.sleep(0.02)
-                killed = self._now()
-                self.kills.append((name, time.time()))
-                self._servers.kill(name)
-                self.events.append(f"{killed:7.1f} s  {name} killed (SIGKILL) after {self._load.sent} requests sent")
-                self._servers.restart(name)
-                back = self._now()
-                self.outages.append((name, killed, back))
-                self.events.append(f"{back:7.1f} s  {name} restarted and healthy ({back - killed:.1f} s down)")
+                if name == LINK:
+                    self._cut()
+                else:
+                    self._kill(name)
         except BaseException as exc:  # reported by the run; the clients go on
             self.error = exc
             self.events.append(f"{self._now():7.1f} s  fault injection failed: {exc}")
+
+    def _kill(self, name: str) -> None:
+        killed = self._now()
+        self.kills.append((name, time.time()))
+        self._servers.kill(name)
+        self.events.append(f"{killed:7.1f} s  {name} killed (SIGKILL) after {self._load.sent} requests sent")
+        self._servers.restart(name)
+        back = self._now()
+        self.outages.append((name, killed, back))
+        self.events.append(f"{back:7.1f} s  {name} restarted and healthy ({back - killed:.1f} s down)")
+
+    def _cut(self) -> None:
+        cut, wall = self._now(), time.time()
+        self._servers.cut_link()
+        try:
+            self.events.append(f"{cut:7.1f} s  link prefill-decode cut after {self._load.sent} requests sent")
+            time.sleep(self._cut_s)
+        finally:
+            self._servers.restore_link()
+        restored = self._now()
+        self.cuts.append((wall, time.time()))
+        self.events.append(f"{restored:7.1f} s  link restored ({restored - cut:.1f} s cut)")
+        back = self._served_after(restored)
+        self.outages.append((LINK, cut, restored if back is None else back))
+        if back is None:
+            raise RuntimeError(f"no request sent after the link's restore was answered within {LINK_BACK_S:.0f} s")
+        self.events.append(f"{back:7.1f} s  the pair serves again: a request sent after the restore answered")
+
+    def _served_after(self, restored: float) -> float | None:
+        """When the first request sent after ``restored`` was answered (load seconds); None when
+        none was within :data:`LINK_BACK_S`, or the load ended first."""
+        deadline = time.monotonic() + LINK_BACK_S
+        while time.monotonic() < deadline:
+            answered = [
+                o.sent_at + o.latency_s
+                for o in list(self._load.outcomes)
+                if o.kind == "answered" and o.sent_at >= restored
+            ]
+            if answered:
+                return min(answered)
+            if self._load.done:
+                return None
+            time.sleep(0.2)
+        return None

@@ -2,8 +2,8 @@
 
 Everything random in a run comes from :func:`plan` (``random.Random(seed)``), so a run that found
 a fault can be replayed with the same ``--seed``: the same prompts, the same requests hung up, the
-same moments (counted in requests sent) at which the prefill and the decode are killed, and the
-same calls at which the best-effort child raises.
+same moments (counted in requests sent) at which the prefill and the decode are killed (and, with
+``--hosts``, the link between them cut), and the same calls at which the best-effort child raises.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from kvcompose.examples import EXAMPLES
 #: vLLM's NIXL lease on a prefilled request's blocks when the composition sets none (the nixl
 #: option ``lease_seconds``; vLLM's ``kv_lease_duration``).
 VLLM_LEASE_S = 30.0
+
+#: With ``--hosts``, the link between the prefill's and the decode's host stays cut this much longer
+#: than the prefill's lease: the leases of the reads it stalls run out, and the reads end after.
+CUT_BEYOND_LEASE_S = 10.0
 
 #: The kit's ``faulty`` child composed into the decode server: a best-effort tier that holds
 #: nothing (``matched_tokens: 0``) and raises when its faults fire.
@@ -43,6 +47,10 @@ class SoakOptions:
     #: More than the decode's device cache keeps beside the requests in flight, so prefixes
     #: leave it and come back from the host tier.
     prefixes: int = 32
+    #: Prefill and decode on hosts of their own (:mod:`kvcompose.e2e.hosts`), joined by a link of
+    #: rate ``link``; the plan then also cuts that link once and restores it.
+    hosts: bool = False
+    link: str | None = None
 
     def __post_init__(self) -> None:
         if self.requests < 20 or self.concurrency < 1 or not 0 <= self.hangups < 1 or self.sample < 1:
@@ -89,17 +97,25 @@ class Request:
 
 @dataclass(frozen=True)
 class FaultPlan:
-    """The run's faults: request counts at which a server is killed, the flaky child's faults."""
+    """The run's faults: request counts at which a server is killed and, across hosts, the link
+    between prefill and decode cut (for ``cut_s``), the flaky child's faults."""
 
     kill_prefill_at: int
     kill_decode_at: int
     flaky_faults: tuple[dict[str, Any], ...]
+    cut_link_at: int | None = None
+    cut_s: float = 0.0
 
     def describe(self) -> list[str]:
         out = [
             f"SIGKILL the prefill server once {self.kill_prefill_at} requests were sent, then restart it",
             f"SIGKILL the decode server once {self.kill_decode_at} requests were sent, then restart it",
         ]
+        if self.cut_link_at is not None:
+            out.append(
+                f"cut the link between the prefill and the decode host once {self.cut_link_at} requests were sent, "
+                f"silently, for {self.cut_s:g} s (longer than the prefill's lease), then restore it"
+            )
         out += [
             f"{FLAKY} raises in {f['call']} after {f['after']} calls, {f['times']} time(s) (each decode process)"
             for f in self.flaky_faults
@@ -130,10 +146,16 @@ def plan(options: SoakOptions) -> tuple[list[Request], FaultPlan]:
         {"call": "get_num_new_matched_tokens", "action": "raise", "after": rng.randint(n // 3, n // 2), "times": 3},
         {"call": "wait_for_save", "action": "raise", "after": rng.randint(n // 10, n // 3), "times": 1},
     )
+    kill_prefill_at = rng.randint(int(n * 0.15), int(n * 0.35))
+    kill_decode_at = rng.randint(int(n * 0.55), int(n * 0.75))
+    # Drawn last, so a seed's other faults are the same with and without hosts.
+    cut_link_at = rng.randint(int(n * 0.40), int(n * 0.50)) if options.hosts else None
     return requests, FaultPlan(
-        kill_prefill_at=rng.randint(int(n * 0.15), int(n * 0.35)),
-        kill_decode_at=rng.randint(int(n * 0.55), int(n * 0.75)),
+        kill_prefill_at=kill_prefill_at,
+        kill_decode_at=kill_decode_at,
         flaky_faults=faults,
+        cut_link_at=cut_link_at,
+        cut_s=prefill_lease_s() + CUT_BEYOND_LEASE_S if options.hosts else 0.0,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -77,6 +77,7 @@ class SoakReport:
     lease_releases: int  # requests whose blocks the prefill released on NIXL lease expiry (its log)
     lease_releases_unplanned: int  # of those, logged outside the lease after the decode's kill (each a problem)
     late_reads: int  # decode reads notified after the prefill's lease expired (its log; each a problem)
+    refused_reads: int  # decode reads its nixl child refused for ending after the lease (recomputed or failed)
     breaker_changes: list[str]
     processes: list[str]
     comparison: Comparison
@@ -92,9 +93,14 @@ class SoakReport:
         aborted = {
             role: sum(v["aborted_mid_load"] for p, v in self.counters.items() if p.startswith(role)) for role in ROLES
         }
+        where = (
+            f", prefill and decode on hosts of their own, link {self.options['link']}"
+            if self.options.get("hosts")
+            else ""
+        )
         lines = [
             f"soak: {sum(r.values())} P/D requests, {self.options['concurrency']} at a time, "
-            f"seed {self.options['seed']}, {self.wall_s:.0f} s",
+            f"seed {self.options['seed']}{where}, {self.wall_s:.0f} s",
             "",
             "faults injected:",
             *(f"  - {f}" for f in self.faults),
@@ -136,11 +142,12 @@ class SoakReport:
         lines.append(
             f"  prefill released the blocks of {self.lease_releases} request(s) on NIXL lease expiry "
             '(vLLM\'s log: "Releasing expired KV blocks ... retrieved by 0 remote worker(s)"); '
-            f"{self.lease_releases_unplanned} outside the lease after the decode's kill (must be 0)"
+            f"{self.lease_releases_unplanned} outside the lease after the decode's kill or the link's cut (must be 0)"
         )
         lines.append(
-            f"  decode reads after the prefill's lease expired: {self.late_reads} (must be 0; vLLM's log: "
-            '"Potentially invalid KV blocks for unrecognized request ... They may have expired.")'
+            f"  decode reads after the prefill's lease expired, not refused: {self.late_reads} (must be 0; vLLM's "
+            'log: "Potentially invalid KV blocks for unrecognized request ... They may have expired."); refused by '
+            f'the decode\'s nixl child: {self.refused_reads} ("NIXL read refused", nothing computed from them)'
         )
         lines += ["", "per server process (counters since it started):"]
         for proc, values in self.counters.items():
@@ -309,18 +316,23 @@ def logged(logs: Path, role: str, text: str, near: datetime) -> list[LogLine]:
 
 
 def unplanned_expiries(
-    expiries: list[LogLine], causes: list[datetime], lease_s: float, slack_s: float = LEASE_SLACK_S
+    expiries: list[LogLine],
+    causes: Sequence[datetime | tuple[datetime, datetime]],
+    lease_s: float,
+    slack_s: float = LEASE_SLACK_S,
 ) -> list[LogLine]:
     """The lease expiries no planned cause explains: logged before every cause (to its second: the
-    log's times are whole seconds) or later than ``lease_s + slack_s`` after it, or whose time
+    log's times are whole seconds) or later than ``lease_s + slack_s`` after its end, or whose time
     cannot be read. A prefill lets a lease expire only when no decode reads the blocks: the
-    requests it prefilled for a decode that was then killed, and those whose client hung up at the
-    router while the prefill computed them (the router then never sends the decode request).
-    ``causes``: the decode kills' and those hang-ups' wall-clock times."""
+    requests it prefilled for a decode that was then killed, those whose client hung up at the
+    router while the prefill computed them (the router then never sends the decode request), and
+    those whose decode could not reach it while the link was cut. ``causes``: the decode kills' and
+    those hang-ups' wall-clock times, and the link cuts' (cut, restore) spans."""
+    spans = [c if isinstance(c, tuple) else (c, c) for c in causes]
 
     def planned(at: datetime | None) -> bool:
         return at is not None and any(
-            k.replace(microsecond=0) <= at <= k + timedelta(seconds=lease_s + slack_s) for k in causes
+            start.replace(microsecond=0) <= at <= end + timedelta(seconds=lease_s + slack_s) for start, end in spans
         )
 
     return [e for e in expiries if not planned(e.at)]

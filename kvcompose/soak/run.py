@@ -6,7 +6,9 @@
 2. Send the plan's requests (:func:`~kvcompose.soak.plan.plan`) through the router with
    ``concurrency`` clients; some clients hang up mid-request. Meanwhile the prefill server is
    SIGKILLed and restarted, later the decode server, and the flaky child raises at its planned
-   calls.
+   calls. With ``hosts`` the prefill and the decode run on hosts of their own
+   (:mod:`kvcompose.e2e.hosts`), and between the two kills the link between them is cut, longer
+   than the prefill's lease, and restored.
 3. Wait until every engine is quiet: no request running or waiting, no KV block in use (the
    prefill frees the blocks it held for the killed decode when their lease expires), no host-tier
    block pinned or pending. Read the prefill logs: no decode read after a lease expired, no lease
@@ -17,15 +19,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
 from kvcompose.e2e.flow import same_output
+from kvcompose.e2e.hosts import DEFAULT_LINK, Hosts
 from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ, quantile
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import EngineNode, EngineSpec, NodeError, wait_all_ready
@@ -78,9 +82,9 @@ def run(
     lease_s = prefill_lease_s()
     t_start = time.monotonic()
     started = datetime.now()  # the year of the servers' log times (they have none)
-    with engine_lock(echo=echo), registered():  # the decode composition's flaky child: the kit's type
+    with engine_lock(echo=echo), registered(), _hosts(options, echo) as hosts:  # registered: the flaky child's type
         echo(f"starting prefill, decode and the router (logs: {logs}) ...")
-        stack = Stack(model, decode_composition(faults, work), logs, options.concurrency)
+        stack = Stack(model, decode_composition(faults, work), logs, options.concurrency, hosts)
         try:
             echo(f"sending {options.requests} requests, {options.concurrency} at a time; faults:")
             for f in faults.describe():
@@ -88,7 +92,8 @@ def run(
             load = Load(requests, stack, model, options.max_tokens)
             sampler = Sampler(stack, load.t0)
             kills = [(faults.kill_prefill_at, "prefill"), (faults.kill_decode_at, "decode")]
-            injector = Injector(load, stack, kills)
+            cut = (faults.cut_link_at, faults.cut_s) if faults.cut_link_at is not None else None
+            injector = Injector(load, stack, kills, cut)
             injector.start()
             load.run(options.concurrency, _progress(load, echo))
             load_started = time.time() - (time.monotonic() - load.t0)  # the outcomes' times count from load.t0
@@ -112,8 +117,11 @@ def run(
     requests_by = by_request(load.outcomes)
     answered = sorted(o.latency_s for o in load.outcomes if o.kind == "answered")
     ttft = first_tokens(load.outcomes, injector.outages)
-    causes = [datetime.fromtimestamp(at) for name, at in injector.kills if name == "decode"]
+    causes: list[datetime | tuple[datetime, datetime]] = [
+        datetime.fromtimestamp(at) for name, at in injector.kills if name == "decode"
+    ]
     causes += router_hang_ups(load.outcomes, load_started)
+    causes += [(datetime.fromtimestamp(a), datetime.fromtimestamp(b)) for a, b in injector.cuts]
     unplanned = unplanned_expiries(expiries, causes, lease_s)
     problems = deaths + quiet_problems(quiet) + lease_problems(late_reads, unplanned, lease_s) + ttft.problems()
     if injector.error is not None:
@@ -162,12 +170,25 @@ def run(
         lease_releases=len(expiries),
         lease_releases_unplanned=len(unplanned),
         late_reads=len(late_reads),
+        refused_reads=len(refused),
         breaker_changes=breaker,
         processes=processes,
         comparison=comparison,
         problems=problems,
         logs=str(logs),
     )
+
+
+@contextlib.contextmanager
+def _hosts(options: SoakOptions, echo: Callable[[str], None]) -> Iterator[Hosts | None]:
+    """A ``prefill`` and a ``decode`` host joined at ``options.link`` when ``options.hosts``."""
+    if not options.hosts:
+        yield None
+        return
+    link = options.link or DEFAULT_LINK
+    with Hosts(["prefill", "decode"], link=link) as hosts:
+        echo(f"hosts: prefill {hosts['prefill'].address}, decode {hosts['decode'].address}, link {link}")
+        yield hosts
 
 
 def _progress(load: Load, echo: Callable[[str], None]) -> Callable[[], None]:

@@ -1,6 +1,8 @@
 """The soak's serving stack: a prefill and a decode server behind vLLM's router, each server
 replaceable by a fresh process on the same ports (what a supervisor such as systemd or a
-Kubernetes pod restart does), and a sampler of every engine's gauges through the run."""
+Kubernetes pod restart does), and a sampler of every engine's gauges through the run. With
+hosts (:mod:`kvcompose.e2e.hosts`), the prefill and the decode each run in a host of their own,
+the router in the root namespace, and the link between the two hosts can be cut."""
 
 from __future__ import annotations
 
@@ -8,12 +10,16 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcompose.e2e.node import EngineSpec, NodeError, free_ports, wait_all_ready
 from kvcompose.e2e.router import RouterNode
-from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.server import HOST, ServerNode
 from kvcompose.examples import EXAMPLES
 from kvcompose.testing.types import install_entry_point
+
+if TYPE_CHECKING:
+    from kvcompose.e2e.hosts import Hosts
 
 #: Decode's device blocks per client: a prompt of up to 456 tokens and its answer take 15, so
 #: the requests in flight fit and the prefixes (32 of 8 blocks) do not all stay beside them.
@@ -55,11 +61,13 @@ class Sample:
 
 class Stack:
     """Prefill (``pd-prefill.yaml``), decode (``decode_yaml``, the kit's types importable) and the
-    router; :meth:`kill` and :meth:`restart` replace a server, keeping its HTTP and NIXL ports."""
+    router; :meth:`kill` and :meth:`restart` replace a server, keeping its HTTP and NIXL ports.
+    ``hosts``: a ``prefill`` and a ``decode`` host the servers run in."""
 
-    def __init__(self, model: str, decode_yaml: Path, logs: Path, concurrency: int) -> None:
+    def __init__(self, model: str, decode_yaml: Path, logs: Path, concurrency: int, hosts: Hosts | None = None) -> None:
         self.model = model
         self.logs = logs
+        self.hosts = hosts
         self._env = {"decode": install_entry_point(logs.parent / "site"), "prefill": {}}
         p_side, d_side = free_ports(2)
         blocks = BLOCKS_PER_CLIENT * concurrency + 32
@@ -85,14 +93,29 @@ class Stack:
             raise
 
     def _start(self, role: str, spec: EngineSpec, port: int | None = None) -> ServerNode:
-        node = ServerNode(spec, self.logs, port, self._env[role])
+        node = ServerNode(spec, self.logs, port, self._env[role], self.hosts[role] if self.hosts else None)
         self.servers[role] = node
         self.processes.append((node, False))
         return node
 
-    def port(self, role: str) -> int:
-        """The HTTP port of ``router``, ``prefill`` or ``decode`` (a restart keeps it)."""
-        return self.router.port if role == "router" else self.servers[role].port
+    def address(self, role: str) -> tuple[str, int]:
+        """The HTTP address of ``router``, ``prefill`` or ``decode`` (a restart keeps it)."""
+        if role == "router":
+            return HOST, self.router.port
+        host = self.hosts[role].address if self.hosts else HOST
+        return host, self.servers[role].port
+
+    def cut_link(self) -> None:
+        """Cut the path between the prefill's and the decode's host, both ways and silently
+        (:meth:`~kvcompose.e2e.hosts.Host.cut`); the router still reaches both."""
+        if self.hosts is None:
+            raise NodeError("the link can be cut only when prefill and decode run on hosts of their own (--hosts)")
+        self.hosts["prefill"].cut(self.hosts["decode"])
+
+    def restore_link(self) -> None:
+        """Put back the path :meth:`cut_link` cut."""
+        if self.hosts is not None:
+            self.hosts["prefill"].restore(self.hosts["decode"])
 
     def kill(self, role: str) -> None:
         """SIGKILL ``role``'s server, engine core and all."""

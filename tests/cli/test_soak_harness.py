@@ -22,7 +22,15 @@ from kvcompose.e2e.node import free_ports
 from kvcompose.e2e.server import completion_body, parse_completion
 from kvcompose.examples import EXAMPLES
 from kvcompose.soak.drive import Injector, Load, Outcome, send
-from kvcompose.soak.plan import FLAKY, QUICK, SoakOptions, decode_composition, plan, prefill_lease_s
+from kvcompose.soak.plan import (
+    CUT_BEYOND_LEASE_S,
+    FLAKY,
+    QUICK,
+    SoakOptions,
+    decode_composition,
+    plan,
+    prefill_lease_s,
+)
 from kvcompose.soak.report import (
     TTFT_BOUND_S,
     Comparison,
@@ -142,9 +150,9 @@ class _Server:
         self.http_port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
-    def port(self, role: str) -> int:
+    def address(self, role: str) -> tuple[str, int]:
         """Every role (router, prefill, decode) is this server."""
-        return self.http_port
+        return "127.0.0.1", self.http_port
 
 
 @pytest.fixture
@@ -238,6 +246,88 @@ def test_the_injector_kills_and_restarts_once_the_count_is_sent(server: _Server)
     assert by_request(load.outcomes)["answered"] == 4
 
 
+class _LinkServers:
+    """The stack's fault surface (:class:`kvcompose.soak.drive.Servers`), recording its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def kill(self, role: str) -> None:
+        self.calls.append(f"kill {role}")
+
+    def restart(self, role: str) -> None:
+        self.calls.append(f"restart {role}")
+
+    def cut_link(self) -> None:
+        self.calls.append("cut")
+
+    def restore_link(self) -> None:
+        self.calls.append("restore")
+
+
+@pytest.mark.parametrize("server", [([200],)], indirect=True)
+def test_the_injector_cuts_the_link_restores_it_and_waits_for_the_pair_to_serve(server: _Server) -> None:
+    servers = _LinkServers()
+    requests, _ = plan(SoakOptions(requests=20, hangups=0.0))
+    load = Load(requests, server, "m", 1)
+    injector = Injector(load, servers, [(12, "decode")], cut=(2, 0.3))
+    before = time.time()
+    injector.start()
+    load.run(1)
+    injector.join()
+    assert servers.calls == ["cut", "restore", "kill decode", "restart decode"] and injector.error is None
+    (cut,) = injector.cuts
+    assert before <= cut[0] and cut[1] - cut[0] >= 0.3
+    (name, down, back), _ = injector.outages
+    assert name == "link"
+    # The outage lasts until a request sent after the restore was answered.
+    restored = down + 0.3
+    assert any(
+        o.kind == "answered" and restored <= o.sent_at and o.sent_at + o.latency_s <= back for o in load.outcomes
+    )
+
+
+@pytest.mark.parametrize("server", [([200],)], indirect=True)
+def test_a_pair_that_serves_no_request_after_the_restore_is_a_failed_injection(server: _Server) -> None:
+    servers = _LinkServers()
+    requests, _ = plan(SoakOptions(requests=20, hangups=0.0))
+    load = Load(requests[:3], server, "m", 1)
+    injector = Injector(load, servers, [], cut=(3, 1.5))  # the load ends while the link is cut
+    injector.start()
+    load.run(1)
+    injector.join()
+    assert servers.calls == ["cut", "restore"]
+    assert "no request sent after the link's restore was answered" in str(injector.error)
+
+
+def test_a_plan_across_hosts_adds_a_link_cut_longer_than_the_lease_and_keeps_the_other_faults() -> None:
+    requests, one = plan(QUICK)
+    across, two = plan(SoakOptions(requests=QUICK.requests, concurrency=8, hosts=True))
+    assert [r.prompt for r in requests] == [r.prompt for r in across]
+    assert (one.kill_prefill_at, one.kill_decode_at, one.flaky_faults) == (
+        two.kill_prefill_at,
+        two.kill_decode_at,
+        two.flaky_faults,
+    )
+    assert one.cut_link_at is None and not any("link" in f for f in one.describe())
+    n = QUICK.requests
+    assert two.cut_link_at is not None and two.kill_prefill_at < 0.40 * n <= two.cut_link_at <= 0.50 * n
+    assert two.cut_s == prefill_lease_s() + CUT_BEYOND_LEASE_S
+    assert any(
+        f.startswith(f"cut the link between the prefill and the decode host once {two.cut_link_at}")
+        for f in two.describe()
+    )
+
+
+def test_a_lease_expiry_during_a_link_cut_and_a_lease_after_it_is_planned() -> None:
+    cut, restored = datetime(2026, 11, 26, 5, 12, 0, 300_000), datetime(2026, 11, 26, 5, 12, 40)
+    lines = [LogLine(datetime(2026, 11, 26, 5, 11, 59), "before"), LogLine(datetime(2026, 11, 26, 5, 12, 0), "cut")]
+    lines += [LogLine(datetime(2026, 11, 26, 5, 13, 25), "in"), LogLine(datetime(2026, 11, 26, 5, 13, 26), "late")]
+    # From the cut's second to the restore plus the lease and its slack (05:13:25).
+    got = unplanned_expiries(lines, [(cut, restored)], lease_s=30.0, slack_s=15.0)
+    assert [e.text for e in got] == ["before", "late"]
+
+
 def test_failures_are_counted_against_the_outage_they_fall_in() -> None:
     def o(kind: str, at: float, latency: float = 0.1) -> Outcome:
         return Outcome(0, 0, kind, at, latency, "router")
@@ -261,7 +351,7 @@ def test_an_engine_not_back_to_zero_is_named_with_what_it_holds() -> None:
 
 def test_the_report_names_every_figure_and_each_failed_check() -> None:
     report = SoakReport(
-        options={"concurrency": 8, "seed": 3},
+        options={"concurrency": 8, "seed": 3, "hosts": True, "link": "781mbit"},
         faults=["SIGKILL the prefill server once 30 requests were sent, then restart it"],
         events=["    4.7 s  prefill killed (SIGKILL) after 36 requests sent"],
         wall_s=200.0,
@@ -286,6 +376,7 @@ def test_the_report_names_every_figure_and_each_failed_check() -> None:
         lease_releases=32,
         lease_releases_unplanned=0,
         late_reads=0,
+        refused_reads=2,
         breaker_changes=["open", "half-open", "closed"],
         processes=["prefill: killed by the soak (SIGKILL), as planned"],
         comparison=Comparison(compared=16, bit_equal=16, tokens_equal=16),
@@ -300,8 +391,10 @@ def test_the_report_names_every_figure_and_each_failed_check() -> None:
         "cut off                 3   (the stream ended before [DONE]; 3 while a server was down",
         "up to 48.6%",
         "the blocks of 32 request(s) on NIXL lease expiry",
-        "0 outside the lease after the decode's kill (must be 0)",
-        "decode reads after the prefill's lease expired: 0 (must be 0",
+        "seed 3, prefill and decode on hosts of their own, link 781mbit, 200 s",
+        "0 outside the lease after the decode's kill or the link's cut (must be 0)",
+        "decode reads after the prefill's lease expired, not refused: 0 (must be 0",
+        "refused by the decode's nixl child: 2",
         "time to first token (streamed): p50 312 ms, p99 2500 ms, max 7250 ms; above 5 s: 0 outside the outages",
         "2 of 40 answered while a server was down",
         "open 1x, half-open 1x, closed 1x",
