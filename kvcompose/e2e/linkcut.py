@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcompose.e2e.flow import routed_request, token_prompt
+from kvcompose.e2e.load import LATE_READ_REQUEST, LEASE_EXPIRY, REFUSED_READ
 
 #: A request sent while the path is cut must end (answer or error) within this many seconds.
 HANG_S = 120.0
@@ -65,11 +66,13 @@ class CutReport:
     #: requests after the restore: (tokens, NIXL bytes) or the error
     after: list[tuple[list[int], int] | str] = field(default_factory=list)
     #: during the test: the prefill's leases that expired unread (``Releasing expired KV
-    #: blocks``), reads of released blocks (``Potentially invalid KV blocks``, the prefill's log),
-    #: and reads the decode's nixl child refused for ending after the lease (``NIXL read refused``)
+    #: blocks``), the requests whose released blocks a decode read (``Potentially invalid KV
+    #: blocks``, the prefill's log), of those the reads the decode's nixl child refused for ending
+    #: after the lease (``NIXL read refused``), and the ones it did not refuse
     expired: int = 0
     late_reads: int = 0
     refused: int = 0
+    unrefused: int = 0
     #: the pair's first requests before the cut that failed: a fresh pair's first read can end
     #: after a short lease (docs/e2e.md, cold start) and be refused; the pair is wired after it
     first_failed: list[str] = field(default_factory=list)
@@ -88,9 +91,9 @@ class CutReport:
                 out.append("a request after the restore moved nothing over NIXL")
         if not self.after:
             out.append("no request after the restore")
-        if self.late_reads > self.refused:
+        if self.unrefused:
             out.append(
-                f"the decode used {self.late_reads - self.refused} read(s) of blocks the prefill had released "
+                f"the decode used {self.unrefused} read(s) of blocks the prefill had released "
                 f"({self.late_reads} read(s) of released blocks, {self.refused} refused)"
             )
         return out
@@ -171,7 +174,9 @@ def cut_and_restore(
         except Exception as exc:  # the report says what broke
             report.after.append(f"{type(exc).__name__}: {exc}")
     now = _log_counts(prefill, decode)
-    report.expired, report.late_reads, report.refused = (b - a for a, b in zip(logged, now))
+    late, refused = now[1] - logged[1], now[2] - logged[2]
+    report.expired, report.late_reads, report.refused = now[0] - logged[0], len(late), len(late & refused)
+    report.unrefused = len(late - refused)
     for line in report.lines():
         say(line)
     return report
@@ -195,18 +200,18 @@ def _wire(router: Any, decode: Any, seed: int, prompt_tokens: int, max_tokens: i
 #: Requests :func:`_wire` sends before the cut at most.
 FIRST_TRIES = 3
 
+
 #: What the servers' logs say of leases (vLLM's lines; the nixl child's refusal).
-EXPIRED = "Releasing expired KV blocks"
-LATE_READ = "Potentially invalid KV blocks"
-REFUSED = "NIXL read refused:"
+def _log_counts(prefill: Any, decode: Any) -> tuple[int, set[str], set[str]]:
+    """The prefill's lease expiries, the prefill requests whose released blocks were read, and
+    those whose read the decode refused, from the servers' logs so far."""
 
-
-def _log_counts(prefill: Any, decode: Any) -> tuple[int, int, int]:
-    def count(node: Any, text: str) -> int:
+    def text(node: Any) -> str:
         path = getattr(node, "log_path", None)
-        return path.read_text(errors="replace").count(text) if path is not None and path.exists() else 0
+        return path.read_text(errors="replace") if path is not None and path.exists() else ""
 
-    return count(prefill, EXPIRED), count(prefill, LATE_READ), count(decode, REFUSED)
+    p = text(prefill)
+    return p.count(LEASE_EXPIRY), set(LATE_READ_REQUEST.findall(p)), set(REFUSED_READ.findall(text(decode)))
 
 
 def _send(router: Any, prompt: list[int], max_tokens: int, timeout: float, o: Outcome) -> None:

@@ -58,6 +58,9 @@ LEASE_EXPIRY = "Releasing expired KV blocks for request"
 #: blocks it no longer holds (their lease expired): the decode read blocks that may have been
 #: reused by another request (and, without the nixl plugin's check, computed from them).
 LATE_READ = "Potentially invalid KV blocks for unrecognized request"
+#: The request a :data:`LATE_READ` line names (a refused read's is logged twice: the read's own
+#: notification, then the one vLLM's decode sends for a failed read).
+LATE_READ_REQUEST = re.compile(LATE_READ + r" (\S+)")
 #: The nixl plugin on the decode (``kvcompose_nixl.lease.REFUSED``), when a read ended after the
 #: prefill's lease: the load counted as failed, nothing was computed from it. The prefill still
 #: logs :data:`LATE_READ` for it. Group 1: the prefill's request id.

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from kvcompose.e2e.load import LATE_READ, quantile
+from kvcompose.e2e.load import LATE_READ_REQUEST, quantile
 from kvcompose.soak.drive import FINAL, OUTCOMES, Outcome
 from kvcompose.soak.plan import HANG_UP_PATHS, Request
 from kvcompose.soak.stack import GAUGES, ROLES, Sample
@@ -31,8 +31,6 @@ TTFT_BOUND_S = 5.0
 #: the dead decode before its health checks (every 2 s) took it out, the prefill's own time for
 #: them on a loaded host, and the reaper's next step.
 LEASE_SLACK_S = 15.0
-#: The request a :data:`~kvcompose.e2e.load.LATE_READ` line names.
-LATE_READ_REQUEST = re.compile(LATE_READ + r" (\S+)")
 #: vLLM's log line header (``vllm/logger.py``): ``(EngineCore pid=3627) WARNING 11-26 05:12:02
 #: [file.py:12] message``; the time is month-day hour:min:sec, local time, without a year.
 LOG_HEADER = re.compile(r"\([^()]* pid=\d+\) [A-Z]+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")

@@ -23,7 +23,7 @@ def test_a_pair_that_answered_and_refused_every_late_read_has_no_problem() -> No
 
 def test_a_read_of_released_blocks_the_decode_did_not_refuse_is_a_problem() -> None:
     report = served()
-    report.expired, report.late_reads, report.refused = 2, 2, 1
+    report.expired, report.late_reads, report.refused, report.unrefused = 2, 2, 1, 1
     (problem,) = report.problems()
     assert "the decode used 1 read(s) of blocks the prefill had released" in problem
 
