@@ -3,7 +3,8 @@
 Two things use it: a field of vLLM's transfer results that kvcompose does not know (a newer vLLM
 added it; the composite carries it through instead of dropping it), and the answer to an engine
 call that kvcompose does not know (a newer vLLM added the call; the composite forwards it to
-every child). The rule goes by the type of the answers (docs/versions.md, "Carried fields"):
+every child). The rule goes by the type of the answers (docs/versions.md, "Results fields and
+calls kvcompose does not know"):
 
 ============================  ===============================================================
 the children answer            the composite answers

@@ -211,13 +211,19 @@ def test_nixl_read_names_the_memory_it_cannot_use() -> None:
 
 
 def test_every_benchmark_is_in_the_performance_docs_table() -> None:
-    """docs/performance.md's first table lists every module ``kvcompose bench`` runs."""
+    """docs/performance.md's first table lists every module ``kvcompose bench`` runs, each row with
+    what it compares, its target, today's figure and the command that runs it."""
     from kvcompose.bench.runner import BENCHMARKS
 
     text = (Path(__file__).parents[2] / "docs" / "performance.md").read_text()
     table = text[: text.index("## Machine and method")]
     missing = [m for m in BENCHMARKS.values() if f"| `kvcompose/bench/{m}.py`" not in table]
     assert not missing, f"benchmarks missing from docs/performance.md's table: {missing}"
+    rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `kvcompose/bench/")}
+    for name, module in BENCHMARKS.items():
+        cells = [c.strip() for c in rows[f"kvcompose/bench/{module}.py"].strip("|").split("|")]
+        assert len(cells) == 5 and all(cells), f"{module}: benchmark, compares, target, today, command"
+        assert f"`kvcompose bench --only {name}" in cells[4], f"{module}: its command is --only {name}"
 
 
 def test_lease_cost_orphans_leave_less_than_one_request_free() -> None:

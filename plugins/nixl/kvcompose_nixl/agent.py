@@ -7,16 +7,15 @@ process-wide patches of NIXL's Python wrapper: vLLM's CPU worker is a spawned pr
 patch in the parent would not reach it.
 
 - **Progress-thread delay** (``progress_delay_us``). ``nixl._api.nixl_agent`` hard-codes
-  ``pthrDelay = 0``, so each agent's progress thread polls without sleeping: one idle engine
-  burns about a core, and two engines on a 2-core machine starve the engines themselves (decode
-  TTFT grew from about 0.1 s to 15-37 s here). A non-zero delay keeps the thread but lets it
-  sleep between polls; throughput measured equal to running without a progress thread.
+  ``pthrDelay = 0``, so each agent's progress thread polls without sleeping and starves the
+  engines sharing its host's cores; a non-zero delay keeps the thread but lets it sleep between
+  polls (docs/e2e.md, "Settings that matter on CPU-only hosts").
 - **UCX error handling** (``ucx_error_handling``). NIXL creates UCX endpoints in UCX's ``peer``
   error-handling mode. Shared-memory transports cannot report a dead peer, so in that mode
   UCX carries NIXL's messages (wire-up, the READ's completion notification) over tcp even
   between two engines on one host, and that wire-up completes only when the idle prefill
-  engine next steps (its lease expiry, 30 s later, or its next request): the first request of
-  every new pair waited 15-200 s here (``docs/e2e.md``, cold start). ``none`` lets UCX use
+  engine next steps (its lease expiry or its next request), which stalls every new pair's first
+  request (docs/e2e.md, "Cold start: the first P/D request of a new pair"). ``none`` lets UCX use
   shared memory for the messages (CMA still moves the data) and the stall is gone; a dead
   peer then shows as failed reads and vLLM's lease and heartbeat handling, not as a UCX
   endpoint error.

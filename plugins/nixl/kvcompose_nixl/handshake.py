@@ -5,8 +5,8 @@ channel and waits 5 s for the answer (``_nixl_handshake``, ``zmq.RCVTIMEO`` 5000
 ``nixl/base_worker.py``). When none comes, every request waiting on that peer fails: under
 ``kv_load_failure_policy: fail`` the client gets an HTTP 500, and vLLM logs a bare
 ``zmq.error.Again: Resource temporarily unavailable``. A side channel can be slow without being
-dead: on a loaded 2-core host here the peer's listener got the requests 1-6 s late while it
-and its engine core sat idle (``docs/e2e.md``, cold start).
+dead: on a loaded host its listener can get the requests late while it and its engine core sit
+idle (docs/e2e.md, "Cold start: the first P/D request of a new pair").
 
 :func:`patient` asks up to ``tries`` times, each one request and vLLM's wait, and, when no try
 is answered, fails with an error that says which side channel was asked, how often, and what to
