@@ -27,7 +27,7 @@ arrived when a read from the same prefill engine, posted after the beat, complet
 carried a round trip after it, and the time that read was seen done bounds the beat's arrival.
 Under load reads from a prefill complete every step; a lone read that takes longer than the
 lease with no other read from its prefill finishing meanwhile is refused and recomputed, the
-safe side (docs/e2e.md, "Link cut across hosts").
+safe side (docs/e2e.md, "A cut path between the prefill and the decode host").
 
 The estimate errs early: the prefill's worker starts its lease after its scheduler stamped it,
 and a heartbeat extends from when the prefill reads it, not when it was sent. A prefill
