@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcompose.e2e.flow import routed_request, token_prompt
-from kvcompose.e2e.load import LATE_READ_REQUEST, LEASE_EXPIRY, REFUSED_READ
+from kvcompose.e2e.load import LATE_READ_REQUEST, LEASE_EXPIRY, REFUSED_READ, RELEASED_UNREAD
 
 #: A request sent while the path is cut must end (answer or error) within this many seconds.
 HANG_S = 120.0
@@ -204,14 +204,18 @@ FIRST_TRIES = 3
 #: What the servers' logs say of leases (vLLM's lines; the nixl child's refusal).
 def _log_counts(prefill: Any, decode: Any) -> tuple[int, set[str], set[str]]:
     """The prefill's lease expiries, the prefill requests whose released blocks were read, and
-    those whose read the decode refused, from the servers' logs so far."""
+    those whose read the decode refused or never made, from the servers' logs so far."""
 
     def text(node: Any) -> str:
         path = getattr(node, "log_path", None)
         return path.read_text(errors="replace") if path is not None and path.exists() else ""
 
-    p = text(prefill)
-    return p.count(LEASE_EXPIRY), set(LATE_READ_REQUEST.findall(p)), set(REFUSED_READ.findall(text(decode)))
+    p, d = text(prefill), text(decode)
+    return (
+        p.count(LEASE_EXPIRY),
+        set(LATE_READ_REQUEST.findall(p)),
+        set(REFUSED_READ.findall(d)) | set(RELEASED_UNREAD.findall(d)),
+    )
 
 
 def _send(router: Any, prompt: list[int], max_tokens: int, timeout: float, o: Outcome) -> None:

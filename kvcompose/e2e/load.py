@@ -65,6 +65,10 @@ LATE_READ_REQUEST = re.compile(LATE_READ + r" (\S+)")
 #: prefill's lease: the load counted as failed, nothing was computed from it. The prefill still
 #: logs :data:`LATE_READ` for it. Group 1: the prefill's request id.
 REFUSED_READ = re.compile(r"NIXL read refused: \S+ \(prefill request (\S+)\)")
+#: The nixl plugin on the decode (``kvcompose_nixl.lease.RELEASED``), when vLLM only notified the
+#: prefill (an abort before the read, a full local hit): the prefill's :data:`LATE_READ` line for
+#: it, when the notification came after the lease, names no read. Group 1: the prefill's request id.
+RELEASED_UNREAD = re.compile(r"NIXL release without a read: \S+ \(prefill request (\S+)\)")
 
 
 def quantile(values: list[float], q: float) -> float:

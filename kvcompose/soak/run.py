@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvcompose.e2e.flow import same_output
 from kvcompose.e2e.hosts import DEFAULT_LINK, Hosts
-from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ, quantile
+from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ, RELEASED_UNREAD, quantile
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import EngineNode, EngineSpec, NodeError, wait_all_ready
 from kvcompose.soak.drive import Injector, Load, Outcome
@@ -75,6 +75,8 @@ def run(
     """
     from kvcompose.bench.pd_ttft import engine_lock
 
+    if options.hosts and options.link is None:
+        options = dataclasses.replace(options, link=DEFAULT_LINK)
     work = Path(work or tempfile.mkdtemp(prefix="kvcompose-soak-"))
     logs = work / "logs"
     requests, faults = plan(options)
@@ -105,9 +107,10 @@ def run(
             breaker = _logged(logs, "decode", rf"connector {FLAKY}: breaker (open|half-open|closed):")
             # vLLM's NIXL worker on the prefill: a lease run out before every decode read, a read after one.
             expiries = logged(logs, "prefill", LEASE_EXPIRY, started)
-            # ... and the reads the decode refused for it (nothing computed from them).
+            # ... and the reads the decode refused for it, or never made (nothing computed from them).
             refused = set(_logged(logs, "decode", REFUSED_READ.pattern))
-            late_reads = used_late_reads(logged(logs, "prefill", LATE_READ, started), refused)
+            unread = set(_logged(logs, "decode", RELEASED_UNREAD.pattern))
+            late_reads = used_late_reads(logged(logs, "prefill", LATE_READ, started), refused | unread)
         finally:
             stack.close()
         comparison = _compare(
@@ -185,9 +188,8 @@ def _hosts(options: SoakOptions, echo: Callable[[str], None]) -> Iterator[Hosts 
     if not options.hosts:
         yield None
         return
-    link = options.link or DEFAULT_LINK
-    with Hosts(["prefill", "decode"], link=link) as hosts:
-        echo(f"hosts: prefill {hosts['prefill'].address}, decode {hosts['decode'].address}, link {link}")
+    with Hosts(["prefill", "decode"], link=options.link or DEFAULT_LINK) as hosts:
+        echo(f"hosts: prefill {hosts['prefill'].address}, decode {hosts['decode'].address}, link {options.link}")
         yield hosts
 
 

@@ -4,14 +4,20 @@ SIGKILLed and restarted, clients hanging up (through the router, and on decode m
 the kit's ``faulty`` child raising under a breaker. Every request is answered or hung up, no
 attempt hangs, the router never drops a connection, only the killed processes died, every engine
 is back to no request, no KV block and no pinned host block once quiet, and a sample of the
-answers equals a single-engine baseline's. The report is printed (``pytest -s``)."""
+answers equals a single-engine baseline's. Where the kit can make hosts (root: CI), prefill and
+decode run on hosts of their own and the link between them is also cut, longer than the prefill's
+lease, and restored (``kvcompose soak --quick --hosts``): every check of the one-host run holds
+there too, and a read that ended after its lease must be refused. The report is printed
+(``pytest -s``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from kvcompose.e2e.hosts import unavailable
 from kvcompose.e2e.node import EngineNode
 from kvcompose.soak.plan import QUICK
 from kvcompose.soak.run import run
@@ -20,10 +26,13 @@ pytestmark = pytest.mark.engine
 
 
 def test_the_short_soak_passes_every_check(tmp_path: Path, baseline: EngineNode) -> None:
-    report = run(QUICK, tmp_path, baseline=baseline)
+    across = unavailable() is None
+    report = run(dataclasses.replace(QUICK, hosts=across), tmp_path, baseline=baseline)
     print("\n" + report.render())
     assert report.problems == []
     assert report.requests["answered"] > QUICK.requests // 2
     assert sum(report.hang_ups.values()) == report.requests["hung-up"]
     assert report.comparison.compared == QUICK.sample
     assert report.prefill_held_after_decode_kill > 0  # the prefill held blocks for the dead decode
+    if across:
+        assert any("link restored" in e for e in report.events) and any("serves again" in e for e in report.events)

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("kvcompose.nixl")
+#: Under vLLM's logger, whose INFO lines reach the server's log.
+vllm_log = logging.getLogger("vllm.kvcompose.nixl")
 
 #: vLLM's ``kv_transfer_params`` key for the end of a lease on the sender's blocks
 #: (``nixl/metadata.py``: read into ``RemoteMeta.blocks_expiry_time``).
@@ -50,6 +52,9 @@ EXPIRY_KEY = "remote_blocks_expiry_time"
 #: How the decode's log starts the line of a read it refused (the soak matches it with the
 #: prefill's ``Potentially invalid KV blocks`` line for the same request).
 REFUSED = "NIXL read refused:"
+#: How the decode's log starts the line of a read vLLM did not make but notified the prefill of
+#: (an abort before the read, a full local hit): a late notification of it freed nothing read.
+RELEASED = "NIXL release without a read:"
 #: A heartbeat counts only when known to have arrived this long before the lease's end known then:
 #: the prefill's worker reads it at its next step, which must come before that step reaps the lease.
 HEARTBEAT_MARGIN_S = 2.0
@@ -122,8 +127,10 @@ class LeaseWatch:
             now = time.perf_counter()
             for req_id, meta in metadata.reqs_to_recv.items():
                 remote = meta.remote
-                # A read of no block only notifies the prefill: no round trip, nothing computed.
-                if remote is None or not any(meta.local_block_ids):
+                if remote is None:
+                    continue
+                if not any(meta.local_block_ids):  # only notifies the prefill: no round trip, nothing computed
+                    vllm_log.info("%s %s (prefill request %s)", RELEASED, req_id, remote.request_id)
                     continue
                 self._posted[req_id] = (remote.engine_id, now)
                 if remote.blocks_expiry_time is not None:

@@ -4,17 +4,21 @@ link cut, and with a real prefill instance."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import pytest
+from vllm.v1.request import RequestStatus
 
+from kvcompose.e2e.load import RELEASED_UNREAD
 from kvcompose.testing.fake_nixl import FakeNixl, nixl_worker
 from kvcompose.testing.harness import make_request, prefill_request
 from kvcompose.testing.prefill_process import PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
+from kvcompose_nixl.lease import RELEASED
 from kvcompose_nixl.testing import LateListener, pulled
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
@@ -73,6 +77,29 @@ def test_heartbeats_sent_while_the_link_is_cut_do_not_extend_the_lease(fake_nixl
     assert out.failed_recving == {dreq.request_id} and len(out.invalid_block_ids) == 3  # recomputed, not used
     watch = d.child("pd").leases
     assert watch is not None and watch.late_reads == 1
+
+
+def test_a_request_aborted_before_its_read_is_logged_as_released_without_a_read(
+    fake_nixl: FakeNixl, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM only notifies the prefill of a decode request aborted before its read; the prefill
+    logs that notification as a read of released blocks when it comes after the lease (a cut
+    link), so the decode's log names it as no read (what the soak and the link-cut drive match)."""
+    p, d = fake_nixl.pair(composition("producer", 5803), composition("consumer", 5804))
+    req = prefill_request(3 * BLOCK, block_size=BLOCK)
+    p.scheduler.add_request(req)
+    _, eco = p.engine_step()
+    (out,) = [o for e in eco.values() for o in e.outputs]
+    dreq = make_request(
+        3 * BLOCK, block_size=BLOCK, prompt=req.prompt_token_ids, kv_transfer_params=out.kv_transfer_params
+    )
+    d.scheduler.add_request(dreq)
+    d.scheduler.finish_requests(dreq.request_id, RequestStatus.FINISHED_ABORTED)
+    with caplog.at_level(logging.INFO, logger="vllm.kvcompose.nixl"):
+        d.engine_step()
+    (line,) = [r.getMessage() for r in caplog.records if RELEASED in r.getMessage()]
+    assert line == f"{RELEASED} {dreq.request_id} (prefill request {req.request_id})"
+    assert RELEASED_UNREAD.findall(line) == [req.request_id]
 
 
 def prompt_of(seed: int, blocks: int) -> list[int]:
