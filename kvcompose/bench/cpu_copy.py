@@ -52,7 +52,7 @@ import torch
 
 from kvcompose.bench.measure import interleave, pick, ratio, repeats_for
 from kvcompose.bench.report import AllTargets, Case, CaseTarget, Result
-from kvcompose.host_memory import huge_page_buffer
+from kvcompose_cpu_offload.host_memory import huge_page_buffer
 
 KIB = 1024
 MIB = 1024 * KIB
