@@ -30,10 +30,12 @@ test: setup lint
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
 	KVCOMPOSE_SPREAD_ENGINE_THREADS=1 $(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tests/engine plugins $(PYTEST_ARGS)
 
-# ruff's linter and formatter, configured in pyproject.toml; `make test` runs this first.
+# ruff's linter and formatter, and the layer contracts (lint-imports: an import the wrong way
+# fails), all configured in pyproject.toml; `make test` runs this first.
 lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/lint-imports --no-cache
 
 # Benchmarks (docs/performance.md): `make bench BENCH_ARGS=--quick` for the 2-minute run.
 bench: setup
@@ -43,5 +45,5 @@ bench: setup
 # against the next wheel's base.py (parsed, in .venv), then NEXT_SUITES without engines on vLLM
 # 0.33 (CUDA torch on a CPU: VLLM_TARGET_DEVICE picks vLLM's CPU platform).
 test-vllm-next: setup setup-next
-	$(PY) -m pytest -q -p no:cacheprovider tests/cli/test_vllm_surface.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/adapter/test_vllm_surface.py $(PYTEST_ARGS)
 	VLLM_TARGET_DEVICE=cpu .venv-next/bin/python -m pytest -q -p no:cacheprovider -m "not engine" $(NEXT_DESELECT) $(NEXT_SUITES) $(PYTEST_ARGS)

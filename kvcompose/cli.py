@@ -74,7 +74,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.file}: {line}")
     for line in plan.explain():
         print("  " + line)
-    from kvcompose.sleep_mode import sleep_mode_line  # imports vLLM only where it has sleep mode
+    from kvcompose.vllm.sleep_mode import sleep_mode_line  # imports vLLM only where it has sleep mode
 
     print("  " + sleep_mode_line(plan))
     return 0
@@ -180,7 +180,7 @@ def _write_new(target: str, text: str, force: bool) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from kvcompose import migrate
+    from kvcompose.vllm import migrate
 
     text, origin = _import_source(args.source)
     cfg = migrate.parse(text, origin)

@@ -7,7 +7,7 @@
 # libraries): it imports and computes on a CPU. vLLM then finds no platform; the Makefile sets
 # VLLM_TARGET_DEVICE=cpu, which picks the CPU platform. NIXL picks its build by torch's CUDA
 # version, so here it is nixl-cu13. The vLLM wheel is kept in .venv-next/wheels: the surface
-# test reads its base.py (tests/cli/test_vllm_surface.py).
+# test reads its base.py (tests/adapter/test_vllm_surface.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVCOMPOSE_VENV_NEXT:-.venv-next}

@@ -16,8 +16,9 @@ Baselines, in the same run and interleaved:
 * ``per-block copy loop``: ``dst[d].copy_(src[s])`` per block and layer region, the obvious
   torch loop.
 
-The worker comes from the installed ``cpu-offload`` connector type (its ``portable_worker()``),
-not from an import: the core reaches plugins only through what they register.
+The worker comes from the installed ``cpu-offload`` connector type (its ``portable_worker()``,
+and the disk baseline's buffer its ``huge_page_buffer()``), not from an import: the core reaches
+plugins only through what they register.
 
 Two block-id patterns: ``scattered`` (random ids on both sides: a fragmented pool) and
 ``consecutive`` (one run of ids on each side, what a fresh pool hands out).
@@ -52,7 +53,6 @@ import torch
 
 from kvcompose.bench.measure import interleave, pick, ratio, repeats_for
 from kvcompose.bench.report import AllTargets, Case, CaseTarget, Result
-from kvcompose.host_memory import huge_page_buffer
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -96,17 +96,22 @@ def _label(size: int) -> str:
     return f"{size // KIB} KiB" if size < MIB else f"{size // MIB} MiB"
 
 
-def portable_worker(vllm_config: Any, kv_cache_config: Any, cpu_bytes: int, **options: Any) -> Any:
-    """The installed ``cpu-offload`` type's portable worker; a clear error without the plugin."""
+def _cpu_offload(name: str) -> Any:
+    """A method of the installed ``cpu-offload`` type; a clear error without the plugin."""
     from kvcompose.plugins import get_plugins
 
-    make = getattr(get_plugins().connector_types.get("cpu-offload"), "portable_worker", None)
-    if make is None:
+    found = getattr(get_plugins().connector_types.get("cpu-offload"), name, None)
+    if found is None:
         raise RuntimeError(
             "cpu_copy measures the cpu-offload plugin's portable worker: install kvcompose-cpu-offload "
             "(plugins/cpu_offload) and leave it enabled in KVCOMPOSE_PLUGINS"
         )
-    return make(vllm_config, kv_cache_config, cpu_bytes, **options)
+    return found
+
+
+def portable_worker(vllm_config: Any, kv_cache_config: Any, cpu_bytes: int, **options: Any) -> Any:
+    """The installed ``cpu-offload`` type's portable worker."""
+    return _cpu_offload("portable_worker")(vllm_config, kv_cache_config, cpu_bytes, **options)
 
 
 @contextmanager
@@ -398,7 +403,7 @@ def _disk_sweep(
     plain = os.path.join(tmp, "sequential.bin")
     fd = os.open(plain, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
     small_pages = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT wants
-    bufs = {FILE_IO: huge_page_buffer(nbytes), FILE_IO_SMALL_PAGES: memoryview(small_pages)}
+    bufs = {FILE_IO: _cpu_offload("huge_page_buffer")(nbytes), FILE_IO_SMALL_PAGES: memoryview(small_pages)}
     data = os.urandom(min(nbytes, MIB)) * (nbytes // min(nbytes, MIB))
     for view in bufs.values():
         view[:] = data

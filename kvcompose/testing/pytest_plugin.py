@@ -16,10 +16,8 @@ Fixtures:
 ``kvcompose_worker``
     Factory: ``kvcompose_worker(yaml_text_or_path_or_kv_transfer_config, num_layers=2, ...)``
     -> a :class:`kvcompose.testing.worker.WorkerHarness`; shut down after the test.
-``fake_nixl``
-    vLLM's NIXL worker talks to a :class:`kvcompose.testing.fake_nixl.FakeNixlAgent` instead
-    of the real agent during this test; the fixture's value controls the fakes, and its
-    ``pair()`` gives a handshaken producer and consumer worker (shut down after the test).
+
+The nixl plugin adds its own fixtures (``fake_nixl``: :mod:`kvcompose_nixl.testing.pytest_plugin`).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvcompose.plugins import Plugins
-    from kvcompose.testing.fake_nixl import FakeNixl
     from kvcompose.testing.worker import WorkerHarness
 
 
@@ -77,14 +74,3 @@ def kvcompose_worker(kvcompose_plugins: Plugins) -> Iterator[Callable[..., Worke
     yield make
     for h in made:
         h.shutdown()
-
-
-@pytest.fixture
-def fake_nixl(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNixl]:
-    """Swap the NIXL agent vLLM's NIXL worker creates for the kit's fake, for this test."""
-    from kvcompose.testing.fake_nixl import FakeNixl
-
-    fake = FakeNixl()
-    fake.install(monkeypatch)
-    yield fake
-    fake.close()

@@ -51,13 +51,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcompose.testing.host_buffer import CopyLog, host_buffer_platform, record_receivers
+from kvcompose.testing.copy_op import CopyLog, record_receivers
 from kvcompose.testing.kv import CPU_LAYOUT, EngineKV, make_engine_kv, pattern_for
 
 if TYPE_CHECKING:
@@ -123,12 +123,11 @@ class WorkerHarness:
     Workers that check the attention kernel's block size (NIXL's) need ``block_size=32`` (a
     multiple of 32: vLLM's CPU attention backend); build requests with the same block size.
 
-    With ``host_buffer`` vLLM's NIXL workers and schedulers built here take the host-buffer path
-    of an accelerator NIXL cannot register (the TPU path), with this harness's KV caches standing
-    for device memory (:mod:`kvcompose.testing.host_buffer`: what is real, what is simulated,
-    and the lines of vLLM that decide it); the copy op is then a :class:`CopyLog` around vLLM's
-    ``copy_kv_blocks`` (:attr:`copy_op`), and :attr:`host_buffer_ops_to` names the connectors
-    it was handed to.
+    ``platform`` is entered before the connector is built and left at :meth:`shutdown` (a
+    stand-in for vLLM's platform, as the nixl plugin's ``host_buffer_setting()`` gives for vLLM's
+    NIXL host-buffer path). ``copy_op`` is what :meth:`register` hands over (default vLLM's
+    ``copy_kv_blocks``); with a :class:`~kvcompose.testing.copy_op.CopyLog`,
+    :attr:`host_buffer_ops_to` names the connectors it was handed to.
     """
 
     def __init__(
@@ -144,7 +143,8 @@ class WorkerHarness:
         layout: str = CPU_LAYOUT,
         sliding_window: int | None = None,
         register: bool = True,
-        host_buffer: bool = False,
+        platform: AbstractContextManager[Any] | None = None,
+        copy_op: CopyBlocksOp | None = None,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -168,11 +168,11 @@ class WorkerHarness:
         ensure_single_rank_distributed(vllm_config)
         # Open for the connectors' whole life: they read the platform again when they copy.
         self._platform = ExitStack()
-        if host_buffer:
-            self._platform.enter_context(host_buffer_platform())
-        #: The copy op :meth:`register` hands over: vLLM's ``copy_kv_blocks``, logged with ``host_buffer``.
-        self.copy_op: CopyBlocksOp = CopyLog() if host_buffer else _vllm_copy_op()
-        #: With ``host_buffer``: the connectors (children, by name) the copy op was handed to.
+        if platform is not None:
+            self._platform.enter_context(platform)
+        #: The copy op :meth:`register` hands over: vLLM's ``copy_kv_blocks`` unless given.
+        self.copy_op: CopyBlocksOp = _vllm_copy_op() if copy_op is None else copy_op
+        #: With a :class:`CopyLog`: the connectors (children, by name) the copy op was handed to.
         self.host_buffer_ops_to: list[str] | None = None
         cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
         #: The worker-role connector under test.
@@ -443,7 +443,9 @@ class WorkerHarness:
             buffers = getattr(getattr(child, "connector_worker", None), "host_xfer_buffers", None)
             if buffers:
                 return dict(buffers)
-        raise ValueError("no worker here has a host transfer buffer (build the harness with host_buffer=True)")
+        raise ValueError(
+            "no worker here has a host transfer buffer (build the harness with the nixl plugin's host_buffer_setting())"
+        )
 
     def _forward_writer(self, out: SchedulerOutput, then: LayerWrite | None) -> LayerWrite:
         """The per-layer write of :meth:`engine_step`'s ``write_blocks`` for one scheduler output.

@@ -25,8 +25,6 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from kvcompose.catalog import Plan
 from kvcompose.compose import build
 from kvcompose.config import to_builtins
-from kvcompose.migrate import announce_dropin, is_dropin, source
-from kvcompose.migrate import child_configs as listed_configs
 from kvcompose.rules.checks import layout_conflict
 from kvcompose.rules.contract import EngineFacts
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
@@ -34,6 +32,8 @@ from kvcompose.vllm.health import ChildStatePromMetrics
 from kvcompose.vllm.loadstats import STATS_KEY as LOADS_KEY
 from kvcompose.vllm.loadstats import ChildLoadPromMetrics
 from kvcompose.vllm.metadata import ComposedStats
+from kvcompose.vllm.migrate import announce_dropin, is_dropin, source
+from kvcompose.vllm.migrate import child_configs as listed_configs
 from kvcompose.vllm.surface import sleep_mode
 
 #: Under vLLM's logger, whose handler and ``VLLM_LOGGING_LEVEL`` an engine's log already has.

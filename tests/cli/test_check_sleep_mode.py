@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import kvcompose.sleep_mode
+import kvcompose.vllm.sleep_mode
 from kvcompose.cli import main
 from kvcompose.vllm.surface import HAS_SLEEP_MODE
 
@@ -27,7 +27,7 @@ def test_check_names_the_child_without_sleep_mode(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not HAS_SLEEP_MODE:  # vLLM 0.32: check would say its API has none; ask the classes anyway
-        monkeypatch.setattr(kvcompose.sleep_mode, "installed_sleep_api", lambda: True)
+        monkeypatch.setattr(kvcompose.vllm.sleep_mode, "installed_sleep_api", lambda: True)
     path = tmp_path / "compose.yaml"
     path.write_text(COMPOSITION.format(a="true", b="false"))
     assert main(["check", str(path)]) == 0

@@ -246,6 +246,12 @@ def test_the_pytest_plugins_fixtures_in_a_fresh_test_file(venv: Venv) -> None:
     print("\n$ pytest kit-user\n" + out.stdout[-300:])
 
 
+def test_the_nixl_wheel_brings_its_own_fixtures(venv: Venv) -> None:
+    out = venv.run(str(venv.root / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--fixtures")
+    assert re.search(r"^-+ fixtures defined from kvcompose_nixl\.testing\.pytest_plugin -+$", out.stdout, flags=re.M)
+    assert re.search(r"^fake_nixl\b", out.stdout, flags=re.M), out.stdout[-2000:]
+
+
 def _declared_version(distribution: str) -> str:
     """The version a distribution's pyproject.toml takes, from the one place it is written."""
     project = tomllib.loads((SOURCES[distribution] / "pyproject.toml").read_text())["project"]

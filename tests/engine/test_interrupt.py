@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_interrupt import alive, descendants, wait_for
+from tests.e2e.test_interrupt import alive, descendants, wait_for
 
 pytestmark = pytest.mark.engine
 

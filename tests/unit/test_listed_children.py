@@ -14,8 +14,8 @@ import pytest
 from kvcompose.cli import main
 from kvcompose.compose import loads
 from kvcompose.errors import CompositionError
-from kvcompose.migrate import child_configs
 from kvcompose.vllm.args import CHILDREN_KEY, EXTRA_KEY, kv_transfer_config
+from kvcompose.vllm.migrate import child_configs
 
 COMPOSITION = """\
 version: 1

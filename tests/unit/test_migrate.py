@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import yaml
 
-from kvcompose import migrate
 from kvcompose.compose import build
 from kvcompose.config import from_builtins, load_text
 from kvcompose.errors import CompositionError
 from kvcompose.plugins import get_plugins
+from kvcompose.vllm import migrate
 from kvcompose.vllm.args import EXTRA_KEY, kv_transfer_config
 
 #: vLLM, docs/features/disagg_prefill.md ("MultiConnector: ... such as:"), as the page shows it.

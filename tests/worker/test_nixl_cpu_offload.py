@@ -17,7 +17,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
-from kvcompose.testing.fake_nixl import FakeNixl
 from kvcompose.testing.harness import (
     assert_scheduler_empty,
     decode_request,
@@ -27,6 +26,7 @@ from kvcompose.testing.harness import (
 )
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose.vllm.metadata import ComposedMetadata
+from kvcompose_nixl.testing.fake_nixl import FakeNixl
 
 Factory = Callable[..., Any]
 BLOCK = 32  # with workers: the CPU attention kernel's block size, which NIXL's worker checks

@@ -18,10 +18,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request, RequestStatus
 
-from kvcompose.testing.fake_nixl import FakeNixl
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, prefill_request
 from kvcompose.testing.kv import fill_random
 from kvcompose.testing.worker import WorkerHarness
+from kvcompose_nixl.testing.fake_nixl import FakeNixl
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 PORT = 5641  # the prefill instance's side channel; the decode's is the next port

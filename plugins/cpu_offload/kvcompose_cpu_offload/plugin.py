@@ -143,6 +143,13 @@ class CpuOffloadType(ConnectorType):
 
         return PortableSimpleCPUOffloadWorker(vllm_config, kv_cache_config, cpu_capacity_bytes, **options)
 
+    def huge_page_buffer(self, nbytes: int) -> memoryview:
+        """Host memory as the disk backend takes its I/O buffers (:mod:`kvcompose_cpu_offload.host_memory`):
+        ``kvcompose bench cpu-copy``'s sequential-I/O baseline reads and writes from it, through this type."""
+        from kvcompose_cpu_offload.host_memory import huge_page_buffer
+
+        return huge_page_buffer(nbytes)
+
     def describe(self, child: Child) -> str:
         """What the child does, in one sentence (``kvcompose check`` / ``explain``)."""
         opts = child.options_as(CpuOffloadOptions)

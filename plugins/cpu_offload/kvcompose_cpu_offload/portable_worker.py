@@ -58,7 +58,7 @@ from vllm.v1.simple_kv_offload.disk_backend import _ALIGNMENT, O_DIRECT, DiskBac
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
-from kvcompose.host_memory import huge_page_buffer
+from kvcompose_cpu_offload.host_memory import huge_page_buffer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -552,7 +552,7 @@ class HostCopyBackend(CopyThreads):
 
 def alloc_staging(num_slots: int, slot_bytes: int) -> np.ndarray:
     """A ``[num_slots, slot_bytes]`` buffer for ``O_DIRECT`` I/O, in huge pages where the kernel
-    grants them (:func:`kvcompose.host_memory.huge_page_buffer`), touched now so the first
+    grants them (:func:`kvcompose_cpu_offload.host_memory.huge_page_buffer`), touched now so the first
     transfer does not fault it in.
 
     A disk request carries one scatter-gather segment per physically contiguous span of its

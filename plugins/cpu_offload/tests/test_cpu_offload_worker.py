@@ -19,10 +19,10 @@ from vllm.v1.simple_kv_offload.metadata import (
 )
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
-from kvcompose.host_memory import HUGE_PAGE
 from kvcompose.testing.kv import EngineKV, fill_random, make_engine_kv
 from kvcompose_cpu_offload import _streamcopy, portable_worker
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
+from kvcompose_cpu_offload.host_memory import HUGE_PAGE
 from kvcompose_cpu_offload.portable_worker import (
     CompletedEvent,
     HostCopyBackend,

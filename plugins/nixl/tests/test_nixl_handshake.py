@@ -2,7 +2,7 @@
 
 The retry itself runs against real ZMQ sockets (a listener that answers late, or never); the
 tests marked ``engine`` put a listener that answers its first request 7 s late in front of a real
-prefill instance's side channel (:class:`~kvcompose.testing.prefill_process.PrefillProcess`)
+prefill instance's side channel (:class:`~kvcompose_nixl.testing.prefill_process.PrefillProcess`)
 and let vLLM's own NIXL worker on the decode side read the prompt's KV through it, and pair a
 healthy prefill instance with a silent one.
 """
@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import zmq
 
-from kvcompose.testing.prefill_process import PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import HandshakeTimeout, WaitingExecutor, ask_side_channel, patient
-from kvcompose_nixl.testing import LateListener, pulled
+from kvcompose_nixl.testing.prefill_process import PrefillProcess
+from kvcompose_nixl.testing.side_channel import LateListener, pulled
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 TRY_S = 1.0  # the unit tests' stand-in for vLLM's 5 s wait

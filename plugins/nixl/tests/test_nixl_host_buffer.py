@@ -9,9 +9,9 @@ child's stores and loads, vLLM's scheduler on each side. What is simulated: the 
 side's KV cache is host memory standing for accelerator memory, so the device <-> host copies
 are host-to-host copies (the CUDA platform's block copies, which the CPU platform lacks), and
 vLLM's platform is told it is a TPU in the three modules that decide the path
-(:mod:`kvcompose.testing.host_buffer`, whose lines are pinned by ``tests/worker/test_host_buffer.py``).
+(:mod:`kvcompose_nixl.testing.host_buffer`, whose lines are pinned by ``test_nixl_kit_host_buffer.py``).
 
-The prefill instance runs in a spawned process (:class:`~kvcompose.testing.prefill_process.PrefillProcess`);
+The prefill instance runs in a spawned process (:class:`~kvcompose_nixl.testing.prefill_process.PrefillProcess`);
 the decode instance is a worker harness in the test process. The prefill forward is the kit's
 stand-in writer: every block holds bytes derived from its token prefix and layer, so each block
 the decode side ends up with is checked byte for byte, in its KV cache and in its host buffer.
@@ -30,10 +30,11 @@ import torch
 
 from kvcompose.testing.harness import assert_scheduler_empty, make_request
 from kvcompose.testing.kv import fill_random
-from kvcompose.testing.prefill_process import Prefilled, PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
-from kvcompose_nixl.testing import pulled
+from kvcompose_nixl.testing.host_buffer import host_buffer_setting
+from kvcompose_nixl.testing.prefill_process import Prefilled, PrefillProcess
+from kvcompose_nixl.testing.side_channel import pulled
 
 pytestmark = pytest.mark.engine
 
@@ -89,7 +90,7 @@ def decode_side() -> Iterator[Any]:
     made: list[WorkerHarness] = []
 
     def make(source: str) -> WorkerHarness:
-        h = WorkerHarness.from_yaml(source, block_size=BLOCK, num_blocks=NUM_BLOCKS, host_buffer=True)
+        h = WorkerHarness.from_yaml(source, block_size=BLOCK, num_blocks=NUM_BLOCKS, **host_buffer_setting())
         made.append(h)
         return h
 

@@ -12,14 +12,14 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvcompose.e2e.load import RELEASED_UNREAD
-from kvcompose.testing.fake_nixl import FakeNixl, nixl_worker
 from kvcompose.testing.harness import make_request, prefill_request
-from kvcompose.testing.prefill_process import PrefillProcess
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.lease import RELEASED
-from kvcompose_nixl.testing import LateListener, pulled
+from kvcompose_nixl.testing.fake_nixl import FakeNixl, nixl_worker
+from kvcompose_nixl.testing.prefill_process import PrefillProcess
+from kvcompose_nixl.testing.side_channel import LateListener, pulled
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 LEASE_S = 2

@@ -20,7 +20,7 @@ For a P/D test, :meth:`FakeNixl.pair` builds a producer and a consumer worker ha
 in process what vLLM's ZMQ side-channel handshake does, so the consumer's READs reach the
 producer's KV.
 
-``kvcompose.testing``'s tests pin the methods and signatures here to the real ``nixl_agent``
+The nixl plugin's tests (``test_nixl_kit_fake_agent.py``) pin the methods and signatures here to the real ``nixl_agent``
 and to every ``nixl_wrapper`` call that vLLM's NIXL worker makes.
 """
 
@@ -134,6 +134,7 @@ class FakeNixl:
         consumer: str | Path | dict[str, Any] = CONSUMER,
         *,
         block_size: int = 32,
+        host_buffer: bool = False,
         **kw: Any,
     ) -> tuple[WorkerHarness, WorkerHarness]:
         """A prefill-side and a decode-side worker harness, handshaken (consumer knows producer).
@@ -142,16 +143,15 @@ class FakeNixl:
         ``nixl`` child; ``kw`` goes to both :class:`WorkerHarness` constructors. Install the fake
         first (the ``fake_nixl`` fixture does); :meth:`close` (the fixture's teardown) shuts the
         harnesses down. ``block_size`` defaults to 32, the CPU attention kernel's block size that
-        NIXL's worker checks.
+        NIXL's worker checks; ``host_buffer`` puts both on vLLM's host-buffer path
+        (:func:`~kvcompose_nixl.testing.host_buffer.host_buffer_setting`).
         """
         from kvcompose.testing.worker import WorkerHarness
+        from kvcompose_nixl.testing.host_buffer import host_buffer_setting
 
         def build(source: str | Path | dict[str, Any]) -> WorkerHarness:
-            h = (
-                WorkerHarness(source, block_size=block_size, **kw)
-                if isinstance(source, dict)
-                else WorkerHarness.from_yaml(source, block_size=block_size, **kw)
-            )
+            both = {"block_size": block_size, **kw, **(host_buffer_setting() if host_buffer else {})}
+            h = WorkerHarness(source, **both) if isinstance(source, dict) else WorkerHarness.from_yaml(source, **both)
             self._harnesses.append(h)
             return h
 

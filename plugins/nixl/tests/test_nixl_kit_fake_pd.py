@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvcompose.testing.fake_nixl import CONSUMER, PRODUCER, FakeNixl, nixl_worker
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, prefill_request
 from kvcompose.testing.kv import fill_random
 from kvcompose.testing.worker import WorkerHarness
+from kvcompose_nixl.testing.fake_nixl import CONSUMER, PRODUCER, FakeNixl, nixl_worker
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 PROMPT = 3 * BLOCK

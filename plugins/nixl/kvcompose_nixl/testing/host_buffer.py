@@ -33,7 +33,7 @@ attribute but ``device_type`` (``"tpu"``: the platform whose only NIXL buffer is
 platform's own functions compiled from vLLM's source (:func:`vllm_block_copies`: that module does
 not import without CUDA). Everything else runs unchanged: vLLM's NIXL worker and scheduler code
 (host buffer allocation and registration, the save and receive paths, the side-channel
-handshake), vLLM's ``copy_kv_blocks``, and NIXL itself. ``tests/worker/test_host_buffer.py``
+handshake), vLLM's ``copy_kv_blocks``, and NIXL itself. ``plugins/nixl/tests/test_nixl_kit_host_buffer.py``
 pins every line named here.
 
 What is simulated: the "device". The KV cache the worker is given is host memory that stands for
@@ -45,11 +45,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
+
+from kvcompose.testing.copy_op import CopyLog
 
 #: The modules that read ``current_platform`` on the host-buffer path (see the module docstring).
 PLATFORM_READERS = (
@@ -89,7 +90,7 @@ def vllm_block_copies(module: str = COPIES_FROM, names: tuple[str, ...] = BLOCK_
     if wrong:
         raise RuntimeError(
             f"host buffer: expected one definition each of {list(names)} in {spec.origin}, found {wrong}; "
-            "the kit's stand-in platform needs vLLM's block copies (kvcompose/testing/host_buffer.py)"
+            "the kit's stand-in platform needs vLLM's block copies (kvcompose_nixl/testing/host_buffer.py)"
         )
     defs = [found[name][0] for name in names]
     for d in defs:
@@ -153,63 +154,11 @@ def host_buffer_platform() -> Iterator[HostBufferPlatform]:
                 m.current_platform = _originals.pop(m.__name__)  # type: ignore[attr-defined]
 
 
-@dataclass(frozen=True)
-class Copy:
-    """One call of the host-buffer copy op."""
+def host_buffer_setting() -> dict[str, Any]:
+    """The :class:`~kvcompose.testing.worker.WorkerHarness` keywords that put vLLM's NIXL workers
+    on the host-buffer path: ``WorkerHarness(cfg, **host_buffer_setting())``.
 
-    direction: Literal["h2d", "d2h"]
-    #: Block ids copied (source ids; vLLM's NIXL worker copies each block to the same id).
-    blocks: tuple[int, ...]
-    #: Bytes copied over every layer.
-    nbytes: int
-
-
-@dataclass
-class CopyLog:
-    """vLLM's ``copy_kv_blocks`` (the op the model runner hands over), counting what it copies.
-
-    The copy itself is vLLM's; the log records each call, so a test can tell which blocks went
-    device -> host on the prefill side and host -> device on the decode side.
+    The stand-in platform (:func:`host_buffer_platform`, open for the harness's life) and a
+    :class:`~kvcompose.testing.copy_op.CopyLog` as the copy op; fresh ones on every call.
     """
-
-    copies: list[Copy] = field(default_factory=list)
-
-    def __call__(
-        self,
-        src_kv_caches: dict[str, torch.Tensor],
-        dst_kv_caches: dict[str, torch.Tensor],
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        direction: Literal["h2d", "d2h"],
-    ) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
-
-        copy_kv_blocks(src_kv_caches, dst_kv_caches, src_block_ids, dst_block_ids, direction)
-        per_block = sum(t[0].nbytes for t in src_kv_caches.values())
-        self.copies.append(Copy(direction, tuple(src_block_ids), per_block * len(src_block_ids)))
-
-    def blocks(self, direction: Literal["h2d", "d2h"]) -> list[int]:
-        """Every block copied in ``direction``, in call order."""
-        return [b for c in self.copies if c.direction == direction for b in c.blocks]
-
-    def nbytes(self, direction: Literal["h2d", "d2h"]) -> int:
-        return sum(c.nbytes for c in self.copies if c.direction == direction)
-
-
-def record_receivers(connectors: dict[str, Any], method: str = "set_host_xfer_buffer_ops") -> list[str]:
-    """Wrap ``method`` on each of ``connectors`` (name -> connector, as an instance attribute):
-    the returned list fills with the names of those it is called on, and each call goes on to
-    the connector's own method.
-
-    The composite resolves a child's method when it first forwards that call, so wrap before it.
-    """
-    received: list[str] = []
-    for name, child in connectors.items():
-        own = getattr(child, method)
-
-        def spy(*args: Any, _own: Any = own, _name: str = name, **kwargs: Any) -> Any:
-            received.append(_name)
-            return _own(*args, **kwargs)
-
-        setattr(child, method, spy)
-    return received
+    return {"platform": host_buffer_platform(), "copy_op": CopyLog()}

@@ -7,7 +7,7 @@ same classes, so it says before the engine starts which child stands in the way.
 
 vLLM is imported only when its connector API has sleep mode (read from its ``base.py``,
 :func:`kvcompose.versions.connector_api`), and then in a child process (``python -m
-kvcompose.sleep_mode``): vLLM and torch log to stdout and stderr as they import, and ``check``'s
+kvcompose.vllm.sleep_mode``): vLLM and torch log to stdout and stderr as they import, and ``check``'s
 output is the plan alone. On vLLM 0.32 ``check`` stays as fast as before. A ``vllm`` child whose
 module ``check`` does not import (:func:`kvcompose.generic.unverified`) is not asked either.
 """
@@ -52,7 +52,7 @@ def ask_children(plan: Plan, skip: tuple[str, ...] = ()) -> dict[str, bool]:
     """Each child's answer (but ``skip``'s), from its vLLM connector class, asked in a child process."""
     request = json.dumps({c.name: c.vllm_config() for c in plan.children if c.name not in skip})
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcompose.sleep_mode"],
+        [sys.executable, "-m", "kvcompose.vllm.sleep_mode"],
         input=request,
         capture_output=True,
         text=True,
@@ -87,7 +87,7 @@ def sleep_mode_line(plan: Plan) -> str:
 
 
 def _main() -> None:
-    """``python -m kvcompose.sleep_mode``: for the children's vLLM configs on stdin (name ->
+    """``python -m kvcompose.vllm.sleep_mode``: for the children's vLLM configs on stdin (name ->
     config), each class's answer, as JSON on stdout."""
     request = json.load(sys.stdin)
     from vllm.config.kv_transfer import KVTransferConfig

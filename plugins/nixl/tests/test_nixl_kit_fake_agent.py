@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcompose.testing.fake_nixl import PATCH_TARGET, FakeNixl, FakeNixlAgent, FakeNixlError
+from kvcompose_nixl.testing.fake_nixl import PATCH_TARGET, FakeNixl, FakeNixlAgent, FakeNixlError
 
 
 def _vllm_nixl_calls() -> set[str]:

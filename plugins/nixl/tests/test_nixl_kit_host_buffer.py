@@ -1,7 +1,7 @@
-"""The kit's host-buffer setting (``WorkerHarness(host_buffer=True)``), pinned to vLLM's surface.
+"""The host-buffer setting (``WorkerHarness(cfg, **host_buffer_setting())``), pinned to vLLM's surface.
 
 vLLM's NIXL worker turns its host-buffer path off on the CPU platform, and vLLM's copy op cannot
-copy there (:mod:`kvcompose.testing.host_buffer` names the lines). The kit changes the platform
+copy there (:mod:`kvcompose_nixl.testing.host_buffer` names the lines). The kit changes the platform
 seen by the three modules that decide it, and nothing else. These tests fail when vLLM moves or
 changes what the kit relies on: the decision, the modules that read the platform, the copy
 functions the stand-in carries. Then the setting is exercised with the fake NIXL agent (fast, one
@@ -25,20 +25,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler, ba
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nixl_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import _NIXL_SUPPORTED_DEVICE
 
-from kvcompose.testing.fake_nixl import FakeNixl, nixl_worker
+from kvcompose.testing.copy_op import CopyLog
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, prefill_request
-from kvcompose.testing.host_buffer import (
+from kvcompose.testing.kv import fill_random
+from kvcompose.testing.worker import WorkerHarness
+from kvcompose_nixl.testing.fake_nixl import FakeNixl, nixl_worker
+from kvcompose_nixl.testing.host_buffer import (
     BLOCK_COPIES,
     COPIES_FROM,
     DEVICE_TYPE,
     PLATFORM_READERS,
-    CopyLog,
     HostBufferPlatform,
     host_buffer_platform,
+    host_buffer_setting,
     vllm_block_copies,
 )
-from kvcompose.testing.kv import fill_random
-from kvcompose.testing.worker import WorkerHarness
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 NIXL_PACKAGE = Path(base_worker.__file__).parent
@@ -188,7 +189,7 @@ def _registered(fake: FakeNixl, h: WorkerHarness) -> set[int]:
 
 @pytest.mark.parametrize("host_buffer", [True, False])
 def test_the_setting_turns_vllms_host_buffer_path_on_and_only_it(fake_nixl: FakeNixl, host_buffer: bool) -> None:
-    h = WorkerHarness(PRODUCER, block_size=BLOCK, host_buffer=host_buffer)
+    h = WorkerHarness(PRODUCER, block_size=BLOCK, **(host_buffer_setting() if host_buffer else {}))
     try:
         w = nixl_worker(h)
         assert w.use_host_buffer is host_buffer

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcompose.host_memory import HUGE_PAGE, huge_page_buffer
+from kvcompose_cpu_offload.host_memory import HUGE_PAGE, huge_page_buffer
 
 
 def test_a_huge_page_buffer_is_zeroed_writable_and_starts_on_a_huge_page() -> None:

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvcompose.testing.host_buffer import Copy
+    from kvcompose.testing.copy_op import Copy
     from kvcompose.testing.worker import WorkerHarness
 
 
@@ -73,8 +73,9 @@ class PrefillProcess:
     """A prefill-side worker harness in a spawned process (see the module docstring).
 
     ``source`` is a composition (YAML text) with a ``nixl`` producer child; ``harness_kw`` go to
-    the harness (``block_size=32`` for NIXL's worker, ``host_buffer=True`` for the host-buffer
-    path). Raises ``RuntimeError`` with the child's traceback when the process fails a command.
+    the harness (``block_size=32`` for NIXL's worker), and ``host_buffer=True`` puts it on the
+    host-buffer path (:func:`~kvcompose_nixl.testing.host_buffer.host_buffer_setting`). Raises
+    ``RuntimeError`` with the child's traceback when the process fails a command.
     """
 
     def __init__(self, source: str, *, timeout_s: float = 180.0, **harness_kw: Any) -> None:
@@ -134,7 +135,7 @@ class PrefillProcess:
 
 
 def _copies_since(h: WorkerHarness, seen: int) -> tuple[Copy, ...]:
-    from kvcompose.testing.host_buffer import CopyLog
+    from kvcompose.testing.copy_op import CopyLog
 
     return tuple(h.copy_op.copies[seen:]) if isinstance(h.copy_op, CopyLog) else ()
 
@@ -144,7 +145,7 @@ def _copies_so_far(h: WorkerHarness) -> int:
 
 
 def _started(h: WorkerHarness) -> Started:
-    from kvcompose.testing.fake_nixl import nixl_worker
+    from kvcompose_nixl.testing.fake_nixl import nixl_worker
 
     w = nixl_worker(h)
     ops_to = None if h.host_buffer_ops_to is None else tuple(h.host_buffer_ops_to)
@@ -152,8 +153,8 @@ def _started(h: WorkerHarness) -> Started:
 
 
 def _prefill(h: WorkerHarness, prompt: list[int], request_id: str) -> Prefilled:
-    from kvcompose.testing.fake_nixl import nixl_worker
     from kvcompose.testing.harness import prefill_request
+    from kvcompose_nixl.testing.fake_nixl import nixl_worker
 
     block = h.vllm_config.cache_config.block_size
     seen = _copies_so_far(h)
@@ -190,7 +191,10 @@ def _serve(conn: Connection, source: str, harness_kw: dict[str, Any]) -> None:
     h = None
     try:
         from kvcompose.testing.worker import WorkerHarness
+        from kvcompose_nixl.testing.host_buffer import host_buffer_setting
 
+        if harness_kw.pop("host_buffer", False):  # built here: the platform and the copy log do not pickle
+            harness_kw.update(host_buffer_setting())
         h = WorkerHarness.from_yaml(source, **harness_kw)
         h.publish_handshake()
         conn.send(("ok", _started(h)))
