@@ -270,3 +270,17 @@ def test_a_target_without_a_figure_is_no_figure_never_met(tmp_path: Path) -> Non
     assert AllTargets("<=", 1.0, "kvcompose", "MultiConnector", (met, missing)).verdict(ratios) is None
     missed = CaseTarget("<=", 0.5, "kvcompose", "MultiConnector", "16 reqs")
     assert AllTargets("<=", 1.0, "kvcompose", "MultiConnector", (missed, missing)).verdict(ratios) is False
+
+
+def test_the_scheduler_step_target_is_1_03_up_to_16_requests_and_1_01_from_128() -> None:
+    from kvcompose.bench.measure import Ratio
+    from kvcompose.bench.scheduler_step import step_target
+
+    def ratios(**by_size: float) -> list[Ratio]:
+        return [Ratio(f"{n} reqs", "kvcompose", "MultiConnector", v, v, False) for n, v in by_size.items()]
+
+    target = step_target((1, 16, 128, 1024))
+    assert target.verdict(ratios(**{"1": 1.029, "16": 1.02, "128": 1.01, "1024": 0.99})) is True
+    assert target.verdict(ratios(**{"1": 1.031, "16": 1.0, "128": 1.0, "1024": 1.0})) is False
+    assert target.verdict(ratios(**{"1": 1.0, "16": 1.0, "128": 1.02, "1024": 1.0})) is False
+    assert target.verdict(ratios(**{"1": 1.0, "16": 1.0, "128": 1.0})) is None  # 1024 not measured: no figure
