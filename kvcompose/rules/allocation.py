@@ -35,9 +35,9 @@ class Progress(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made once per allocation, and a frozen one costs more to make
 class Split:
-    """The rule's answer at a request's first ``update_state_after_alloc``."""
+    """The rule's answer at a request's first ``update_state_after_alloc`` (read, never changed)."""
 
     #: ``LoadRule.allocate``'s contributions: every part of the load, deferred ones included.
     contributions: tuple[Contribution, ...]
