@@ -1,8 +1,8 @@
 """kvcompose: compose vLLM KV-cache connectors from YAML, under declared rules, through plugins.
 
-Plugins import :data:`hookimpl` to mark their hook implementations::
+Plugins import :data:`hookimpl`, and everything else they need, from :mod:`kvcompose.api`::
 
-    from kvcompose import hookimpl
+    from kvcompose.api import hookimpl
 
     @hookimpl
     def kvcompose_connector_types():

@@ -1,7 +1,8 @@
 """Hook specifications: the whole contract between kvcompose and its plugins.
 
 A plugin is a module (or object) with functions named like the hooks below, each marked with
-``@kvcompose.hookimpl``. Third-party plugins are found through the ``kvcompose`` entry-point
+``@hookimpl`` (``from kvcompose.api import hookimpl``: :mod:`kvcompose.api` is all a plugin
+imports from kvcompose). Third-party plugins are found through the ``kvcompose`` entry-point
 group; kvcompose's own rules and checks are plugins registered the same way.
 
 Every hook here runs when a composition is *built* (``kvcompose check``, ``vllm-args``, or
@@ -40,7 +41,7 @@ hookspec = pluggy.HookspecMarker(NAME)
 def kvcompose_connector_types() -> Iterable[ConnectorType]:
     """Contribute connector types: the values a composition may give as ``type:``.
 
-    :return: :class:`kvcompose.catalog.ConnectorType` instances.
+    :return: :class:`~kvcompose.api.ConnectorType` instances.
 
     Results combine by concatenation, plugin by plugin in registration order (built-ins, then
     entry points, then plugins registered at run time); each type is listed under its plugin by
@@ -60,7 +61,7 @@ def kvcompose_rules() -> Iterable[Rule]:
     """Contribute rules: named policies for one kind of engine call (``load``, ``store``,
     ``metadata``, ``params``, ``completion``, ``faults``).
 
-    :return: :class:`kvcompose.catalog.Rule` objects. A composition selects one rule per kind
+    :return: :class:`~kvcompose.api.Rule` objects. A composition selects one rule per kind
         by name under ``rules:``; the rule's ``build`` runs once per composition.
 
     Results combine as for :func:`kvcompose_connector_types`: concatenated plugin by plugin, each
@@ -79,11 +80,12 @@ def kvcompose_check(plan: Plan) -> Iterable[Problem] | None:
     """Inspect a resolved plan and report what is wrong with it across children.
 
     Called after every child's type and options and every rule were resolved. Per-child checks
-    belong in :meth:`ConnectorType.check`; this hook is for rules that span children (one
-    host-buffer owner, ``kv_transfer_params`` keys owned twice, ...).
+    belong in :meth:`ConnectorType.check`, and what one rule needs of the children in that
+    rule's own ``check`` (:class:`~kvcompose.api.ChecksPlan`); this hook is for checks that span
+    children (one host-buffer owner, one P/D transport, ...).
 
     :param plan: the call plan, read-only.
-    :return: :class:`kvcompose.errors.Problem` objects, each with the document path it is
+    :return: :class:`~kvcompose.api.Problem` objects, each with the document path it is
         about, so the user sees ``FILE:LINE:COL``. Return nothing when all is well.
 
     Results combine by concatenation: one hook call runs every implementation (pluggy's order,

@@ -10,6 +10,10 @@ module         built-in rules                       Protocol their ``build`` ret
 ``params``     ``owners``, ``strict``               :class:`~.contract.ParamsRule`
 ``completion`` ``owner``                            :class:`~.contract.CompletionRule`
 ``faults``     ``fail``, ``isolate``                :class:`~.contract.FaultsRule`
-``checks``     cross-child checks (``kvcompose_check``)
+``checks``     cross-child checks (``kvcompose_check``), a rule's own (:class:`~.checks.ChecksPlan`)
 =============  ===================================  ========================================
+
+``allocation`` puts a load rule's decisions together between lookup and load (the split at
+``update_state_after_alloc``, a mixed load's deferred part); ``children`` holds the child-index
+helpers for rules that name children. Plugins import all of this through :mod:`kvcompose.api`.
 """

@@ -1,12 +1,33 @@
-"""Built-in cross-child checks (``kvcompose_check``)."""
+"""Built-in cross-child checks (``kvcompose_check``), and each rule's own check of the plan
+(:class:`ChecksPlan`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Protocol, runtime_checkable
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Plan
 from kvcompose.errors import Problem
+from kvcompose.rules.contract import RULE_KINDS
+
+
+@runtime_checkable
+class ChecksPlan(Protocol):
+    """Optional, for a rule object of any kind: the rule checks the plan it was built into.
+
+    After every rule was built, kvcompose's own ``kvcompose_check`` calls :meth:`check` on each
+    of the plan's rule objects that has one, in ``RULE_KINDS`` order, so a rule states what it
+    needs of the children itself (``params: owners``: no key owned by two children) and no check
+    asks which rule was chosen. Not part of the kinds' Protocols: a rule object that implements
+    its kind's Protocol without subclassing it stays valid without a ``check``.
+    """
+
+    def check(self, plan: Plan) -> Iterable[Problem]:
+        """Problems of the plan for this rule, each located by its path in the composition
+        document (from the top, e.g. ``("connectors", 1, "type")``); nothing when all is well.
+        A problem with ``warning=True`` is told and the composition still runs."""
+        ...
 
 
 def layout_conflict(layouts: Mapping[str, str | None]) -> str | None:
@@ -37,20 +58,10 @@ def kvcompose_check(plan: Plan) -> list[Problem]:
             problems.append(
                 Problem(f"{c.name} and {claimants[0].name} both {what}", ("connectors", c.index, "type"), fix)
             )
-    if plan.rules["params"].name == "owners":
-        owner: dict[str, str] = {}
-        for c in plan.children:
-            for key in sorted(c.type.param_keys):
-                if key in owner:
-                    problems.append(
-                        Problem(
-                            f"kv_transfer_params key {key!r} is owned by both {owner[key]} and {c.name}",
-                            ("connectors", c.index, "type"),
-                            "compose at most one P/D transport, or use `params: strict` and distinct keys",
-                        )
-                    )
-                    break
-                owner[key] = c.name
+    for kind in RULE_KINDS:  # each rule checks what it needs itself
+        rule = getattr(plan, kind)
+        if isinstance(rule, ChecksPlan):
+            problems.extend(rule.check(plan))
     for c in plan.children:
         needed = c.type.save_hooks_needed(c)
         if needed and c.index not in plan.store.targets:

@@ -67,9 +67,9 @@ class OwnerAccounting(CompletionTracker):
         self.abandoned.setdefault(child, set()).update(request_ids)
 
     def release(self, child: int) -> None:
-        # A bypassed child may still be reading the blocks (an async store it cannot finish);
-        # holding them until it comes back could hold them for good, and the engine would run
-        # out of blocks. Its own late finished_sending is then a duplicate, dropped in settle.
+        """Frees no longer wait for ``child``: it may never come back, and holding its blocks for
+        it could exhaust the engine's. Its own late ``finished_sending`` is then a duplicate,
+        dropped in :meth:`settle`."""
         for req, owed in list(self.saves_owed.items()):
             owed.discard(child)
             if not owed:
@@ -135,8 +135,8 @@ class OwnerAccounting(CompletionTracker):
 
     # ---- scheduler half
     def admit(self, finished_recving: set[str], waiting: Collection[str]) -> set[str]:
-        # A report for a request vLLM no longer waits for (another worker's duplicate, a late
-        # report after an abort) would trip vLLM's assertion.
+        """Only reports vLLM waits for: another worker's duplicate or a late report after an
+        abort would trip vLLM's ``assert req_id in self.requests``."""
         return {r for r in finished_recving if r in waiting}
 
 

@@ -12,7 +12,7 @@ import msgspec
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
-from kvcompose.rules._children import ChildrenParams, indices
+from kvcompose.rules.children import ChildrenParams, indices
 from kvcompose.rules.contract import ChildState, FaultMonitor, FaultsRule
 
 log = logging.getLogger("kvcompose.rules.faults")

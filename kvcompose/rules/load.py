@@ -28,12 +28,20 @@ def single(child: int, tokens: int, is_async: bool) -> Selection:
 
 
 class FirstWins(LoadRule):
-    """The first child in YAML order with a hit loads; children below it are not asked.
+    """The first child in :meth:`order` with a hit loads; children after it are not asked.
 
     Not asking them matters: probing is not free of side effects (vLLM's CPU offload pins the
-    blocks it matched until ``update_state_after_alloc``). A ``None`` from a child *above* the
-    winner means that child may still answer with a hit, so the request waits a step.
+    blocks it matched until ``update_state_after_alloc``). A ``None`` from a child asked *before*
+    the winner means that child may still answer with a hit, so the request waits a step.
+
+    The built-in ``first-wins`` asks in YAML order. A rule that asks in another order per request
+    (a "prefer" rule: docs/rules.md, Writing a rule) subclasses this and overrides :meth:`order`.
     """
+
+    def order(self, children: Sequence[int], kv_transfer_params: Mapping[str, Any] | None) -> Sequence[int]:
+        """The children to ask for one request, first to last: a permutation of ``children`` (the
+        children that may be asked, in YAML order) or a part of it. The default keeps YAML order."""
+        return children
 
     def select(
         self,
@@ -42,7 +50,7 @@ class FirstWins(LoadRule):
         num_computed_tokens: int,
         kv_transfer_params: Mapping[str, Any] | None,
     ) -> Selection:
-        for i in children:
+        for i in self.order(children, kv_transfer_params):
             tokens, is_async = ask(i, num_computed_tokens)
             if tokens is None:
                 return NOT_READY

@@ -7,7 +7,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcompose import hookimpl
-from kvcompose.catalog import Child, Rule
+from kvcompose.catalog import Child, Plan, Rule
+from kvcompose.errors import Problem
+from kvcompose.rules.checks import ChecksPlan
 from kvcompose.rules.contract import ParamsRule
 
 log = logging.getLogger("kvcompose.rules.params")
@@ -17,7 +19,7 @@ class ParamsClash(RuntimeError):
     """Two children returned the same ``kv_transfer_params`` key (``strict`` rule only)."""
 
 
-class Owners(ParamsRule):
+class Owners(ParamsRule, ChecksPlan):
     """Each key goes to the child whose type declares it; undeclared keys: first child wins.
 
     A child returning a key that another child owns has it dropped (logged once per key), so a
@@ -31,6 +33,24 @@ class Owners(ParamsRule):
             for key in c.type.param_keys:
                 self.owner.setdefault(key, c.index)
         self._warned: set[tuple[int, str]] = set()
+
+    def check(self, plan: Plan) -> list[Problem]:
+        """A key two children declare has no owner: refused at the second child."""
+        problems: list[Problem] = []
+        owner: dict[str, str] = {}
+        for c in plan.children:
+            for key in sorted(c.type.param_keys):
+                if key in owner:
+                    problems.append(
+                        Problem(
+                            f"kv_transfer_params key {key!r} is owned by both {owner[key]} and {c.name}",
+                            ("connectors", c.index, "type"),
+                            "compose at most one P/D transport, or use `params: strict` and distinct keys",
+                        )
+                    )
+                    break
+                owner[key] = c.name
+        return problems
 
     def merge(self, results: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
         if not any(results):  # most finished requests: no child returned params

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
-from kvcompose.rules._children import ChildrenParams, indices
+from kvcompose.rules.children import ChildrenParams, indices
 from kvcompose.rules.contract import StoreRule
 
 

@@ -1,18 +1,20 @@
 """The scheduler half's per-request load state, kept between vLLM's calls.
 
-The load rule decides; this records what it decided for each request until the request
-finishes, what the workers must be told in the next step's metadata, which child served each
-load (the ``vllm:kvcompose_*`` counters), and the synchronous part of a mixed load that waits
-for the request's next schedule (:meth:`LoadRule.deferred`).
+The load rule decides (:mod:`kvcompose.rules.allocation`: the split at allocation, a mixed
+load's deferred part, what vLLM kept of it, the blocks no one may hit before it loads); this
+records what it decided for each request until the request finishes, applies it to vLLM's
+scheduler, and keeps what the workers must be told in the next step's metadata and which child
+served each load (the ``vllm:kvcompose_*`` counters).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvcompose.rules import allocation
+from kvcompose.rules.allocation import Deferred
 from kvcompose.rules.contract import CompletionTracker, Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.vllm.loadstats import ChildLoadStats
 
@@ -33,22 +35,6 @@ def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
     if kv_cache_config is None or kv_cache_config.num_blocks <= 0:
         return 0
     return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
-
-
-@dataclass(frozen=True, slots=True)
-class Deferred:
-    """The synchronous part of a request's load, held until vLLM schedules the request after its
-    asynchronous part arrived."""
-
-    request: Request
-    contributions: tuple[Contribution, ...]
-    #: The request's local prefix at the lookup (contributions start after it).
-    local: int
-    #: The load's end, in the request's tokens (local prefix + every allocated contribution).
-    end: int
-    #: The blocks of the deferred ranges: vLLM puts them in its prefix cache when the
-    #: asynchronous part arrives, before they hold their KV.
-    block_ids: tuple[int, ...]
 
 
 class RequestLoads:
@@ -115,59 +101,45 @@ class RequestLoads:
         if self.deferred and request_id in self.deferred and request_id not in self.waiting:
             return self._resume(self.deferred.pop(request_id)), ()
         entry = self._selected.get(request_id)
-        contribs = self._rule.allocate(entry[0], num_external_tokens) if entry is not None else ()
-        if not contribs:
+        load = allocation.split(self._rule, entry[0], num_external_tokens) if entry is not None else None
+        if load is None:
             return {}, ()
-        self._loading[request_id] = contribs
-        awaited = self._rule.awaited(contribs)
-        # Deferring is for a load vLLM waits for: a synchronous one is not scheduled again.
-        held = self._rule.deferred(contribs) if awaited else ()
-        for c in contribs:
-            if c not in held:
-                self._count(c)
-        if len(contribs) > 1:
+        self._loading[request_id] = load.contributions
+        for c in load.given:
+            self._count(c)
+        if len(load.contributions) > 1:
             log.debug(
                 "%s: %s (tokens beyond the local prefix)",
                 request_id,
                 " + ".join(
-                    f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})" + (" deferred" if c in held else "")
-                    for c in contribs
+                    f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})"
+                    + (" deferred" if c in load.held else "")
+                    for c in load.contributions
                 ),
             )
-        if awaited:
+        if load.awaited:
             self.waiting.add(request_id)
-            self.new_loads[request_id] = awaited
-        if held:
-            assert entry is not None
-            local = entry[1]
-            ids = blocks.get_block_ids()[0]
-            bs = self._block_size
-            self.deferred[request_id] = Deferred(
-                request,
-                held,
-                local,
-                local + sum(c.tokens for c in contribs),
-                tuple(b for c in held for b in ids[(local + c.start) // bs : -(-(local + c.start + c.tokens) // bs)]),
-            )
-        tokens = {c.child: c.tokens for c in contribs if c not in held}
-        return tokens, tuple(c.child for c in held)
+            self.new_loads[request_id] = load.awaited
+        if not load.held:
+            return load.tokens(), ()
+        assert entry is not None
+        self.deferred[request_id] = allocation.defer(
+            request, load, entry[1], blocks.get_block_ids()[0], self._block_size
+        )
+        return load.tokens(), load.held_children()
 
     def _resume(self, d: Deferred) -> dict[int, int]:
-        """The request is scheduled after its asynchronous load: what the rule gives the
-        deferred children of what vLLM kept of the load."""
-        request = d.request
-        computed = request.num_computed_tokens
-        # vLLM recomputes the last token of a load that reaches the request's end.
-        kept = (d.end if computed == request.num_tokens - 1 == d.end - 1 else computed) - d.local
-        given = self._rule.resume(d.contributions, kept)
+        """The request is scheduled after its asynchronous load: the rule's part for the deferred
+        children (:func:`~kvcompose.rules.allocation.resume`), counted and told to the workers."""
+        given = allocation.resume(self._rule, d)
         for c in given:
             self._count(c)
         if given != d.contributions:
             log.info(
                 "%s: vLLM kept %d of the load's tokens beyond the local prefix (an awaited child failed); "
                 "deferred %s given %s",
-                request.request_id,
-                kept,
+                d.request.request_id,
+                allocation.kept(d),
                 ", ".join(f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})" for c in d.contributions),
                 ", ".join(f"{self._names[c.child]} {c.tokens}" for c in given) or "nothing",
             )
@@ -200,38 +172,19 @@ class RequestLoads:
         then start the loads first (``has_sync_kv_loads``, as vLLM's HiSparse connector asks),
         not after it.
         """
-        unloaded = self.unloaded_blocks()
+        unloaded = allocation.unloaded_blocks(self.deferred, self.waiting)
         if unloaded:
             kv_cache_manager.evict_blocks(unloaded)
         if self.sync_load_now:
             scheduler_output.has_sync_kv_loads = True
             self.sync_load_now = False
 
-    def unloaded_blocks(self) -> set[int]:
-        """Blocks of deferred ranges that vLLM may have put in its prefix cache before they were
-        loaded: those of requests whose asynchronous load arrived and that were not scheduled
-        since (no free blocks, for one). A request whose load vLLM kept nothing of is looked up
-        again from scratch: its deferred part is dropped, and its blocks were freed."""
-        out: set[int] = set()
-        for request_id, d in list(self.deferred.items()):
-            if request_id in self.waiting:
-                continue
-            if d.request.num_computed_tokens == 0:
-                del self.deferred[request_id]
-            else:
-                out.update(d.block_ids)
-        return out
-
     def contributions(self, request_id: str, num_external_tokens: int | None = None) -> tuple[Contribution, ...]:
-        """Who loads the request: the rule's split of ``num_external_tokens`` when given, else as
-        allocated (or, asked before allocation, as selected). A deferred part counts."""
+        """Who loads the request (:func:`~kvcompose.rules.allocation.loaders`)."""
         entry = self._selected.get(request_id)
-        if entry is not None and num_external_tokens is not None:
-            return self._rule.allocate(entry[0], num_external_tokens)
-        contribs = self._loading.get(request_id)
-        if contribs is None:
-            contribs = entry[0].contributions if entry is not None else ()
-        return contribs
+        return allocation.loaders(
+            self._rule, entry[0] if entry is not None else None, self._loading.get(request_id), num_external_tokens
+        )
 
     def loaders(self, request_id: str, deferred: bool = False) -> tuple[str, ...]:
         """Names of the children loading the request (:meth:`contributions`), or of those whose

@@ -69,7 +69,7 @@ class ChildLoadStats(KVConnectorStats):
         self.data["aborted"] += 1
 
     def load(self, child: str, tokens: int, nbytes: int = 0) -> None:
-        # Per load on the scheduler: three plain updates, no loop over _PER_CHILD.
+        # Per load on the scheduler: plain updates (docs/performance.md, scheduler step).
         data = self.data
         loads, counted, counted_bytes = data["loads"], data["tokens"], data["bytes"]
         loads[child] = loads.get(child, 0) + 1

@@ -23,7 +23,7 @@ from kvcompose.config import DEFAULT_RULES
 from kvcompose.errors import CompositionError, Problem
 from kvcompose.plugins import BUILTIN_PLUGINS, Plugins
 from kvcompose.rules import completion, faults, load, metadata, params, store
-from kvcompose.rules._children import ChildrenParams
+from kvcompose.rules.children import ChildrenParams
 from kvcompose.rules.contract import (
     NO_HIT,
     NOT_READY,

@@ -7,17 +7,21 @@ declare exactly one thing each.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import pytest
 
 from kvcompose import hookimpl
-from kvcompose.catalog import Child, ConnectorType, Options
+from kvcompose.catalog import Child, ConnectorType, Options, Plan, Rule
 from kvcompose.compose import loads
 from kvcompose.errors import CompositionError, Problem
 from kvcompose.plugins import Plugins
 from kvcompose.rules import checks
-from kvcompose.rules.checks import layout_conflict
+from kvcompose.rules.checks import ChecksPlan, layout_conflict
+from kvcompose.rules.children import index
+from kvcompose.rules.contract import StoreRule
+from kvcompose.rules.params import Owners
 
 
 class PdType(ConnectorType):
@@ -279,3 +283,65 @@ def test_agreeing_layouts_are_fine() -> None:
         )
     )
     assert checks.kvcompose_check(plan) == []
+
+
+# ------------------------------------------------------------------ a rule's own check of the plan
+
+
+@dataclass(frozen=True)
+class StoreFirstAndCheck(StoreRule, ChecksPlan):
+    """A third-party store rule that checks the plan itself: it wants at least two children."""
+
+    targets: tuple[int, ...]
+
+    def check(self, plan: Plan) -> list[Problem]:
+        if len(plan.children) > 1:
+            return []
+        return [Problem("store rule 'first-checked' wants two children", ("rules", "store"), "add one")]
+
+
+class _CheckingRule:
+    @hookimpl
+    def kvcompose_rules(self) -> list[Rule[Any]]:
+        return [Rule("store", "first-checked", "", lambda children, p: StoreFirstAndCheck((children[0].index,)))]
+
+
+@pytest.fixture
+def checking_rule(kvcompose_plugins: Plugins) -> Iterator[Plugins]:
+    plugin = _CheckingRule()
+    kvcompose_plugins.register(plugin, name="tests.unit.test_rules_checks.rule")
+    try:
+        yield kvcompose_plugins
+    finally:
+        kvcompose_plugins.unregister(plugin)
+
+
+def test_a_rule_checks_its_own_plan(checking_rule: Plugins) -> None:
+    [p] = problems(composition("{name: rec, type: record}", rules="{store: first-checked}"))
+    assert p.message == "store rule 'first-checked' wants two children"
+    assert p.path == ("rules", "store") and p.line == 4 and p.hint == "add one"
+
+
+def test_a_rule_whose_check_finds_nothing_is_clean(checking_rule: Plugins) -> None:
+    plan = loads(composition("{name: a, type: record}", "{name: b, type: record}", rules="{store: first-checked}"))
+    assert isinstance(plan.store, ChecksPlan) and checks.kvcompose_check(plan) == []
+
+
+def test_the_owners_params_rule_checks_its_keys_itself() -> None:
+    plan = loads(composition("{name: x, type: checks-keys}", "{name: y, type: checks-keys}", rules="{params: strict}"))
+    owners = Owners(plan.children)
+    assert isinstance(owners, ChecksPlan) and not isinstance(plan.params, ChecksPlan)
+    [p] = owners.check(plan)
+    assert p.message == "kv_transfer_params key 'k1' is owned by both x and y"
+
+
+# ------------------------------------------------------------------ the child-index helpers
+
+
+def test_index_resolves_one_name_or_locates_the_problem() -> None:
+    plan = loads(composition("{name: host, type: record}", "{name: pd, type: record}"))
+    assert index(plan.children, "pd") == 1
+    with pytest.raises(CompositionError) as err:
+        index(plan.children, "hots", ("child",))
+    [p] = err.value.problems
+    assert (p.message, p.path, p.hint) == ("no connector is named 'hots'", ("child",), "did you mean host?")

@@ -11,7 +11,7 @@ from kvcompose.catalog import Rule
 from kvcompose.compose import loads
 from kvcompose.errors import CompositionError
 from kvcompose.rules import faults
-from kvcompose.rules._children import ChildrenParams
+from kvcompose.rules.children import ChildrenParams
 from kvcompose.rules.completion import OwnerAccounting
 from kvcompose.rules.contract import FaultsRule, Isolation, TransferResults
 from kvcompose.rules.faults import Breaker, BreakerParams, BreakerRule, Contain

@@ -7,7 +7,7 @@ Only public behaviour, no vLLM: a scripted ``ask`` stands in for the children's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -132,6 +132,35 @@ def test_first_wins_with_no_children_is_no_hit() -> None:
     ask = Script({})
     assert FirstWins().select(ask, (), 0, None) == NO_HIT
     assert ask.calls == []
+
+
+class LastFirst(FirstWins):
+    """A rule that is first-wins in another order: it overrides only ``order``."""
+
+    def order(self, children: Sequence[int], kv_transfer_params: Mapping[str, Any] | None) -> Sequence[int]:
+        return tuple(reversed(children)) if kv_transfer_params else children
+
+
+def test_first_wins_asks_in_its_order_and_stops_at_the_first_hit() -> None:
+    ask = Script({0: (16, False), 1: (0, False), 2: (32, True)})
+    assert LastFirst().select(ask, (0, 1, 2), 0, {"any": 1}) == only(2, 32, True)
+    assert ask.asked == [2]
+
+
+def test_first_wins_order_is_asked_per_request() -> None:
+    ask = Script({0: (16, False), 1: (0, False), 2: (32, True)})
+    assert LastFirst().select(ask, (0, 1, 2), 0, None) == only(0, 16, False)
+    assert ask.asked == [0]
+
+
+def test_first_wins_none_early_in_its_order_waits() -> None:
+    ask = Script({0: (16, False), 1: (None, False), 2: (0, False)})
+    assert LastFirst().select(ask, (0, 1, 2), 0, {"any": 1}) == NOT_READY
+    assert ask.asked == [2, 1]
+
+
+def test_first_wins_default_order_is_yaml_order() -> None:
+    assert FirstWins().order((2, 0, 1), {"k": 1}) == (2, 0, 1)
 
 
 # ------------------------------------------------------------------ longest-hit

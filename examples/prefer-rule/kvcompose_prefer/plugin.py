@@ -14,10 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvcompose import hookimpl
-from kvcompose.catalog import Child, Rule
-from kvcompose.errors import CompositionError, Problem, did_you_mean
-from kvcompose.rules.contract import NO_HIT, NOT_READY, Ask, Contribution, LoadRule, Selection
+from kvcompose.api import Child, FirstWins, Rule, hookimpl, index
 
 
 class PreferParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -31,47 +28,28 @@ class PreferParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 @dataclass(frozen=True)
-class Prefer(LoadRule):
+class Prefer(FirstWins):
     """First-wins over an order that puts :attr:`child` first for the requests carrying :attr:`key`.
 
-    Subclassing :class:`LoadRule` gives the Protocol's ``allocate`` and ``awaited``: the winner
-    gets every external token, and an async winner's report completes the load.
+    :class:`FirstWins` asks in :meth:`order` and stops at the first hit; its ``LoadRule`` base
+    gives ``allocate`` and ``awaited``: the winner gets every external token, and an async
+    winner's report completes the load.
     """
 
     child: int
     key: str
 
-    def select(
-        self,
-        ask: Ask,
-        children: Sequence[int],
-        num_computed_tokens: int,
-        kv_transfer_params: Mapping[str, Any] | None,
-    ) -> Selection:
-        order: Sequence[int] = children
+    def order(self, children: Sequence[int], kv_transfer_params: Mapping[str, Any] | None) -> Sequence[int]:
         # A disabled preferred child is not in ``children``: its requests fall back to YAML order.
         if kv_transfer_params and self.key in kv_transfer_params and self.child in children:
-            order = (self.child, *(i for i in children if i != self.child))
-        for i in order:
-            tokens, is_async = ask(i, num_computed_tokens)
-            if tokens is None:
-                # A child asked before any hit may still have one: look the request up next step.
-                return NOT_READY
-            if tokens > 0:
-                # Probing is not free (vLLM's CPU offload pins what it matched), so stop here.
-                return Selection(tokens, is_async, (Contribution(i, 0, tokens, is_async),))
-        return NO_HIT
+            return (self.child, *(i for i in children if i != self.child))
+        return children
 
 
 def build(children: tuple[Child, ...], params: PreferParams) -> Prefer:
-    """Runs once per composition: a child name is resolved to its index here, never per request."""
-    by_name = {c.name: c.index for c in children}
-    if params.child not in by_name:
-        # The path is relative to the rule (``rules.load``); kvcompose adds the line and column.
-        raise CompositionError(
-            [Problem(f"no connector is named {params.child!r}", ("child",), did_you_mean(params.child, by_name))]
-        )
-    return Prefer(by_name[params.child], params.key)
+    """Runs once per composition: a child name is resolved to its index here, never per request.
+    An unknown name is a problem at ``rules.load.child``, with its line and column."""
+    return Prefer(index(children, params.child, ("child",)), params.key)
 
 
 def explain(children: tuple[Child, ...], params: PreferParams) -> str:

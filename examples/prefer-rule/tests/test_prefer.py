@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 from kvcompose_prefer.plugin import Prefer
 
+from kvcompose.api import NO_HIT, NOT_READY, Ask, CompositionError, Contribution, Selection
 from kvcompose.compose import loads
-from kvcompose.errors import CompositionError
 from kvcompose.plugins import Plugins
-from kvcompose.rules.contract import NO_HIT, NOT_READY, Ask, Contribution, Selection
 
 # Child 0 is asked first in YAML order; the rule prefers child 1 for requests carrying the key.
 RULE = Prefer(child=1, key="prefer_host")

@@ -20,13 +20,19 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta
 
-from kvcompose import hookimpl
-from kvcompose.catalog import ConnectorType, Options, given_options
-from kvcompose.errors import Problem
-from kvcompose.units import ByteSize, beyond_host_memory, format_size
+from kvcompose.api import (
+    ByteSize,
+    ConnectorType,
+    Options,
+    Problem,
+    beyond_host_memory,
+    format_size,
+    given_options,
+    hookimpl,
+)
 
 if TYPE_CHECKING:
-    from kvcompose.catalog import Child, Plan
+    from kvcompose.api import Child, Plan
 
 PositiveInt = Annotated[int, Meta(gt=0)]
 

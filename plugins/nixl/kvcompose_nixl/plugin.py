@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from kvcompose import hookimpl
-from kvcompose.catalog import ConnectorType, Options
-from kvcompose.errors import Problem
+from kvcompose.api import ConnectorType, Options, Problem, hookimpl
 from kvcompose_nixl import (
     CONNECTOR_MODULE,
     HANDSHAKE_TRIES_KEY,
@@ -38,7 +36,7 @@ from kvcompose_nixl import (
 from kvcompose_nixl.backends import NETWORK_BACKENDS, backend_names
 
 if TYPE_CHECKING:
-    from kvcompose.catalog import Child, Plan
+    from kvcompose.api import Child, Plan
 
 #: A NIXL backend plugin name. Built from the names NIXL's source builds plus the plugins on
 #: this machine, so an unknown name fails validation with the list of good ones.

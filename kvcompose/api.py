@@ -1,0 +1,91 @@
+"""The one face kvcompose shows its plugins: everything a connector-type plugin or a rule package
+imports from kvcompose is here (docs/plugins.md, The plugin API).
+
+Import from this module only::
+
+    from kvcompose.api import ConnectorType, Options, hookimpl
+
+Every other module of kvcompose is internal: it may change in any release, and a plugin that
+imports it may break. A test checks that the built-in plugins and the example rule package
+import nothing else of kvcompose. Tests of a plugin also use the test kit
+(:mod:`kvcompose.testing`, the ``pytest11`` plugin), which is public for test authors.
+"""
+
+from __future__ import annotations
+
+from kvcompose import NAME, hookimpl
+from kvcompose.catalog import Child, ConnectorType, Options, Plan, Rule, given_options
+from kvcompose.errors import CompositionError, Problem, did_you_mean
+from kvcompose.rules.checks import ChecksPlan
+from kvcompose.rules.children import ChildrenParams, index, indices
+from kvcompose.rules.contract import (
+    NO_HIT,
+    NOT_READY,
+    RULE_KINDS,
+    Ask,
+    ChildState,
+    CompletionRule,
+    CompletionTracker,
+    Contribution,
+    EngineFacts,
+    FaultMonitor,
+    FaultsRule,
+    Isolation,
+    LoadRule,
+    MetadataRule,
+    ParamsRule,
+    RuleKind,
+    Selection,
+    StoreRule,
+    TransferResults,
+)
+from kvcompose.rules.load import FirstWins
+from kvcompose.units import ByteSize, beyond_host_memory, format_size
+
+__all__ = [
+    # hooks: mark implementations; the entry-point group is NAME
+    "NAME",
+    "hookimpl",
+    # connector types and the resolved composition
+    "ConnectorType",
+    "Options",
+    "given_options",
+    "Child",
+    "Plan",
+    "Rule",
+    # errors located in the composition document
+    "CompositionError",
+    "Problem",
+    "did_you_mean",
+    # sizes in options
+    "ByteSize",
+    "beyond_host_memory",
+    "format_size",
+    # the rule contract: one Protocol per kind, and the data they exchange
+    "RULE_KINDS",
+    "RuleKind",
+    "LoadRule",
+    "StoreRule",
+    "MetadataRule",
+    "ParamsRule",
+    "CompletionRule",
+    "CompletionTracker",
+    "FaultsRule",
+    "FaultMonitor",
+    "Isolation",
+    "ChildState",
+    "ChecksPlan",
+    "Ask",
+    "Contribution",
+    "Selection",
+    "EngineFacts",
+    "NOT_READY",
+    "NO_HIT",
+    "TransferResults",
+    # built-in rules meant to be extended
+    "FirstWins",
+    # child-index helpers for rules that name children
+    "ChildrenParams",
+    "index",
+    "indices",
+]
