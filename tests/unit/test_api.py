@@ -24,9 +24,6 @@ PACKAGES = sorted(
 )
 #: A plugin's own test kit (a ``testing`` module or package) may also use kvcompose's test kit.
 KIT = "kvcompose.testing"
-#: Imports that another part of issue 35 removes: kvcompose.host_memory moves into the
-#: cpu-offload plugin (it serves no one else). Drop the entry once it has.
-MOVING = {("kvcompose_cpu_offload/portable_worker.py", "kvcompose.host_memory")}
 
 
 def kvcompose_imports(path: Path) -> list[tuple[int, str]]:
@@ -54,14 +51,12 @@ def test_the_packages_are_found() -> None:
 
 @pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(REPO)))
 def test_plugin_code_imports_kvcompose_only_through_the_api(path: Path) -> None:
-    relative = path.relative_to(path.parents[1]).as_posix()
     kit = "testing" in path.relative_to(path.parents[1]).with_suffix("").parts
     wrong = [
         f"{path.relative_to(REPO)}:{line}: imports {module}"
         for line, module in kvcompose_imports(path)
         if module != "kvcompose.api"
         and not (kit and (module == KIT or module.startswith(KIT + ".")))
-        and (relative, module) not in MOVING
     ]
     assert not wrong, "import these through kvcompose.api (or add them to it):\n" + "\n".join(wrong)
 
