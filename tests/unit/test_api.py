@@ -55,8 +55,7 @@ def test_plugin_code_imports_kvcompose_only_through_the_api(path: Path) -> None:
     wrong = [
         f"{path.relative_to(REPO)}:{line}: imports {module}"
         for line, module in kvcompose_imports(path)
-        if module != "kvcompose.api"
-        and not (kit and (module == KIT or module.startswith(KIT + ".")))
+        if module != "kvcompose.api" and not (kit and (module == KIT or module.startswith(KIT + ".")))
     ]
     assert not wrong, "import these through kvcompose.api (or add them to it):\n" + "\n".join(wrong)
 
