@@ -158,9 +158,9 @@ def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
 
 
 def _expected_copy_loop() -> str:
-    from kvcompose_cpu_offload import portable_worker
+    from kvcompose_cpu_offload import block_copy
 
-    return portable_worker.copy_loop()
+    return block_copy.copy_loop()
 
 
 def test_cpu_copy_records_the_plain_loop_when_it_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
