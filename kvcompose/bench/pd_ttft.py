@@ -58,7 +58,9 @@ from typing import Any
 
 from kvcompose.bench.measure import Samples, follow_balanced, interleave_balanced, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import PHASES, EngineNode, EngineSpec, composed_kv_transfer_config, free_ports, wait_all_ready
+from kvcompose.e2e.node import PHASES, EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.spec import EngineSpec, composed_kv_transfer_config
 from kvcompose.vllm.args import vllm_multiconnector
 
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
@@ -163,7 +165,7 @@ def nixl_alone(
 ) -> dict[str, Any]:
     """The composition's NIXL child as a connector of its own: the child entry ``kvcompose
     vllm-args`` renders for it (class, module path, options, with an engine's overrides as in
-    :class:`~kvcompose.e2e.node.EngineSpec`), with the composite's role."""
+    :class:`~kvcompose.e2e.spec.EngineSpec`), with the composite's role."""
     composed = composed_kv_transfer_config(composition, side_channel_port, nixl_options)
     (entry,) = [c for c in composed["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "NixlConnector"]
     return {**entry, "kv_role": composed["kv_role"]}

@@ -24,7 +24,6 @@ import http.client
 import json
 import random
 import re
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from urllib.parse import urlsplit
 
 from kvcompose.e2e.model import CORPUS
 from kvcompose.e2e.router import SESSION_HEADER
+from kvcompose.e2e.stats import quantile
 
 #: Conversations, turns per conversation and clients of :func:`chat_load`.
 CONVERSATIONS = 20
@@ -62,13 +62,6 @@ LATE_READ = "Potentially invalid KV blocks for unrecognized request"
 #: prefill's lease: the load counted as failed, nothing was computed from it. The prefill still
 #: logs :data:`LATE_READ` for it. Group 1: the prefill's request id.
 REFUSED_READ = re.compile(r"NIXL read refused: \S+ \(prefill request (\S+)\)")
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (inclusive method); the one value, or 0 for none."""
-    if len(values) < 2:
-        return values[0] if values else 0.0
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 @dataclass

@@ -26,9 +26,10 @@ from datetime import datetime
 from pathlib import Path
 
 from kvcompose.e2e.flow import same_output
-from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ, quantile
+from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import EngineNode, EngineSpec, NodeError, wait_all_ready
+from kvcompose.e2e.stats import quantile
 from kvcompose.soak.drive import Injector, Load, Outcome
 from kvcompose.soak.plan import FLAKY, SoakOptions, decode_composition, plan, prefill_lease_s
 from kvcompose.soak.report import (

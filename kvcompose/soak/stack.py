@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvcompose.e2e.node import EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineSpec, NodeError, wait_all_ready
+from kvcompose.e2e.ports import free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
 from kvcompose.examples import EXAMPLES

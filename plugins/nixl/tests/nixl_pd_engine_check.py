@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcompose.e2e.node import free_ports
+from kvcompose.e2e.ports import free_ports
 
 BLOCK_SIZE = 32
 PROMPT_LEN = 100  # 4 blocks, the last one partial
@@ -174,7 +174,7 @@ def expected_bytes(n_blocks: int) -> int:
 
 
 def drive(upstream: bool = False) -> int:
-    from kvcompose.e2e.node import engine_env
+    from kvcompose.e2e.spec import engine_env
 
     env = engine_env()
     p_port, d_port = free_ports(2)
