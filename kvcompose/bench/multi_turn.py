@@ -40,7 +40,7 @@ from kvcompose.e2e.stats import quantile
 
 SUBJECT = "kvcompose"
 SIDES = ("bare", "MultiConnector", SUBJECT, "kvcompose-first-wins")
-#: Bytes of KV per token: the tiny model's (measured: 32 KiB a block of 32 tokens over NIXL) and
+#: Bytes of KV per token: the tiny model's (32 KiB a block of 32 tokens) and
 #: Llama-3-8B's (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), which the links are scaled by.
 TINY_KV_PER_TOKEN = 1024
 LLAMA_8B_KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2

@@ -37,7 +37,7 @@ from kvcompose.e2e.spec import EngineSpec
 SUBJECT = "kvcompose"
 SIDES = (SUBJECT, "MultiConnector", "kvcompose-pd-only")
 WORKLOADS = ("chat", "prefix")
-#: No request's first token may take longer on this 2-core host (medians 0.1-0.6 s).
+#: No request's first token may take longer (docs/performance.md, "5f. P/D under concurrent load").
 BOUND_S = 5.0
 #: The issue's target: kvcompose's TTFT p99 within this of its NIXL child alone's.
 P99_TARGET = 1.2

@@ -234,6 +234,8 @@ def _generate(
                 # Inside the engine core (its clock): queued -> scheduled (a remote load's wait)
                 # and scheduled -> first token (the step that computes it).
                 "phases_s": _phases(stats),
+                # Prompt tokens served from a prefix cache, the engine's own or a connector's.
+                "num_cached_tokens": o.num_cached_tokens,
                 "wall_s": wall,
             }
         )
