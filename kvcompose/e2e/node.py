@@ -131,11 +131,14 @@ class EngineNode(ProcessNode):
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
         timeout: float = CALL_TIMEOUT_S,
         detokenize: bool = False,
+        ignore_eos: bool = False,
     ) -> list[dict[str, Any]]:
         """Greedy generation with 1 logprob per token; one dict per prompt (see ``_generate``).
         ``detokenize``: also the answer's ``text``, by vLLM's own detokenizer (what a server's
-        reply holds)."""
+        reply holds). ``ignore_eos``: every answer ``max_tokens`` long."""
         extra = {"detokenize": True} if detokenize else {}
+        if ignore_eos:
+            extra["ignore_eos"] = True
         return self.call(
             "generate",
             timeout=timeout,
@@ -198,6 +201,7 @@ def _generate(
     max_tokens: int,
     kv_transfer_params: list[dict[str, Any] | None] | None,
     detokenize: bool = False,
+    ignore_eos: bool = False,
 ) -> list[dict[str, Any]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -211,6 +215,7 @@ def _generate(
                 temperature=0,
                 detokenize=detokenize,
                 logprobs=1,
+                ignore_eos=ignore_eos,
                 extra_args={"kv_transfer_params": kv} if kv is not None else None,
             )
         )

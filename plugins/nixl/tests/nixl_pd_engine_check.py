@@ -77,14 +77,15 @@ def serve(prefill: EngineNode, decode: EngineNode) -> dict[str, Any]:
     params = [o["kv_transfer_params"] for o in outs]
     result["remote_ports"] = [p["remote_port"] for p in params]
     try:
-        (first,) = decode.generate([prompt(PROMPT_LEN, 1)], 4, [params[0]], timeout=TIMEOUT_S)
+        # Every answer its full 4 tokens (greedy decoding may meet EOS first): what the checks count.
+        (first,) = decode.generate([prompt(PROMPT_LEN, 1)], 4, [params[0]], timeout=TIMEOUT_S, ignore_eos=True)
         result["first_tokens"] = first["token_ids"]
         # The upstream defect: remote prefill of a short prompt with no remote blocks.
         empty = {**params[1], "remote_block_ids": [], "remote_request_id": "never-prefilled"}
-        (short,) = decode.generate([prompt(SHORT_LEN, 3)], 4, [empty])
+        (short,) = decode.generate([prompt(SHORT_LEN, 3)], 4, [empty], ignore_eos=True)
         result["short_tokens"] = short["token_ids"]
         # The engine is still up and still pulls.
-        (second,) = decode.generate([prompt(PROMPT_LEN, 2)], 4, [params[1]])
+        (second,) = decode.generate([prompt(PROMPT_LEN, 2)], 4, [params[1]], ignore_eos=True)
         result["second_tokens"] = second["token_ids"]
     except NodeError as exc:  # report, then let the checks decide
         result["error"] = str(exc)
@@ -171,6 +172,7 @@ def drive(upstream: bool = False) -> int:
             "checks": checks,
             "error": result.get("error"),
             "metrics": m,
+            "answers": {k: result.get(f"{k}_tokens") for k in ("first", "short", "second")},
             "wall_s": round(time.perf_counter() - started, 1),
         }
         print("RESULT " + json.dumps(out))
