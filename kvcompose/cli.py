@@ -220,7 +220,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvcompose.bench.plot import PlotUnavailable
     from kvcompose.bench.runner import run
     from kvcompose.e2e.hosts import DEFAULT_LINK
-    from kvcompose.e2e.node import stopped_on_interrupt
+    from kvcompose.e2e.processes import stopped_on_interrupt
 
     if args.link and not args.hosts:
         print("kvcompose bench: --link sets the rate of --hosts' links; add --hosts", file=sys.stderr)
@@ -243,14 +243,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvcompose.e2e.demo import run
     from kvcompose.e2e.hosts import DEFAULT_LINK
-    from kvcompose.e2e.node import stopped_on_interrupt
+    from kvcompose.e2e.processes import stopped_on_interrupt
 
     with stopped_on_interrupt():
         return run(http=args.http, decodes=args.decodes, link=(args.link or DEFAULT_LINK) if args.hosts else None)
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from kvcompose.e2e.node import NodeError
+    from kvcompose.e2e.processes import NodeError
     from kvcompose.e2e.warmup import check_url, connect, warm
 
     try:
@@ -281,7 +281,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     import json
 
     from kvcompose.e2e.hosts import HostsError, parse_rate
-    from kvcompose.e2e.node import NodeError, stopped_on_interrupt
+    from kvcompose.e2e.processes import NodeError, stopped_on_interrupt
     from kvcompose.soak.plan import QUICK, SoakOptions
     from kvcompose.soak.run import run
 
@@ -612,7 +612,7 @@ def _run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return SIGNALLED + signal.SIGPIPE
     except KeyboardInterrupt as exc:
-        from kvcompose.e2e.node import Interrupted
+        from kvcompose.e2e.processes import Interrupted
 
         if isinstance(exc, Interrupted):
             print("\n" + exc.message(args.command), file=sys.stderr)

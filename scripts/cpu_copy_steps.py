@@ -29,7 +29,7 @@ import torch
 
 from kvcompose.bench.cpu_copy import GEOMETRY, NUM_LAYERS, _engine_worker, _ids, _label, _through_worker
 from kvcompose.bench.measure import interleave
-from kvcompose_cpu_offload.portable_worker import as_array, contiguous_runs, copy_runs
+from kvcompose_cpu_offload.block_copy import as_array, contiguous_runs, copy_runs
 
 STEPS = (
     "0 before (index_select)",

@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING, Any
 from kvcompose.bench.measure import Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.spec import EngineSpec
 from kvcompose.examples import EXAMPLES
 
 if TYPE_CHECKING:
@@ -52,7 +54,7 @@ VARIANTS = ("cold", "warmed")
 PAIRS = 3  # fresh pairs per side (quick: 1)
 REQUESTS = 6  # per pair: the first, then the steady ones
 PROMPT_TOKENS = 600
-#: A cold first request can wait for minutes (200 s measured with UCX's peer error handling).
+#: A cold first request can wait for minutes (docs/performance.md, "5d. Cold start").
 TIMEOUT_S = 400.0
 
 
@@ -62,7 +64,7 @@ def engine_spec(
     """The ``role`` engine of ``side`` from the ``role`` example, its NIXL child on side-channel
     ``port`` with ``ucx_error_handling`` set to ``error_handling``; in ``host``, the side channel
     on the host's address (a bare NixlConnector's config is rendered here, so the kit's
-    :func:`~kvcompose.e2e.node.placed` cannot reach into it)."""
+    :func:`~kvcompose.e2e.spec.placed` cannot reach into it)."""
     name, example = f"{side}-{role}", EXAMPLES / f"pd-{role}.yaml"
     options: dict[str, Any] = {"ucx_error_handling": error_handling}
     if host is not None:

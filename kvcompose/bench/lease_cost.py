@@ -31,7 +31,9 @@ from pathlib import Path
 from kvcompose.bench.measure import Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock
 from kvcompose.bench.report import Case, Result
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose.examples import EXAMPLES
 
 #: vLLM's default first, then shorter ones (quick: the default and the shortest).

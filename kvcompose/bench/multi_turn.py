@@ -34,12 +34,13 @@ from kvcompose.bench.measure import Samples, ratio
 from kvcompose.bench.pd_ttft import engine_lock
 from kvcompose.bench.report import AllTargets, Case, CaseTarget, Result
 from kvcompose.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES, delta
-from kvcompose.e2e.load import Load, Turn, chat_load, prefix_load, quantile
-from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec
+from kvcompose.e2e.load import Load, Turn, chat_load, prefix_load
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
+from kvcompose.e2e.stats import quantile
 
 SUBJECT = "kvcompose"
 SIDES = ("bare", "MultiConnector", SUBJECT, "kvcompose-first-wins")
-#: Bytes of KV per token: the tiny model's (measured: 32 KiB a block of 32 tokens over NIXL) and
+#: Bytes of KV per token: the tiny model's (32 KiB a block of 32 tokens) and
 #: Llama-3-8B's (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), which the links are scaled by.
 TINY_KV_PER_TOKEN = 1024
 LLAMA_8B_KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2
@@ -82,7 +83,7 @@ def specs(
     import yaml
 
     from kvcompose.bench.pd_ttft import nixl_alone
-    from kvcompose.e2e.node import composed_kv_transfer_config
+    from kvcompose.e2e.spec import composed_kv_transfer_config
     from kvcompose.examples import EXAMPLES
     from kvcompose.vllm.args import vllm_multiconnector
 
@@ -223,7 +224,8 @@ def baseline_answers(model: str, tokenizer: Any, logs: Path, seed: int) -> Load:
 def side_run(side: str, link: str, hosts: Any, model: str, tokenizer: Any, logs: Path, seed: int) -> SideRun:
     """Start ``side``'s servers in the hosts and its router here; warm the pair; the
     conversations, then the prefix load; stop everything."""
-    from kvcompose.e2e.node import free_ports, wait_all_ready
+    from kvcompose.e2e.node import wait_all_ready
+    from kvcompose.e2e.ports import free_ports
     from kvcompose.e2e.router import RouterNode
     from kvcompose.e2e.server import ServerNode
 

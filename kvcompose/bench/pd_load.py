@@ -14,7 +14,7 @@ over :data:`BOUND_S`, failed requests, and, from the prefill's log over that run
 expired (``Releasing expired KV blocks``: a decode never read the blocks) and the reads after a
 lease (``Potentially invalid KV blocks``: a decode read blocks the prefill had released).
 
-Before the kit started the servers in the caller's session (``kvcompose.e2e.node.start_group``)
+Before the kit started the servers in the caller's session (``kvcompose.e2e.processes.start_group``)
 these runs stalled 10-30 s now and then on every side (docs/e2e.md, stalls under load).
 """
 
@@ -32,12 +32,12 @@ from kvcompose.bench.pd_ttft import engine_lock
 from kvcompose.bench.report import AllTargets, Case, CaseTarget, Result
 from kvcompose.bench.serve import decode_spec
 from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, Load, chat_load, prefix_load
-from kvcompose.e2e.node import EngineSpec
+from kvcompose.e2e.spec import EngineSpec
 
 SUBJECT = "kvcompose"
 SIDES = (SUBJECT, "MultiConnector", "kvcompose-pd-only")
 WORKLOADS = ("chat", "prefix")
-#: No request's first token may take longer on this 2-core host (medians 0.1-0.6 s).
+#: No request's first token may take longer (docs/performance.md, "5f. P/D under concurrent load").
 BOUND_S = 5.0
 #: The issue's target: kvcompose's TTFT p99 within this of its NIXL child alone's.
 P99_TARGET = 1.2
@@ -58,7 +58,8 @@ class Stack:
 
     @classmethod
     def start(cls, model: str, logs: Path, sides: tuple[str, ...] = SIDES) -> Stack:
-        from kvcompose.e2e.node import free_ports, wait_all_ready
+        from kvcompose.e2e.node import wait_all_ready
+        from kvcompose.e2e.ports import free_ports
         from kvcompose.e2e.router import RouterNode
         from kvcompose.e2e.server import ServerNode
         from kvcompose.examples import EXAMPLES

@@ -58,7 +58,9 @@ from typing import Any
 
 from kvcompose.bench.measure import Samples, follow_balanced, interleave_balanced, ratio, repeats_for
 from kvcompose.bench.report import Case, Result, Target
-from kvcompose.e2e.node import PHASES, EngineNode, EngineSpec, composed_kv_transfer_config, free_ports, wait_all_ready
+from kvcompose.e2e.node import PHASES, EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.spec import EngineSpec, composed_kv_transfer_config
 from kvcompose.vllm.args import vllm_multiconnector
 
 LOCK_PATH = "/tmp/kvcompose-engines.lock"
@@ -68,14 +70,11 @@ DECODES = ("NixlConnector", "kvcompose", "MultiConnector")
 BASELINE, SUBJECT, MULTI = DECODES
 PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
 #: Measured requests per decode engine and start (quick: the minimum, 5), rounded up to whole cycles
-#: of :func:`~kvcompose.bench.measure.follow_balanced` (3 turns each); single TTFTs swing 10x here.
+#: of :func:`~kvcompose.bench.measure.follow_balanced` (3 turns each): single TTFTs swing widely.
 REPEATS = 24
-#: Engine starts (quick: one), their samples pooled; a whole number of rounds of
-#: :func:`start_order`, so that every decode engine takes every place once a round. The place
-#: weighs more than the connector here: with a second bare NixlConnector engine in a decode's
-#: place (an A/A run), the engine launched and cycled second was 8-52 % slower than the first,
-#: whatever its connector, and a baseline that never drew that place beat its own twin by 10 %
-#: (docs/performance.md 5b, "Every place for every engine").
+#: Engine starts (quick: one), their samples pooled; whole rounds of :func:`start_order`, so every
+#: decode takes every place, which weighs more than its connector (docs/performance.md, "5b. P/D:
+#: decode time to first token", Every place for every engine).
 STARTS = len(DECODES)
 #: Pause between a prefill's answer and its decode, so that the prefill engine's own work after
 #: answering (its scheduler's output, the request's free) is not in the decode's time. The decode's
@@ -163,7 +162,7 @@ def nixl_alone(
 ) -> dict[str, Any]:
     """The composition's NIXL child as a connector of its own: the child entry ``kvcompose
     vllm-args`` renders for it (class, module path, options, with an engine's overrides as in
-    :class:`~kvcompose.e2e.node.EngineSpec`), with the composite's role."""
+    :class:`~kvcompose.e2e.spec.EngineSpec`), with the composite's role."""
     composed = composed_kv_transfer_config(composition, side_channel_port, nixl_options)
     (entry,) = [c for c in composed["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "NixlConnector"]
     return {**entry, "kv_role": composed["kv_role"]}

@@ -43,9 +43,9 @@ from kvcompose.bench.measure import Samples, ratio, repeats_for
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.flow import delta
-from kvcompose.e2e.load import quantile
-from kvcompose.e2e.node import EngineSpec, composed_kv_transfer_config
 from kvcompose.e2e.server import HOST
+from kvcompose.e2e.spec import EngineSpec, composed_kv_transfer_config
+from kvcompose.e2e.stats import quantile
 from kvcompose.vllm.args import vllm_multiconnector
 
 #: The baseline first (every side's requests/s ratio is to it); :data:`SUBJECT` is the one whose
@@ -168,7 +168,8 @@ def run(
     """Answered requests per second behind the router, one sample per side and round; each side's
     ratio to ``NixlConnector`` (the first of ``sides``), and the TTFT tail (:func:`summarize`)."""
     from kvcompose.e2e.model import make_model
-    from kvcompose.e2e.node import free_ports, wait_all_ready
+    from kvcompose.e2e.node import wait_all_ready
+    from kvcompose.e2e.ports import free_ports
     from kvcompose.e2e.router import RouterNode
     from kvcompose.e2e.server import ServerNode
     from kvcompose.examples import EXAMPLES

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcompose.e2e.flow import Answered, Router, Served, drop_prefix_cache, routed_chat
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode
+from kvcompose.e2e.node import EngineNode
+from kvcompose.e2e.spec import BLOCK_SIZE
 
 SYSTEM = (
     "You are the assistant of a serving stack: a router sends each request to a prefill engine, "

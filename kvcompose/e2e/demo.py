@@ -60,9 +60,12 @@ from kvcompose.e2e.flow import (
 )
 from kvcompose.e2e.hosts import Hosts, HostsError, parse_rate
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.processes import NodeError
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose.examples import EXAMPLES
 
 CHILDREN = ("host", "pd")

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError
+from kvcompose.e2e.processes import CALL_TIMEOUT_S, NodeError
 
-#: Counter keys, as :func:`kvcompose.e2e.node.flatten_metrics` (and the HTTP parser) write them.
+#: Counter keys, as :func:`kvcompose.e2e.metrics.flatten_metrics` (and the HTTP parser) write them.
 LOOKUPS = "vllm:kvcompose_lookups"
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 NIXL_FAILED = "vllm:nixl_num_failed_transfers"

@@ -24,7 +24,6 @@ import http.client
 import json
 import random
 import re
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from urllib.parse import urlsplit
 
 from kvcompose.e2e.model import CORPUS
 from kvcompose.e2e.router import SESSION_HEADER
+from kvcompose.e2e.stats import quantile
 
 #: Conversations, turns per conversation and clients of :func:`chat_load`.
 CONVERSATIONS = 20
@@ -69,13 +69,6 @@ REFUSED_READ = re.compile(r"NIXL read refused: \S+ \(prefill request (\S+)\)")
 #: prefill (an abort before the read, a full local hit): the prefill's :data:`LATE_READ` line for
 #: it, when the notification came after the lease, names no read. Group 1: the prefill's request id.
 RELEASED_UNREAD = re.compile(r"NIXL release without a read: \S+ \(prefill request (\S+)\)")
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (inclusive method); the one value, or 0 for none."""
-    if len(values) < 2:
-        return values[0] if values else 0.0
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 @dataclass

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcompose.e2e.node import CALL_TIMEOUT_S, NodeError, free_ports, log_tail, start_group, stop_group
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.processes import CALL_TIMEOUT_S, NodeError, ProcessNode
 from kvcompose.e2e.server import (
     HOST,
     HttpClient,
@@ -92,7 +93,7 @@ def router_argv(
     return argv
 
 
-class RouterNode:
+class RouterNode(ProcessNode):
     """One router process in front of ``prefills`` and ``decodes`` (anything with a ``url``: a
     :class:`~kvcompose.e2e.server.ServerNode`), choosing among them by ``policy``
     (:func:`router_argv`; ``args``: more of the router's own flags); its log is ``<name>.log`` in
@@ -120,22 +121,17 @@ class RouterNode:
         self.port, metrics_port = free_ports(2) if port is None else (port, free_ports(1)[0])
         bind = host.address if host else HOST
         self.url = f"http://{bind}:{self.port}"
-        self.host = host
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        log_dir.mkdir(parents=True, exist_ok=True)
         urls = [p.url for p in prefills], [d.url for d in decodes]
         self.argv = router_argv(*urls, self.port, metrics_port, policy, bind)
         self.argv += args
-        self._log = open(self.log_path, "w")
-        # Its own process group: close() signals exactly the processes started here.
-        self.proc = start_group(
-            self.name,
-            host.command(self.argv) if host else self.argv,
+        super().__init__(
+            name,
+            name,
+            self.argv,
+            log_dir,
+            host,
+            host.environ() if host else None,
             stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=host.environ() if host else None,
         )
         self._http = HttpClient(self.name, self.url, self._state)
         self._workers = [*prefills, *decodes]
@@ -198,14 +194,12 @@ class RouterNode:
         answer = self._http.post("/v1/chat/completions", body, timeout, _session(session))
         return parse_chat(answer, time.perf_counter() - t0)
 
+    #: What close() waits for the router to exit before it kills the group.
+    close_grace_s = 5.0
+
     def log_tail(self, lines: int = 40) -> str:
         """The log's last lines, without the terminal colours the router writes even to a file."""
-        return ANSI.sub("", log_tail(self.log_path, lines))
-
-    def close(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the router's process group, SIGKILL whatever is left after ``grace_s``."""
-        stop_group(self.proc, grace_s)
-        self._log.close()
+        return ANSI.sub("", super().log_tail(lines))
 
 
 def _session(session: str | None) -> dict[str, str]:

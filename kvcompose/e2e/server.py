@@ -6,7 +6,7 @@ settings of :meth:`EngineSpec.llm_kwargs` as command-line flags and, for a compo
 ``--kv-transfer-config`` rendered by :mod:`kvcompose.vllm.args` (what ``kvcompose vllm-args``
 prints). It answers the calls the proxy flow makes (:class:`kvcompose.e2e.flow.Engine`) over HTTP:
 ``POST /v1/completions`` with token-id prompts and ``kv_transfer_params`` in the body,
-``GET /metrics`` parsed into the keys :func:`~kvcompose.e2e.node.flatten_metrics` writes, and
+``GET /metrics`` parsed into the keys :func:`~kvcompose.e2e.metrics.flatten_metrics` writes, and
 ``POST /reset_prefix_cache`` (a dev-mode route, so the server runs with ``VLLM_SERVER_DEV_MODE=1``).
 The server loads the demo model's tokenizer, so :meth:`ServerNode.complete` (text prompts) and
 :meth:`ServerNode.chat` (``/v1/chat/completions``) work too. :class:`ServerClient` makes the same
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -27,21 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcompose.e2e.affinity import engine_up
 from kvcompose.e2e.flow import SETTLE_TIMEOUT_S, answered
-from kvcompose.e2e.node import (
-    CALL_TIMEOUT_S,
-    EngineSpec,
-    NodeError,
-    engine_env,
-    engine_up,
-    free_ports,
-    log_tail,
-    metric_key,
-    placed,
-    signal_group,
-    start_group,
-    stop_group,
-)
+from kvcompose.e2e.metrics import parse_metrics
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.processes import CALL_TIMEOUT_S, NodeError, ProcessNode, log_tail
+from kvcompose.e2e.spec import EngineSpec, engine_env, placed
 
 if TYPE_CHECKING:
     from kvcompose.e2e.hosts import Host
@@ -87,30 +77,6 @@ def server_argv(spec: EngineSpec, port: int, host: str = HOST) -> list[str]:
         # the server's /v1/completions/render (and the chat one), which answer 403 unless asked.
         argv.append("--enable-scale-out")
     return argv
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text from ``/metrics`` -> the keys ``flatten_metrics`` gives offline: counters
-    without ``_total``, gauges, histograms as ``_sum``/``_count``; ``vllm:`` metrics only."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        # The text parser files a counter's or histogram's ``_created`` timestamp apart, as a
-        # metric of its own; get_metrics() drops them.
-        if not fam.name.startswith("vllm:") or fam.name.endswith("_created"):
-            continue
-        for s in fam.samples:
-            if fam.type == "counter" and s.name == fam.name + "_total":
-                name = fam.name
-            elif fam.type == "gauge" and s.name == fam.name:
-                name = fam.name
-            elif fam.type == "histogram" and s.name in (fam.name + "_sum", fam.name + "_count"):
-                name = s.name
-            else:  # histogram buckets
-                continue
-            out[metric_key(name, s.labels)] = float(s.value)
-    return out
 
 
 class HttpClient:
@@ -327,7 +293,7 @@ class ServerClient:
 POLLS = re.compile(r'"GET /(metrics|health) HTTP')
 
 
-class ServerNode(ServerClient):
+class ServerNode(ServerClient, ProcessNode):
     """One vLLM API server process started here; the same calls as
     :class:`~kvcompose.e2e.node.EngineNode`. ``host``: the server runs in that host
     (:mod:`kvcompose.e2e.hosts`), bound to its address, with its network settings."""
@@ -342,27 +308,23 @@ class ServerNode(ServerClient):
     ) -> None:
         spec = placed(spec, host)
         self.spec = spec
-        self.host = host
         self.port = port if port is not None else free_ports(1)[0]
         bind = host.address if host else HOST
-        super().__init__(spec.name, f"http://{bind}:{self.port}", spec.model, self._state)
-        self.log_path = log_dir / f"{spec.name}.log"
-        log_dir.mkdir(parents=True, exist_ok=True)
+        ServerClient.__init__(self, spec.name, f"http://{bind}:{self.port}", spec.model, self._state)
         # Dev mode adds /reset_prefix_cache, which the repeated turns need.
         env = engine_env(
             {"VLLM_SERVER_DEV_MODE": "1", **(host.env() if host else {}), **spec.env(), **(extra_env or {})}
         )
         self._env = env
-        self._log = open(self.log_path, "w")
-        self.started_at = time.monotonic()
-        argv = server_argv(spec, self.port, bind)
-        self.proc = start_group(
+        ProcessNode.__init__(
+            self,
+            spec.name,
             f"{spec.name} server",
-            host.command(argv) if host else argv,
+            server_argv(spec, self.port, bind),
+            log_dir,
+            host,
+            env,
             stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
         )
         self.stage = "importing vllm"
         self.ready_info: dict[str, Any] | None = None
@@ -403,18 +365,3 @@ class ServerNode(ServerClient):
         for marker, stage in STAGES:
             if marker in text:
                 self.stage = stage
-
-    # ------------------------------------------------------------------ process
-
-    def log_tail(self, lines: int = 40) -> str:
-        return log_tail(self.log_path, lines)
-
-    def kill(self) -> None:
-        """SIGKILL the server's whole process group now (engine core included)."""
-        signal_group(self.proc, signal.SIGKILL)
-        self.proc.wait(30)
-
-    def close(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the server (it stops its engine core), then SIGKILL the group after ``grace_s``."""
-        stop_group(self.proc, grace_s)
-        self._log.close()

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcompose.e2e.flow import Engine, pd_request, token_prompt
-from kvcompose.e2e.node import BLOCK_SIZE, CALL_TIMEOUT_S, NodeError
+from kvcompose.e2e.processes import CALL_TIMEOUT_S, NodeError
+from kvcompose.e2e.spec import BLOCK_SIZE
 
 if TYPE_CHECKING:
     from kvcompose.e2e.server import ServerClient

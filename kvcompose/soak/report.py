@@ -12,7 +12,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from kvcompose.e2e.load import LATE_READ_REQUEST, quantile
+from kvcompose.e2e.load import LATE_READ_REQUEST
+from kvcompose.e2e.stats import quantile
 from kvcompose.soak.drive import FINAL, OUTCOMES, Outcome
 from kvcompose.soak.plan import HANG_UP_PATHS, Request
 from kvcompose.soak.stack import GAUGES, ROLES, Sample

@@ -30,9 +30,10 @@ from pathlib import Path
 
 from kvcompose.e2e.flow import same_output
 from kvcompose.e2e.hosts import DEFAULT_LINK, Hosts
-from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ, RELEASED_UNREAD, quantile
+from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ, RELEASED_UNREAD
 from kvcompose.e2e.model import make_model
 from kvcompose.e2e.node import EngineNode, EngineSpec, NodeError, wait_all_ready
+from kvcompose.e2e.stats import quantile
 from kvcompose.soak.drive import Injector, Load, Outcome
 from kvcompose.soak.plan import FLAKY, SoakOptions, decode_composition, plan, prefill_lease_s
 from kvcompose.soak.report import (

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcompose.e2e.node import EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineSpec, NodeError, wait_all_ready
+from kvcompose.e2e.ports import free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import HOST, ServerNode
 from kvcompose.examples import EXAMPLES

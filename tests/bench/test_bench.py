@@ -158,9 +158,9 @@ def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
 
 
 def _expected_copy_loop() -> str:
-    from kvcompose_cpu_offload import portable_worker
+    from kvcompose_cpu_offload import block_copy
 
-    return portable_worker.copy_loop()
+    return block_copy.copy_loop()
 
 
 def test_cpu_copy_records_the_plain_loop_when_it_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,7 +217,13 @@ def test_every_benchmark_is_in_the_performance_docs_table() -> None:
 
     text = (Path(__file__).parents[2] / "docs" / "performance.md").read_text()
     table = text[: text.index("## Machine and method")]
-    missing = [m for m in BENCHMARKS.values() if f"| `kvcompose/bench/{m}.py`" not in table]
+    bench = Path(__file__).parents[2] / "kvcompose" / "bench"
+    # A benchmark is a module or, split along its jobs, a package.
+    listed = [
+        f"| `kvcompose/bench/{m}.py`" if (bench / f"{m}.py").exists() else f"| `kvcompose/bench/{m}/`"
+        for m in BENCHMARKS.values()
+    ]
+    missing = [m for m, row in zip(BENCHMARKS.values(), listed) if row not in table]
     assert not missing, f"benchmarks missing from docs/performance.md's table: {missing}"
     rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `kvcompose/bench/")}
     for name, module in BENCHMARKS.items():

@@ -8,24 +8,27 @@ from typing import Any
 
 import pytest
 
-from kvcompose.bench import pd_ranges
-from kvcompose.bench.pd_ranges import BLOCK_SIZE, Served, Workload, build_result, make_workload
+from kvcompose.bench.pd_ranges import compositions, engines, figures, workload
+from kvcompose.bench.pd_ranges.figures import Served, build_result
+from kvcompose.bench.pd_ranges.workload import Workload, make_workload
+from kvcompose.e2e.spec import BLOCK_SIZE
+from kvcompose.e2e.stats import quantile
 
 
 def test_workload_is_seeded_mixed_and_fits_the_engines() -> None:
     w = make_workload()
-    assert w == make_workload() and w != make_workload(seed=pd_ranges.SEED + 1)
-    assert (w.conversations, w.turns) == (pd_ranges.CONVERSATIONS, pd_ranges.TURNS)
+    assert w == make_workload() and w != make_workload(seed=workload.SEED + 1)
+    assert (w.conversations, w.turns) == (workload.CONVERSATIONS, workload.TURNS)
     assert w.conversations >= 8 and w.turns >= 4
     lengths = [len(m) for conv in w.messages for m in conv]
-    lo, hi = pd_ranges.MESSAGE_TOKENS
+    lo, hi = workload.MESSAGE_TOKENS
     assert all(lo <= n <= hi for n in lengths) and len(set(lengths)) > len(lengths) // 2  # mixed
     assert len({m[:8] for conv in w.messages for m in conv}) == len(lengths)  # every message new
-    from kvcompose.e2e.node import MAX_MODEL_LEN
+    from kvcompose.e2e.spec import MAX_MODEL_LEN
 
     assert w.longest_prompt() + w.answer_tokens <= MAX_MODEL_LEN
     # The host tier holds every conversation whole (tiny model: 1 KiB of KV per token).
-    assert w.kv_blocks() * BLOCK_SIZE * 1024 <= pd_ranges.CPU_BYTES
+    assert w.kv_blocks() * BLOCK_SIZE * 1024 <= compositions.CPU_BYTES
     with pytest.raises(ValueError, match="max_model_len"):
         make_workload(turns=6, lengths=(200, 200))
 
@@ -47,15 +50,15 @@ def test_the_three_decode_compositions_resolve_as_described() -> None:
     from kvcompose.compose import loads
 
     got = {}
-    for name in pd_ranges.COMPOSITIONS:
-        plan = loads(pd_ranges.decode_composition(name))
+    for name in compositions.COMPOSITIONS:
+        plan = loads(compositions.decode_composition(name))
         got[name] = (plan.names, plan.rules["load"].name, [c.type.name for c in plan.children])
     assert got == {
         "pd-first": (("pd", "host"), "first-wins", ["nixl", "cpu-offload"]),
         "host-first": (("host", "pd"), "first-wins", ["cpu-offload", "nixl"]),
         "ranges": (("host", "pd"), "ranges", ["cpu-offload", "nixl"]),
     }
-    assert pd_ranges.PREFILL_YAML.exists()
+    assert compositions.PREFILL_YAML.exists()
     # Engines start in order, then reversed: the same composition never first in every pass.
 
 
@@ -85,7 +88,7 @@ def three(ttft: dict[str, list[float]], answers: dict[str, list[Any]] | None = N
     """Two turns (100 then 260 prompt tokens; host holds 96 tokens at turn 2) per composition."""
     answers = answers or {}
     out = []
-    for name in pd_ranges.COMPOSITIONS:
+    for name in compositions.COMPOSITIONS:
         a = answers.get(name, [None, None])
         t1, t2 = ttft[name]
         out.append(served(name, 0, 100, 0, 0, t1, a[0]))
@@ -125,7 +128,7 @@ def test_figures_ratios_and_targets_from_given_numbers(tmp_path: Path) -> None:
     nixl, host, computed, ttft = r.target.items  # type: ignore[attr-defined]
     assert (host.op, host.baseline) == (">=", "host-first") and by[("host-loaded tokens", "host-first")].by_median == 1
     assert nixl.value == pytest.approx(10 / 13) and nixl.baseline == "pd-first"
-    assert computed.baseline == pd_ranges.ONE_BLOCK
+    assert computed.baseline == figures.ONE_BLOCK
     assert ttft.baseline == "host-first"  # the lower median of the two others
     assert r.target_met is True
     table = r.table()
@@ -162,8 +165,8 @@ def test_a_different_answer_fails_the_result_whatever_the_ratios() -> None:
 
 
 def test_p90_interpolates_and_takes_a_single_sample() -> None:
-    assert pd_ranges.p90([1.0]) == 1.0
-    assert pd_ranges.p90([float(i) for i in range(1, 11)]) == pytest.approx(9.1)
+    assert quantile([1.0], 0.9) == 1.0
+    assert quantile([float(i) for i in range(1, 11)], 0.9) == pytest.approx(9.1)
 
 
 def test_the_engine_benchmark_is_left_out_of_quick_runs() -> None:
@@ -225,7 +228,7 @@ def test_a_run_sends_the_workload_round_robin_with_twins_in_flipping_order() -> 
     w = make_workload(conversations=2, turns=3)
     prefill, decode = FakePrefill(), FakeDecode()
     answers: dict[tuple[int, int], list[int]] = {}
-    got = pd_ranges.serve_lockstep({"ranges": decode}, 1, prefill, w, answers)
+    got = engines.serve_lockstep({"ranges": decode}, 1, prefill, w, answers)
     assert len(got) == 2 * len(w.order()) and decode.resets == len(got)  # device cache dropped every time
     assert [(s.conversation, s.turn, s.twin) for s in got[:4]] == [
         (0, 0, False),
@@ -240,7 +243,7 @@ def test_a_run_sends_the_workload_round_robin_with_twins_in_flipping_order() -> 
     for s in main:
         assert s.prompt_tokens == len(w.prompt(s.conversation, s.turn, answers))
     first = w.prompt(0, 0, {})
-    assert prefill.prompts[:2] == [first, pd_ranges.twin_prompt(0, 0, len(first))]
+    assert prefill.prompts[:2] == [first, workload.twin_prompt(0, 0, len(first))]
     # Twins have their request's length and are never loaded from host; later turns are.
     for s in got:
         twin_of = next(m for m in main if (m.conversation, m.turn) == (s.conversation, s.turn))
@@ -248,27 +251,27 @@ def test_a_run_sends_the_workload_round_robin_with_twins_in_flipping_order() -> 
     assert all(s.host_tokens == 0 for s in got if s.twin or s.turn == 0)
     assert all(s.host_tokens > 0 and s.host_tokens + s.pd_tokens == s.prompt_tokens for s in main if s.turn > 0)
     # A second run replays the same prompts (the reference answers) and is compared to the first.
-    again = pd_ranges.serve_lockstep({"pd-first": FakeDecode()}, 1, FakePrefill(), w, answers)
+    again = engines.serve_lockstep({"pd-first": FakeDecode()}, 1, FakePrefill(), w, answers)
     reference = {s.key: s.token_ids for s in got}
     assert [s.prompt_tokens for s in again] == [s.prompt_tokens for s in got]
-    assert pd_ranges.compare_answers(again, reference) == []
+    assert figures.compare_answers(again, reference) == []
     r = build_result(got + again, reference, 1)
     assert r.totals["ranges"].requests == len(w.order())  # twins are not in the workload's figures
     twin = r.totals["ranges"].twin_ttft
     assert twin is not None and len(twin.values) == len(w.order())
     cases = {(x.case, x.subject, x.baseline) for x in r.ratios}
-    assert (pd_ranges.TWIN_CASE, "ranges", "twin") in cases and (pd_ranges.PAIRED_CASE, "ranges", "pd-first") in cases
+    assert (figures.TWIN_CASE, "ranges", "twin") in cases and (figures.PAIRED_CASE, "ranges", "pd-first") in cases
     assert "TTFT/twin" in r.table()
 
 
 def test_lockstep_sends_each_request_to_every_composition_first_one_rotating() -> None:
     w = make_workload(conversations=2, turns=2)
-    decodes = {name: FakeDecode() for name in pd_ranges.COMPOSITIONS}
+    decodes = {name: FakeDecode() for name in compositions.COMPOSITIONS}
     answers: dict[tuple[int, int], list[int]] = {}
-    got = pd_ranges.serve_lockstep(decodes, 1, FakePrefill(), w, answers, twins=False)
-    n = len(pd_ranges.COMPOSITIONS)
+    got = engines.serve_lockstep(decodes, 1, FakePrefill(), w, answers, twins=False)
+    n = len(compositions.COMPOSITIONS)
     assert len(got) == n * len(w.order())
-    names = list(pd_ranges.COMPOSITIONS)
+    names = list(compositions.COMPOSITIONS)
     for i, (c, t) in enumerate(w.order()):
         chunk = got[i * n : (i + 1) * n]
         assert {(s.conversation, s.turn) for s in chunk} == {(c, t)}
@@ -276,7 +279,7 @@ def test_lockstep_sends_each_request_to_every_composition_first_one_rotating() -
         assert len({s.prompt_tokens for s in chunk}) == 1  # the very same prompt for every composition
     assert all(d.resets == len(w.order()) for d in decodes.values())  # each device cache dropped per request
     reference = {s.key: s.token_ids for s in got[::n]}
-    assert pd_ranges.compare_answers(got, reference) == []
+    assert figures.compare_answers(got, reference) == []
 
 
 def test_a_baseline_that_measured_nothing_leaves_its_target_without_a_figure() -> None:

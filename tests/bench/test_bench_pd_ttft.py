@@ -15,7 +15,7 @@ from kvcompose.bench import pd_ttft
 def test_the_baseline_is_the_composites_own_nixl_child_alone(tmp_path: Path) -> None:
     """Same connector class, module path and options as the composite's ``pd`` child: only the
     composite (and the host tier) differs between the two engines."""
-    from kvcompose.e2e.node import composed_kv_transfer_config
+    from kvcompose.e2e.spec import composed_kv_transfer_config
 
     composite = pd_ttft.engine_spec("kvcompose", "model", tmp_path, 4321).kv_transfer_config()
     alone = pd_ttft.engine_spec("NixlConnector", "model", tmp_path, 4321).kv_transfer_config()

@@ -15,7 +15,7 @@ import pytest
 from kvcompose.bench import runner, serve
 from kvcompose.bench.measure import Samples
 from kvcompose.e2e.flow import NIXL_BYTES
-from kvcompose.e2e.node import composed_kv_transfer_config
+from kvcompose.e2e.spec import composed_kv_transfer_config
 from kvcompose.examples import EXAMPLES
 from kvcompose.vllm.args import vllm_multiconnector
 

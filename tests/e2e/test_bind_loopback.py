@@ -9,7 +9,7 @@ import pytest
 
 from kvcompose.cli import main
 from kvcompose.compose import load
-from kvcompose.e2e.node import engine_env
+from kvcompose.e2e.spec import engine_env
 from kvcompose.examples import all_examples
 
 EXAMPLES = [e.path for e in all_examples()]

@@ -1,5 +1,5 @@
 """The kit can let every thread of an engine's process group use every CPU once the engine is up
-(:func:`kvcompose.e2e.node.spread_group`; the engine tests ask for it), where vLLM's CPU
+(:func:`kvcompose.e2e.affinity.spread_group`; the engine tests ask for it), where vLLM's CPU
 platform leaves them pinned to one core each (``docs/e2e.md``, cold start)."""
 
 from __future__ import annotations
@@ -12,15 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcompose.e2e.node import (
-    OMP_BIND_ENV,
-    SPREAD_ENV,
-    EngineSpec,
-    engine_up,
-    spread_group,
-    start_group,
-    stop_group,
-)
+from kvcompose.e2e.affinity import OMP_BIND_ENV, SPREAD_ENV, engine_up, spread_group
+from kvcompose.e2e.processes import start_group, stop_group
+from kvcompose.e2e.spec import EngineSpec
 
 #: A group leader with a child process, each with a second thread, all pinned to one CPU the way
 #: vLLM pins a worker's threads; each process prints its pid and its thread's id.

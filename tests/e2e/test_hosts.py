@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from kvcompose.e2e import hosts as hosts_module
-from kvcompose.e2e import node as node_module
-from kvcompose.e2e import server as server_module
+from kvcompose.e2e import processes as processes_module
 from kvcompose.e2e.hosts import (
     Hosts,
     HostsUnavailable,
@@ -32,9 +31,10 @@ from kvcompose.e2e.hosts import (
     unavailable,
 )
 from kvcompose.e2e.linkprobe import Lane, nixl_read, off_network, throughput, ucx_lanes
-from kvcompose.e2e.node import EngineNode, EngineSpec
+from kvcompose.e2e.node import EngineNode
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import EngineSpec
 from kvcompose.examples import EXAMPLES
 from tests.e2e.needs import hosts_or_skip
 
@@ -367,8 +367,7 @@ def test_servers_and_engines_in_a_host_bind_its_address_with_its_network_setting
         started.append((argv, popen["env"]))
         return subprocess.Popen(["true"], stdin=subprocess.PIPE, text=True)
 
-    monkeypatch.setattr(server_module, "start_group", start)
-    monkeypatch.setattr(node_module, "start_group", start)
+    monkeypatch.setattr(processes_module, "start_group", start)
     spec = EngineSpec("decode", "model", str(EXAMPLES / "pd-decode.yaml"), 5601)
     server = ServerNode(spec, tmp_path, port=8200, host=host)
     EngineNode(spec, tmp_path, host=host).proc.wait()

@@ -18,7 +18,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from kvcompose.e2e.node import Interrupted, start_group, stopped_on_interrupt
+    from kvcompose.e2e.processes import Interrupted, start_group, stopped_on_interrupt
 
     try:
         with stopped_on_interrupt(grace_s=2.0):
@@ -102,7 +102,7 @@ def test_a_started_group_is_a_process_group_of_its_own_in_this_session() -> None
     engines in two sessions starved each other's workers on a shared core (docs/e2e.md)."""
     import os
 
-    from kvcompose.e2e.node import start_group, stop_group
+    from kvcompose.e2e.processes import start_group, stop_group
 
     proc = start_group("probe", ["sh", "-c", "sleep 600 & wait"])
     try:

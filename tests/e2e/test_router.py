@@ -19,9 +19,11 @@ from kvcompose.e2e import flow
 from kvcompose.e2e.chat import SYSTEM, USER_TURNS, padded, render
 from kvcompose.e2e.flow import measured, routed, same_output
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineSpec, NodeError, free_ports, log_tail
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.processes import NodeError, log_tail
 from kvcompose.e2e.router import ROUTER_VERSION, WORKER_LINES, RouterNode, router_argv
 from kvcompose.e2e.server import POLLS, HttpClient, ServerNode, chat_body, parse_chat, parse_completion
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcompose.compose import load
-from kvcompose.e2e.node import EngineSpec, composed_kv_transfer_config
-from kvcompose.e2e.server import SERVER_MODULE, parse_metrics, server_argv
+from kvcompose.e2e.metrics import parse_metrics
+from kvcompose.e2e.server import SERVER_MODULE, server_argv
+from kvcompose.e2e.spec import EngineSpec, composed_kv_transfer_config
 from kvcompose.examples import EXAMPLES
 from kvcompose.vllm.args import render
 
@@ -79,7 +80,7 @@ def test_parse_metrics_gives_the_keys_flatten_metrics_gives() -> None:
 def test_free_ports_are_distinct_bindable_and_never_ones_the_kernel_hands_out_itself() -> None:
     import socket
 
-    from kvcompose.e2e.node import free_ports
+    from kvcompose.e2e.ports import free_ports
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = free_ports(8)

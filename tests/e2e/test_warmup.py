@@ -14,7 +14,8 @@ import pytest
 
 from kvcompose.cli import main
 from kvcompose.e2e.flow import NIXL_BYTES
-from kvcompose.e2e.node import NodeError, free_ports
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.processes import NodeError
 from kvcompose.e2e.warmup import WARMUP_TOKENS, warm
 
 Params = list[dict[str, Any] | None] | None

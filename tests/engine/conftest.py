@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import EngineNode, EngineSpec, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.spec import EngineSpec
 
 
 @pytest.fixture(scope="session")

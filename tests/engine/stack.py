@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvcompose.e2e.node import EngineSpec
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import EngineSpec
 from kvcompose.examples import EXAMPLES
 
 

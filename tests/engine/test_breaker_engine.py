@@ -20,7 +20,8 @@ import pytest
 
 from kvcompose.e2e.flow import token_prompt
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import EngineNode, EngineSpec, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.spec import EngineSpec
 from kvcompose.testing.types import install_entry_point
 
 pytestmark = pytest.mark.engine

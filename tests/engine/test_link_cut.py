@@ -23,9 +23,11 @@ import pytest
 from kvcompose.e2e.hosts import DEFAULT_LINK, Hosts, kit_namespaces, unavailable
 from kvcompose.e2e.linkcut import cut_and_restore
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import wait_all_ready
+from kvcompose.e2e.ports import free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import EngineSpec
 from kvcompose.examples import EXAMPLES
 from tests.engine.stack import Nodes, module_stack
 

@@ -19,7 +19,9 @@ import pytest
 from kvcompose.e2e.demo import one_past_a_block
 from kvcompose.e2e.flow import EXTERNAL, decode_request, drop_prefix_cache, next_turn, pd_request, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose.examples import EXAMPLES
 
 pytestmark = pytest.mark.engine

@@ -18,9 +18,12 @@ from kvcompose.cli import main
 from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose.e2e.flow import EXTERNAL, delta, drop_prefix_cache, routed_request, same_output, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, NodeError, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.processes import NodeError
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose.e2e.warmup import WARMUP_TOKENS
 from kvcompose.examples import EXAMPLES
 from tests.engine.stack import Nodes, module_stack

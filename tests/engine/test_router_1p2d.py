@@ -24,9 +24,11 @@ from kvcompose.e2e.chat import OTHER_SYSTEM, SYSTEM, ChatTurn, baseline_chat, ch
 from kvcompose.e2e.events import EventListener, kv_events_config
 from kvcompose.e2e.flow import Served, session_per_decode
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose.examples import EXAMPLES
 from tests.engine.stack import Nodes, module_stack
 

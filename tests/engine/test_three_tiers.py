@@ -23,7 +23,9 @@ import yaml
 
 from kvcompose.e2e.flow import Served, decode_request, drop_prefix_cache, pd_request, token_prompt
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose.examples import EXAMPLES
 from kvcompose.testing.harness import connector_entry, multiconnector_config
 from kvcompose_nixl import UCX_ERROR_HANDLING_KEY

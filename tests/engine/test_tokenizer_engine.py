@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import EngineSpec, wait_all_ready
+from kvcompose.e2e.node import wait_all_ready
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import EngineSpec
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,7 @@ are compared with a tolerance: TP 2 sums the attention output's projection over 
 rounds differently from TP 1.
 
 On this 2-core machine each decode worker gets a core of its own (``VLLM_CPU_OMP_THREADS_BIND
-0|1``, :meth:`~kvcompose.e2e.node.EngineSpec.env`).
+0|1``, :meth:`~kvcompose.e2e.spec.EngineSpec.env`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import pytest
 
 from kvcompose.e2e.flow import drop_prefix_cache, routed_request, token_prompt
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose.examples import EXAMPLES
 from tests.engine.stack import Nodes, module_stack
 

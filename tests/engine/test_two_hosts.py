@@ -22,9 +22,11 @@ from kvcompose.e2e.chat import ChatTurn, baseline_chat, chat_through_router, loa
 from kvcompose.e2e.hosts import Hosts, LinkBytes, kit_namespaces, unavailable
 from kvcompose.e2e.linkprobe import off_network, ucx_lanes
 from kvcompose.e2e.model import kv_bytes_per_token, make_model
-from kvcompose.e2e.node import BLOCK_SIZE, EngineNode, EngineSpec, free_ports, wait_all_ready
+from kvcompose.e2e.node import EngineNode, wait_all_ready
+from kvcompose.e2e.ports import free_ports
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import ServerNode
+from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose.examples import EXAMPLES
 from tests.engine.stack import Nodes, module_stack
 

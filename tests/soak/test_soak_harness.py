@@ -18,7 +18,7 @@ import pytest
 from kvcompose.cli import main
 from kvcompose.compose import load
 from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ
-from kvcompose.e2e.node import free_ports
+from kvcompose.e2e.ports import free_ports
 from kvcompose.e2e.server import completion_body, parse_completion
 from kvcompose.examples import EXAMPLES
 from kvcompose.soak.drive import Injector, Load, Outcome, send

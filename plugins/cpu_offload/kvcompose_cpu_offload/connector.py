@@ -151,9 +151,8 @@ class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
     # by the next call, so none is lost; a gauge keeps its last value in Prometheus.
     #
     # A lookup that finds nothing changes nothing, nor does another child's finished load: a
-    # P/D decode's lookup here misses and its NIXL pull is reported a step later. In the real
-    # engines vLLM's stats after each cost 40-45 µs in the engine core, then the front end's
-    # observation (docs/performance.md 5b, "Hook by hook").
+    # P/D decode's lookup here misses and its NIXL pull is reported a step later. What the stats
+    # cost a step: docs/performance.md, "5b. P/D: decode time to first token" (Hook by hook).
 
     #: Whether a scheduler hook ran since the last stats that can have changed them.
     _stats_changed = True

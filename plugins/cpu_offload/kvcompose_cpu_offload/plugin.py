@@ -39,7 +39,6 @@ PositiveInt = Annotated[int, Meta(gt=0)]
 # vLLM's defaults (SimpleCPUOffloadConnector.__init__), for the descriptions.
 VLLM_DEFAULT_CPU_BYTES = 8 * 2**30
 VLLM_DEFAULT_DISK_CAPACITY = 100 * 2**30
-VLLM_DEFAULT_DISK_BUFFER_SLOTS = 2
 
 
 class CpuOffloadOptions(Options):

@@ -1,6 +1,7 @@
 """Real-engine check: vLLM on the CPU platform with the cpu-offload connector.
 
-Starts ``vllm.LLM`` with a tiny Llama whose weights are seeded random numbers at realistic
+Starts one engine through the e2e kit (:class:`kvcompose.e2e.node.EngineNode`, ``vllm.LLM`` in a
+process of its own) with a tiny Llama whose weights are seeded random numbers at realistic
 scales (so the output depends on the KV it attends to; dummy weights would not show whether KV
 moved), serves prompt A, pushes A out of the device prefix cache with other prompts, then
 serves A again. A must get an external prefix-cache hit from the host tier and the same
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -24,13 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-BLOCK_SIZE = 32
 PROMPT_LEN = 600
 MAX_TOKENS = 16
 # 64 device blocks (2048 tokens) hold about three 600-token requests: four evictors push A out.
 NUM_GPU_BLOCKS = 64
 NUM_EVICTORS = 4
 HOST_BYTES = 64 << 20
+#: The engine's counters the result reports.
+WANTED = ("prefix_cache", "prompt_tokens", "kv_offload", "cpu_offload", "external")
 
 
 def token_prompt(seed: int) -> list[int]:
@@ -38,20 +39,21 @@ def token_prompt(seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(PROMPT_LEN)]
 
 
-def counters(llm: Any) -> dict[str, float]:
-    """Prefix-cache and KV-connector counters from the engine's Prometheus metrics."""
-    wanted = ("prefix_cache", "prompt_tokens", "kv_offload", "cpu_offload", "external")
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if not any(w in m.name for w in wanted):
-            continue
-        value = getattr(m, "value", None)
-        if value is None:  # histograms: report their sum
-            value = getattr(m, "sum", None)
-        if isinstance(value, (int, float)):
-            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name"))
-            out[m.name + (f"{{{labels}}}" if labels else "")] = float(value)
-    return out
+def kv_config(backend: str, tmp: Path) -> dict[str, Any]:
+    """vLLM's ``KVTransferConfig`` for the plugin's connector on ``backend``."""
+    extra: dict[str, Any] = {"cpu_bytes_to_use": HOST_BYTES}
+    if backend == "disk":
+        extra = {
+            "kv_offload_backend": "disk",
+            "disk_path": str(tmp / "kv" / "blocks.bin"),
+            "disk_capacity_bytes": HOST_BYTES,
+        }
+    return {
+        "kv_connector": "SimpleCPUOffloadConnector",
+        "kv_connector_module_path": "kvcompose_cpu_offload.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -63,72 +65,51 @@ def main(argv: list[str]) -> int:
         help="the tier to offload to (disk: a file in a temporary directory)",
     )
     args = parser.parse_args(argv)
-    # Before vLLM is imported: a 1 GiB device KV budget, and one reserved core so the worker's
-    # OMP thread count (and thus float rounding) does not change with the connector.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
     from kvcompose.e2e.model import make_model
+    from kvcompose.e2e.node import EngineNode, wait_all_ready
+    from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
 
+    source = "disk" if args.backend == "disk" else "host"
     with tempfile.TemporaryDirectory(prefix="kvcompose-cpu-offload-") as tmp:
         model = make_model(0)  # cached, shared with the e2e tests and the demo
-        extra: dict[str, Any] = {"cpu_bytes_to_use": HOST_BYTES}
-        source = "host"
-        if args.backend == "disk":
-            extra = {
-                "kv_offload_backend": "disk",
-                "disk_path": str(Path(tmp) / "kv" / "blocks.bin"),
-                "disk_capacity_bytes": HOST_BYTES,
-            }
-            source = "disk"
-        t0 = time.monotonic()
-        llm = LLM(
-            model=str(model),
-            skip_tokenizer_init=True,
-            load_format="safetensors",
-            dtype="float32",
-            max_model_len=1024,
-            enforce_eager=True,
-            block_size=BLOCK_SIZE,
-            seed=0,
-            num_gpu_blocks_override=NUM_GPU_BLOCKS,
-            disable_log_stats=False,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="SimpleCPUOffloadConnector",
-                kv_connector_module_path="kvcompose_cpu_offload.connector",
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
-            ),
+        spec = EngineSpec(
+            f"cpu-offload-{args.backend}",
+            str(model),
+            num_gpu_blocks=NUM_GPU_BLOCKS,
+            kv_config=kv_config(args.backend, Path(tmp)),
         )
-        start_s = time.monotonic() - t0
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False, logprobs=1)
+        node = EngineNode(spec, Path(tmp) / "logs")
+        try:
+            t0 = time.monotonic()
+            wait_all_ready([node])
+            start_s = time.monotonic() - t0
 
-        def run(ids: list[int]) -> Any:
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-            return out
+            def run(ids: list[int]) -> dict[str, Any]:
+                (out,) = node.generate([ids], MAX_TOKENS)
+                return out
 
-        a = token_prompt(0)
-        t1 = time.monotonic()
-        a1 = run(a)
-        after_a1 = counters(llm)
-        for seed in range(1, NUM_EVICTORS + 1):
-            run(token_prompt(seed))
-        before_a2 = counters(llm)
-        a2 = run(a)
-        after_a2 = counters(llm)
-        a3 = run(a)
-        # The model must be sensitive to its KV for the equality above to mean anything: one
-        # changed token in the first block has to change the output.
-        a_changed = run([a[0] + 1, *a[1:]])
-        serve_s = time.monotonic() - t1
+            def counters() -> dict[str, float]:
+                return {k: v for k, v in node.metrics().items() if any(w in k for w in WANTED)}
 
-    def logprobs(out: Any) -> list[float]:
-        comp = out.outputs[0]
-        return [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs)]
+            a = token_prompt(0)
+            t1 = time.monotonic()
+            a1 = run(a)
+            after_a1 = counters()
+            for seed in range(1, NUM_EVICTORS + 1):
+                run(token_prompt(seed))
+            before_a2 = counters()
+            a2 = run(a)
+            after_a2 = counters()
+            a3 = run(a)
+            # The model must be sensitive to its KV for the equality above to mean anything: one
+            # changed token in the first block has to change the output.
+            a_changed = run([a[0] + 1, *a[1:]])
+            serve_s = time.monotonic() - t1
+        except Exception:
+            print(f"--- engine log (tail) ---\n{node.log_tail()}", flush=True)
+            raise
+        finally:
+            node.close()
 
     def delta(name: str) -> float:
         return after_a2.get(name, 0.0) - before_a2.get(name, 0.0)
@@ -140,31 +121,29 @@ def main(argv: list[str]) -> int:
         "backend": args.backend,
         "engine_start_s": round(start_s, 1),
         "serve_s": round(serve_s, 2),
-        "a1_tokens": list(a1.outputs[0].token_ids),
-        "a2_tokens": list(a2.outputs[0].token_ids),
-        "a3_tokens": list(a3.outputs[0].token_ids),
-        "a_changed_tokens": list(a_changed.outputs[0].token_ids),
-        "a1_num_cached_tokens": a1.num_cached_tokens,
-        "a2_num_cached_tokens": a2.num_cached_tokens,
-        "a3_num_cached_tokens": a3.num_cached_tokens,
+        "a1_tokens": a1["token_ids"],
+        "a2_tokens": a2["token_ids"],
+        "a3_tokens": a3["token_ids"],
+        "a_changed_tokens": a_changed["token_ids"],
+        "a1_num_cached_tokens": a1["num_cached_tokens"],
+        "a2_num_cached_tokens": a2["num_cached_tokens"],
+        "a3_num_cached_tokens": a3["num_cached_tokens"],
         "a2_external_hit_tokens": hit_tokens,
         "expected_hit_tokens": full_blocks,
-        "tokens_equal": list(a1.outputs[0].token_ids) == list(a2.outputs[0].token_ids),
-        "logprobs_equal": logprobs(a1) == logprobs(a2),
+        "tokens_equal": a1["token_ids"] == a2["token_ids"],
+        "logprobs_equal": a1["logprobs"] == a2["logprobs"],
         "a2_counter_deltas": {
             k: after_a2[k] - before_a2.get(k, 0.0) for k in after_a2 if after_a2[k] != before_a2.get(k, 0.0)
         },
         "a1_counters": after_a1,
     }
     checks = {
-        "A1 computed from scratch": a1.num_cached_tokens == 0,
+        "A1 computed from scratch": a1["num_cached_tokens"] == 0,
         "A2 hit the offload tier for every full block": hit_tokens == full_blocks,
         "A2 tokens equal A1": result["tokens_equal"],
         "A2 logprobs equal A1": result["logprobs_equal"],
-        "A3 equals A1": list(a3.outputs[0].token_ids) == list(a1.outputs[0].token_ids),
-        "output depends on the first block's KV": (
-            list(a_changed.outputs[0].token_ids) != list(a1.outputs[0].token_ids)
-        ),
+        "A3 equals A1": a3["token_ids"] == a1["token_ids"],
+        "output depends on the first block's KV": a_changed["token_ids"] != a1["token_ids"],
         f"A2's hit is counted as source={source}": (
             result["a2_counter_deltas"].get(f"vllm:prompt_tokens_cached_by_source{{source={source}}}") == full_blocks
         ),

@@ -14,18 +14,18 @@ import torch
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
 from kvcompose.testing.kv import fill_random, make_engine_kv
-from kvcompose_cpu_offload import _streamcopy, portable_worker
-from kvcompose_cpu_offload.portable_worker import (
+from kvcompose_cpu_offload import _streamcopy, block_copy
+from kvcompose_cpu_offload.block_copy import (
     COPY_LOOP_ENV,
-    PortableDiskBackend,
-    PortableSimpleCPUOffloadWorker,
-    ThreadEvent,
     as_array,
     check_block_ids,
     copy_blocks,
     copy_loop,
     stack_regions,
 )
+from kvcompose_cpu_offload.copy_threads import ThreadEvent
+from kvcompose_cpu_offload.disk_backend import PortableDiskBackend
+from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 
 STREAMS = bool(_streamcopy is not None and _streamcopy.STREAMS)
 needs_helper = pytest.mark.skipif(_streamcopy is None, reason="the compiled helper is not built here")
@@ -52,11 +52,11 @@ class _SpyHelper:
 def _path(monkeypatch: pytest.MonkeyPatch, path: str) -> _SpyHelper | None:
     """Send every copy down ``path``: ``"helper"`` (the spy, from any size) or ``"numpy"``."""
     if path == "numpy":
-        monkeypatch.setattr(portable_worker, "_streamcopy", None)
+        monkeypatch.setattr(block_copy, "_streamcopy", None)
         return None
     spy = _SpyHelper()
-    monkeypatch.setattr(portable_worker, "_streamcopy", spy)
-    monkeypatch.setattr(portable_worker, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(block_copy, "_streamcopy", spy)
+    monkeypatch.setattr(block_copy, "STREAM_MIN_BYTES", 0)
     return spy
 
 
@@ -243,7 +243,7 @@ def test_the_environment_switch_forces_the_plain_loop_on_any_cpu(
         monkeypatch.setenv(COPY_LOOP_ENV, setting)
     want = "plain" if setting and setting.strip().lower() == "plain" else "avx512" if STREAMS else "plain"
     assert copy_loop() == want
-    monkeypatch.setattr(portable_worker, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(block_copy, "STREAM_MIN_BYTES", 0)
     engine = torch.randint(-128, 128, (4, 12, 4160), dtype=torch.int8)
     pool = torch.zeros((4, 24, 4160), dtype=torch.int8)
     ((_, dev),) = stack_regions([engine[i] for i in range(4)])
@@ -253,7 +253,7 @@ def test_the_environment_switch_forces_the_plain_loop_on_any_cpu(
 
 
 def test_without_the_helper_the_loop_is_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(portable_worker, "_streamcopy", None)
+    monkeypatch.setattr(block_copy, "_streamcopy", None)
     assert copy_loop() == "numpy"
     src, dst = torch.arange(40, dtype=torch.int8).view(4, 10), torch.zeros(4, 10, dtype=torch.int8)
     assert copy_blocks([(as_array(src), as_array(dst))], [3], [0]) == {"numpy"}
@@ -264,7 +264,7 @@ def test_without_the_helper_the_loop_is_numpy(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize("setting", ["plain", "auto"])
 def test_the_worker_reports_the_loops_its_transfers_used(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(COPY_LOOP_ENV, setting)
-    monkeypatch.setattr(portable_worker, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(block_copy, "STREAM_MIN_BYTES", 0)
     worker = _worker()
     assert worker.take_copy_loops() == set()
     worker.bind_connector_metadata(

@@ -23,7 +23,8 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 from kvcompose.testing.harness import assert_scheduler_empty, make_request
 from kvcompose.testing.kv import fill_random, make_engine_kv
 from kvcompose.testing.worker import WorkerHarness
-from kvcompose_cpu_offload.portable_worker import HostCopyBackend, PortableSimpleCPUOffloadWorker
+from kvcompose_cpu_offload.host_backend import HostCopyBackend
+from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker
 
 BLOCK = 16
 PROMPT = 4 * BLOCK + 8
@@ -243,10 +244,10 @@ def test_a_preemption_flush_and_shutdown_wait_for_every_store(
 def test_the_engines_wait_on_a_copy_thread_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's preemption flush waits on the engine's thread for every copy in flight: a copy that
     never ends fails the wait with a clear error instead of holding the engine for good."""
-    from kvcompose_cpu_offload import portable_worker
+    from kvcompose_cpu_offload import copy_threads
 
-    monkeypatch.setattr(portable_worker, "SYNC_TIMEOUT_S", 0.05)
-    stuck = portable_worker.ThreadEvent("host copy store")
+    monkeypatch.setattr(copy_threads, "SYNC_TIMEOUT_S", 0.05)
+    stuck = copy_threads.ThreadEvent("host copy store")
     with pytest.raises(TimeoutError, match=r"KV offload host copy store still running after 0.05 s"):
         stuck.synchronize()
     stuck.set_done()

@@ -20,23 +20,14 @@ from vllm.v1.simple_kv_offload.metadata import (
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
 from kvcompose.testing.kv import EngineKV, fill_random, make_engine_kv
-from kvcompose_cpu_offload import _streamcopy, portable_worker
+from kvcompose_cpu_offload import _streamcopy, block_copy
+from kvcompose_cpu_offload.block_copy import as_array, contiguous_runs, copy_blocks, pieces, stack_regions
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
+from kvcompose_cpu_offload.copy_threads import ThreadEvent
+from kvcompose_cpu_offload.disk_backend import PortableDiskBackend, alloc_staging
+from kvcompose_cpu_offload.host_backend import HostCopyBackend
 from kvcompose_cpu_offload.host_memory import HUGE_PAGE
-from kvcompose_cpu_offload.portable_worker import (
-    CompletedEvent,
-    HostCopyBackend,
-    PortableDiskBackend,
-    PortableSimpleCPUOffloadWorker,
-    StepMetadata,
-    ThreadEvent,
-    alloc_staging,
-    as_array,
-    contiguous_runs,
-    copy_blocks,
-    pieces,
-    stack_regions,
-)
+from kvcompose_cpu_offload.portable_worker import PortableSimpleCPUOffloadWorker, StepMetadata
 
 CONNECTOR = {
     "kv_connector": "SimpleCPUOffloadConnector",
@@ -129,7 +120,7 @@ def test_copy_blocks_between_engine_and_pool_layouts_moves_exactly_the_blocks(
     pattern: str, direction: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # These transfers are below the size the helper is used from; the streamed path is forced.
-    monkeypatch.setattr(portable_worker, "STREAM_MIN_BYTES", 0 if path == "streamed" else 1 << 62)
+    monkeypatch.setattr(block_copy, "STREAM_MIN_BYTES", 0 if path == "streamed" else 1 << 62)
     engine, pool = _engine_and_pool(layers=4, blocks=12, page=4160)  # not a multiple of 64: tails
     ((_, dev),) = stack_regions([engine[i] for i in range(4)])
     ((_, host),) = stack_regions([pool[i] for i in range(4)])
@@ -500,7 +491,6 @@ def test_disk_io_error_surfaces_on_the_engine_thread(tmp_path: os.PathLike[str])
 
 
 def test_events() -> None:
-    assert CompletedEvent().query() is True
     ev = ThreadEvent("load")
     assert ev.query() is False
     ev.set_done()
@@ -526,7 +516,7 @@ def test_disk_file_layout_is_vllms_whether_in_place_or_staged(
     without one). Regions of unequal block sizes, off a 4 KiB boundary: only a slot of all of
     them must be a multiple of it."""
     if not helper:
-        monkeypatch.setattr(portable_worker, "_streamcopy", None)
+        monkeypatch.setattr(block_copy, "_streamcopy", None)
     nb, sizes = 8, [4096, 1024, 3072]
     raw = torch.randint(-128, 128, (nb * sum(sizes) + 2 * 4096,), dtype=torch.int8)
     start = -raw.data_ptr() % 4096 + offset

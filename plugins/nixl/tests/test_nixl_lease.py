@@ -114,7 +114,7 @@ def test_a_read_that_ends_after_the_lease_is_recomputed_not_used() -> None:
     counts as failed, vLLM's scheduler recomputes A's blocks (``load_failure: recompute``), and
     A's blocks end up holding A's KV, not B's."""
     pytest.importorskip("nixl")
-    from kvcompose.e2e.node import free_ports
+    from kvcompose.e2e.ports import free_ports
 
     p_port, d_port = free_ports(2)
     producer = composition("producer", p_port, f", lease_seconds: {LEASE_S}")
