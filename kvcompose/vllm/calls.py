@@ -161,6 +161,11 @@ UNKNOWN = Call(W, "merge")
 #: double can fail on (the kit's fault injection).
 FORWARDED: frozenset[str] = frozenset(name for name, c in CALLS.items() if c.forwarded and c.kind == "method")
 
+#: The calls whose children's answers the dispatch combines (``calls.combined[m]``).
+COMBINED: tuple[str, ...] = tuple(
+    name for name, c in CALLS.items() if c.forwarded and c.combine not in ("each", "rule", "per-layer")
+)
+
 #: The calls vLLM makes once per layer per step.
 PER_LAYER: tuple[str, ...] = tuple(name for name, c in CALLS.items() if c.per_layer)
 

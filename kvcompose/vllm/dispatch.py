@@ -11,8 +11,8 @@ combination (:data:`kvcompose.vllm.calls.Combine`):
 - ``calls.per_layer[m]``: the callables alone, for vLLM's per-layer calls;
 - ``calls.combined[m](*args)``: the children's answers combined as the table says.
 
-Each is resolved once per call on first use, and again when a contained child is bypassed or,
-under a breaker, let back.
+Each is resolved once per call (``calls[m]`` on first use), and again when a contained child is
+bypassed or, under a breaker, let back.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dis
 import functools
 import logging
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from kvcompose.catalog import Plan
 from kvcompose.merge import merge_values
 from kvcompose.rules.contract import FaultMonitor, FaultsRule
 from kvcompose.rules.faults import NEUTRAL
-from kvcompose.vllm.calls import CALLS, IGNORES_NEUTRAL, PER_LAYER, Call, call
+from kvcompose.vllm.calls import CALLS, COMBINED, IGNORES_NEUTRAL, PER_LAYER, Call, call
 from kvcompose.vllm.surface import provides
 
 log = logging.getLogger("kvcompose.vllm")
@@ -97,11 +98,12 @@ class Dispatch(dict[str, dict[int, Fn]]):
         #: The per-layer calls' callables without their child index, in an exact dict: CPython
         #: specialises subscription of an exact dict only (docs/performance.md: worker step, before/after).
         self.per_layer: dict[str, list[Fn]] = {}
-        #: Per call, one callable that asks the children and combines their answers.
-        self.combined = _Combined(self)
+        #: Per combined call, one callable that asks the children and combines their answers (an
+        #: exact dict, as :attr:`per_layer`; each resolved on first use).
+        self.combined: dict[str, Fn] = {}
         #: The active children, in YAML order.
         self.active: tuple[int, ...] = tuple(range(len(self._children)))
-        self._fill_per_layer()
+        self._fill()
 
     @classmethod
     def for_plan(
@@ -160,11 +162,31 @@ class Dispatch(dict[str, dict[int, Fn]]):
         self.active = tuple(i for i in range(len(self._children)) if i not in self.disabled)
         self.clear()
         self.combined.clear()
-        self._fill_per_layer()
+        self._fill()
 
-    def _fill_per_layer(self) -> None:
+    def _fill(self) -> None:
         for method in PER_LAYER:
             self.per_layer[method] = list(self._resolve(method, self.active).values())
+        for method in COMBINED:
+            self.combined[method] = self._on_first_use(method)
+
+    def _on_first_use(self, method: str) -> Fn:
+        """A stand-in for ``combined[method]`` that resolves it when first called: a test may
+        patch a child instance between construction and the first call."""
+
+        def first(*args: Any, **kwargs: Any) -> Any:
+            fn = self.combined[method] = _combiner(self, method)
+            return fn(*args, **kwargs)
+
+        return first
+
+    def combiner(self, method: str) -> Fn:
+        """``combined[method]``, made on first use for a call the table does not know (a newer
+        vLLM's, answers merged by type)."""
+        fn = self.combined.get(method)
+        if fn is None:
+            fn = self.combined[method] = _combiner(self, method)
+        return fn
 
     def _resolve(self, method: str, among: Sequence[int]) -> dict[int, Fn]:
         only = self._only.get(method)
@@ -229,19 +251,6 @@ class Dispatch(dict[str, dict[int, Fn]]):
         return contained
 
 
-class _Combined(dict[str, Fn]):
-    """``combined[method]``: one callable that calls ``method`` on its children and combines
-    their answers as the call table says; made on first use, dropped when the table is rebuilt."""
-
-    def __init__(self, table: Dispatch) -> None:
-        super().__init__()
-        self._table = table
-
-    def __missing__(self, method: str) -> Fn:
-        fn = self[method] = _combiner(self._table, method)
-        return fn
-
-
 def _combiner(table: Dispatch, method: str) -> Fn:
     combine = call(method).combine
     names = table.names
@@ -249,6 +258,8 @@ def _combiner(table: Dispatch, method: str) -> Fn:
         return functools.partial(_call_every, table, method)
     entries = tuple(table[method].items())
     fns = tuple(fn for _, fn in entries)
+    if call(method).kind == "property" and all(type(fn) is functools.partial for fn in fns):
+        return _read(combine, method, tuple(fn.args[0] for fn in fns))
     if combine == "any":
 
         def any_(*args: Any) -> bool:
@@ -325,6 +336,29 @@ def _combiner(table: Dispatch, method: str) -> Fn:
     if combine == "merge":
         return lambda *args, **kwargs: merge_values([fn(*args, **kwargs) for fn in fns])
     raise TypeError(f"{method} is combined by the composite's own loop ({combine!r}): use calls[{method!r}]")
+
+
+def _read(combine: str, name: str, children: tuple[Any, ...]) -> Fn:
+    """A property of children neither traced nor contained, combined by ``any`` or ``all``: read
+    in the loop itself, since vLLM asks per lookup."""
+    get = operator.attrgetter(name)
+    if combine == "all":
+
+        def all_read() -> bool:
+            for child in children:
+                if get(child) is False:
+                    return False
+            return True
+
+        return all_read
+
+    def any_read() -> bool:
+        for child in children:
+            if get(child):
+                return True
+        return False
+
+    return any_read
 
 
 def _call_every(table: Dispatch, method: str, *args: Any) -> None:

@@ -114,7 +114,7 @@ def forward_unknown_calls(cls: type, base: type = KVConnectorBase_V1) -> type:
 def _forwarder(name: str) -> Callable[..., Any]:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         warn_generic(name)
-        return self.calls.combined[name](*args, **kwargs)
+        return self.calls.combiner(name)(*args, **kwargs)
 
     forward.__name__ = forward.__qualname__ = name
     forward.__doc__ = f"vLLM's ``{name}``, unknown to kvcompose: forwarded to every child, answers merged by type."
