@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from kvcompose.testing import inspector
+
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -56,7 +58,7 @@ class Subject:
 
         composed = self.scheduler.connector
         assert isinstance(composed, KVComposeConnector)
-        return composed.child(CHILD)
+        return inspector.child(composed, CHILD)
 
     def fresh_request(self, num_tokens: int = 64) -> Request:
         """A plain request whose prompt no cache has seen (a distinct token sequence each time)."""
@@ -294,8 +296,7 @@ def plain_request_runs_to_completion(s: Subject) -> None:
     assert s.worker is not None
     req = s.fresh_request()
     s.scheduler.add_request(req)
-    # Prefill and sample EOS, then step on, as vLLM's engine loop does, while the worker
-    # finishes what the finish started (async saves, reported in later steps).
+    # As vLLM's engine loop: prefill, sample EOS, step on while the worker ends its async saves.
     for _ in range(4):
         s.worker.engine_step(eos=True)
     try:

@@ -25,8 +25,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvcompose.compose import load, loads
 from kvcompose.plugins import Plugins
 
-# The engine config lives with the KV cache builders, which need it and sit below this module;
-# it stays importable from here, where tests have always found it.
+# Importable from here, where tests have always found it (it lives with the KV cache builders).
 from kvcompose.testing.kv import TINY_MODEL as TINY_MODEL
 from kvcompose.testing.kv import make_engine_kv
 from kvcompose.testing.kv import make_vllm_config as make_vllm_config

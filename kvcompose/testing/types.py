@@ -1,7 +1,8 @@
 """Plugin module: the test kit's connector types (``record``, ``record-range``, ``record-pd``,
 ``faulty``).
 
-Nothing here imports vLLM: the classes vLLM instantiates live in :mod:`kvcompose.testing.connectors`.
+Nothing here imports vLLM (the call table, :mod:`kvcompose.vllm.calls`, is written without it): the
+classes vLLM instantiates live in :mod:`kvcompose.testing.connectors`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import msgspec
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, ConnectorType, Options
+from kvcompose.vllm.calls import FORWARDED
 
 if TYPE_CHECKING:
     from kvcompose.plugins import Plugins
@@ -31,46 +33,9 @@ class RecordOptions(Options):
     sleep_mode: bool = True
 
 
-#: Every engine call a fault may name: the methods of vLLM's ``KVConnectorBase_V1`` that a
-#: composed connector forwards to a child (pinned to vLLM's class by the kit's tests).
-FAULT_CALLS: frozenset[str] = frozenset(
-    {
-        # scheduler side
-        "get_num_new_matched_tokens",
-        "update_state_after_alloc",
-        "build_connector_meta",
-        "request_finished",
-        "request_finished_all_groups",
-        "update_connector_output",
-        "on_new_request",
-        "take_events",
-        "get_finished_count",
-        "has_pending_block_frees",
-        "reset_cache",
-        "bind_kv_cache_manager",
-        "bind_gpu_block_pool",
-        "get_loaded_kv_cache_group_ids",
-        "set_xfer_handshake_metadata_pp_aware",
-        # worker side
-        "register_kv_caches",
-        "set_host_xfer_buffer_ops",
-        "bind_connector_metadata",
-        "clear_connector_metadata",
-        "handle_preemptions",
-        "start_load_kv",
-        "wait_for_layer_load",
-        "save_kv_layer",
-        "wait_for_save",
-        "get_finished",
-        "get_transfer_results",
-        "get_block_ids_with_load_errors",
-        "get_kv_connector_stats",
-        "get_kv_connector_kv_cache_events",
-        "build_connector_worker_meta",
-        "get_handshake_metadata",
-        "shutdown",
-    }
-)
+#: Every engine call a fault may name: the calls a composed connector forwards to a child's own
+#: implementation, from the call table (so each one fires, and every forwarded call can fail).
+FAULT_CALLS: frozenset[str] = FORWARDED
 
 FaultAction = Literal["raise", "none", "stall", "fail-load"]
 

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvcompose.testing import inspector
 from kvcompose.testing.copy_op import CopyLog, record_receivers
 from kvcompose.testing.kv import CPU_LAYOUT, EngineKV, make_engine_kv, pattern_for
 
@@ -210,7 +211,7 @@ class WorkerHarness:
         from kvcompose.vllm.connector import KVComposeConnector
 
         if isinstance(self.connector, KVComposeConnector):
-            return self.connector.child(name)
+            return inspector.child(self.connector, name)
         children = getattr(self.connector, "_connectors", [])
         found = [c for c in children if type(c).__name__ == name]
         if len(found) != 1:
@@ -302,8 +303,7 @@ class WorkerHarness:
             finished = set(work.finished_req_ids) | set(finished_req_ids)
             sync = work.has_sync_kv_loads if sync_loads is None else sync_loads
         conn = self.connector
-        # vLLM's model runner hands every step's metadata to handle_preemptions before it binds it
-        # (gpu_model_runner.py, execute_model), a preemption or not.
+        # As vLLM's model runner (execute_model): every step's metadata to handle_preemptions, then bind.
         conn.handle_preemptions(meta)
         conn.bind_connector_metadata(meta)
         with set_forward_context(attn_metadata, self.vllm_config):

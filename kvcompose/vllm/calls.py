@@ -1,324 +1,175 @@
-"""The composite's call table: per engine call, the callables of the children that get it.
+"""The call table: one declaration per member of vLLM's connector API (``KVConnectorBase_V1``).
 
-Every call the composite forwards to a child goes through this table, so tracing
-(``KVCOMPOSE_TRACE``) and fault containment (the ``faults`` rule) apply to all of them. The table
-is built once per method on first use and rebuilt when a contained child is bypassed or, under a
-breaker, let back.
+Each :class:`Call` says which side of the engine makes it, how the composite combines the
+children's answers, what shape the answer has (whose neutral answer, for a contained child, the
+faults rule says: :data:`kvcompose.rules.faults.NEUTRAL`), whether vLLM makes it per layer, and
+which children get it. The composite's forwarding (:mod:`kvcompose.vllm.dispatch`), its fault
+containment and the test kit's fault injection (:data:`kvcompose.testing.types.FAULT_CALLS`) are
+driven by it; ``tests/cli/test_vllm_surface.py`` checks that it, the composite's members and
+vLLM's ``KVConnectorBase_V1`` (the installed one, and the next one through
+:mod:`kvcompose.vllm.surface`) name the same calls.
+
+Written without vLLM, like :mod:`kvcompose.vllm.args`: the test kit's connector types read it
+where vLLM is not installed.
 """
 
 from __future__ import annotations
 
-import dis
-import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from kvcompose.rules.faults import Answer
 
-from kvcompose.catalog import Plan
-from kvcompose.rules.contract import FaultMonitor, FaultsRule
-from kvcompose.vllm.surface import provides
+#: Who asks: the scheduler's connector, a worker's, or vLLM before any instance exists (a
+#: classmethod, combined over the children's classes by :mod:`kvcompose.vllm.children`).
+Side = Literal["scheduler", "worker", "class"]
 
-log = logging.getLogger("kvcompose.vllm")
-trace_log = logging.getLogger("kvcompose.trace")
+#: How the composite combines the children's answers, and so which dispatch idiom it uses
+#: (:class:`kvcompose.vllm.dispatch.Dispatch`):
+#:
+#: - ``each``: the composite's own loop over ``calls[m]`` (each child its own argument, or its
+#:   answer put by child index into a rule's decision); ``rule``: the same table, from which a
+#:   rule asks the children it chooses, by index (so no child is left out of it);
+#: - ``per-layer``: ``calls.per_layer[m]``, the callables alone, in vLLM's per-layer hot loop;
+#: - the rest: ``calls.combined[m](*args)``: ``any`` / ``all`` (no child answers ``False``),
+#:   ``union`` (of sets), ``concat`` (of iterables), ``named`` (the answers that are not
+#:   ``None``, by child name), ``one`` (``named``, at most one child answering), ``agreed`` (the
+#:   one answer every child gives), ``every`` (every child that has the call, bypassed ones
+#:   included, uncontained; then one error naming every child that raised), ``merge`` (a call
+#:   this table does not know: answers merged by type, :func:`kvcompose.merge.merge_values`).
+#:
+#: Not forwarded to a child's same call: ``via`` (the composite answers from another call of
+#: the table, named by :attr:`Call.via`) and ``classes`` (classmethods).
+Combine = Literal[
+    "each",
+    "rule",
+    "per-layer",
+    "any",
+    "all",
+    "union",
+    "concat",
+    "named",
+    "one",
+    "agreed",
+    "every",
+    "merge",
+    "via",
+    "classes",
+]
 
-Entry = tuple[int, Callable[..., Any]]
+#: Which children get the call: every active child in YAML order, the store rule's targets, the
+#: child that owns host-buffer copies, or every active child with the P/D transport first (its
+#: reads are in flight while the others copy).
+To = Literal["all", "store-targets", "host-buffer-owner", "pd-first"]
 
-#: What a child that failed (and was disabled) answers in place of a real answer: vLLM's
-#: "nothing" for that call. Unlisted calls answer ``None``.
-NEUTRAL: dict[str, Any] = {
-    "get_num_new_matched_tokens": (0, False),
-    "request_finished": (False, None),
-    "request_finished_all_groups": (False, None),
-    "get_finished": (None, None),
-    "has_pending_block_frees": False,
-    "has_pending_push_work": False,
-    "register_finished_partial_tail": False,
-    "take_events": (),
-    "get_block_ids_with_load_errors": frozenset(),
-    "get_external_cache_hit_sources": {},
+Kind = Literal["method", "classmethod", "property"]
+
+#: The combinations that drop a child's neutral answer: a child whose implementation answers
+#: only that (and does nothing) need not be called.
+IGNORES_NEUTRAL: frozenset[Combine] = frozenset({"each", "per-layer", "any", "union", "concat", "named", "one"})
+
+
+@dataclass(frozen=True)
+class Call:
+    """One member of vLLM's connector API, as the composite forwards it."""
+
+    side: Side
+    combine: Combine
+    #: The shape of a child's answer; its neutral answer is what a contained child answers.
+    answer: Answer = "none"
+    to: To = "all"
+    kind: Kind = "method"
+    #: vLLM's base class answers the neutral answer: a child that inherits it is not called.
+    base_neutral: bool = False
+    #: For ``combine="via"``: the call of this table the composite answers from.
+    via: str | None = None
+
+    @property
+    def per_layer(self) -> bool:
+        """vLLM makes the call once per layer per step."""
+        return self.combine == "per-layer"
+
+    @property
+    def forwarded(self) -> bool:
+        """Each child's own implementation of the call is called (and may raise)."""
+        return self.combine not in ("via", "classes")
+
+
+S, W = "scheduler", "worker"
+
+#: Every public member of ``KVConnectorBase_V1`` (vLLM 0.32 and 0.33) but the two whose base
+#: implementation is right for the composite too (:data:`kvcompose.vllm.surface.NOT_FORWARDED`).
+CALLS: dict[str, Call] = {
+    # ---- scheduler side
+    "get_num_new_matched_tokens": Call(S, "rule", "hit"),
+    "update_state_after_alloc": Call(S, "each"),
+    "get_loaded_kv_cache_group_ids": Call(S, "rule"),
+    "get_external_cache_hit_sources": Call(S, "rule", "sources"),
+    "build_connector_meta": Call(S, "each"),
+    "update_connector_output": Call(S, "each"),
+    "request_finished": Call(S, "each", "finished"),
+    "request_finished_all_groups": Call(S, "each", "finished"),
+    "register_finished_partial_tail": Call(S, "any", "flag", base_neutral=True),
+    "on_new_request": Call(S, "each"),
+    "bind_kv_cache_manager": Call(S, "each"),
+    "bind_gpu_block_pool": Call(S, "each"),
+    "take_events": Call(S, "concat", "events", base_neutral=True),
+    "has_pending_block_frees": Call(S, "any", "flag", base_neutral=True),
+    "has_pending_push_work": Call(S, "any", "flag", base_neutral=True),
+    "get_finished_count": Call(S, "agreed"),
+    "reset_cache": Call(S, "all"),
+    "set_xfer_handshake_metadata_pp_aware": Call(S, "each"),
+    "set_xfer_handshake_metadata": Call(S, "via", via="set_xfer_handshake_metadata_pp_aware"),
+    "supports_divergent_local_hybrid_hits": Call(S, "all", "flag", kind="property"),
+    "requires_kv_delivery": Call(S, "any", "flag", kind="property"),
+    # ---- worker side
+    "register_kv_caches": Call(W, "each"),
+    "set_host_xfer_buffer_ops": Call(W, "each", to="host-buffer-owner"),
+    "get_mem_pool_context": Call(W, "one"),
+    "bind_connector_metadata": Call(W, "each"),
+    "handle_preemptions": Call(W, "each"),
+    "start_load_kv": Call(W, "each", to="pd-first"),
+    "wait_for_layer_load": Call(W, "per-layer"),
+    "save_kv_layer": Call(W, "per-layer", to="store-targets"),
+    "wait_for_save": Call(W, "each", to="store-targets"),
+    "finish_forward": Call(W, "each"),
+    "reset_capture_state": Call(W, "each"),
+    "clear_connector_metadata": Call(W, "each"),
+    "get_transfer_results": Call(W, "each"),
+    "get_finished": Call(W, "via", via="get_transfer_results"),
+    "get_block_ids_with_load_errors": Call(W, "union", "block-ids", base_neutral=True),
+    "get_kv_connector_stats": Call(W, "named"),
+    "get_kv_connector_kv_cache_events": Call(W, "named"),
+    "get_handshake_metadata": Call(W, "named"),
+    "build_connector_worker_meta": Call(W, "named"),
+    "shutdown": Call(W, "every"),
+    # sleep mode (vLLM 0.33; kvcompose.vllm.surface.SLEEP_MODE_CALLS)
+    "unregister_kv_caches": Call(W, "every"),
+    "restore_kv_caches": Call(W, "every"),
+    # ---- asked of the class before any instance exists (kvcompose.vllm.children.ClassLevelAnswers)
+    "get_required_kvcache_layout": Call("class", "classes", kind="classmethod"),
+    "requires_piecewise_for_cudagraph": Call("class", "classes", kind="classmethod"),
+    "supports_sleep_mode": Call("class", "classes", kind="classmethod"),
+    "build_kv_connector_stats": Call("class", "classes", kind="classmethod"),
+    "build_prom_metrics": Call("class", "classes", kind="classmethod"),
 }
 
-#: Calls whose implementation in vLLM's base class answers a constant that the composite's
-#: combination ignores (an empty set or tuple, ``False``). A child that inherits one unchanged is
-#: not called (docs/performance.md: worker step, before/after).
-CONSTANT_IN_BASE = frozenset(
-    {
-        "get_block_ids_with_load_errors",
-        "take_events",
-        "has_pending_block_frees",
-        "register_finished_partial_tail",
-    }
+#: A call of a newer vLLM that this table does not know (:func:`kvcompose.vllm.surface.forward_unknown_calls`).
+UNKNOWN = Call(W, "merge")
+
+#: The calls whose child implementation the composite calls on a child instance: what a test
+#: double can fail on (the kit's fault injection).
+FORWARDED: frozenset[str] = frozenset(name for name, c in CALLS.items() if c.forwarded and c.kind == "method")
+
+#: The calls whose children's answers the dispatch combines (``calls.combined[m]``).
+COMBINED: tuple[str, ...] = tuple(
+    name for name, c in CALLS.items() if c.forwarded and c.combine not in ("each", "rule", "per-layer")
 )
 
-#: Calls whose ``None`` answer the composite's combination drops (or whose answer it ignores). A
-#: child whose implementation of one has an empty body (vLLM's base class for most of them,
-#: NixlConnector's and the CPU tier's per-layer hooks) does nothing and answers ``None``, so it
-#: is not called (docs/performance.md: seventh round).
-NONE_IS_NOTHING = frozenset(
-    {
-        "bind_connector_metadata",
-        "bind_gpu_block_pool",
-        "bind_kv_cache_manager",
-        "build_connector_meta",
-        "build_connector_worker_meta",
-        "clear_connector_metadata",
-        "finish_forward",
-        "get_handshake_metadata",
-        "get_kv_connector_kv_cache_events",
-        "get_kv_connector_stats",
-        "get_mem_pool_context",
-        "handle_preemptions",
-        "on_new_request",
-        "register_kv_caches",
-        "reset_capture_state",
-        "save_kv_layer",
-        "set_host_xfer_buffer_ops",
-        "set_xfer_handshake_metadata_pp_aware",
-        "start_load_kv",
-        "update_connector_output",
-        "update_state_after_alloc",
-        "wait_for_layer_load",
-        "wait_for_save",
-    }
-)
-
-#: The instructions of a function that does nothing and answers ``None`` (``pass``, ``...``, a
-#: docstring alone or a bare ``return``), as CPython 3.11 and 3.12+ compile it.
-_EMPTY_BODIES = ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
-_NOT_BODY = frozenset({"RESUME", "NOP", "CACHE"})
+#: The calls vLLM makes once per layer per step.
+PER_LAYER: tuple[str, ...] = tuple(name for name, c in CALLS.items() if c.per_layer)
 
 
-def has_empty_body(fn: Callable[..., Any]) -> bool:
-    """Whether calling ``fn`` (a function or bound method) does nothing but answer ``None``."""
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if code is None:  # a builtin, a partial, a mock: it may do something
-        return False
-    body = [(ins.opname, ins.argval) for ins in dis.get_instructions(code) if ins.opname not in _NOT_BODY]
-    return body in _EMPTY_BODIES
-
-
-#: Calls vLLM makes once per layer per step.
-PER_LAYER = ("wait_for_layer_load", "save_kv_layer")
-
-
-class ChildFailed(RuntimeError):
-    """A child connector raised; names the child and the engine call."""
-
-
-class CallTable(dict[str, list[Entry]]):
-    """``table[method]``: ``[(child index, callable), ...]`` in YAML order (one child first where
-    ``first`` says so), for the active children that get ``method``.
-
-    A dict filled on first use of each method (``__missing__``), so a forwarded call costs one
-    dict subscription (docs/performance.md: worker step, before/after).
-
-    :param only: per method, the children that get it (the store rule's targets for the save
-        hooks, the host-buffer owner for ``set_host_xfer_buffer_ops``); every active child
-        otherwise.
-    :param on_fault: called with (child, method) when a contained child raised (after it was
-        bypassed here, when the monitor says so); the composite settles what that child owed.
-    :param monitor: the faults rule's monitor of this connector instance: it says when a child
-        that raised is bypassed and when it is called again (:meth:`step`).
-    :param first: per method, the child called before the others (YAML order otherwise).
-    """
-
-    def __init__(
-        self,
-        children: Sequence[KVConnectorBase_V1],
-        names: Sequence[str],
-        faults: FaultsRule,
-        trace: bool,
-        only: Mapping[str, Sequence[int]],
-        on_fault: Callable[[int, str], None],
-        monitor: FaultMonitor | None = None,
-        first: Mapping[str, int] | None = None,
-    ) -> None:
-        super().__init__()
-        self._first = dict(first or {})
-        self.monitor = monitor if monitor is not None else faults.monitor()
-        self._children = list(children)
-        self._names = tuple(names)
-        self._faults = faults
-        self._trace = trace
-        self._only = dict(only)
-        self._on_fault = on_fault
-        self.disabled: set[int] = set()
-        self._by_child: dict[str, dict[int, Callable[..., Any]]] = {}
-        #: The calls made per layer, as a plain dict of callables without their child index:
-        #: CPython specialises subscription of an exact dict only (docs/performance.md: worker
-        #: step, before/after).
-        self.per_layer: dict[str, list[Callable[..., Any]]] = {}
-        #: The active children, in YAML order.
-        self.active: tuple[int, ...] = tuple(range(len(self._children)))
-        self._fill_per_layer()
-
-    @classmethod
-    def for_plan(
-        cls, children: Sequence[KVConnectorBase_V1], plan: Plan, on_fault: Callable[[int, str], None]
-    ) -> CallTable:
-        """The table of a composite over ``children``: the save hooks to the store rule's
-        targets, vLLM's host-buffer copy op to the child that owns host-buffer copies, and the
-        P/D transport's ``start_load_kv`` before the other children's: its reads are in flight
-        while they copy, instead of waiting for their copies on the engine's thread."""
-        host = plan.host_buffer_owner
-        pd = plan.pd_transport
-        return cls(
-            children,
-            plan.names,
-            plan.faults,
-            plan.trace,
-            only={
-                "save_kv_layer": plan.store.targets,
-                "wait_for_save": plan.store.targets,
-                "set_host_xfer_buffer_ops": () if host is None else (host,),
-            },
-            on_fault=on_fault,
-            first={} if pd is None else {"start_load_kv": pd.index},
-        )
-
-    def __missing__(self, method: str) -> list[Entry]:
-        entries = self[method] = self._resolve(method, self.active)
-        return entries
-
-    def by_child(self, method: str) -> dict[int, Callable[..., Any]]:
-        """``method``'s callables keyed by child index (for rules that ask children by index)."""
-        try:
-            return self._by_child[method]
-        except KeyError:
-            fns = self._by_child[method] = dict(self[method])
-            return fns
-
-    def named(self, method: str, *args: Any) -> dict[str, Any]:
-        """Call ``method`` on its children; their answers that are not ``None``, by child name."""
-        out = {}
-        for i, fn in self[method]:
-            answer = fn(*args)
-            if answer is not None:
-                out[self._names[i]] = answer
-        return out
-
-    def agreed(self, method: str) -> Any:
-        """The one answer the children give to ``method`` (``None`` when any answers ``None``,
-        or none is asked); a ``ValueError`` naming each child's answer when they differ."""
-        answers = {self._names[i]: fn() for i, fn in self[method]}
-        values = set(answers.values())
-        if len(values - {None}) > 1:
-            raise ValueError(f"children answer {method} differently: {answers}")
-        return None if None in values else next(iter(values), None)
-
-    def every(self, method: str) -> list[Entry]:
-        """``method`` on every child that has it, bypassed ones included, uncontained
-        (``shutdown``, the sleep-mode calls: a child bypassed by the faults rule still gets them,
-        and the caller reports every error)."""
-        return [
-            (i, self._bind(i, method, contain=False))
-            for i in range(len(self._children))
-            if provides(self._children[i], method)
-        ]
-
-    def call_every(self, method: str) -> None:
-        """``method`` on every child (:meth:`every`); each child gets its call whatever the others
-        raised, then one :class:`ChildFailed` names every child that raised."""
-        errors: list[tuple[str, BaseException]] = []
-        for i, fn in self.every(method):
-            try:
-                fn()
-            except Exception as exc:
-                log.exception("connector %s failed in %s", self._names[i], method)
-                errors.append((self._names[i], exc))
-        if errors:
-            detail = ", ".join(f"{n} ({e!r})" for n, e in errors)
-            raise ChildFailed(f"{method} failed in {detail}") from errors[0][1]
-
-    def disable(self, child: int) -> None:
-        """Stop calling ``child``: every method is resolved again without it."""
-        self.disabled.add(child)
-        self._rebuild()
-
-    def enable(self, child: int) -> None:
-        """Call ``child`` again: every method is resolved again with it, in YAML order."""
-        self.disabled.discard(child)
-        self._rebuild()
-
-    def step(self) -> tuple[int, ...]:
-        """A step starts: tell the monitor, and call again the children it lets back."""
-        back = self.monitor.step()
-        for child in back:
-            self.enable(child)
-        return back
-
-    def _rebuild(self) -> None:
-        self.active = tuple(i for i in range(len(self._children)) if i not in self.disabled)
-        self.clear()
-        self._by_child.clear()
-        self._fill_per_layer()
-
-    def _fill_per_layer(self) -> None:
-        for method in PER_LAYER:
-            self.per_layer[method] = [fn for _, fn in self._resolve(method, self.active)]
-
-    def _resolve(self, method: str, among: Sequence[int]) -> list[Entry]:
-        only = self._only.get(method)
-        first = self._first.get(method)
-        if first is not None and first in among:
-            among = [first, *(i for i in among if i != first)]
-        return [
-            (i, self._bind(i, method))
-            for i in among
-            if (only is None or i in only) and provides(self._children[i], method) and not self._does_nothing(i, method)
-        ]
-
-    def _does_nothing(self, i: int, method: str) -> bool:
-        """Whether ``child i``'s ``method`` is known to do nothing the composite would use."""
-        if self._trace:  # tracing logs every child call
-            return False
-        fn = getattr(self._children[i], method)  # an instance attribute (a test's patch) is the child's own
-        if method in NONE_IS_NOTHING:
-            return has_empty_body(fn)
-        return method in CONSTANT_IN_BASE and getattr(fn, "__func__", None) is getattr(KVConnectorBase_V1, method)
-
-    def _bind(self, i: int, method: str, contain: bool = True) -> Callable[..., Any]:
-        fn: Callable[..., Any] = getattr(self._children[i], method)
-        if self._trace:
-            fn = _traced(self._names[i], method, fn)
-        if contain and self._faults.contains(i):
-            fn = self._contained(i, method, fn)
-        return fn
-
-    def _contained(self, i: int, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        neutral = NEUTRAL.get(method)
-        monitor = self.monitor
-
-        def contained(*args: Any, **kwargs: Any) -> Any:
-            if i in self.disabled:  # an entry captured before the child was bypassed
-                return neutral
-            try:
-                answer = fn(*args, **kwargs)
-            except Exception:
-                bypass = monitor.failed(i)
-                log.warning(
-                    "connector %s failed in %s%s",
-                    self._names[i],
-                    method,
-                    "; it is bypassed" if bypass else "; contained",
-                    exc_info=True,
-                )
-                if bypass:
-                    self.disable(i)
-                self._on_fault(i, method)
-                return neutral
-            if i in monitor.watched:  # on probation: the monitor counts calls that succeeded
-                monitor.succeeded(i)
-            return answer
-
-        return contained
-
-
-def _traced(name: str, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        result = fn(*args, **kwargs)
-        trace_log.info("%s.%s -> %r", name, method, result)
-        return result
-
-    return traced
+def call(name: str) -> Call:
+    """The declaration of ``name`` (:data:`UNKNOWN` for a call of a newer vLLM)."""
+    return CALLS.get(name, UNKNOWN)

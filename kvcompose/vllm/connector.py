@@ -9,14 +9,16 @@ vLLM looks for the literal name ``MultiConnector`` and its ``connectors`` list i
      "kv_connector_extra_config": {"connectors": [child configs], "kvcompose": {composition}}}
 
 and this module exports :class:`KVComposeConnector` under both names. The class is a forwarder:
-each engine call goes to the children through the call table (:mod:`kvcompose.vllm.calls`) and
-to the plan's rules (:mod:`kvcompose.rules.contract`), which decide everything.
+each engine call goes to the children as the call table (:mod:`kvcompose.vllm.calls`) declares it,
+through the dispatch (:mod:`kvcompose.vllm.dispatch`: ``calls[m]``, ``calls.per_layer[m]``,
+``calls.combined[m]``), and to the plan's rules (:mod:`kvcompose.rules.contract`), which decide
+everything.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +41,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvcompose.rules.contract import TransferResults
+from kvcompose.rules.faults import settle
 from kvcompose.versions import version_warnings
 from kvcompose.vllm import children as vllm_children
 from kvcompose.vllm import metadata as vllm_metadata
-from kvcompose.vllm.calls import CallTable
 from kvcompose.vllm.children import ClassLevelAnswers
+from kvcompose.vllm.dispatch import Dispatch
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
 from kvcompose.vllm.health import ChildStateStats, instance_name
 from kvcompose.vllm.loads import RequestLoads, block_bytes
@@ -92,8 +95,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        # A drop-in config and the composition's warnings are told once per engine, by its
-        # scheduler (not again by each worker); the engine's environment is the one that counts.
+        # Told once per engine, by its scheduler: the engine's environment is the one that counts.
         self.plan = plan = vllm_children.plan_from_config(ktc, announce=role == KVConnectorRole.SCHEDULER)
         if role == KVConnectorRole.SCHEDULER:
             for warning in plan.warnings:
@@ -111,7 +113,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self.names: tuple[str, ...] = plan.names
         self._not_hma = [n for n, c in zip(self.names, self._connectors, strict=True) if not supports_hma(c)]
         self._instance = instance_name(role == KVConnectorRole.SCHEDULER)
-        self.calls = CallTable.for_plan(self._connectors, plan, on_fault=self._child_failed)
+        self.calls = Dispatch.for_plan(self._connectors, plan, on_fault=self._child_failed)
         self._per_layer = self.calls.per_layer
         #: How vLLM's transfer reports map to the rules' (and which fields are carried through).
         self._results = vllm_metadata.RESULTS
@@ -127,67 +129,35 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         )
 
     def _child_failed(self, child: int, method: str) -> None:
-        """A contained child raised: what it owed is reported failed, whether or not it is
-        bypassed now (a failed call may have lost a load). On a worker: the loads it still owes.
-        On the scheduler: the loads it was given that the workers have not been told of."""
-        self._completion.abandon(child, self.plan.faults.owed(child, self._completion))
-        if child in self.calls.disabled:
-            self._completion.release(child)
+        """A contained child raised: the faults rule settles what it owed (:func:`settle`), and
+        the next transfer report carries it."""
+        settle(self.plan.faults, child, child in self.calls.disabled, self._completion, self._loads)
         self._abandoned = True
-        self._loads.abandon(child)
 
     @property
     def sub_connectors(self) -> list[KVConnectorBase_V1]:
         return list(self._connectors)
 
-    def child(self, name: str) -> KVConnectorBase_V1:
-        """The child connector instance for a composition name."""
-        return self._connectors[self.names.index(name)]
-
-    @property
-    def disabled(self) -> tuple[str, ...]:
-        """Names of the children bypassed now after a contained fault (open breakers included)."""
-        return tuple(self.names[i] for i in sorted(self.calls.disabled))
-
-    def child_state(self, name: str) -> str:
-        """``closed``, ``open`` or ``half-open``: the child's state in this connector instance."""
-        return self.calls.monitor.state(self.names.index(name))
-
-    def loaders(self, request_id: str) -> tuple[str, ...]:
-        """Names of the children loading (or chosen to load) a request's external KV."""
-        return self._loads.loaders(request_id)
-
-    def deferred_loaders(self, request_id: str) -> tuple[str, ...]:
-        """Names of the children whose part of a request's load waits for the request's next
-        schedule (a synchronous range of a mixed load, :meth:`LoadRule.deferred`)."""
-        return self._loads.loaders(request_id, deferred=True)
-
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
-        for c in self._connectors:  # asked per lookup: a loop, not a generator
-            if not c.supports_divergent_local_hybrid_hits:
-                return False
-        return True
+        return self.calls.combined["supports_divergent_local_hybrid_hits"]()
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return any(c.requires_kv_delivery for c in self._connectors)
+        return self.calls.combined["requires_kv_delivery"]()
 
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for _, fn in self.calls["register_kv_caches"]:
+        for fn in self.calls["register_kv_caches"].values():
             fn(kv_caches)
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
-        for _, fn in self.calls["set_host_xfer_buffer_ops"]:
+        for fn in self.calls["set_host_xfer_buffer_ops"].values():
             fn(copy_operation)
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
-        found = self.calls.named("get_mem_pool_context")
-        if len(found) > 1:
-            raise ValueError(f"children {list(found)} each provide a KV cache memory pool; at most one may")
-        return next(iter(found.values()), None)
+        return self.calls.combined["get_mem_pool_context"]()
 
     def _metas(self, metadata: KVConnectorMetadata) -> Sequence[Any]:
         if not isinstance(metadata, ComposedMetadata):
@@ -207,26 +177,25 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             self._abandoned |= self._completion.told(
                 m.loads_awaited, m.saves_owed, m.loads_abandoned, self.calls.disabled
             )
-        for i, fn in self.calls["bind_connector_metadata"]:
+        for i, fn in self.calls["bind_connector_metadata"].items():
             fn(metas[i])
         self._connector_metadata = connector_metadata  # what the base class's bind does
 
     def clear_connector_metadata(self) -> None:
-        for _, fn in self.calls["clear_connector_metadata"]:
+        for fn in self.calls["clear_connector_metadata"].values():
             fn()
         self._connector_metadata = None  # what the base class's clear does
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         metas = self._metas(kv_connector_metadata)
-        for i, fn in self.calls["handle_preemptions"]:
+        for i, fn in self.calls["handle_preemptions"].items():
             fn(metas[i])
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        for _, fn in self.calls["start_load_kv"]:
+        for fn in self.calls["start_load_kv"].values():
             fn(forward_context, **kwargs)
 
-    # Per layer: callables without their index, and no ``**{}`` when vLLM passes no keyword
-    # (docs/performance.md: worker step, before/after).
+    # Per layer: plain callables, no ``**{}`` without keywords (docs/performance.md: worker step, before/after).
     def wait_for_layer_load(self, layer_name: str) -> None:
         for fn in self._per_layer["wait_for_layer_load"]:
             fn(layer_name)
@@ -242,15 +211,15 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
                 fn(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
-        for _, fn in self.calls["wait_for_save"]:
+        for fn in self.calls["wait_for_save"].values():
             fn()
 
     def finish_forward(self) -> None:
-        for _, fn in self.calls["finish_forward"]:
+        for fn in self.calls["finish_forward"].values():
             fn()
 
     def reset_capture_state(self) -> None:
-        for _, fn in self.calls["reset_capture_state"]:
+        for fn in self.calls["reset_capture_state"].values():
             fn()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -263,7 +232,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         codec = self._results
         if codec.carried:  # a newer vLLM's fields kvcompose does not know: merged by type
             raw: list[KVConnectorTransferResults | None] = []
-            for i, fn in self.calls["get_transfer_results"]:
+            for i, fn in self.calls["get_transfer_results"].items():
                 raw.append(fn(finished_req_ids))
                 report = reports[i] = codec.read(raw[-1])
                 some = some or report is not None
@@ -273,7 +242,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             out, dropped = self._completion.settle(reports)
             self.dropped_completions += dropped
             return codec.write(out, carried)
-        for i, fn in self.calls["get_transfer_results"]:
+        for i, fn in self.calls["get_transfer_results"].items():
             report = reports[i] = codec.read(fn(finished_req_ids))
             some = some or report is not None
         if not some:  # most steps: nothing finished anywhere
@@ -283,19 +252,10 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return codec.write(out)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors: set[int] = set()
-        for _, fn in self.calls["get_block_ids_with_load_errors"]:
-            errors |= fn()
-        return errors
+        return self.calls.combined["get_block_ids_with_load_errors"]()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        # Every step, on the scheduler and each worker: one loop, no helper call or second pass
-        # (docs/performance.md: scheduler step, before/after).
-        data: dict[str, KVConnectorStats] = {}
-        for i, fn in self.calls["get_kv_connector_stats"]:
-            stats = fn()
-            if stats is not None:
-                data[self.names[i]] = stats
+        data: dict[str, KVConnectorStats] = self.calls.combined["get_kv_connector_stats"]()
         loads = self._loads.take_stats()
         if loads is not None:
             data[STATS_KEY] = loads
@@ -305,45 +265,44 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return ComposedStats(data) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
-        children = self.calls.named("get_kv_connector_kv_cache_events")
+        children = self.calls.combined["get_kv_connector_kv_cache_events"]()
         return ComposedKVEvents(children) if children else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        children = self.calls.named("get_handshake_metadata")
+        children = self.calls.combined["get_handshake_metadata"]()
         return ComposedHandshakeMetadata(children) if children else None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        children = self.calls.named("build_connector_worker_meta")
+        children = self.calls.combined["build_connector_worker_meta"]()
         return ComposedWorkerMetadata(children) if children else None
 
     def shutdown(self) -> None:
-        self.calls.call_every("shutdown")
+        self.calls.combined["shutdown"]()
 
-    # Sleep mode (vLLM 0.33): every child that has the call gets it, bypassed ones included
-    # (they still hold registrations); on 0.32 vLLM never calls these.
+    # Sleep mode (vLLM 0.33): bypassed children get it too, since they still hold registrations.
     def unregister_kv_caches(self) -> None:
-        self.calls.call_every("unregister_kv_caches")
+        self.calls.combined["unregister_kv_caches"]()
 
     def restore_kv_caches(self) -> None:
-        self.calls.call_every("restore_kv_caches")
+        self.calls.combined["restore_kv_caches"]()
 
     # ------------------------------------------------------------------ scheduler side
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
-        for _, fn in self.calls["bind_kv_cache_manager"]:
+        for fn in self.calls["bind_kv_cache_manager"].values():
             fn(kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        for _, fn in self.calls["bind_gpu_block_pool"]:
+        for fn in self.calls["bind_gpu_block_pool"].values():
             fn(gpu_block_pool)
 
     def on_new_request(self, request: Request) -> None:
-        for _, fn in self.calls["on_new_request"]:
+        for fn in self.calls["on_new_request"].values():
             fn(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        fns = self.calls.by_child("get_num_new_matched_tokens")
+        fns = self.calls["get_num_new_matched_tokens"]
         sel = self.plan.load.select(
             lambda i, n: fns[i](request, n), self.calls.active, num_computed_tokens, request.kv_transfer_params
         )
@@ -355,16 +314,16 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         # ``held``: children whose part of a mixed load waits for the request's next schedule
         # (LoadRule.deferred); vLLM's blocks then are the request's whole block list again.
         tokens, held = self._loads.allocate(request, blocks, num_external_tokens)
-        for i, fn in self.calls["update_state_after_alloc"]:
+        for i, fn in self.calls["update_state_after_alloc"].items():
             if i not in held:
                 fn(request, blocks, tokens.get(i, 0))
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        groups = self._loads.loaded_groups(request, self.calls.by_child("get_loaded_kv_cache_group_ids"))
+        groups = self._loads.loaded_groups(request, self.calls["get_loaded_kv_cache_group_ids"])
         return super().get_loaded_kv_cache_group_ids(request) if groups is None else groups
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        fns = self.calls.by_child("get_external_cache_hit_sources")
+        fns = self.calls["get_external_cache_hit_sources"]
         sources = self._loads.hit_sources(request, num_external_tokens, fns)
         return super().get_external_cache_hit_sources(request, num_external_tokens) if sources is None else sources
 
@@ -375,7 +334,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if loads.deferred or loads.sync_load_now:
             loads.start_step(scheduler_output, self._kv_cache_manager)
         metas: list[Any] = [None] * len(self._connectors)  # a bypassed child's slot stays None
-        for i, fn in self.calls["build_connector_meta"]:
+        for i, fn in self.calls["build_connector_meta"].items():
             metas[i] = fn(scheduler_output)
         started, saves, abandoned = loads.take_announcements()
         return ComposedMetadata(self.plan.metadata.pack(metas), started, saves, abandoned)
@@ -390,7 +349,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else _NONE
         events = composed_events.children if isinstance(composed_events, ComposedKVEvents) else _NONE
         try:  # each child sees only its own worker metadata and KV events
-            for i, fn in self.calls["update_connector_output"]:
+            for i, fn in self.calls["update_connector_output"].items():
                 connector_output.kv_connector_worker_meta = metas.get(self.names[i])
                 connector_output.kv_cache_events = events.get(self.names[i])
                 fn(connector_output)
@@ -398,10 +357,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             connector_output.kv_connector_worker_meta = composed_meta
             connector_output.kv_cache_events = composed_events
 
-    def _finished(self, request: Request, method: str, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+    def _finished(
+        self, request: Request, calls: dict[int, Callable[..., Any]], block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
         results: list[dict[str, Any] | None] = [None] * len(self._connectors)
         delaying: list[int] = []
-        for i, fn in self.calls[method]:
+        for i, fn in calls.items():
             delay, results[i] = fn(request, block_ids)
             if delay:
                 delaying.append(i)
@@ -409,7 +370,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         return bool(delaying), self.plan.params.merge(results)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, "request_finished", block_ids)
+        return self._finished(request, self.calls["request_finished"], block_ids)
 
     def request_finished_all_groups(
         self,
@@ -420,35 +381,24 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             if len(block_ids) != 1:
                 raise ValueError(f"several KV cache groups need every child to support HMA; {self._not_hma} do not")
             return self.request_finished(request, block_ids[0])
-        return self._finished(request, "request_finished_all_groups", block_ids)
+        return self._finished(request, self.calls["request_finished_all_groups"], block_ids)
 
     def register_finished_partial_tail(
         self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
     ) -> bool:
-        return any(
-            [fn(request, block_ids, partial_tail_offloads) for _, fn in self.calls["register_finished_partial_tail"]]
-        )
+        return self.calls.combined["register_finished_partial_tail"](request, block_ids, partial_tail_offloads)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        # Every step: no generator of ours around the children's (one child: its own iterable).
-        entries = self.calls["take_events"]
-        if not entries:
-            return ()
-        if len(entries) == 1:
-            return entries[0][1]()
-        events: list[KVCacheEvent] = []
-        for _, fn in entries:
-            events.extend(fn())
-        return events
+        return self.calls.combined["take_events"]()
 
     def has_pending_block_frees(self) -> bool:
-        return any([fn() for _, fn in self.calls["has_pending_block_frees"]])
+        return self.calls.combined["has_pending_block_frees"]()
 
     def has_pending_push_work(self) -> bool:
-        return any([fn() for _, fn in self.calls["has_pending_push_work"]])
+        return self.calls.combined["has_pending_push_work"]()
 
     def get_finished_count(self) -> int | None:
-        return self.calls.agreed("get_finished_count")
+        return self.calls.combined["get_finished_count"]()
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
@@ -456,13 +406,13 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
-        for i, fn in self.calls["set_xfer_handshake_metadata_pp_aware"]:
+        for i, fn in self.calls["set_xfer_handshake_metadata_pp_aware"].items():
             mine = ComposedHandshakeMetadata.of_child(metadata, self.names[i])
             if mine:
                 fn(mine)
 
     def reset_cache(self) -> bool | None:
-        return all([fn() is not False for _, fn in self.calls["reset_cache"]])
+        return self.calls.combined["reset_cache"]()
 
 
 #: The name vLLM's config checks look for (``kv_connector: MultiConnector`` + module path).

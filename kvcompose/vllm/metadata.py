@@ -153,8 +153,7 @@ class ComposedStats(KVConnectorStats):
     """
 
     def to_dict(self) -> dict[str, Any]:
-        # vLLM calls this every step; a loop, not a comprehension (a frame per call on CPython
-        # 3.11), and cached class names (docs/performance.md: scheduler step, before/after).
+        # Every step: a loop and cached class names (docs/performance.md: scheduler step, before/after).
         out: dict[str, Any] = {}
         for name, s in self.data.items():
             out[name] = {"class": qualname(type(s)), "data": s.to_dict()}

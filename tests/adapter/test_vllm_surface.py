@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
+from kvcompose.testing import inspector
 from kvcompose.versions import BASE_PY, ConnectorAPI, connector_api, installed_base_py, parse_connector_api
 from kvcompose.vllm import surface
+from kvcompose.vllm.calls import CALLS
 from kvcompose.vllm.connector import KVComposeConnector
 
 ROOT = Path(__file__).parents[2]
@@ -57,6 +59,40 @@ def surface_kind(member: object) -> str:
     return "property" if isinstance(member, property) else "method"
 
 
+def composite_members() -> dict[str, str]:
+    """The public members the composite's own classes define (not vLLM's base classes), by kind."""
+    vllm_classes = {c for c in KVComposeConnector.__mro__ if c.__module__.startswith("vllm.")}
+    out = {}
+    for cls in KVComposeConnector.__mro__:
+        if cls in vllm_classes or cls is object:
+            continue
+        for name, member in vars(cls).items():
+            if not name.startswith("_") and (callable(member) or isinstance(member, (classmethod, property))):
+                out.setdefault(name, surface_kind(member))
+    return out
+
+
+def test_the_call_table_the_composite_and_the_installed_vllm_name_the_same_calls() -> None:
+    """One call table: each call of vLLM's connector API is declared once, of the kind vLLM's is,
+    and the composite defines exactly those (and MultiConnector's ``sub_connectors``)."""
+    table = {name: c.kind for name, c in CALLS.items() if name not in surface.INSTALLED_LACKS}
+    vllm = {name: kind for name, kind in surface.base_calls().items() if name not in surface.NOT_FORWARDED}
+    assert table == vllm | dict.fromkeys(surface.HMA_CALLS, "method")
+    members = composite_members()
+    assert set(members) == set(CALLS) | surface.MULTICONNECTOR_EXTRAS
+    assert {name: members[name] for name in CALLS} == {name: c.kind for name, c in CALLS.items()}
+    assert KVComposeConnector.forwarded_generically == ()
+
+
+def test_the_call_table_is_the_next_vllms_connector_api() -> None:
+    wheel = next_wheel()
+    if wheel is None:
+        pytest.skip("no next vLLM wheel: run `make test-vllm-next` (or set KVCOMPOSE_VLLM_NEXT_WHEEL)")
+    api = wheel_api(wheel)
+    vllm = {name: api.kind(name) for name in api.all - surface.NOT_FORWARDED}
+    assert {name: c.kind for name, c in CALLS.items()} == vllm | dict.fromkeys(surface.HMA_CALLS, "method")
+
+
 def test_the_parser_reads_the_installed_base_as_python_sees_it() -> None:
     base = installed_base_py()
     assert base is not None
@@ -94,7 +130,7 @@ def test_a_call_kvcompose_does_not_know_reaches_every_child_merged_by_type(kvcom
         "version: 1\nconnectors: [{name: a, type: record}, {name: b, type: record}, {name: c, type: record}]\n",
         register=False,
     ).connector
-    conn.child("a").pinned_blocks = lambda request_id: {1, 2}
-    conn.child("b").pinned_blocks = lambda request_id: {3}
+    inspector.child(conn, "a").pinned_blocks = lambda request_id: {1, 2}
+    inspector.child(conn, "b").pinned_blocks = lambda request_id: {3}
     # c has no such call (a class written for an older vLLM): it is passed over.
     assert composite.pinned_blocks(conn, "r1") == {1, 2, 3}

@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import Counter, Histogram
 
+from kvcompose.testing import inspector
 from kvcompose.testing.connectors import FaultyConnector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, step
 from kvcompose.vllm.connector import KVComposeConnector
@@ -55,7 +56,7 @@ def finish(sched: Any, request_id: str, states: list[dict[str, Any]]) -> None:
 def test_a_child_failing_for_a_while_is_bypassed_probed_and_re_enabled(kvcompose_scheduler: Factory) -> None:
     sched = kvcompose_scheduler(FLAKY)
     conn: KVComposeConnector = sched.connector
-    host = conn.child("host")
+    host = inspector.child(conn, "host")
     assert isinstance(host, FaultyConnector)
     states: list[dict[str, Any]] = []
 
@@ -70,18 +71,18 @@ def test_a_child_failing_for_a_while_is_bypassed_probed_and_re_enabled(kvcompose
     assert states[0] == {"scheduler": {"host": "open"}}
 
     # While open: host is not asked, the other child is; requests go on, computed locally.
-    if conn.child_state("host") == "open":  # on a slow machine the cooldown may be over already
+    if inspector.child_state(conn, "host") == "open":  # on a slow machine the cooldown may be over already
         asked = lookups()
         req = make_request(64, request_id="while-open")
         sched.add_request(req)
         finish(sched, req.request_id, states)
-        if conn.child_state("host") == "open":  # still: it was not let back during those steps
+        if inspector.child_state(conn, "host") == "open":  # still: it was not let back during those steps
             assert lookups() == asked
-        assert conn.child("other").called("get_num_new_matched_tokens")[-1][0] == "while-open"
+        assert inspector.child(conn, "other").called("get_num_new_matched_tokens")[-1][0] == "while-open"
 
     deadline = time.monotonic() + 30  # a hang guard, not a timing assertion
-    while conn.child_state("host") != "closed":
-        assert time.monotonic() < deadline, conn.child_state("host")
+    while inspector.child_state(conn, "host") != "closed":
+        assert time.monotonic() < deadline, inspector.child_state(conn, "host")
         time.sleep(0.05)
         step_keeping_states(sched, states)  # build_connector_meta: the probe, then clean steps
     assert [s["scheduler"]["host"] for s in states] == ["open", "half-open", "closed"]

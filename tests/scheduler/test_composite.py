@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvcompose.rules.metadata import MetadataMismatch
+from kvcompose.testing import inspector
 from kvcompose.testing.harness import make_request, step
 from kvcompose.vllm.loadstats import STATS_KEY
 from kvcompose.vllm.metadata import ComposedHandshakeMetadata, ComposedMetadata, ComposedStats, ComposedWorkerMetadata
@@ -32,7 +33,7 @@ def test_none_below_the_winner_does_not_block(kvcompose_scheduler: Factory) -> N
     req = make_request(64)
     assert conn.get_num_new_matched_tokens(req, 0) == (32, True)
     # b is not even asked: probing has side effects (CPU offload pins blocks when asked).
-    assert conn.child("b").called("get_num_new_matched_tokens") == []
+    assert inspector.child(conn, "b").called("get_num_new_matched_tokens") == []
 
 
 def test_none_above_the_winner_waits(kvcompose_scheduler: Factory) -> None:
@@ -44,10 +45,10 @@ def test_zero_is_an_answer(kvcompose_scheduler: Factory) -> None:
     conn = kvcompose_scheduler(TWO.format(a=0, b=16)).connector
     req = make_request(64)
     assert conn.get_num_new_matched_tokens(req, 0) == (16, True)
-    assert conn.loaders(req.request_id) == ("b",)
-    conn.child("b").matched_tokens = 0
+    assert inspector.loaders(conn, req.request_id) == ("b",)
+    inspector.child(conn, "b").matched_tokens = 0
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert conn.loaders(req.request_id) == ()  # a re-lookup with no hit clears the old winner
+    assert inspector.loaders(conn, req.request_id) == ()  # a re-lookup with no hit clears the old winner
 
 
 def test_winner_gets_external_tokens_others_zero_and_metadata_is_named(kvcompose_scheduler: Factory) -> None:
@@ -56,8 +57,8 @@ def test_winner_gets_external_tokens_others_zero_and_metadata_is_named(kvcompose
     req = make_request(64)
     sched.add_request(req)
     out, _ = step(sched)
-    assert conn.child("a").called("update_state_after_alloc") == [(req.request_id, 0)]
-    assert conn.child("b").called("update_state_after_alloc") == [(req.request_id, 32)]
+    assert inspector.child(conn, "a").called("update_state_after_alloc") == [(req.request_id, 0)]
+    assert inspector.child(conn, "b").called("update_state_after_alloc") == [(req.request_id, 32)]
     meta = out.kv_connector_metadata
     assert isinstance(meta, ComposedMetadata)
     assert list(meta.children) == ["a", "b"]
@@ -74,12 +75,12 @@ def test_finished_recving_only_from_the_owner_and_only_once(kvcompose_worker: Fa
     worker.bind_connector_metadata(out.kv_connector_metadata)
     # The non-owner reports the request first: withheld (forwarding it would let vLLM run the
     # request before the owner's blocks arrived).
-    worker.child("a").results = KVConnectorTransferResults(finished_recving={req.request_id})
+    inspector.child(worker, "a").results = KVConnectorTransferResults(finished_recving={req.request_id})
     assert worker.get_transfer_results(set()).finished_recving == set()
-    worker.child("b").results = KVConnectorTransferResults(finished_recving={req.request_id})
+    inspector.child(worker, "b").results = KVConnectorTransferResults(finished_recving={req.request_id})
     first = worker.get_transfer_results(set())
     assert first.finished_recving == {req.request_id}
-    worker.child("b").results = KVConnectorTransferResults(finished_recving={req.request_id})
+    inspector.child(worker, "b").results = KVConnectorTransferResults(finished_recving={req.request_id})
     assert worker.get_transfer_results(set()).finished_recving == set()  # a duplicate
     # Scheduler side: a duplicate that slipped through (another worker, a late report) is dropped
     # instead of tripping vLLM's `assert req_id in self.requests`.
@@ -95,9 +96,9 @@ def test_finished_recving_only_from_the_owner_and_only_once(kvcompose_worker: Fa
 def test_failed_recving_only_from_the_owner(kvcompose_worker: Factory) -> None:
     worker = kvcompose_worker(TWO.format(a=0, b=32), register=False).connector
     worker.bind_connector_metadata(ComposedMetadata({"a": None, "b": None}, loads_awaited={"r1": (1,)}))
-    worker.child("a").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
+    inspector.child(worker, "a").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
     assert worker.get_transfer_results(set()).failed_recving == set()
-    worker.child("b").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
+    inspector.child(worker, "b").results = KVConnectorTransferResults(finished_recving={"r1"}, failed_recving={"r1"})
     res = worker.get_transfer_results(set())
     assert res.failed_recving == {"r1"} and res.finished_recving == {"r1"}
 
@@ -117,9 +118,9 @@ connectors:
     out = sched.schedule()
     assert out.kv_connector_metadata.saves_owed == {req.request_id: (0, 1)}
     worker.bind_connector_metadata(out.kv_connector_metadata)
-    worker.child("a").results = KVConnectorTransferResults(finished_sending={req.request_id})
+    inspector.child(worker, "a").results = KVConnectorTransferResults(finished_sending={req.request_id})
     assert worker.get_transfer_results(set()).finished_sending == set()
-    worker.child("b").results = KVConnectorTransferResults(finished_sending={req.request_id})
+    inspector.child(worker, "b").results = KVConnectorTransferResults(finished_sending={req.request_id})
     assert worker.get_transfer_results(set()).finished_sending == {req.request_id}
 
 
@@ -140,8 +141,8 @@ connectors:
 """
     conn = kvcompose_scheduler(text).connector
     got: dict[str, object] = {}
-    conn.child("a").set_xfer_handshake_metadata_pp_aware = lambda m: got.__setitem__("a", m)  # type: ignore[method-assign]
-    conn.child("b").set_xfer_handshake_metadata_pp_aware = lambda m: got.__setitem__("b", m)  # type: ignore[method-assign]
+    inspector.child(conn, "a").set_xfer_handshake_metadata_pp_aware = lambda m: got.__setitem__("a", m)  # type: ignore[method-assign]
+    inspector.child(conn, "b").set_xfer_handshake_metadata_pp_aware = lambda m: got.__setitem__("b", m)  # type: ignore[method-assign]
     payload = ComposedHandshakeMetadata({"a": "A-meta"})  # type: ignore[dict-item]
     conn.set_xfer_handshake_metadata_pp_aware({(0, 0): payload})
     assert got == {"a": {(0, 0): "A-meta"}}  # b gets nothing that is not its own
@@ -168,8 +169,8 @@ def test_child_may_carry_its_own_engine_id() -> None:
 
 def test_stats_per_child_name_and_rebuilt_from_plain_data(kvcompose_worker: Factory) -> None:
     worker = kvcompose_worker(TWO.format(a=0, b=0), register=False).connector
-    worker.child("a").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 1})  # type: ignore[method-assign]
-    worker.child("b").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 2})  # type: ignore[method-assign]
+    inspector.child(worker, "a").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 1})  # type: ignore[method-assign]
+    inspector.child(worker, "b").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 2})  # type: ignore[method-assign]
     stats = worker.get_kv_connector_stats()
     assert isinstance(stats, ComposedStats) and set(stats.data) == {"a", "b"}  # same class, kept apart
     rebuilt = type(worker).build_kv_connector_stats(stats.to_dict())
@@ -178,7 +179,7 @@ def test_stats_per_child_name_and_rebuilt_from_plain_data(kvcompose_worker: Fact
 
 def test_aggregating_stats_keeps_every_entry_and_leaves_the_next_report_alone(kvcompose_worker: Factory) -> None:
     worker = kvcompose_worker(TWO.format(a=0, b=0), register=False).connector
-    worker.child("a").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 1})  # type: ignore[method-assign]
+    inspector.child(worker, "a").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 1})  # type: ignore[method-assign]
     first = worker.get_kv_connector_stats()
     assert first is not None
     first.aggregate(ComposedStats(data={"x": KVConnectorStats(data={"n": 3})}))
@@ -213,8 +214,8 @@ connectors:
     ).connector
     op = object()
     worker.set_host_xfer_buffer_ops(op)  # type: ignore[arg-type]
-    assert worker.child("pd").called("set_host_xfer_buffer_ops") == [(op,)]
-    assert worker.child("host").called("set_host_xfer_buffer_ops") == []
+    assert inspector.child(worker, "pd").called("set_host_xfer_buffer_ops") == [(op,)]
+    assert inspector.child(worker, "host").called("set_host_xfer_buffer_ops") == []
 
 
 def test_store_only_routes_save_hooks(kvcompose_worker: Factory) -> None:
@@ -231,8 +232,8 @@ rules:
     ).connector
     worker.save_kv_layer("layer0", None, None)  # type: ignore[arg-type]
     worker.wait_for_save()
-    assert worker.child("pd").called("save_kv_layer") == []
-    assert worker.child("host").called("save_kv_layer") == [("layer0",)]
+    assert inspector.child(worker, "pd").called("save_kv_layer") == []
+    assert inspector.child(worker, "host").called("save_kv_layer") == [("layer0",)]
 
 
 def test_best_effort_child_is_disabled_and_its_load_fails_over_to_recompute(kvcompose_worker: Factory) -> None:
@@ -252,8 +253,8 @@ rules:
     def boom(*a: object) -> None:
         raise RuntimeError("disk gone")
 
-    worker.child("host").wait_for_save = boom  # type: ignore[method-assign]
+    inspector.child(worker, "host").wait_for_save = boom  # type: ignore[method-assign]
     worker.wait_for_save()  # contained, logged
-    assert worker.disabled == ("host",)
+    assert inspector.disabled(worker) == ("host",)
     res = worker.get_transfer_results(set())
     assert res.failed_recving == {"r1"} and res.finished_recving == {"r1"}

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
+from kvcompose.testing import inspector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, model_runner_output, step
 from kvcompose.vllm.loadstats import STATS_KEY
 
@@ -38,7 +39,9 @@ def chain(host: bool = True, disk: bool = False, pd: int = 16, pd_async: bool = 
 
 def allocs(conn: Any, rid: str) -> dict[str, list[int]]:
     """Each child's ``update_state_after_alloc`` token counts for the request, in call order."""
-    return {n: [t for r, t in conn.child(n).called("update_state_after_alloc") if r == rid] for n in CHILDREN}
+    return {
+        n: [t for r, t in inspector.child(conn, n).called("update_state_after_alloc") if r == rid] for n in CHILDREN
+    }
 
 
 def loaded_blocks(out: Any, child: str, rid: str) -> list[int] | None:
@@ -58,13 +61,13 @@ def test_the_sync_range_loads_when_the_request_is_scheduled_after_the_async_ones
     conn = sched.connector
     req, first = start(sched)
     rid = req.request_id
-    assert conn.child("disk").called("get_num_new_matched_tokens") == [(rid, 32)]
-    assert conn.child("pd").called("get_num_new_matched_tokens") == [(rid, 80)]
-    assert conn.loaders(rid) == CHILDREN
+    assert inspector.child(conn, "disk").called("get_num_new_matched_tokens") == [(rid, 32)]
+    assert inspector.child(conn, "pd").called("get_num_new_matched_tokens") == [(rid, 80)]
+    assert inspector.loaders(conn, rid) == CHILDREN
     # The load is async (vLLM waits), the async children got their ranges, disk was not called.
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert allocs(conn, rid) == {"host": [32], "disk": [], "pd": [16]}
-    assert conn.deferred_loaders(rid) == ("disk",)
+    assert inspector.deferred_loaders(conn, rid) == ("disk",)
     assert first.kv_connector_metadata.loads_awaited == {rid: (0, 2)}
     assert not first.has_sync_kv_loads
     blocks = sched.kv_cache_manager.get_block_ids(rid)[0]
@@ -79,7 +82,7 @@ def test_the_sync_range_loads_when_the_request_is_scheduled_after_the_async_ones
     assert loaded_blocks(again, "disk", rid) == blocks[2:5]
     assert sched.kv_cache_manager.get_block_ids(rid)[0] == blocks  # the same blocks as the first phase
     assert again.has_sync_kv_loads
-    assert conn.deferred_loaders(rid) == ()
+    assert inspector.deferred_loaders(conn, rid) == ()
 
     later, _ = step(sched, eos=True)
     assert not later.has_sync_kv_loads  # only the step that loads the deferred range
@@ -136,9 +139,9 @@ def test_a_failed_load_drops_the_sync_range_and_the_next_lookup_starts_over(kvco
     step(sched, finished_recving={rid}, failed_recving={rid})
     again, _ = step(sched)
     assert again.num_scheduled_tokens == {} and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert conn.child("disk").called("get_num_new_matched_tokens") == [(rid, 32)] * 2
+    assert inspector.child(conn, "disk").called("get_num_new_matched_tokens") == [(rid, 32)] * 2
     assert allocs(conn, rid) == {"host": [32, 32], "disk": [], "pd": [16, 16]}
-    assert conn.deferred_loaders(rid) == ("disk",)
+    assert inspector.deferred_loaders(conn, rid) == ("disk",)
     step(sched, finished_recving={rid})
     step(sched)
     assert allocs(conn, rid)["disk"] == [48]
@@ -153,7 +156,7 @@ def test_a_request_aborted_while_its_async_part_loads_drops_the_sync_part(kvcomp
     req, _ = start(sched)
     rid = req.request_id
     sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-    assert conn.deferred_loaders(rid) == () and conn.loaders(rid) == ()
+    assert inspector.deferred_loaders(conn, rid) == () and inspector.loaders(conn, rid) == ()
     step(sched, finished_recving={rid})  # vLLM frees the blocks on the load's report
     step(sched)
     assert allocs(conn, rid)["disk"] == []  # never asked to load for a request that is gone
@@ -173,13 +176,13 @@ def test_sync_blocks_cached_before_they_were_loaded_are_evicted_from_the_prefix_
     sched.add_request(req)
     step(sched)
     rid = req.request_id
-    assert conn.loaders(rid) == ("host", "disk") and conn.deferred_loaders(rid) == ("disk",)
+    assert inspector.loaders(conn, rid) == ("host", "disk") and inspector.deferred_loaders(conn, rid) == ("disk",)
     step(sched, finished_recving={rid})
     pool = sched.kv_cache_manager.block_pool
     taken = pool.get_new_blocks(pool.get_num_free_blocks())  # no block for the rest of the prompt
     stalled, _ = step(sched)
     assert stalled.num_scheduled_tokens == {}
-    assert conn.deferred_loaders(rid) == ("disk",)
+    assert inspector.deferred_loaders(conn, rid) == ("disk",)
     # host's blocks stay cached; disk's [32, 80) is not offered to a request with the same prompt.
     assert sched.kv_cache_manager.get_computed_blocks(make_request(prompt=prompt))[1] == 32
     pool.free_blocks(taken)
@@ -200,7 +203,7 @@ def test_chains_of_one_mode_load_in_one_phase(kvcompose_scheduler: Factory, is_a
     req, first = start(sched)
     rid = req.request_id
     assert allocs(conn, rid) == {"host": [32], "disk": [48], "pd": [pd]}
-    assert conn.deferred_loaders(rid) == ()
+    assert inspector.deferred_loaders(conn, rid) == ()
     if is_async:
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert first.kv_connector_metadata.loads_awaited == {rid: (0, 1, 2)}

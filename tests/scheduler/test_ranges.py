@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
+from kvcompose.testing import inspector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, step
 
 Factory = Callable[..., Any]
@@ -36,13 +37,13 @@ def test_each_contributor_gets_its_tokens_and_a_plain_child_is_not_offered_a_ran
     sched.add_request(req)
     out, _ = step(sched)
     rid = req.request_id
-    assert conn.child("host").called("get_num_new_matched_tokens") == [(rid, 0)]
-    assert conn.child("plain").called("get_num_new_matched_tokens") == []  # it cannot start at 32
-    assert conn.child("pd").called("get_num_new_matched_tokens") == [(rid, 32)]
-    assert conn.loaders(rid) == ("host", "pd")
-    assert conn.child("host").called("update_state_after_alloc") == [(rid, 32)]
-    assert conn.child("plain").called("update_state_after_alloc") == [(rid, 0)]  # store tracking
-    assert conn.child("pd").called("update_state_after_alloc") == [(rid, 16)]
+    assert inspector.child(conn, "host").called("get_num_new_matched_tokens") == [(rid, 0)]
+    assert inspector.child(conn, "plain").called("get_num_new_matched_tokens") == []  # it cannot start at 32
+    assert inspector.child(conn, "pd").called("get_num_new_matched_tokens") == [(rid, 32)]
+    assert inspector.loaders(conn, rid) == ("host", "pd")
+    assert inspector.child(conn, "host").called("update_state_after_alloc") == [(rid, 32)]
+    assert inspector.child(conn, "plain").called("update_state_after_alloc") == [(rid, 0)]  # store tracking
+    assert inspector.child(conn, "pd").called("update_state_after_alloc") == [(rid, 16)]
     assert out.kv_connector_metadata.loads_awaited == {rid: (0, 2)}  # the workers' barrier
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
@@ -54,11 +55,11 @@ def test_a_child_not_ready_above_the_last_contributor_makes_the_request_wait(kvc
     req = make_request(96)
     sched.add_request(req)
     out, _ = step(sched)
-    assert out.num_scheduled_tokens == {} and conn.loaders(req.request_id) == ()
-    assert conn.child("pd").called("get_num_new_matched_tokens") == []
+    assert out.num_scheduled_tokens == {} and inspector.loaders(conn, req.request_id) == ()
+    assert inspector.child(conn, "pd").called("get_num_new_matched_tokens") == []
     step(sched)  # asked again: now host answers, and pd is asked after it
-    assert conn.loaders(req.request_id) == ("host", "pd")
-    assert conn.child("pd").called("get_num_new_matched_tokens") == [(req.request_id, 32)]
+    assert inspector.loaders(conn, req.request_id) == ("host", "pd")
+    assert inspector.child(conn, "pd").called("get_num_new_matched_tokens") == [(req.request_id, 32)]
 
 
 def test_the_request_runs_once_every_contributor_reported(kvcompose_scheduler: Factory) -> None:

@@ -265,3 +265,51 @@ def test_breaker_options_are_checked(params: str, where: str) -> None:
         loads(THREE + f"rules: {{faults: {{use: breaker, children: [a], {params}}}}}\n")
     [problem] = err.value.problems
     assert where in problem.path
+
+
+# ------------------------------------------------------------------ settlement and neutral answers
+
+
+class RecordedLoads:
+    """The scheduler's record of loads, as :func:`faults.settle` sees it."""
+
+    def __init__(self) -> None:
+        self.abandoned: list[int] = []
+
+    def abandon(self, child: int) -> None:
+        self.abandoned.append(child)
+
+
+def test_a_contained_failure_reports_the_childs_loads_failed_and_keeps_its_saves() -> None:
+    tracker = OwnerAccounting(("a", "b", "c"))
+    tracker.expect_load("r1", (0,))
+    tracker.expect_load("r2", (1,))
+    tracker.expect_saves("s", (0, 2))
+    scheduler = RecordedLoads()
+    faults.settle(Contain(frozenset({0})), 0, False, tracker, scheduler)
+    assert scheduler.abandoned == [0]
+    out, _ = tracker.settle([None, None, None])
+    assert (out.finished_recving, out.failed_recving) == ({"r1"}, {"r1"})  # r2 waits for b
+    assert out.finished_sending == set()  # still called: its delayed free is its own to report
+
+
+def test_a_bypassed_childs_delayed_frees_are_released() -> None:
+    tracker = OwnerAccounting(("a", "b", "c"))
+    tracker.expect_saves("s", (0,))
+    tracker.expect_saves("t", (0, 2))
+    faults.settle(Contain(frozenset({0})), 0, True, tracker)  # a worker: no scheduler loads
+    out, _ = tracker.settle([None, None, None])
+    assert out.finished_sending == {"s"}  # t still waits for c
+    assert out.failed_recving == set()
+
+
+def test_the_neutral_answers_are_vllms_nothing() -> None:
+    assert faults.NEUTRAL == {
+        "none": None,
+        "flag": False,
+        "block-ids": frozenset(),
+        "events": (),
+        "hit": (0, False),
+        "finished": (False, None),
+        "sources": {},
+    }

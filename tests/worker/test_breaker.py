@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvcompose.testing import inspector
 from kvcompose.testing.connectors import FaultyConnector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request
 from kvcompose.vllm.connector import KVComposeConnector
@@ -39,7 +40,7 @@ def test_a_child_failing_for_a_while_in_a_worker_call_is_bypassed_and_re_enabled
         )
     )
     conn: KVComposeConnector = h.connector
-    host = conn.child("host")
+    host = inspector.child(conn, "host")
     assert isinstance(host, FaultyConnector)
     states: list[str] = []
     saves: list[int] = []
@@ -55,7 +56,7 @@ def test_a_child_failing_for_a_while_in_a_worker_call_is_bypassed_and_re_enabled
     # half-open, and closed after two steps without a failure; each change reported once.
     assert states == ["open", "half-open", "closed"]
     assert [f[:2] for f in host.fired] == [("wait_for_save", "raise")] * 2
-    assert conn.child_state("host") == "closed" and conn.disabled == ()
+    assert inspector.child_state(conn, "host") == "closed" and inspector.disabled(conn) == ()
     assert saves[-1] > saves[2]  # called again once re-enabled
     h.drain()
     assert_scheduler_empty(h.scheduler)
@@ -70,18 +71,18 @@ def test_loads_in_flight_when_it_opens_fail_once_and_a_late_report_is_dropped(kv
         TWO.format(tokens=0, faults="[{call: start_load_kv, action: raise, times: 1}]", failures=1, cooldown=0),
         register=False,
     ).connector
-    host = conn.child("host")
+    host = inspector.child(conn, "host")
     conn.bind_connector_metadata(meta({"r1": (1,), "r2": (0, 1)}))
     conn.start_load_kv(None)  # type: ignore[arg-type]  # raises: open
-    assert conn.child_state("host") == "open"
+    assert inspector.child_state(conn, "host") == "open"
     res = conn.get_transfer_results(set())
     assert res.finished_recving == {"r1"} == res.failed_recving  # r2 still waits for pd
     conn.clear_connector_metadata()
 
     conn.bind_connector_metadata(meta({"r3": (1,)}))  # cooldown over: half-open, host loads r3
-    assert conn.child_state("host") == "half-open"
+    assert inspector.child_state(conn, "host") == "half-open"
     host.results = KVConnectorTransferResults(finished_recving={"r1", "r2", "r3"})  # r1, r2: late
-    conn.child("pd").results = KVConnectorTransferResults(finished_recving={"r2"})
+    inspector.child(conn, "pd").results = KVConnectorTransferResults(finished_recving={"r2"})
     res = conn.get_transfer_results(set())
     assert res.finished_recving == {"r2", "r3"}
     assert res.failed_recving == {"r2"}  # host's part of r2 was abandoned when it opened
@@ -90,7 +91,7 @@ def test_loads_in_flight_when_it_opens_fail_once_and_a_late_report_is_dropped(kv
     for _ in range(2):
         conn.bind_connector_metadata(meta())
         conn.clear_connector_metadata()
-    assert conn.child_state("host") == "closed"
+    assert inspector.child_state(conn, "host") == "closed"
 
 
 def test_a_load_announced_while_it_is_open_fails_at_once(kvcompose_worker: Factory) -> None:
@@ -101,7 +102,7 @@ def test_a_load_announced_while_it_is_open_fails_at_once(kvcompose_worker: Facto
     conn.bind_connector_metadata(meta())
     conn.wait_for_save()
     conn.clear_connector_metadata()
-    assert conn.disabled == ("host",)
+    assert inspector.disabled(conn) == ("host",)
     conn.bind_connector_metadata(meta({"r9": (1,)}))  # the scheduler's half of host is healthy
     res = conn.get_transfer_results(set())
     assert res.finished_recving == {"r9"} == res.failed_recving  # not a wait forever
@@ -132,9 +133,9 @@ def test_a_bypassed_child_still_gets_shutdown(kvcompose_worker: Factory) -> None
     ).connector
     conn.bind_connector_metadata(meta())
     conn.wait_for_save()
-    assert conn.disabled == ("host",)
+    assert inspector.disabled(conn) == ("host",)
     conn.shutdown()
-    host = conn.child("host")
+    host = inspector.child(conn, "host")
     assert isinstance(host, FaultyConnector)
     assert ("shutdown", "stall", None) in host.fired  # it ran: its threads and files are released
 
@@ -150,8 +151,8 @@ def test_delayed_frees_a_bypassed_child_owes_are_released_once(kvcompose_worker:
     assert res.finished_sending == {"s1"}  # owed by host alone: released at once
     conn.clear_connector_metadata()
     conn.bind_connector_metadata(meta())  # host back (half-open)
-    conn.child("pd").results = KVConnectorTransferResults(finished_sending={"s2"})
-    conn.child("host").results = KVConnectorTransferResults(finished_sending={"s1", "s2"})  # late
+    inspector.child(conn, "pd").results = KVConnectorTransferResults(finished_sending={"s2"})
+    inspector.child(conn, "host").results = KVConnectorTransferResults(finished_sending={"s1", "s2"})  # late
     res = conn.get_transfer_results(set())
     assert res.finished_sending == {"s2"}  # when pd, the last owner still called, reported it
     assert conn.dropped_completions == 2  # host's late s1 and s2: vLLM would assert on a second free

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvcompose.testing import inspector
 from kvcompose.vllm import metadata
 
 Factory = Callable[..., Any]
@@ -62,10 +63,10 @@ def test_the_codec_knows_the_rules_fields_and_carries_the_rest() -> None:
 @pytest.mark.usefixtures("newer_vllm")
 def test_fields_kvcompose_does_not_know_reach_vllm_merged_by_type(kvcompose_worker: Factory) -> None:
     conn = kvcompose_worker(TWO, register=False).connector
-    conn.child("a").results = NewerResults(
+    inspector.child(conn, "a").results = NewerResults(
         prefix_replay_checkpoints={"r1": 16, "r2": 32}, replayed_blocks={1}, notes=["a"], replayed_tokens=16
     )
-    conn.child("b").results = NewerResults(
+    inspector.child(conn, "b").results = NewerResults(
         prefix_replay_checkpoints={"r1": 8},
         replayed_blocks={2},
         notes=["b"],
@@ -99,5 +100,5 @@ def test_a_step_with_nothing_to_report_is_vllms_empty_report(kvcompose_worker: F
 def test_one_child_reporting_a_field_is_that_childs_value(kvcompose_worker: Factory) -> None:
     conn = kvcompose_worker(TWO, register=False).connector
     checkpoints = {"r1": 16}
-    conn.child("b").results = NewerResults(prefix_replay_checkpoints=checkpoints)
+    inspector.child(conn, "b").results = NewerResults(prefix_replay_checkpoints=checkpoints)
     assert conn.get_transfer_results(set()).prefix_replay_checkpoints == checkpoints

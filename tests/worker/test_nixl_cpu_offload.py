@@ -17,6 +17,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
+from kvcompose.testing import inspector
 from kvcompose.testing.harness import (
     assert_scheduler_empty,
     decode_request,
@@ -107,7 +108,7 @@ def test_store_to_all_then_the_cpu_tier_wins_a_repeated_prompt(fake_nixl: FakeNi
     again = make_request(128, block_size=BLOCK, prompt=a.prompt_token_ids)
     toks, is_async = conn.get_num_new_matched_tokens(again, 0)
     assert toks and toks > 0 and is_async
-    assert conn.loaders(again.request_id) == ("host",)  # host, since nixl has no remote params
+    assert inspector.loaders(conn, again.request_id) == ("host",)  # host, since nixl has no remote params
     assert conn.get_external_cache_hit_sources(again, toks) == {CacheHitSource.HOST: toks}
 
 
@@ -159,8 +160,8 @@ def test_prompt_shorter_than_a_block_with_a_partial_block_is_pulled(kvcompose_sc
 
 def test_the_cpu_child_is_the_real_vllm_class_family(kvcompose_scheduler: Factory) -> None:
     sched = kvcompose_scheduler(composition("consumer"))
-    assert isinstance(sched.connector.child("host"), SimpleCPUOffloadConnector)
-    assert sched.connector.sub_connectors[1] is sched.connector.child("host")
+    assert isinstance(inspector.child(sched.connector, "host"), SimpleCPUOffloadConnector)
+    assert sched.connector.sub_connectors[1] is inspector.child(sched.connector, "host")
 
 
 def test_the_pd_read_is_posted_before_the_host_tier_loads_whatever_the_yaml_order(
@@ -184,7 +185,7 @@ connectors:
     conn = h.connector
     calls: list[str] = []
     for name in ("host", "pd"):
-        child = conn.child(name)
+        child = inspector.child(conn, name)
         child.start_load_kv = (lambda f, n: lambda *a, **k: (calls.append(n), f(*a, **k))[1])(child.start_load_kv, name)
     h.step(h.idle_metadata())
     assert calls and calls == ["pd", "host"] * (len(calls) // 2)

@@ -18,6 +18,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request, RequestStatus
 
+from kvcompose.testing import inspector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, prefill_request
 from kvcompose.testing.kv import fill_random
 from kvcompose.testing.worker import WorkerHarness
@@ -146,7 +147,7 @@ def test_host_prefix_then_the_rest_over_nixl(pd: tuple[WorkerHarness, WorkerHarn
 
     out, _ = d.engine_step()
     conn = d.scheduler.connector
-    assert conn.loaders(req.request_id) == ("host", "pd")
+    assert inspector.loaders(conn, req.request_id) == ("host", "pd")
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     ids = block_ids(d, req)
     # NIXL's worker is handed exactly its range: the blocks after the host tier's four.
@@ -193,7 +194,7 @@ def test_host_covers_the_whole_prompt_and_the_prefill_instance_is_freed_at_once(
     assert p.scheduler.kv_cache_manager.usage > 0  # the prefill instance holds the prompt for the decode
     req = decode(d, prompt, params)
     out, _ = d.engine_step()
-    assert d.scheduler.connector.loaders(req.request_id) == ("host",)
+    assert inspector.loaders(d.scheduler.connector, req.request_id) == ("host",)
     # NIXL was told 0 tokens: it reads nothing and notifies the prefill instance.
     assert out.kv_connector_metadata.children["pd"].reqs_to_recv[req.request_id].local_block_ids == ()
     until_loaded(d, req)
@@ -253,7 +254,7 @@ def test_a_failed_host_range_invalidates_only_its_blocks(fake_nixl: FakeNixl) ->
     _, params = prefill(p, prompt)
     req = decode(d, prompt, params)
     out, _ = d.engine_step()
-    assert d.scheduler.connector.loaders(req.request_id) == ("host", "pd")
+    assert inspector.loaders(d.scheduler.connector, req.request_id) == ("host", "pd")
     ids = block_ids(d, req)
     assert list(out.kv_connector_metadata.children["pd"].reqs_to_recv[req.request_id].local_block_ids[0]) == ids[4:6]
     early = set(d.last_output.invalid_block_ids or ())  # the host tier failed at once
@@ -263,7 +264,7 @@ def test_a_failed_host_range_invalidates_only_its_blocks(fake_nixl: FakeNixl) ->
     for k in (4, 5):  # NIXL's range arrived
         assert d.holds_prefix(ids[k], prompt[: (k + 1) * BLOCK])
     # vLLM recomputes from block 0: it looks the request up again, and the double now has nothing.
-    d.scheduler.connector.child("host").matched_tokens = 0
+    inspector.child(d.scheduler.connector, "host").matched_tokens = 0
     assert scheduled(d, req) == 6 * BLOCK
 
 
@@ -309,7 +310,7 @@ def test_a_prompt_shorter_than_a_block_is_pulled_whole(pd: tuple[WorkerHarness, 
     _, params = prefill(p, prompt)
     req = decode(d, prompt, params)
     d.engine_step()
-    assert d.scheduler.connector.loaders(req.request_id) == ("pd",)
+    assert inspector.loaders(d.scheduler.connector, req.request_id) == ("pd",)
     until_loaded(d, req)
     assert scheduled(d, req) == 1
 

@@ -16,6 +16,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 from kvcompose.compose import loads
+from kvcompose.testing import inspector
 from kvcompose.vllm.args import kv_transfer_config
 from kvcompose.vllm.children import sleep_mode_support
 from kvcompose.vllm.connector import KVComposeConnector
@@ -36,7 +37,9 @@ def test_unregister_and_restore_reach_every_child_in_order(kvcompose_worker: Fac
     conn.unregister_kv_caches()
     conn.restore_kv_caches()
     for name in ("a", "b"):
-        sleep_calls = [m for m, _ in conn.child(name).calls if m in ("unregister_kv_caches", "restore_kv_caches")]
+        sleep_calls = [
+            m for m, _ in inspector.child(conn, name).calls if m in ("unregister_kv_caches", "restore_kv_caches")
+        ]
         assert sleep_calls == ["unregister_kv_caches", "restore_kv_caches"], name
 
 
@@ -46,16 +49,16 @@ def test_a_bypassed_child_still_unregisters(kvcompose_worker: Factory) -> None:
     conn = kvcompose_worker(text, register=False).connector
     conn.calls.disable(0)
     conn.unregister_kv_caches()
-    assert conn.child("a").called("unregister_kv_caches") == [()]
+    assert inspector.child(conn, "a").called("unregister_kv_caches") == [()]
 
 
 def test_a_child_without_the_calls_is_passed_over(kvcompose_worker: Factory) -> None:
     """A child class written for vLLM 0.32 has no sleep-mode calls: the others still get them."""
     conn = kvcompose_worker(COMPOSITION.format(a="true", b="true"), register=False).connector
-    conn.child("a").unregister_kv_caches = None  # what a 0.32 class without the method looks like
+    inspector.child(conn, "a").unregister_kv_caches = None  # what a 0.32 class without the method looks like
     conn.calls.clear()
     conn.unregister_kv_caches()
-    assert conn.child("b").called("unregister_kv_caches") == [()]
+    assert inspector.child(conn, "b").called("unregister_kv_caches") == [()]
 
 
 @pytest.mark.parametrize(

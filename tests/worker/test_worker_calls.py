@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvcompose.vllm.calls import ChildFailed
+from kvcompose.testing import inspector
+from kvcompose.vllm.dispatch import ChildFailed
 
 Factory = Callable[..., Any]
 
@@ -28,15 +29,15 @@ def test_finished_count_is_the_childrens_common_answer(
     kvcompose_worker: Factory, a: int | None, b: int | None, expected: int | None
 ) -> None:
     conn = kvcompose_worker(TWO, register=False).connector
-    conn.child("a").get_finished_count = lambda: a
-    conn.child("b").get_finished_count = lambda: b
+    inspector.child(conn, "a").get_finished_count = lambda: a
+    inspector.child(conn, "b").get_finished_count = lambda: b
     assert conn.get_finished_count() == expected
 
 
 def test_children_that_expect_different_finished_counts_are_refused_by_name(kvcompose_worker: Factory) -> None:
     conn = kvcompose_worker(TWO, register=False).connector
-    conn.child("a").get_finished_count = lambda: 1
-    conn.child("b").get_finished_count = lambda: 2
+    inspector.child(conn, "a").get_finished_count = lambda: 1
+    inspector.child(conn, "b").get_finished_count = lambda: 2
     with pytest.raises(ValueError, match=r"get_finished_count differently: \{'a': 1, 'b': 2\}"):
         conn.get_finished_count()
 
@@ -53,8 +54,8 @@ def test_every_child_is_shut_down_and_every_error_is_named(kvcompose_worker: Fac
 
         return shutdown
 
-    conn.child("a").shutdown = failing("a")
-    conn.child("b").shutdown = failing("b")
+    inspector.child(conn, "a").shutdown = failing("a")
+    inspector.child(conn, "b").shutdown = failing("b")
     with pytest.raises(ChildFailed, match=r"shutdown failed in a \(RuntimeError\('a stuck'\)\), b ") as err:
         conn.shutdown()
     assert called == ["a", "b"]  # b was shut down although a raised

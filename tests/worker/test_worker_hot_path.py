@@ -1,8 +1,9 @@
 """The composite's per-step worker shortcuts answer exactly what the full path would.
 
 The worker hooks skip a child that inherits vLLM's constant base answer (an empty set), a
-child whose hook has an empty body (it does nothing and answers ``None``), and settling transfer
-results on a step where no child reported any; these tests pin that the answers are unchanged and
+child whose hook has an empty body (it does nothing and answers ``None``), both where the call
+table says the call's combination drops that answer, and settling transfer results on a step
+where no child reported any; these tests pin that the answers are unchanged and
 which child code runs (the time saved is measured by ``kvcompose bench``).
 """
 
@@ -18,7 +19,10 @@ from unittest import mock
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvcompose.vllm.calls import CONSTANT_IN_BASE, NONE_IS_NOTHING, has_empty_body
+from kvcompose.rules.faults import NEUTRAL
+from kvcompose.testing import inspector
+from kvcompose.vllm.calls import CALLS, IGNORES_NEUTRAL
+from kvcompose.vllm.dispatch import has_empty_body
 
 Factory = Callable[..., Any]
 
@@ -34,7 +38,7 @@ connectors:
 
 def test_children_with_their_own_answer_are_asked_every_step(kvcompose_worker: Factory) -> None:
     h = kvcompose_worker(MIXED, num_layers=2)
-    rec = h.connector.child("rec")
+    rec = inspector.child(h.connector, "rec")
     meta = h.idle_metadata()  # runs one step itself
     hooks = (
         "get_kv_connector_kv_cache_events",
@@ -54,7 +58,7 @@ def test_an_instance_patch_counts_as_the_childs_own_answer(kvcompose_worker: Fac
     h = kvcompose_worker(MIXED, num_layers=2)
     # cpu-offload inherits get_block_ids_with_load_errors from vLLM's base class; patched on the
     # instance before the first call, it must be asked.
-    h.connector.child("host").get_block_ids_with_load_errors = lambda: {7}
+    inspector.child(h.connector, "host").get_block_ids_with_load_errors = lambda: {7}
     assert h.connector.get_block_ids_with_load_errors() == {7}
     assert h.connector.get_kv_connector_kv_cache_events() is None  # nobody has events
 
@@ -64,7 +68,7 @@ def test_idle_step_reports_nothing_and_a_report_still_goes_through(kvcompose_wor
     out = h.step(h.idle_metadata())
     assert (out.finished_sending, out.finished_recving, out.failed_recving) == (set(), set(), set())
     # A delayed free that only this child announced is forwarded on its own report.
-    h.connector.child("rec").results = KVConnectorTransferResults(finished_sending={"r1"})
+    inspector.child(h.connector, "rec").results = KVConnectorTransferResults(finished_sending={"r1"})
     assert h.connector.get_transfer_results(set()).finished_sending == {"r1"}
 
 
@@ -87,7 +91,7 @@ def runs_of(code: CodeType) -> Iterator[list[FrameType]]:
 def test_a_childs_empty_per_layer_hooks_are_not_called(kvcompose_worker: Factory) -> None:
     h = kvcompose_worker(MIXED, num_layers=2)
     meta = h.idle_metadata()
-    host, rec = h.connector.child("host"), h.connector.child("rec")
+    host, rec = inspector.child(h.connector, "host"), inspector.child(h.connector, "rec")
     # vLLM's CPU-offload connector saves nothing per layer: its hooks are empty bodies.
     assert has_empty_body(host.save_kv_layer) and has_empty_body(host.wait_for_layer_load)
     before = len(rec.called("save_kv_layer"))
@@ -103,7 +107,7 @@ def test_tracing_calls_every_child_even_an_empty_hook(
     monkeypatch.setenv("KVCOMPOSE_TRACE", "1")
     h = kvcompose_worker(MIXED, num_layers=2)
     meta = h.idle_metadata()
-    host = h.connector.child("host")
+    host = inspector.child(h.connector, "host")
     with runs_of(host.save_kv_layer.__func__.__code__) as saves:
         h.step(meta)
     assert len(saves) == 2
@@ -161,11 +165,17 @@ def test_functions_that_do_or_answer_something_have_a_body(fn: Callable[..., Any
     assert not has_empty_body(fn)
 
 
-def test_the_skippable_calls_are_vllms_connector_methods() -> None:
+def test_the_calls_whose_base_answer_is_neutral_answer_it() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    # A misspelt or renamed method would silently never be skipped.
-    assert all(callable(getattr(KVConnectorBase_V1, m, None)) for m in NONE_IS_NOTHING | CONSTANT_IN_BASE)
-    # The base answers of CONSTANT_IN_BASE are constants, not None (those are NONE_IS_NOTHING's).
-    assert not any(has_empty_body(getattr(KVConnectorBase_V1, m)) for m in CONSTANT_IN_BASE)
-    assert not NONE_IS_NOTHING & CONSTANT_IN_BASE
+    marked = [name for name, c in CALLS.items() if c.base_neutral]
+    assert marked  # a child inheriting one of these is not called
+    for name in marked:
+        c = CALLS[name]
+        base = getattr(KVConnectorBase_V1, name)
+        # A misspelt or renamed method would silently never be skipped.
+        assert callable(base), name
+        # The base answer is a constant, and exactly what the call's combination drops.
+        assert not has_empty_body(base), name
+        assert base(None, *[None] * (base.__code__.co_argcount - 1)) == NEUTRAL[c.answer], name
+        assert c.combine in IGNORES_NEUTRAL, name

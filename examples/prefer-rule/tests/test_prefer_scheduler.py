@@ -7,6 +7,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvcompose.testing import inspector
 from kvcompose.testing.harness import make_request
 
 # Both children have a hit for every request: only the rule decides who loads.
@@ -25,7 +26,7 @@ def loaders_of(sched: Scheduler, kv_transfer_params: dict[str, Any] | None) -> t
     req = make_request(prompt=[100 + len(sched.requests), *range(3, 66)], kv_transfer_params=kv_transfer_params)
     sched.add_request(req)
     sched.schedule()
-    return sched.connector.loaders(req.request_id)
+    return inspector.loaders(sched.connector, req.request_id)
 
 
 def test_the_preferred_child_loads_requests_carrying_the_key(kvcompose_scheduler: Callable[..., Scheduler]) -> None:
@@ -38,4 +39,4 @@ def test_the_preferred_child_loads_requests_carrying_the_key(kvcompose_scheduler
 def test_the_child_after_the_winner_is_not_asked(kvcompose_scheduler: Callable[..., Scheduler]) -> None:
     sched = kvcompose_scheduler(YAML)
     loaders_of(sched, {"prefer_host": True})
-    assert not sched.connector.child("pd").called("get_num_new_matched_tokens")
+    assert not inspector.child(sched.connector, "pd").called("get_num_new_matched_tokens")

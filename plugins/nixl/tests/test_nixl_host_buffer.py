@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvcompose.testing import inspector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request
 from kvcompose.testing.kv import fill_random
 from kvcompose.testing.worker import WorkerHarness
@@ -195,7 +196,7 @@ def test_prefill_to_decode_through_host_buffers_every_byte_then_the_host_tier_se
     again = make_request(len(prompt), block_size=BLOCK, prompt=prompt, max_tokens=1, request_id="decode-A-again")
     d.scheduler.add_request(again)
     d.engine_step()
-    assert d.scheduler.connector.loaders(again.request_id) == ("host",)
+    assert inspector.loaders(d.scheduler.connector, again.request_id) == ("host",)
     d.step_until(lambda _: again.request_id in (d.last_output.finished_recving or ()), "no host-tier load")
     (ids,) = d.scheduler.kv_cache_manager.get_block_ids(again.request_id)
     check_blocks(d, list(ids), prompt, range(3), host_buffer=False)  # the 4th holds the last token: computed
@@ -219,7 +220,7 @@ def test_ranges_assemble_a_request_from_the_host_tier_and_nixl_through_host_buff
     turn2 = turn1 + tokens(2 * BLOCK, 3)  # 6 blocks: 4 in the host tier, 2 new
     done = prefilled(prefill, turn2, "prefill-T2")
     ids, nixl_bytes = read(d, turn2, done, "decode-T2")
-    assert d.scheduler.connector.loaders("decode-T2") == ("host", "pd")
+    assert inspector.loaders(d.scheduler.connector, "decode-T2") == ("host", "pd")
     # NIXL read the last two blocks only, through the host buffer, into the request's blocks 4 and 5.
     assert [(c.direction, list(c.blocks)) for c in d.copy_op.copies[copies:]] == [("h2d", ids[4:6])]
     assert nixl_bytes == d.copy_op.copies[-1].nbytes == 2 * 2 * d.kv_caches[d.layer_names[0]][0].nbytes

@@ -1,0 +1,42 @@
+"""The test kit's view into a composed connector: what a test asserts that vLLM never asks.
+
+The composite (:class:`kvcompose.vllm.connector.KVComposeConnector`) carries no accessor for
+tests; these functions read the same state from outside, so that a test can name a child, see
+which children load a request, or see a child's state under the faults rule.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvcompose.rules.contract import ChildState
+    from kvcompose.vllm.connector import KVComposeConnector
+
+
+def child(connector: KVComposeConnector, name: str) -> KVConnectorBase_V1:
+    """The child connector instance for a composition name."""
+    return connector.sub_connectors[connector.names.index(name)]
+
+
+def loaders(connector: KVComposeConnector, request_id: str) -> tuple[str, ...]:
+    """Names of the children loading (or chosen to load) a request's external KV (scheduler)."""
+    return connector._loads.loaders(request_id)
+
+
+def deferred_loaders(connector: KVComposeConnector, request_id: str) -> tuple[str, ...]:
+    """Names of the children whose part of a request's load waits for the request's next
+    schedule (a synchronous range of a mixed load, :meth:`LoadRule.deferred`)."""
+    return connector._loads.loaders(request_id, deferred=True)
+
+
+def disabled(connector: KVComposeConnector) -> tuple[str, ...]:
+    """Names of the children bypassed now after a contained fault (open breakers included)."""
+    return tuple(connector.names[i] for i in sorted(connector.calls.disabled))
+
+
+def child_state(connector: KVComposeConnector, name: str) -> ChildState:
+    """``closed``, ``open`` or ``half-open``: the child's state in this connector instance."""
+    return connector.calls.monitor.state(connector.names.index(name))
