@@ -54,7 +54,7 @@ VARIANTS = ("cold", "warmed")
 PAIRS = 3  # fresh pairs per side (quick: 1)
 REQUESTS = 6  # per pair: the first, then the steady ones
 PROMPT_TOKENS = 600
-#: A cold first request can wait for minutes (docs/performance.md, "5d. Cold start").
+#: A cold first request can wait for minutes (docs/performance.md 5d).
 TIMEOUT_S = 400.0
 
 

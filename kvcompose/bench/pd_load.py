@@ -37,7 +37,7 @@ from kvcompose.e2e.spec import EngineSpec
 SUBJECT = "kvcompose"
 SIDES = (SUBJECT, "MultiConnector", "kvcompose-pd-only")
 WORKLOADS = ("chat", "prefix")
-#: No request's first token may take longer (docs/performance.md, "5f. P/D under concurrent load").
+#: No request's first token may take longer (docs/performance.md 5f).
 BOUND_S = 5.0
 #: The issue's target: kvcompose's TTFT p99 within this of its NIXL child alone's.
 P99_TARGET = 1.2

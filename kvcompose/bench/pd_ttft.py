@@ -73,8 +73,8 @@ PROMPT_TOKENS = 600  # 18 full 32-token blocks and a partial one
 #: of :func:`~kvcompose.bench.measure.follow_balanced` (3 turns each): single TTFTs swing widely.
 REPEATS = 24
 #: Engine starts (quick: one), their samples pooled; whole rounds of :func:`start_order`, so every
-#: decode takes every place, which weighs more than its connector (docs/performance.md, "5b. P/D:
-#: decode time to first token", Every place for every engine).
+#: decode takes every place, which weighs more than its connector (docs/performance.md 5b, "Every
+#: place for every engine").
 STARTS = len(DECODES)
 #: Pause between a prefill's answer and its decode, so that the prefill engine's own work after
 #: answering (its scheduler's output, the request's free) is not in the decode's time. The decode's

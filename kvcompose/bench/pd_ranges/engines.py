@@ -80,7 +80,7 @@ def serve_one(
 
 
 #: The first P/D request after a decode engine starts waits for NIXL's handshake, UCX's first
-#: connection and the engine's first-forward work (docs/performance.md, "5d. Cold start"); the
+#: connection and the engine's first-forward work (docs/performance.md 5d); the
 #: warm-up absorbs it, so its requests get far longer than a measured request's deadline.
 WARM_UP_TIMEOUT_S = 600.0
 

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - a build without a compiler
 #: Transfers of at least this many bytes (per region pair) go through the compiled helper, which
 #: streams them past the cache where the CPU allows it (``_streamcopy.STREAMS``). Smaller ones
 #: are copied with numpy: their bytes are likely still in the cache, and the helper's fixed cost
-#: of laying out the pieces is not paid back below about 1 MiB (docs/performance.md, "CPU tier data path").
+#: of laying out the pieces is not paid back below about 1 MiB (docs/performance.md 4).
 STREAM_MIN_BYTES = 1 << 20
 
 #: The environment variable that picks the compiled helper's copy loop (:func:`copy_loop`).
@@ -135,7 +135,7 @@ def copy_blocks(
     released. Otherwise one numpy assignment per run of consecutive blocks (the runs found once
     for the transfer): numpy copies the run piece by piece through the cache, and releases the
     GIL too. Measured against each other and the alternatives in
-    docs/performance.md, "CPU tier data path".
+    docs/performance.md 4.
     """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
@@ -185,7 +185,7 @@ def pieces(
     tier's staging buffers a block's layers); a run of consecutive blocks is one piece per layer
     where both sides keep those pieces back to back. The pieces are in source-address order:
     the reads then walk memory forwards, which the hardware prefetchers follow
-    (docs/performance.md, "CPU tier data path").
+    (docs/performance.md 4).
     """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")

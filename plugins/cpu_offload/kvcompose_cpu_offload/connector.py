@@ -152,7 +152,7 @@ class SimpleCPUOffloadConnector(VllmSimpleCPUOffloadConnector):
     #
     # A lookup that finds nothing changes nothing, nor does another child's finished load: a
     # P/D decode's lookup here misses and its NIXL pull is reported a step later. What the stats
-    # cost a step: docs/performance.md, "5b. P/D: decode time to first token" (Hook by hook).
+    # cost a step: docs/performance.md 5b (Hook by hook).
 
     #: Whether a scheduler hook ran since the last stats that can have changed them.
     _stats_changed = True

@@ -20,7 +20,7 @@ from kvcompose_cpu_offload.host_memory import huge_page_buffer
 logger = init_logger(f"vllm.{__name__}")
 
 #: The most bytes one disk-tier I/O call moves (a run of consecutive slots): large enough that
-#: a disk streams at its sequential rate (docs/performance.md, "CPU tier data path").
+#: a disk streams at its sequential rate (docs/performance.md 4).
 STAGING_BYTES = 8 << 20
 
 # The most pieces one pwritev/preadv takes (Linux's UIO_MAXIOV).
@@ -35,7 +35,7 @@ def alloc_staging(num_slots: int, slot_bytes: int) -> np.ndarray:
     A disk request carries one scatter-gather segment per physically contiguous span of its
     buffer, and a request holds only so many (254 on this virtio disk), so a buffer in scattered
     4 KiB pages is cut into small requests, which a disk moves more slowly than a few large
-    ones (vLLM's ``_alloc_aligned`` against huge pages: docs/performance.md, "CPU tier data path").
+    ones (vLLM's ``_alloc_aligned`` against huge pages: docs/performance.md 4).
     """
     buf = np.frombuffer(huge_page_buffer(num_slots * slot_bytes), dtype=np.int8).reshape(num_slots, slot_bytes)
     buf.fill(0)  # fault the pages in now
@@ -98,8 +98,8 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
                 f"({self._per_tensor_bpb} per region); set the option use_page_cache (vLLM key "
                 "use_page_cache: true) to write through the page cache instead"
             )
-        # O_DIRECT always stages: the KV cache's 4 KiB pages make slower disk requests (docs/performance.md,
-        # "CPU tier data path"); through the page cache the kernel copies anyway, so that I/O goes in place.
+        # O_DIRECT always stages: the KV cache's 4 KiB pages make slower disk requests (docs/performance.md
+        # 4); through the page cache the kernel copies anyway, so that I/O goes in place.
         self._in_place = use_page_cache
         # Blocks larger than the staging size go one at a time, so that copying one overlaps
         # writing the previous one.
@@ -177,7 +177,7 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
         """Copy the run's blocks into (or out of) the first ``len(run)`` slots of ``buf``."""
         if self._rows is not None:
             # One call for every region: laying the pieces out region by region held the GIL
-            # for a third of the staging time (docs/performance.md, "CPU tier data path").
+            # for a third of the staging time (docs/performance.md 4).
             bases, strides, starts, sizes = self._rows
             blocks = bases + np.asarray(run, dtype=np.int64)[:, None] * strides
             slots = buf.ctypes.data + np.arange(len(run), dtype=np.int64)[:, None] * buf.strides[0] + starts
@@ -211,7 +211,7 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
             return
         # This thread does the I/O and the helper the copies: a thread asleep in the kernel leaves
         # its CPU to the woken copy at once, the other way round each write started late
-        # (docs/performance.md, "CPU tier data path").
+        # (docs/performance.md 4).
         bufs, helper = self._staging[write], self._copy_helpers[write]
         pending: Future[None] | None = None
         try:

@@ -30,12 +30,12 @@ class HostCopyBackend(CopyThreads):
     #:
     #: * loads: vLLM starts a step's loads after its forward pass and polls them right after; a
     #:   woken thread is rarely done by the poll on a busy host, so the request would wait a
-    #:   whole step more for a copy that takes far less in place (docs/performance.md, "5d. Cold start").
+    #:   whole step more for a copy that takes far less in place (docs/performance.md 5d).
     #: * stores in a step without a forward pass
     #:   (:class:`~kvcompose_cpu_offload.portable_worker.StepMetadata`): vLLM steps on until a
     #:   store is reported (``has_pending_push_work``), each step contending for the GIL with the
-    #:   engine core's output thread (docs/performance.md, "5b. P/D: decode time to first
-    #:   token"); copied in place, the engine goes idle in that step.
+    #:   engine core's output thread (docs/performance.md 5b); copied in place, the engine goes
+    #:   idle in that step.
     #:
     #: Larger transfers keep the threads. 0: every copy on a thread.
     inline_copy_bytes: ClassVar[int] = 1 << 20

@@ -236,7 +236,7 @@ class PortableSimpleCPUOffloadWorker(SimpleCPUOffloadWorker):
 
         vLLM's CUDA worker queues them here on a side stream, after a compute-done event. The
         CPU platform has no side stream: a copy thread woken here takes a core in the middle of
-        the step, before its tokens are sampled (docs/performance.md, "5d. Cold start").
+        the step, before its tokens are sampled (docs/performance.md 5d).
         So, like vLLM's ``OffloadingConnector`` ("defer the store to the beginning of the next
         engine step ... avoiding delays to token generation"), the hand-off waits for the next
         step's ``bind_connector_metadata``. The scheduler keeps stepping while a store is pending
