@@ -5,7 +5,7 @@ children's answers, what shape the answer has (whose neutral answer, for a conta
 faults rule says: :data:`kvcompose.rules.faults.NEUTRAL`), whether vLLM makes it per layer, and
 which children get it. The composite's forwarding (:mod:`kvcompose.vllm.dispatch`), its fault
 containment and the test kit's fault injection (:data:`kvcompose.testing.types.FAULT_CALLS`) are
-driven by it; ``tests/cli/test_vllm_surface.py`` checks that it, the composite's members and
+driven by it; ``tests/adapter/test_vllm_surface.py`` checks that it, the composite's members and
 vLLM's ``KVConnectorBase_V1`` (the installed one, and the next one through
 :mod:`kvcompose.vllm.surface`) name the same calls.
 

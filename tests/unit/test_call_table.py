@@ -2,7 +2,7 @@
 fault injection: each forwarded call is dispatched by the idiom its combination names, and each
 one can get an injected fault. Read from the composite's source, without importing vLLM (the
 table is importable without it: ``tests/unit/test_contract.py``; the table against vLLM's own
-class: ``tests/cli/test_vllm_surface.py``)."""
+class: ``tests/adapter/test_vllm_surface.py``)."""
 
 from __future__ import annotations
 
