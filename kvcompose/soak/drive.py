@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from kvcompose.e2e.server import HOST, completion_body, parse_completion
+from kvcompose.e2e.server import completion_body, parse_completion
 from kvcompose.soak.plan import Request
 
 #: answered: 200 with tokens (streamed: through ``data: [DONE]``). http-error: an error status,
@@ -85,12 +85,11 @@ class Reply(NamedTuple):
     ttft_s: float | None = None
 
 
-def send(address: tuple[str, int] | int, body: dict[str, Any], hang_up_after: float | None = None) -> Reply:
-    """POST ``body`` to ``/v1/completions`` at ``address`` (host and port; a port alone: on
-    127.0.0.1); streamed when ``body["stream"]`` is true (:func:`read_stream`). With
-    ``hang_up_after``, the client closes the connection that many seconds after sending."""
-    host, port = (HOST, address) if isinstance(address, int) else address
-    conn = http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S)
+def send(address: tuple[str, int], body: dict[str, Any], hang_up_after: float | None = None) -> Reply:
+    """POST ``body`` to ``/v1/completions`` at ``address`` (host, port); streamed when
+    ``body["stream"]`` is true (:func:`read_stream`). With ``hang_up_after``, the client closes
+    the connection that many seconds after sending."""
+    conn = http.client.HTTPConnection(*address, timeout=REQUEST_TIMEOUT_S)
     try:
         t0 = time.monotonic()
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})

@@ -189,7 +189,7 @@ def _hosts(options: SoakOptions, echo: Callable[[str], None]) -> Iterator[Hosts 
     if not options.hosts:
         yield None
         return
-    with Hosts(["prefill", "decode"], link=options.link or DEFAULT_LINK) as hosts:
+    with Hosts(["prefill", "decode"], link=options.link) as hosts:
         echo(f"hosts: prefill {hosts['prefill'].address}, decode {hosts['decode'].address}, link {options.link}")
         yield hosts
 

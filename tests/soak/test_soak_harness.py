@@ -164,19 +164,19 @@ def server(request: pytest.FixtureRequest) -> Iterator[_Server]:
 
 @pytest.mark.parametrize("server", [([200],)], indirect=True)
 def test_send_tells_an_answer_a_hang_up_and_a_dead_port_apart(server: _Server) -> None:
-    kind, _, answer, ttft = send(server.http_port, {"prompt": [1]})
+    kind, _, answer, ttft = send(server.address("router"), {"prompt": [1]})
     assert kind == "answered" and answer is not None and ttft is None  # not streamed: no first token seen
-    assert send(server.http_port, {"prompt": [1]}, hang_up_after=0.0).kind == "hung-up"
-    assert send(server.http_port, {"prompt": [1], "stream": True}, hang_up_after=0.0).kind == "hung-up"
+    assert send(server.address("router"), {"prompt": [1]}, hang_up_after=0.0).kind == "hung-up"
+    assert send(server.address("router"), {"prompt": [1], "stream": True}, hang_up_after=0.0).kind == "hung-up"
     (dead,) = free_ports(1)
-    assert send(dead, {"prompt": [1]}).kind == "dropped"
-    assert send(dead, {"prompt": [1], "stream": True}).kind == "dropped"
+    assert send(("127.0.0.1", dead), {"prompt": [1]}).kind == "dropped"
+    assert send(("127.0.0.1", dead), {"prompt": [1], "stream": True}).kind == "dropped"
 
 
 @pytest.mark.parametrize("server", [([200], 0.0, 0.4)], indirect=True)
 def test_a_streamed_answer_is_joined_and_its_first_token_timed(server: _Server) -> None:
     t0 = time.monotonic()
-    kind, detail, answer, ttft = send(server.http_port, {**completion_body("m", [1], 2), "stream": True})
+    kind, detail, answer, ttft = send(server.address("router"), {**completion_body("m", [1], 2), "stream": True})
     wall = time.monotonic() - t0
     assert (kind, detail) == ("answered", "") and answer is not None and ttft is not None
     # The first token came 0.4 s after the request, the second and [DONE] 50 ms apart after it.
@@ -201,7 +201,7 @@ def test_a_streamed_answer_is_joined_and_its_first_token_timed(server: _Server) 
     indirect=["server"],
 )
 def test_a_stream_with_an_error_event_or_cut_off_is_not_answered(server: _Server, kind: str, detail: str) -> None:
-    got = send(server.http_port, {"prompt": [1], "stream": True})
+    got = send(server.address("router"), {"prompt": [1], "stream": True})
     assert (got.kind, got.answer, got.ttft_s) == (kind, None, None)
     assert detail in got.detail
 
