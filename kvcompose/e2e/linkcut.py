@@ -201,7 +201,6 @@ def _wire(router: Any, decode: Any, seed: int, prompt_tokens: int, max_tokens: i
 FIRST_TRIES = 3
 
 
-#: What the servers' logs say of leases (vLLM's lines; the nixl child's refusal).
 def _log_counts(prefill: Any, decode: Any) -> tuple[int, set[str], set[str]]:
     """The prefill's lease expiries, the prefill requests whose released blocks were read, and
     those whose read the decode refused or never made, from the servers' logs so far."""
