@@ -19,6 +19,9 @@ patch in the parent would not reach it.
   shared memory for the messages (CMA still moves the data) and the stall is gone; a dead
   peer then shows as failed reads and vLLM's lease and heartbeat handling, not as a UCX
   endpoint error.
+
+:func:`connection_metadata` is the agent's address for a peer that only sends it notifications
+(the lease answers of :mod:`kvcompose_nixl.lease`).
 """
 
 from __future__ import annotations
@@ -117,3 +120,18 @@ def _ucx_params(api: Any) -> dict[str, str]:
     if "UCX" not in agent.get_plugin_list():
         return {}
     return dict(agent.get_plugin_params("UCX"))
+
+
+def connection_metadata(agent: Any) -> bytes:
+    """``agent``'s connection info without its memory (NIXL's partial metadata): what a peer
+    loads to send it notifications, a few hundred bytes where the whole metadata of a decode
+    instance's KV is kilobytes."""
+    mems = getattr(agent, "nixl_mems", None)  # the real agent's memory types; the kit's fake has none
+    if mems is None:
+        no_memory: Any = []
+    else:
+        import nixl._api as api
+        import numpy as np
+
+        no_memory = api.nixlBind.nixlRegDList(mems["DRAM"], np.zeros((0, 3), dtype=np.uint64))
+    return agent.get_partial_agent_metadata(no_memory, True, [])  # type: ignore[no-any-return]

@@ -6,7 +6,7 @@ vLLM imports ``kv_connector_module_path`` and takes ``getattr(module, kv_connect
 "NixlConnector" with ``KVTransferConfig.has_connector`` in several places, so a different name
 would silently turn those checks off.
 
-Both subclass vLLM's connectors and change three things only:
+Both subclass vLLM's connectors and change these things only:
 
 1. **Side channel from the config.** vLLM reads the handshake listener's host and port only from
    ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (``base_scheduler.py``), one
@@ -35,10 +35,16 @@ Both subclass vLLM's connectors and change three things only:
    load that reaches the prompt's end); the prefill instance is still notified and frees its
    blocks at once.
 
+4. **No read used after the prefill released its blocks, none refused that it held** (pull
+   mode, :mod:`kvcompose_nixl.lease`): the prefill stamps its lease's end in the
+   ``kv_transfer_params`` and answers the decode's questions about the leases its heartbeats
+   renewed; the decode fails a read that ends after the last end it knows of.
+
 Before vLLM's worker creates its NIXL agent they also apply the agent settings vLLM has no
 option for (:mod:`kvcompose_nixl.agent`: the progress thread's sleep, UCX error handling), and
 once it exists they let it ask a slow peer's side channel again (:mod:`kvcompose_nixl.handshake`).
-Everything else (GPUDirect, host buffers, memory registration, leases) is vLLM's.
+Everything else (GPUDirect, host buffers, memory registration, the leases and their heartbeats)
+is vLLM's.
 """
 
 from __future__ import annotations
@@ -64,15 +70,16 @@ from kvcompose_nixl import (
 )
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import ask_patiently
-from kvcompose_nixl.lease import LeaseWatch, stamp
+from kvcompose_nixl.lease import ANSWERING_ATTR, answering_engine, stamp, watch_leases
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
         NixlBaseConnectorScheduler,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -216,22 +223,39 @@ class _SettingsMixin:
 
 class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
     """vLLM's pull-mode NixlConnector, plus side-channel options, local compute when a remote
-    prefill comes with no remote blocks, range loads, and no read used after the prefill's
-    lease on its blocks ended (see the module docstring)."""
+    prefill comes with no remote blocks, range loads, and reads checked against the prefill's
+    lease on their blocks (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        #: The decode side's lease checks (:mod:`kvcompose_nixl.lease`); None on a scheduler.
-        self.leases = LeaseWatch(self.connector_worker) if self.connector_worker is not None else None
+        #: The lease checks and answers (:mod:`kvcompose_nixl.lease`); None on a scheduler.
+        self.leases = watch_leases(self.connector_worker) if self.connector_worker is not None else None
+        #: Prefill engines that answer lease questions, from their requests' params (scheduler).
+        self._answering: set[str] = set()
 
     def on_new_request(self, request: Request) -> None:
         """vLLM starts lease heartbeats to the prefill instance for every remote prefill; there
-        is no lease to renew when the prefill instance holds no block."""
+        is no lease to renew when the prefill instance holds no block. A prefill that answers
+        lease questions is noted, for the workers to ask after its heartbeats."""
         super().on_new_request(request)
-        if request.kv_transfer_params and _nothing_to_pull(request):
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if _nothing_to_pull(request):
             assert self.connector_scheduler is not None
             self.connector_scheduler._stop_heartbeat(request.request_id)
             log.debug("%s: remote prefill without remote blocks; computing it locally", request.request_id)
+        elif (engine := answering_engine(params)) is not None:
+            self._answering.add(engine)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """vLLM's metadata, naming the prefill engines of this step's heartbeats that answer
+        lease questions (most steps send no heartbeat: nothing is added then)."""
+        meta = super().build_connector_meta(scheduler_output)
+        beats = getattr(meta, "heartbeat_by_engine", None)
+        if beats and self._answering:
+            setattr(meta, ANSWERING_ATTR, {e for e in beats if e in self._answering})
+        return meta
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """No external tokens when there is nothing to pull.

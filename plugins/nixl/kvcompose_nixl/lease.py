@@ -1,4 +1,5 @@
-"""A decode instance never computes from KV it finished reading after the prefill's lease ended.
+"""A decode instance never computes from KV it finished reading after the prefill released it,
+and never refuses a read whose blocks the prefill still held.
 
 vLLM's prefill instance keeps a finished request's blocks for the decode instance's read until
 a lease ends: ``kv_lease_duration`` (30 s) after the request finished, renewed by the decode's
@@ -8,38 +9,50 @@ from the moment the prefill reads it). When the lease ends first, the prefill fr
 later (``Potentially invalid KV blocks ... were retrieved by a decode worker``) may have copied
 that other request's KV, and vLLM's decode computes from it without a sign.
 
-Both halves of the nixl child keep the lease in view:
+A heartbeat is a one-way NIXL notification: sent is not arrived. Across a cut link the beats
+wait in the transport and reach the prefill after it released the blocks (UCX over tcp carries
+notifications and reads on lanes of their own, whose connections recover at different times),
+so the decode cannot extend the lease it checks by the beats it sent. It extends it by the
+prefill's answers instead:
 
-* the prefill's scheduler (:func:`stamp`) adds the lease's end to the ``kv_transfer_params`` it
-  returns, as vLLM's own ``remote_blocks_expiry_time`` (its scheduler's ``perf_counter``; vLLM
-  fills that field only for a decode instance's blocks, for bidirectional transfers);
-* the decode's worker (:class:`LeaseWatch`) turns that end into its own clock with the offset
-  vLLM's handshake measured, and when a read finishes after the end it reports the read failed
-  instead of done: vLLM marks the request's blocks invalid, the request recomputes them or fails
-  under ``kv_load_failure_policy``, and vLLM's ``vllm:nixl_num_kv_expired_reqs`` counts it, as it
-  counts a read vLLM itself declines as expired. The prefill instance is not notified (it released
-  the blocks already).
+* the prefill's scheduler (:func:`stamp`) adds the lease's first end to the ``kv_transfer_params``
+  it returns, as vLLM's own ``remote_blocks_expiry_time`` (vLLM fills that field only for a
+  decode instance's blocks, for bidirectional transfers), and :data:`ANSWERS_KEY`: this prefill
+  answers lease questions;
+* the decode's worker (:class:`LeaseWatch`), right after vLLM sent its heartbeats to such a
+  prefill, asks it (its own notification, :data:`ASK`) how long each of those requests' blocks
+  are still held, the first time giving it the address to answer to (:data:`HELLO`);
+* the prefill's worker (:class:`LeaseDesk`) answers (:data:`ANSWER`) once vLLM has applied the
+  beats that came before the question: the seconds left on each lease it still holds;
+* the decode takes a read as held until the later of the stamped end and ``asked at + seconds
+  left`` (the answer was made after the question was sent, so the lease ran at least that long:
+  no clocks compared). A read that ends after that counts as failed instead of done: vLLM marks
+  the request's blocks invalid, the request recomputes them or fails under
+  ``kv_load_failure_policy``, and vLLM's ``vllm:nixl_num_kv_expired_reqs`` counts it, as it counts
+  a read vLLM itself declines as expired. The prefill instance is not notified (it released the
+  blocks already).
 
-The decode's heartbeats do not move that end. A heartbeat is a one-way NIXL notification that the
-prefill answers with nothing: sent is not arrived. Across a cut link the beats wait in the
-transport and reach the prefill after it reaped the lease, and no other traffic proves they
-arrived (UCX over tcp carries notifications and reads on lanes of their own, whose connections
-recover at different times after a cut). So a read that ends more than the lease after the
-prefill finished is refused even when heartbeats did keep its blocks: it is recomputed or fails,
-never computed from other KV. Decodes that queue requests that long need a longer
-``lease_seconds`` on both sides (docs/e2e.md, "A cut path between the prefill and the decode host").
-
-The estimate errs early: the prefill's worker starts its lease after its scheduler stamped it. A
-prefill instance that does not stamp (not kvcompose's nixl type) leaves its reads unchecked.
+A read that ends inside the stamped end costs nothing more; questions go out only with vLLM's
+heartbeats, to waiting requests. Across a cut link no answer comes (or it comes late, and the
+read was refused meanwhile): nothing released is used, as before. Questions go only to a prefill
+that stamped :data:`ANSWERS_KEY` (vLLM's own NixlConnector would log each one as a read of an
+unknown request); a prefill that stamps an end but does not answer (an older kvcompose) leaves
+the stamped end, and a prefill with vLLM's own NixlConnector stamps nothing: its reads are taken
+unchecked, as vLLM takes them (``kvcompose check`` says so for a consumer).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
+
+from kvcompose_nixl.agent import connection_metadata
 
 log = logging.getLogger("kvcompose.nixl")
 #: Under vLLM's logger, whose INFO lines reach the server's log.
@@ -48,6 +61,9 @@ vllm_log = logging.getLogger("vllm.kvcompose.nixl")
 #: vLLM's ``kv_transfer_params`` key for the end of a lease on the sender's blocks
 #: (``nixl/metadata.py``: read into ``RemoteMeta.blocks_expiry_time``).
 EXPIRY_KEY = "remote_blocks_expiry_time"
+#: The ``kv_transfer_params`` key of a prefill instance that answers lease questions (the
+#: protocol's version).
+ANSWERS_KEY = "kvcompose_lease_answers"
 #: How the decode's log starts the line of a read it refused (the soak matches it with the
 #: prefill's ``Potentially invalid KV blocks`` line for the same request).
 REFUSED = "NIXL read refused:"
@@ -55,46 +71,196 @@ REFUSED = "NIXL read refused:"
 #: (an abort before the read, a full local hit): a late notification of it freed nothing read.
 RELEASED = "NIXL release without a read:"
 
+#: The attribute of vLLM's ``NixlConnectorMetadata`` that carries, from the decode's scheduler to
+#: its workers, the prefill engines of this step's heartbeats that answer lease questions.
+ANSWERING_ATTR = "kvcompose_lease_answering"
+
+#: The protocol's notifications, prefixed so that they are taken out before vLLM reads its own;
+#: each kind is as long as :data:`HELLO`.
+PREFIX = b"kvcompose:"
+#: decode -> prefill, once per prefill agent: + the decode agent's connection metadata.
+HELLO = PREFIX + b"hello:"
+#: decode -> prefill: + msgpack ``[question number, [prefill request ids]]``.
+ASK = PREFIX + b"lease?"
+#: prefill -> decode: + msgpack ``[question number, {prefill request id: seconds left}]``.
+ANSWER = PREFIX + b"lease="
+#: A question unanswered this long is forgotten (a late answer is then ignored: the safe side).
+FORGET_S = 300.0
+
+_encode = msgspec.msgpack.Encoder().encode
+_questions = msgspec.msgpack.Decoder(tuple[int, list[str]])
+_answers = msgspec.msgpack.Decoder(tuple[int, dict[str, float]])
+
 
 def stamp(scheduler: Any, request_id: str, params: dict[str, Any] | None) -> None:
-    """On the prefill instance: add the lease's end of ``request_id``'s blocks to the
-    ``kv_transfer_params`` vLLM's ``request_finished`` returned for a decode instance."""
+    """On the prefill instance: add the lease's end of ``request_id``'s blocks, and that this
+    instance answers lease questions, to the ``kv_transfer_params`` vLLM's ``request_finished``
+    returned for a decode instance."""
     if not params or not params.get("do_remote_prefill") or params.get(EXPIRY_KEY) is not None:
         return
     expires = scheduler._reqs_need_send.get(request_id)
     if expires is not None:
         params[EXPIRY_KEY] = expires
+        params[ANSWERS_KEY] = 1
+
+
+def answering_engine(params: dict[str, Any]) -> str | None:
+    """The prefill engine of a decode request's ``params`` when it answers lease questions."""
+    engine = params.get("remote_engine_id")
+    return str(engine) if engine is not None and params.get(ANSWERS_KEY) else None
+
+
+def _name(agent: str | bytes) -> str:
+    """NIXL names an agent in bytes where it loads one and in str where it gives notifications."""
+    return agent.decode() if isinstance(agent, bytes) else agent
+
+
+def watch_leases(worker: Any) -> LeaseWatch:
+    """Both halves on vLLM's pull-mode NIXL worker (its class stays vLLM's; a worker may serve and
+    read), and the filter that hands them the protocol's notifications before vLLM reads its own."""
+    watch, desk = LeaseWatch(worker), LeaseDesk(worker)
+    handlers: dict[bytes, Callable[[str, bytes], None]] = {HELLO: desk.hello, ASK: desk.asked, ANSWER: watch.answered}
+    get_new_notifs = worker.nixl_wrapper.get_new_notifs
+
+    def vllms_notifs(*args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        notifs = get_new_notifs(*args, **kwargs)
+        if not notifs:
+            return notifs  # type: ignore[no-any-return]
+        kept: dict[str, list[bytes]] = {}
+        for agent, msgs in notifs.items():
+            for msg in msgs:
+                if msg.startswith(PREFIX):
+                    handler = handlers.get(msg[: len(HELLO)])
+                    if handler is None:
+                        log.warning("NIXL notification of an unknown kvcompose kind from %s: %r", agent, msg[:40])
+                    else:
+                        handler(_name(agent), msg)
+                else:
+                    kept.setdefault(agent, []).append(msg)
+        return kept
+
+    worker.nixl_wrapper.get_new_notifs = vllms_notifs
+    return watch
 
 
 @dataclass
 class _Lease:
     engine_id: str
     remote_request_id: str
-    #: the lease's end in the prefill scheduler's clock
+    #: the lease's first end in the prefill scheduler's clock
     expires: float
 
 
+class LeaseDesk:
+    """The prefill's half: loads the address of each decode agent that says hello, and answers
+    its lease questions after vLLM's ``_get_new_notifs`` applied the heartbeats before them."""
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        #: decode agents loaded to answer to
+        self._peers: set[str] = set()
+        self._questions: list[tuple[str, int, list[str]]] = []
+        worker._get_new_notifs = self._answering(worker._get_new_notifs)
+
+    def hello(self, agent: str, msg: bytes) -> None:
+        if agent in self._peers:
+            return
+        try:
+            self._worker.nixl_wrapper.add_remote_agent(msg[len(HELLO) :])
+        except Exception as exc:  # its reads then stay checked against the stamped end only
+            log.warning("NIXL lease answers: cannot load decode agent %s (%s); it gets none", agent, exc)
+            return
+        self._peers.add(agent)
+        log.debug("NIXL lease answers: decode agent %s loaded", agent)
+
+    def asked(self, agent: str, msg: bytes) -> None:
+        try:
+            number, request_ids = _questions.decode(msg[len(ASK) :])
+        except msgspec.DecodeError:
+            log.warning("NIXL lease question from %s does not parse; not answered", agent)
+            return
+        self._questions.append((agent, number, request_ids))
+
+    def _answering(self, get_new_notifs: Callable[[], set[str]]) -> Callable[[], set[str]]:
+        def answered() -> set[str]:
+            done = get_new_notifs()
+            if self._questions:
+                self._answer()
+            return done
+
+        return answered
+
+    def _answer(self) -> None:
+        now = time.perf_counter()
+        held: dict[str, float] = self._worker._reqs_to_send
+        for agent, number, request_ids in self._questions:
+            left = {r: held[r] - now for r in request_ids if held.get(r, now) > now}
+            if agent not in self._peers:
+                continue  # its hello did not load: nothing to answer to
+            try:
+                self._worker.nixl_wrapper.send_notif(agent, ANSWER + _encode((number, left)))
+            except Exception as exc:  # a decode gone away: its reads, if any, stay checked
+                log.debug("NIXL lease answer to %s not sent: %s", agent, exc)
+        self._questions.clear()
+
+
 class LeaseWatch:
-    """Wraps two methods of vLLM's pull-mode NIXL worker, on the instance (the class stays
-    vLLM's): ``start_load_kv`` records each read's lease (and logs a release made without a read),
+    """The decode's half. Wraps three methods of vLLM's pull-mode NIXL worker, on the instance:
+    ``start_load_kv`` records each read's lease (and logs a release made without a read),
+    ``_send_heartbeats`` asks the prefill how long the beaten leases now run,
     ``_pop_done_transfers`` fails a read that ended after its lease."""
 
     def __init__(self, worker: Any) -> None:
         self._worker = worker
         self._leases: dict[str, _Lease] = {}
+        #: prefill request id -> prefill agent -> until when (our clock) its answer holds the blocks
+        self._held: dict[str, dict[str, float]] = {}
+        #: question number -> (prefill agent, when asked)
+        self._asked: dict[int, tuple[str, float]] = {}
+        self._numbers = itertools.count(1)
+        self._greeted: set[str] = set()
         #: Reads reported failed because they ended after their lease.
         self.late_reads = 0
         worker.start_load_kv = self._recording(worker.start_load_kv)
+        worker._send_heartbeats = self._asking(worker._send_heartbeats)
         worker._pop_done_transfers = self._checking(worker._pop_done_transfers)
 
     def deadline(self, request_id: str) -> float | None:
-        """The end of ``request_id``'s lease in this process's ``perf_counter``; ``None`` when the
-        prefill did not stamp it or no handshake measured the offset."""
+        """Until when, in this process's ``perf_counter``, the prefill holds ``request_id``'s
+        blocks as far as this decode knows: the stamped end, or a later one its answers gave.
+        ``None`` when the prefill did not stamp it or no handshake measured the offset."""
         lease = self._leases.get(request_id)
         if lease is None:
             return None
         offset = self._worker._engine_clock_offset.get(lease.engine_id)
-        return None if offset is None else lease.expires - offset
+        if offset is None:
+            return None
+        first = lease.expires - offset
+        answered = self._answered_until(lease)
+        return first if answered is None else max(first, answered)
+
+    def _answered_until(self, lease: _Lease) -> float | None:
+        """The earliest end that every agent of the prefill engine answered for the lease."""
+        per_agent = self._held.get(lease.remote_request_id)
+        agents = self._worker._remote_agents.get(lease.engine_id)
+        if not per_agent or not agents:
+            return None
+        ends = [per_agent.get(_name(a)) for a in agents.values()]
+        return None if None in ends else min(ends)  # type: ignore[type-var]
+
+    def answered(self, agent: str, msg: bytes) -> None:
+        try:
+            number, left = _answers.decode(msg[len(ANSWER) :])
+        except msgspec.DecodeError:
+            log.warning("NIXL lease answer from %s does not parse; ignored", agent)
+            return
+        asked = self._asked.pop(number, None)
+        if asked is None or asked[0] != agent:
+            return  # forgotten, or not asked of this agent
+        asked_at = asked[1]
+        for request_id, seconds in left.items():
+            per_agent = self._held.setdefault(request_id, {})
+            per_agent[agent] = max(per_agent.get(agent, asked_at), asked_at + seconds)
 
     def _recording(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
         def recorded(metadata: Any) -> None:
@@ -109,6 +275,45 @@ class LeaseWatch:
             start_load_kv(metadata)
 
         return recorded
+
+    def _asking(self, send_heartbeats: Callable[[Any], None]) -> Callable[[Any], None]:
+        def asked(metadata: Any) -> None:
+            send_heartbeats(metadata)
+            engines = getattr(metadata, ANSWERING_ATTR, None)
+            if engines:
+                self._ask(metadata.heartbeat_by_engine, engines)
+
+        return asked
+
+    def _ask(self, beats: dict[str, Any], engines: set[str]) -> None:
+        """After vLLM's heartbeats to ``engines``: ask each of their agents about the beaten requests."""
+        wrapper = self._worker.nixl_wrapper
+        now = time.perf_counter()
+        for engine in engines:
+            info = beats.get(engine)
+            agents = self._worker._remote_agents.get(engine)
+            if info is None or not agents:
+                continue  # no beat, or the handshake is still pending (vLLM sent none either)
+            question = sorted(info.req_ids)
+            for agent in map(_name, agents.values()):
+                number = next(self._numbers)
+                try:
+                    if agent not in self._greeted:
+                        wrapper.send_notif(agent, HELLO + connection_metadata(wrapper))
+                        self._greeted.add(agent)
+                    wrapper.send_notif(agent, ASK + _encode((number, question)))
+                except Exception as exc:  # as vLLM's beats: the read stays checked against what is known
+                    log.debug("NIXL lease question to %s not sent: %s", agent, exc)
+                    continue
+                self._asked[number] = (agent, now)
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Drop answers that no longer extend anything and questions too old to trust."""
+        for request_id in [r for r, ends in self._held.items() if max(ends.values()) < now]:
+            del self._held[request_id]
+        for number in [n for n, (_, at) in self._asked.items() if now - at > FORGET_S]:
+            del self._asked[number]
 
     def _checking(
         self, pop_done: Callable[[dict[str, list[int]]], tuple[set[str], set[str]]]
@@ -128,17 +333,20 @@ class LeaseWatch:
                     lease = self._leases[req_id]
                     log.warning(
                         "%s %s (prefill request %s) ended %.1f s after the prefill instance's lease on its "
-                        "blocks; the blocks may hold another request's KV: the load counts as failed",
+                        "blocks, as far as its answers tell; the blocks may hold another request's KV: the "
+                        "load counts as failed",
                         REFUSED,
                         req_id,
                         lease.remote_request_id,
                         now - end,
                     )
             for req_id in done | failed:
-                self._leases.pop(req_id, None)
+                lease = self._leases.pop(req_id, None)
+                if lease is not None:
+                    self._held.pop(lease.remote_request_id, None)
             if len(self._leases) > len(self._worker._recving_metadata):  # reads vLLM dropped (aborts)
                 for req_id in [r for r in self._leases if r not in self._worker._recving_metadata]:
-                    del self._leases[req_id]
+                    self._held.pop(self._leases.pop(req_id).remote_request_id, None)
             return done, failed
 
         return checked

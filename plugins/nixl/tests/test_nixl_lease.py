@@ -16,8 +16,8 @@ from kvcompose.testing.harness import make_request, prefill_request
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
-from kvcompose_nixl.lease import RELEASED
-from kvcompose_nixl.testing.fake_nixl import FakeNixl, nixl_worker
+from kvcompose_nixl.lease import ANSWERS_KEY, ASK, HELLO, PREFIX, RELEASED
+from kvcompose_nixl.testing.fake_nixl import PRODUCER, FakeNixl, nixl_worker
 from kvcompose_nixl.testing.prefill_process import PrefillProcess
 from kvcompose_nixl.testing.side_channel import LateListener, pulled
 
@@ -77,6 +77,93 @@ def test_heartbeats_sent_while_the_link_is_cut_do_not_extend_the_lease(fake_nixl
     assert out.failed_recving == {dreq.request_id} and len(out.invalid_block_ids) == 3  # recomputed, not used
     watch = d.child("pd").leases
     assert watch is not None and watch.late_reads == 1
+
+
+def _queued_behind(d: Any, blocks: int) -> Any:
+    """A local request on the decode that holds ``blocks`` of its KV cache and keeps generating."""
+    local = make_request(blocks * BLOCK, block_size=BLOCK, prompt=prompt_of(9, blocks), max_tokens=10_000)
+    d.scheduler.add_request(local)
+    d.engine_step()
+    return local
+
+
+def _kv_notes(worker: Any) -> list[bytes]:
+    return [msg for _, msg in worker.nixl_wrapper.called("send_notif") if msg.startswith(PREFIX)]
+
+
+def test_a_read_queued_past_its_first_deadline_is_taken_when_the_prefill_answered_its_heartbeats(
+    fake_nixl: FakeNixl, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A burst in small: the decode has no room for the request, which waits (vLLM heartbeats
+    it) past the lease's end the prefill stamped. The prefill answers the question after each
+    beat with the time its lease now runs, so when room frees the read is taken, not refused (an
+    earlier LeaseWatch refused it: no heartbeat moved the end it checked), and the prefill held
+    the blocks until the read's own notification."""
+    options = f", lease_seconds: {CUT_LEASE_S}"
+    p, d = fake_nixl.pair(composition("producer", 5805, options), composition("consumer", 5806, options), num_blocks=16)
+    req = prefill_request(3 * BLOCK, block_size=BLOCK)
+    p.scheduler.add_request(req)
+    _, eco = p.engine_step()
+    (out,) = [o for e in eco.values() for o in e.outputs]
+    params = out.kv_transfer_params
+    assert params[ANSWERS_KEY] == 1
+    expires = params["remote_blocks_expiry_time"]
+    local = _queued_behind(d, 13)  # 15 usable blocks: 2 left, and the pull needs 3
+    dreq = make_request(3 * BLOCK, block_size=BLOCK, prompt=req.prompt_token_ids, kv_transfer_params=params)
+    d.scheduler.add_request(dreq)
+    released: set[str] = set()
+    with caplog.at_level(logging.INFO):
+        while time.perf_counter() < expires + 2.0:
+            d.engine_step()
+            p.engine_step()
+            released |= p.last_output.finished_sending or set()
+            time.sleep(0.2)
+        assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS or dreq.num_computed_tokens == 0
+        assert not released, "the prefill released the blocks the decode's heartbeats renewed"
+        d.scheduler.finish_requests(local.request_id, RequestStatus.FINISHED_ABORTED)
+        recvd: set[str] = set()
+
+        def read(_outs: object) -> bool:
+            p.engine_step()
+            out = d.last_output
+            assert out is not None and not out.failed_recving, "the read was refused"
+            recvd.update(out.finished_recving or ())
+            return dreq.request_id in recvd
+
+        d.step_until(read, "the read did not finish", timeout_s=10)
+        p.step_until(lambda _o: req.request_id in (p.last_output.finished_sending or ()), "the prefill kept the blocks")
+    watch = d.child("pd").leases
+    assert watch is not None and watch.late_reads == 0
+    assert not [r for r in caplog.records if "Potentially invalid KV blocks" in r.getMessage()]
+    notes = _kv_notes(nixl_worker(d))
+    assert notes[0].startswith(HELLO) and sum(n.startswith(ASK) for n in notes) >= 3
+
+
+def test_no_question_goes_to_a_prefill_with_vllms_own_connector(fake_nixl: FakeNixl) -> None:
+    """vLLM's own NixlConnector stamps no lease and would take a question for a read of an
+    unknown request: the decode, heartbeating a queued request, asks it nothing and takes the
+    read as vLLM does."""
+    p, d = fake_nixl.pair(PRODUCER, composition("consumer", 5808, f", lease_seconds: {CUT_LEASE_S}"), num_blocks=16)
+    req = prefill_request(3 * BLOCK, block_size=BLOCK)
+    p.scheduler.add_request(req)
+    _, eco = p.engine_step()
+    (out,) = [o for e in eco.values() for o in e.outputs]
+    assert ANSWERS_KEY not in out.kv_transfer_params
+    local = _queued_behind(d, 13)
+    dreq = make_request(
+        3 * BLOCK, block_size=BLOCK, prompt=req.prompt_token_ids, kv_transfer_params=out.kv_transfer_params
+    )
+    d.scheduler.add_request(dreq)
+    until = time.perf_counter() + 3.0
+    while time.perf_counter() < until:
+        d.engine_step()
+        p.engine_step()
+        time.sleep(0.2)
+    d.scheduler.finish_requests(local.request_id, RequestStatus.FINISHED_ABORTED)
+    d.step_until(lambda _o: dreq.request_id in (d.last_output.finished_recving or ()), "the read did not finish")
+    consumer = nixl_worker(d)
+    beats = [msg for _, msg in consumer.nixl_wrapper.called("send_notif") if msg.startswith(b"HB:")]
+    assert len(beats) >= 2 and _kv_notes(consumer) == []
 
 
 def test_a_request_aborted_before_its_read_is_logged_as_released_without_a_read(
@@ -161,5 +248,48 @@ def test_a_read_that_ends_after_the_lease_is_recomputed_not_used() -> None:
         finally:
             d.shutdown()
             late.close()
+            calm_progress_thread(0)  # the nixl child set these process-wide for its agent
+            set_ucx_error_handling(None)
+
+
+@pytest.mark.engine
+def test_over_real_nixl_a_read_queued_past_its_first_deadline_is_taken_and_holds_its_kv() -> None:
+    """As the fake-agent test above, between two processes with real NIXL agents: the decode's
+    hello loads its address into the prefill's agent, the prefill's answers come back over NIXL,
+    the queued read is taken after the stamped end and its blocks hold the prompt's KV."""
+    pytest.importorskip("nixl")
+    from kvcompose.e2e.ports import free_ports
+
+    p_port, d_port = free_ports(2)
+    options = f", lease_seconds: {CUT_LEASE_S}"
+    producer = composition("producer", p_port, options)
+    with PrefillProcess(producer, block_size=BLOCK, num_blocks=PREFILL_BLOCKS) as prefill:
+        d = WorkerHarness.from_yaml(composition("consumer", d_port, options), block_size=BLOCK, num_blocks=16)
+        try:
+            prompt = prompt_of(1, 3)
+            done = prefill.prefill(prompt, "prefill-A")
+            expires = done.params["remote_blocks_expiry_time"]  # perf_counter: one host, one monotonic clock
+            local = _queued_behind(d, 13)
+            d.scheduler.add_request(pulled(prompt, "A", done.params, BLOCK))
+            released: set[str] = set()
+            while time.perf_counter() < expires + 2.0:
+                d.engine_step(write_blocks=True)
+                released |= prefill.step().finished_sending
+                time.sleep(0.2)
+            assert not released, "the prefill released the blocks the decode's heartbeats renewed"
+            d.scheduler.finish_requests(local.request_id, RequestStatus.FINISHED_ABORTED)
+
+            def read(_outs: object) -> bool:
+                out = d.last_output
+                assert out is not None and not out.failed_recving, "the read was refused"
+                return "A" in (out.finished_recving or ())
+
+            d.step_until(read, "the read did not finish", timeout_s=30, write_blocks=True)
+            watch = d.child("pd").leases
+            assert watch is not None and watch.late_reads == 0
+            (ids,) = d.scheduler.kv_cache_manager.get_block_ids("A")
+            assert all(d.holds_prefix(ids[k], prompt[: (k + 1) * BLOCK]) for k in range(len(prompt) // BLOCK))
+        finally:
+            d.shutdown()
             calm_progress_thread(0)  # the nixl child set these process-wide for its agent
             set_ucx_error_handling(None)

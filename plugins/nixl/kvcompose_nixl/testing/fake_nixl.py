@@ -348,6 +348,15 @@ class FakeNixlAgent:
     def get_agent_metadata(self) -> bytes:
         return pickle.dumps({"fake_nixl_agent": self.name})
 
+    def get_partial_agent_metadata(
+        self,
+        descs: Any,
+        inc_conn_info: bool = False,
+        backends: list[str] = [],  # noqa: B006
+    ) -> bytes:
+        self._rec("get_partial_agent_metadata", inc_conn_info)
+        return self.get_agent_metadata()
+
     def add_remote_agent(self, metadata: bytes) -> str:
         self._rec("add_remote_agent")
         name = pickle.loads(metadata)["fake_nixl_agent"]
@@ -443,8 +452,9 @@ class FakeNixlAgent:
 
     def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: str | None = None) -> None:
         self._rec("send_notif", remote_agent_name, notif_msg)
-        peer = self.controller.agents.get(remote_agent_name)
-        if peer is None:
+        name = remote_agent_name.decode() if isinstance(remote_agent_name, bytes) else remote_agent_name
+        peer = self.controller.agents.get(name)
+        if peer is None or name not in self.remote_agents:  # the real agent sends only to loaded agents
             raise FakeNixlError(f"agent {self.name}: send_notif to unknown agent {remote_agent_name!r}")
         self.controller.deliver(peer, self.name, bytes(notif_msg))
 
