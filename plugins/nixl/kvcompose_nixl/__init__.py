@@ -31,11 +31,15 @@ HANDSHAKE_TRIES_KEY = "kvcompose_handshake_tries"
 #: (``sock.setsockopt(zmq.RCVTIMEO, 5000)`` in ``NixlBaseConnectorWorker._nixl_handshake``;
 #: pinned by the plugin's tests).
 HANDSHAKE_TRY_S = 5
+#: The ``kv_transfer_params`` key a prefill instance of this type returns: it answers the lease
+#: questions of decode instances (kvcompose_nixl.lease; the value is the protocol's version).
+LEASE_ANSWERS_KEY = "kvcompose_lease_answers"
 
 __all__ = [
     "CONNECTOR_MODULE",
     "HANDSHAKE_TRIES_KEY",
     "HANDSHAKE_TRY_S",
+    "LEASE_ANSWERS_KEY",
     "PROGRESS_DELAY_KEY",
     "SIDE_CHANNEL_HOST_KEY",
     "SIDE_CHANNEL_PORT_KEY",

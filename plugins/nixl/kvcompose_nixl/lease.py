@@ -52,6 +52,7 @@ from typing import Any
 
 import msgspec
 
+from kvcompose_nixl import LEASE_ANSWERS_KEY
 from kvcompose_nixl.agent import connection_metadata
 
 log = logging.getLogger("kvcompose.nixl")
@@ -61,9 +62,8 @@ vllm_log = logging.getLogger("vllm.kvcompose.nixl")
 #: vLLM's ``kv_transfer_params`` key for the end of a lease on the sender's blocks
 #: (``nixl/metadata.py``: read into ``RemoteMeta.blocks_expiry_time``).
 EXPIRY_KEY = "remote_blocks_expiry_time"
-#: The ``kv_transfer_params`` key of a prefill instance that answers lease questions (the
-#: protocol's version).
-ANSWERS_KEY = "kvcompose_lease_answers"
+#: The ``kv_transfer_params`` key of a prefill instance that answers lease questions.
+ANSWERS_KEY = LEASE_ANSWERS_KEY
 #: How the decode's log starts the line of a read it refused (the soak matches it with the
 #: prefill's ``Potentially invalid KV blocks`` line for the same request).
 REFUSED = "NIXL read refused:"

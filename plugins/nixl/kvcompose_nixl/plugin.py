@@ -28,6 +28,7 @@ from kvcompose_nixl import (
     CONNECTOR_MODULE,
     HANDSHAKE_TRIES_KEY,
     HANDSHAKE_TRY_S,
+    LEASE_ANSWERS_KEY,
     PROGRESS_DELAY_KEY,
     SIDE_CHANNEL_HOST_KEY,
     SIDE_CHANNEL_PORT_KEY,
@@ -71,6 +72,7 @@ PARAM_KEYS: frozenset[str] = frozenset(
         "pp_size",
         "remote_num_tokens",
         "remote_blocks_expiry_time",  # pull only (lease deadline for bidirectional readback)
+        LEASE_ANSWERS_KEY,  # this type's prefill answers lease questions (kvcompose_nixl.lease)
         "transfer_mode",  # "pull" | "push": lets a router tell the two apart
         "remote_registration_generation",  # vLLM 0.33 (NIXL metadata version 15)
         # Read by the worker when a router supplies it (metadata.py, ReqMeta.remote_block_size).
@@ -175,6 +177,17 @@ class NixlOptions(Options):
         _NonEmpty | None,
         msgspec.Meta(description="this child's NIXL engine id; unset: the engine's"),
     ] = None
+
+
+#: What a pull-mode consumer does about the prefill's lease (kvcompose_nixl.lease), and the case
+#: where it cannot: a prefill instance running vLLM's own NixlConnector.
+LEASE_CHECK = (
+    "a read is refused (recomputed, or failed under load_failure: fail) when it ends after the prefill "
+    "instance's lease on its blocks, as far as that instance answered the questions that follow vLLM's "
+    "heartbeats, so a request that queues past the lease is read while heartbeats keep its blocks; this "
+    "needs the prefill instance to run this nixl type (it stamps its leases and answers): behind vLLM's own "
+    "NixlConnector the decode sees no lease and takes every read unchecked, as vLLM does"
+)
 
 
 def _lease_trade(o: NixlOptions, role: str | None) -> str:
@@ -319,7 +332,8 @@ class NixlType(ConnectorType):
         if o.mode == "pull":
             consume = (
                 f"pulls prompt KV from the prefill instance {_transport(o)}, {_into(o)}; "
-                "a request that arrives with no remote blocks is computed locally"
+                "a request that arrives with no remote blocks is computed locally; "
+                f"{LEASE_CHECK}"
             )
             produce = (
                 f"serves its prompt KV to decode instances {_transport(o)}{_out_of(o)}; "

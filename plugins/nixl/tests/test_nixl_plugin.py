@@ -321,6 +321,13 @@ def test_describe_each_role() -> None:
     assert "writes the prompt KV into them" in push
 
 
+def test_describe_says_a_consumer_checks_reads_only_behind_this_type() -> None:
+    consumer = NixlType().describe(child("consumer"))
+    assert "read while heartbeats keep its blocks" in consumer
+    assert "behind vLLM's own NixlConnector the decode sees no lease and takes every read unchecked" in consumer
+    assert "unchecked" not in NixlType().describe(child("producer"))
+
+
 def test_describe_says_what_a_shorter_lease_trades_away() -> None:
     short = NixlType().describe(child("producer", lease_seconds=10))
     assert "the 10 s lease, shorter than vLLM's 30 s, frees a dead decode instance's blocks sooner" in short
