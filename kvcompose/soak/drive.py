@@ -38,10 +38,10 @@ from kvcompose.e2e.server import completion_body, parse_completion
 from kvcompose.soak.plan import Request
 
 #: answered: 200 with tokens (streamed: through ``data: [DONE]``). http-error: an error status,
-#: or an error event or no token in the stream (a clean failure). dropped: the connection failed without an
-#: HTTP answer. cut-off: the stream began (HTTP 200) and ended before ``[DONE]``: the router has
-#: nothing else to tell a client whose server died mid-answer. hung: no answer within the
-#: timeout. hung-up: the client closed the connection on purpose (the request is aborted).
+#: or an error event or no token in the stream (a clean failure). dropped: the connection failed
+#: without an HTTP answer. cut-off: the stream began (HTTP 200) and ended before ``[DONE]``: the
+#: router has nothing else to tell a client whose server died mid-answer. hung: no answer within
+#: the timeout. hung-up: the client closed the connection on purpose (the request is aborted).
 OUTCOMES = ("answered", "http-error", "dropped", "cut-off", "hung", "hung-up")
 FINAL = ("answered", "hung-up")
 #: A hang guard: every request here is answered in seconds when the stack is healthy.
@@ -312,7 +312,7 @@ class Injector:
         self._pause_s = pause_s
         self.events: list[str] = []
         self.error: BaseException | None = None
-        #: (server, paused server or link, down at, back at), load seconds
+        #: (server, a paused server (:data:`PAUSED`) or :data:`LINK`; down at, back at), load seconds
         self.outages: list[tuple[str, float, float]] = []
         #: (server, ``time.time()`` just before its SIGKILL): what its peers' log times are read against.
         self.kills: list[tuple[str, float]] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -732,6 +732,15 @@ def _states(pgid: int) -> dict[int, str]:
     return out
 
 
+def _until(condition: Callable[[], bool], within_s: float = 10.0) -> bool:
+    """Whether ``condition`` holds within ``within_s`` (a signal reaches a process group soon, not
+    at once)."""
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
 def test_a_pause_stops_the_servers_whole_process_group_and_the_resume_starts_it_again() -> None:
     """vLLM's API server and its engine core are one process group (``start_group``): SIGSTOP to
     the group stops both, as a VM pause does; SIGCONT starts both again."""
@@ -744,19 +753,10 @@ def test_a_pause_stops_the_servers_whole_process_group_and_the_resume_starts_it_
     try:
         stack = Stack.__new__(Stack)  # only its servers: no engine started
         stack.servers = {"decode": SimpleNamespace(proc=proc)}  # type: ignore[dict-item]
-        deadline = time.monotonic() + 10
-        while len(_states(proc.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(_states(proc.pid)) == 3
+        assert _until(lambda: len(_states(proc.pid)) == 3)
         stack.pause("decode")
-        deadline = time.monotonic() + 10
-        while set(_states(proc.pid).values()) != {"T"} and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert set(_states(proc.pid).values()) == {"T"}  # every process of the group stopped
+        assert _until(lambda: set(_states(proc.pid).values()) == {"T"})  # every process of the group stopped
         stack.resume("decode")
-        deadline = time.monotonic() + 10
-        while "T" in _states(proc.pid).values() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "T" not in _states(proc.pid).values() and proc.poll() is None
+        assert _until(lambda: "T" not in _states(proc.pid).values()) and proc.poll() is None
     finally:
         stop_group(proc, 1.0)
