@@ -314,8 +314,9 @@ class Injector:
         self.error: BaseException | None = None
         #: (server, a paused server (:data:`PAUSED`) or :data:`LINK`; down at, back at), load seconds
         self.outages: list[tuple[str, float, float]] = []
-        #: (server, ``time.time()`` just before its SIGKILL): what its peers' log times are read against.
-        self.kills: list[tuple[str, float]] = []
+        #: (server, ``time.time()`` just before its SIGKILL, once its replacement was healthy; the
+        #: SIGKILL's again while it restarts): what its peers' log times are read against.
+        self.kills: list[tuple[str, float, float]] = []
         #: (server, ``time.time()`` just before its SIGSTOP, just after its SIGCONT).
         self.pauses: list[tuple[str, float, float]] = []
         #: ``time.time()`` at the cut and at the restore.
@@ -347,11 +348,12 @@ class Injector:
             self.events.append(f"{self._now():7.1f} s  fault injection failed: {exc}")
 
     def _kill(self, name: str) -> None:
-        killed = self._now()
-        self.kills.append((name, time.time()))
+        killed, wall = self._now(), time.time()
+        self.kills.append((name, wall, wall))
         self._servers.kill(name)
         self.events.append(f"{killed:7.1f} s  {name} killed (SIGKILL) after {self._load.sent} requests sent")
         self._servers.restart(name)
+        self.kills[-1] = (name, wall, time.time())
         back = self._now()
         self.outages.append((name, killed, back))
         self.events.append(f"{back:7.1f} s  {name} restarted and healthy ({back - killed:.1f} s down)")

@@ -345,10 +345,14 @@ def unplanned_expiries(
 
 
 def planned_causes(injector: Injector, outcomes: list[Outcome], load_started: float) -> list[Cause]:
-    """What :func:`unplanned_expiries` reads lease expiries against: the decode's kills, the
-    clients that hung up at the router (:func:`router_hang_ups`), the link's cuts and both
-    servers' pauses, from their start until their end (the restore, the resume)."""
-    causes: list[Cause] = [datetime.fromtimestamp(at) for name, at in injector.kills if name == "decode"]
+    """What :func:`unplanned_expiries` reads lease expiries against: the clients that hung up at
+    the router (:func:`router_hang_ups`), and from its start until its end the decode's kills
+    (until its replacement is healthy: a direct request, the proxy flow by hand, retried while the
+    decode is down is prefilled first at every try), the link's cuts (the restore) and both
+    servers' pauses (the resume)."""
+    causes: list[Cause] = [
+        (datetime.fromtimestamp(a), datetime.fromtimestamp(b)) for name, a, b in injector.kills if name == "decode"
+    ]
     causes += router_hang_ups(outcomes, load_started)
     causes += [(datetime.fromtimestamp(a), datetime.fromtimestamp(b)) for a, b in injector.cuts]
     causes += [(datetime.fromtimestamp(a), datetime.fromtimestamp(b)) for _, a, b in injector.pauses]

@@ -262,8 +262,10 @@ def test_the_injector_kills_and_restarts_once_the_count_is_sent(server: _Server)
     assert [c.split(" after")[0] for c in calls] == ["kill prefill", "restart prefill", "kill decode", "restart decode"]
     assert [o[0] for o in injector.outages] == ["prefill", "decode"] and injector.error is None
     # Each kill's wall-clock time, what the servers' log times are read against.
-    assert [name for name, _ in injector.kills] == ["prefill", "decode"]
-    assert before <= injector.kills[0][1] <= injector.kills[1][1] <= time.time()
+    assert [name for name, _, _ in injector.kills] == ["prefill", "decode"]
+    # From just before the SIGKILL until the replacement was healthy.
+    (_, killed, healthy), (_, killed_2, _) = injector.kills
+    assert before <= killed <= healthy <= killed_2 <= time.time()
     assert by_request(load.outcomes)["answered"] == 4
 
 
@@ -414,7 +416,7 @@ def test_expiries_are_planned_from_a_pause_to_a_lease_after_its_resume() -> None
     after the resume. Either pause is a span, like a cut."""
 
     class Faults:
-        kills = [("prefill", datetime(2026, 11, 26, 5, 0, 0).timestamp())]
+        kills = [("prefill", datetime(2026, 11, 26, 5, 0, 0).timestamp(), datetime(2026, 11, 26, 5, 1, 0).timestamp())]
         cuts: list[tuple[float, float]] = []
         pauses = [
             ("prefill", datetime(2026, 11, 26, 5, 10, 0).timestamp(), datetime(2026, 11, 26, 5, 10, 35).timestamp())
@@ -429,6 +431,22 @@ def test_expiries_are_planned_from_a_pause_to_a_lease_after_its_resume() -> None
     ]
     # From the pause's second to the resume plus the lease and its slack (05:11:20).
     assert [e.text for e in unplanned_expiries(lines, causes, lease_s=30.0, slack_s=15.0)] == ["0:20", "11:21"]
+
+
+def test_expiries_are_planned_while_the_killed_decode_restarts_and_a_lease_after() -> None:
+    """A direct request (the proxy flow by hand) retried while the decode is down is prefilled at
+    every try, and its blocks wait for a lease however long the restart takes (a soak run here saw
+    one such expiry every 8 s, a client's longest back-off, through an 85 s restart)."""
+
+    class Faults:
+        kills = [("decode", datetime(2026, 11, 26, 5, 0, 0).timestamp(), datetime(2026, 11, 26, 5, 1, 25).timestamp())]
+        cuts: list[tuple[float, float]] = []
+        pauses: list[tuple[str, float, float]] = []
+
+    causes = planned_causes(Faults(), [], 0.0)  # type: ignore[arg-type]
+    lines = [LogLine(datetime(2026, 11, 26, 5, m, sec), f"{m}:{sec}") for m, sec in ((0, 46), (2, 10), (2, 11))]
+    # Until the replacement was healthy (05:01:25), plus the lease and its slack (05:02:10).
+    assert [e.text for e in unplanned_expiries(lines, causes, lease_s=30.0, slack_s=15.0)] == ["2:11"]
 
 
 def test_a_plan_across_hosts_adds_a_link_cut_longer_than_the_lease_and_keeps_the_other_faults() -> None:
