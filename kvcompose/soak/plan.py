@@ -72,7 +72,8 @@ class SoakOptions:
         ):
             raise ValueError(
                 "--requests must be >= 20 (faults are placed between 5% and 88% of them), "
-                "--concurrency >= 1, the hang-up share in [0, 1), the sample >= 1, a pause longer than the lease"
+                "--concurrency >= 1, the hang-up share in [0, 1), the sample >= 1, "
+                "the pauses' margin past the lease > 0"
             )
 
 
