@@ -82,7 +82,8 @@ class Tally:
 
 def stream_completion(host: str, port: int, model: str, prompt: list[int], timeout: float = 120.0) -> float:
     """One streamed greedy ``/v1/completions`` request; seconds until its first token. Raises
-    on an HTTP error or an answer without tokens."""
+    on an HTTP error, an error event or a choice finished for ``error`` in the stream, an answer
+    without tokens, or a stream that ends before ``data: [DONE]``."""
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
@@ -94,10 +95,23 @@ def stream_completion(host: str, port: int, model: str, prompt: list[int], timeo
         first: float | None = None
         for raw in resp:
             line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
+            if not line.startswith(b"data:"):
                 continue
-            if first is None and json.loads(line[5:])["choices"][0].get("text") is not None:
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            choices = chunk.get("choices") or []  # the usage chunk has none
+            if (
+                "error" in chunk
+                or chunk.get("object") == "error"
+                or any(c.get("finish_reason") == "error" for c in choices)
+            ):
+                raise RuntimeError(f"an error in the stream: {data[:300].decode(errors='replace')}")
+            if first is None and any(c.get("text") is not None for c in choices):
                 first = time.perf_counter() - t0
+        else:  # no [DONE]: the server died mid-answer
+            raise RuntimeError("the stream ended before data: [DONE]")
         if first is None:
             raise RuntimeError("the stream ended without a token")
         return first

@@ -20,13 +20,14 @@ failed. A failed request is an error, never counted as served.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -143,13 +144,16 @@ def stream_chat(
     url: str, body: dict[str, Any], session: str, timeout_s: float = 120.0
 ) -> tuple[float | None, str, list[int], str | None]:
     """One streamed chat completion: (time to first token, the answer's text, its token ids,
-    an error or ``None``). An error event in the stream, or no token, is an error."""
+    an error or ``None``). An error event in the stream, a choice finished for ``error``, no
+    token, or a stream that ends before ``data: [DONE]`` is an error: such a turn is failed,
+    never served."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     t0 = time.perf_counter()
     ttft: float | None = None
     text: list[str] = []
     ids: list[int] = []
+    done = False
     try:
         conn.request(
             "POST",
@@ -166,10 +170,13 @@ def stream_chat(
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
+                done = True
                 break
             chunk = json.loads(data)
-            if "error" in chunk:
-                return ttft, "".join(text), ids, f"error event: {str(chunk['error'])[:300]}"
+            if "error" in chunk or chunk.get("object") == "error":
+                return ttft, "".join(text), ids, f"error event: {str(chunk.get('error', chunk))[:300]}"
+            if any(choice.get("finish_reason") == "error" for choice in chunk.get("choices") or []):
+                return ttft, "".join(text), ids, f"error event: finished for error: {data[:300]}"
             for choice in chunk.get("choices", []):
                 content = (choice.get("delta") or {}).get("content")
                 for lp in (choice.get("logprobs") or {}).get("content") or []:
@@ -184,6 +191,8 @@ def stream_chat(
         conn.close()
     if ttft is None:
         return None, "", ids, "no token in the answer"
+    if not done:
+        return ttft, "".join(text), ids, "the stream ended before data: [DONE]"
     return ttft, "".join(text), ids, None
 
 
@@ -262,9 +271,35 @@ def chat_load(
     return Load("chat", sorted(done, key=lambda t: t.sent_s), time.perf_counter() - start)
 
 
+#: Why :func:`usage_checked` fails a stream vLLM's benchmark client counted as a success.
+NO_USAGE = "the stream ended without its usage chunk: an error event, no token, or cut off before its end"
+
+
+@contextlib.contextmanager
+def usage_checked(funcs: dict[str, Any], backend: str) -> Iterator[None]:
+    """Within, ``funcs[backend]`` (vLLM's benchmark request function) fails a stream that ended
+    without its usage chunk. vLLM's client counts any stream with one choice chunk as a success,
+    an error event after a token included; vLLM's server sends the usage chunk its client asks
+    for (``stream_options.include_usage``) after the last token only, never after an error."""
+    inner = funcs[backend]
+
+    async def checked(*args: Any, **kwargs: Any) -> Any:
+        output = await inner(*args, **kwargs)
+        if output.success and not output.output_tokens:
+            output.success, output.error = False, NO_USAGE
+        return output
+
+    funcs[backend] = checked
+    try:
+        yield
+    finally:
+        funcs[backend] = inner
+
+
 def prefix_load(url: str, model: str, seed: int = 0, **overrides: Any) -> Load:
     """vLLM's ``vllm bench serve --dataset-name prefix_repetition`` against the router at ``url``
-    (:data:`PREFIX_ARGS`, ``overrides`` on top), streamed ``/v1/completions``."""
+    (:data:`PREFIX_ARGS`, ``overrides`` on top), streamed ``/v1/completions``; a stream that
+    ended without its usage chunk is failed (:func:`usage_checked`)."""
     from vllm.benchmarks import serve
 
     parser = argparse.ArgumentParser()
@@ -296,7 +331,8 @@ def prefix_load(url: str, model: str, seed: int = 0, **overrides: Any) -> Load:
     for key, value in {**PREFIX_ARGS, **overrides}.items():
         setattr(args, key, value)
     start = time.perf_counter()
-    result = serve.main(args)
+    with usage_checked(serve.ASYNC_REQUEST_FUNCS, "vllm"):
+        result = serve.main(args)
     wall = time.perf_counter() - start
     ttfts = result.get("ttfts") or []
     errors = result.get("errors") or [""] * len(ttfts)

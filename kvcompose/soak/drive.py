@@ -38,10 +38,10 @@ from kvcompose.e2e.server import completion_body, parse_completion
 from kvcompose.soak.plan import Request
 
 #: answered: 200 with tokens (streamed: through ``data: [DONE]``). http-error: an error status,
-#: or an error event in the stream (a clean failure). dropped: the connection failed without an
-#: HTTP answer. cut-off: the stream began (HTTP 200) and ended before ``[DONE]``: the router has
-#: nothing else to tell a client whose server died mid-answer. hung: no answer within the
-#: timeout. hung-up: the client closed the connection on purpose (the request is aborted).
+#: or an error event or no token in the stream (a clean failure). dropped: the connection failed
+#: without an HTTP answer. cut-off: the stream began (HTTP 200) and ended before ``[DONE]``: the
+#: router has nothing else to tell a client whose server died mid-answer. hung: no answer within
+#: the timeout. hung-up: the client closed the connection on purpose (the request is aborted).
 OUTCOMES = ("answered", "http-error", "dropped", "cut-off", "hung", "hung-up")
 FINAL = ("answered", "hung-up")
 #: A hang guard: every request here is answered in seconds when the stack is healthy.
@@ -122,8 +122,9 @@ def read_stream(lines: Iterable[bytes], t0: float, timeout_s: float = REQUEST_TI
 
     The chunks' token ids and logprobs are joined into one answer shaped like a non-streamed one
     (what :func:`~kvcompose.e2e.server.parse_completion` reads); ``ttft_s`` is the time of the
-    first chunk that carries a token. An error event is an ``http-error`` (the server failed the
-    request cleanly, as a non-streamed request gets an error status); a stream that ends or breaks
+    first chunk that carries a token. An error event, a choice finished for ``error``, or a
+    ``[DONE]`` with no token before it is an ``http-error`` (the server failed the request cleanly,
+    as a non-streamed request gets an error status), never an answer; a stream that ends or breaks
     before ``[DONE]`` is ``cut-off``; one still going ``timeout_s`` after ``t0``, or silent for the
     socket's timeout, is ``hung``.
     """
@@ -141,10 +142,13 @@ def read_stream(lines: Iterable[bytes], t0: float, timeout_s: float = REQUEST_TI
                 continue  # the blank line after each event, SSE comments
             data = line[5:].strip()
             if data == b"[DONE]":
+                if not token_ids and not "".join(text):
+                    return Reply("http-error", "HTTP 200, then [DONE] without a token: nothing was answered", None)
                 joined = {"text": "".join(text), "token_ids": token_ids, "logprobs": {"token_logprobs": logprobs}}
                 return Reply("answered", "", {"choices": [{**choice, **joined}]}, first)
             chunk = json.loads(data)
-            if "error" in chunk or chunk.get("object") == "error":
+            failed = any(part.get("finish_reason") == "error" for part in chunk.get("choices") or [])
+            if "error" in chunk or chunk.get("object") == "error" or failed:
                 error = data[:200].decode(errors="replace")
                 return Reply("http-error", f"HTTP 200, then an error in the stream: {error}", None)
             for part in chunk.get("choices") or []:
@@ -255,34 +259,66 @@ class Servers(Protocol):
 
     def restore_link(self) -> None: ...
 
+    def pause(self, role: str) -> None: ...
 
-#: After the restore, the longest wait for the pair to serve again: TCP retransmits on a stalled
-#: connection at doubling intervals, so the first one after a long cut comes seconds to a cut's
-#: length after the path is back (docs/e2e.md, "A cut path between the prefill and the decode host").
-LINK_BACK_S = 120.0
+    def resume(self, role: str) -> None: ...
+
+
+#: After a link's restore or a server's resume, the longest wait for the pair to serve again: TCP
+#: retransmits on a stalled connection at doubling intervals, so the first one after a long cut (or
+#: a long stop of one end) comes seconds to a cut's length after the path is back (docs/e2e.md,
+#: "A cut path between the prefill and the decode host").
+BACK_S = 120.0
 #: The outage name of a link cut in :attr:`Injector.outages`.
 LINK = "link"
+#: The outage name of a pause of ``role`` in :attr:`Injector.outages` (a kill's is the role's own).
+PAUSED = "{role} paused"
+
+
+class Fault(NamedTuple):
+    """One planned fault: once ``at`` requests were sent, ``kind`` (kill, pause or cut) of
+    ``target`` (a server's role, or :data:`LINK`)."""
+
+    at: int
+    kind: str
+    target: str
 
 
 class Injector:
     """Kills each ``(count, role)`` server of ``kills`` (SIGKILL) once ``load`` has sent ``count``
-    requests, then restarts it (returning once it is healthy); with ``cut`` = ``(count, seconds)``,
-    cuts the link between prefill and decode that long, restores it and waits until a request sent
-    after the restore is answered. What happened and when is in :attr:`events`, the outages in
-    :attr:`outages`, the kills' and the cut's wall-clock times in :attr:`kills` and :attr:`cuts`."""
+    requests, then restarts it (returning once it is healthy); pauses each ``(count, role)`` of
+    ``pauses`` (SIGSTOP on its process group) for ``pause_s``, then resumes it (SIGCONT) and waits
+    until a request sent after the resume is answered; with ``cut`` = ``(count, seconds)``, cuts
+    the link between prefill and decode that long, restores it and waits likewise. What happened
+    and when is in :attr:`events`, the outages in :attr:`outages`, the kills', the pauses' and
+    the cut's wall-clock times in :attr:`kills`, :attr:`pauses` and :attr:`cuts`."""
 
     def __init__(
-        self, load: Load, servers: Servers, kills: list[tuple[int, str]], cut: tuple[int, float] | None = None
+        self,
+        load: Load,
+        servers: Servers,
+        kills: list[tuple[int, str]],
+        cut: tuple[int, float] | None = None,
+        pauses: list[tuple[int, str]] | None = None,
+        pause_s: float = 0.0,
     ) -> None:
         self._load = load
         self._servers = servers
-        self._faults: list[tuple[int, str]] = sorted([*kills, *([(cut[0], LINK)] if cut else [])])
+        faults = [Fault(at, "kill", role) for at, role in kills]
+        faults += [Fault(at, "pause", role) for at, role in pauses or []]
+        faults += [Fault(cut[0], "cut", LINK)] if cut else []
+        self._faults = sorted(faults)
         self._cut_s = cut[1] if cut else 0.0
+        self._pause_s = pause_s
         self.events: list[str] = []
         self.error: BaseException | None = None
-        self.outages: list[tuple[str, float, float]] = []  # (server or link, down at, back at), load seconds
-        #: (server, ``time.time()`` just before its SIGKILL): what its peers' log times are read against.
-        self.kills: list[tuple[str, float]] = []
+        #: (server, a paused server (:data:`PAUSED`) or :data:`LINK`; down at, back at), load seconds
+        self.outages: list[tuple[str, float, float]] = []
+        #: (server, ``time.time()`` just before its SIGKILL, once its replacement was healthy; the
+        #: SIGKILL's again while it restarts): what its peers' log times are read against.
+        self.kills: list[tuple[str, float, float]] = []
+        #: (server, ``time.time()`` just before its SIGSTOP, just after its SIGCONT).
+        self.pauses: list[tuple[str, float, float]] = []
         #: ``time.time()`` at the cut and at the restore.
         self.cuts: list[tuple[float, float]] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -298,26 +334,42 @@ class Injector:
 
     def _run(self) -> None:
         try:
-            for at, name in self._faults:
-                while self._load.sent < at:
+            for fault in self._faults:
+                while self._load.sent < fault.at:
                     time.sleep(0.02)
-                if name == LINK:
+                if fault.kind == "cut":
                     self._cut()
+                elif fault.kind == "pause":
+                    self._pause(fault.target)
                 else:
-                    self._kill(name)
+                    self._kill(fault.target)
         except BaseException as exc:  # reported by the run; the clients go on
             self.error = exc
             self.events.append(f"{self._now():7.1f} s  fault injection failed: {exc}")
 
     def _kill(self, name: str) -> None:
-        killed = self._now()
-        self.kills.append((name, time.time()))
+        killed, wall = self._now(), time.time()
+        self.kills.append((name, wall, wall))
         self._servers.kill(name)
         self.events.append(f"{killed:7.1f} s  {name} killed (SIGKILL) after {self._load.sent} requests sent")
         self._servers.restart(name)
+        self.kills[-1] = (name, wall, time.time())
         back = self._now()
         self.outages.append((name, killed, back))
         self.events.append(f"{back:7.1f} s  {name} restarted and healthy ({back - killed:.1f} s down)")
+
+    def _pause(self, name: str) -> None:
+        paused, wall = self._now(), time.time()
+        self._servers.pause(name)
+        try:
+            self.events.append(f"{paused:7.1f} s  {name} paused (SIGSTOP) after {self._load.sent} requests sent")
+            time.sleep(self._pause_s)
+        finally:
+            self._servers.resume(name)  # never leave a server stopped, whatever failed
+        resumed = self._now()
+        self.pauses.append((name, wall, time.time()))
+        self.events.append(f"{resumed:7.1f} s  {name} resumed (SIGCONT) after {resumed - paused:.1f} s")
+        self._back(PAUSED.format(role=name), paused, resumed, f"{name}'s resume")
 
     def _cut(self) -> None:
         cut, wall = self._now(), time.time()
@@ -330,16 +382,21 @@ class Injector:
         restored = self._now()
         self.cuts.append((wall, time.time()))
         self.events.append(f"{restored:7.1f} s  link restored ({restored - cut:.1f} s cut)")
-        back = self._served_after(restored)
-        self.outages.append((LINK, cut, restored if back is None else back))
+        self._back(LINK, cut, restored, "link's restore")
+
+    def _back(self, name: str, down: float, up: float, what: str) -> None:
+        """The outage ``name`` from ``down`` until a request sent after ``up`` (the ``what``) was
+        answered; a failed injection when none was within :data:`BACK_S`."""
+        back = self._served_after(up)
+        self.outages.append((name, down, up if back is None else back))
         if back is None:
-            raise RuntimeError(f"no request sent after the link's restore was answered within {LINK_BACK_S:.0f} s")
-        self.events.append(f"{back:7.1f} s  the pair serves again: a request sent after the restore answered")
+            raise RuntimeError(f"no request sent after the {what} was answered within {BACK_S:.0f} s")
+        self.events.append(f"{back:7.1f} s  the pair serves again: a request sent after the {what} answered")
 
     def _served_after(self, restored: float) -> float | None:
         """When the first request sent after ``restored`` was answered (load seconds); None when
-        none was within :data:`LINK_BACK_S`, or the load ended first."""
-        deadline = time.monotonic() + LINK_BACK_S
+        none was within :data:`BACK_S`, or the load ended first."""
+        deadline = time.monotonic() + BACK_S
         while time.monotonic() < deadline:
             answered = [
                 o.sent_at + o.latency_s

@@ -2,8 +2,9 @@
 
 Everything random in a run comes from :func:`plan` (``random.Random(seed)``), so a run that found
 a fault can be replayed with the same ``--seed``: the same prompts, the same requests hung up, the
-same moments (counted in requests sent) at which the prefill and the decode are killed (and, with
-``--hosts``, the link between them cut), and the same calls at which the best-effort child raises.
+same moments (counted in requests sent) at which the prefill and the decode are killed and
+paused (and, with ``--hosts``, the link between them cut), and the same calls at which the
+best-effort child raises.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ VLLM_LEASE_S = 30.0
 #: With ``--hosts``, the link between the prefill's and the decode's host stays cut this much longer
 #: than the prefill's lease: the leases of the reads it stalls run out, and the reads end after.
 CUT_BEYOND_LEASE_S = 10.0
+
+#: A paused server (SIGSTOP on its process group, then SIGCONT) stays stopped this much longer than
+#: the prefill's lease: the leases of the reads it holds up run out while it is stopped.
+PAUSE_BEYOND_LEASE_S = 10.0
+#: ``--quick``'s margin: a few seconds past the lease suffice (the pause still outlives every lease
+#: it holds up), and each second is paid twice in CI's wall time.
+QUICK_PAUSE_BEYOND_LEASE_S = 5.0
 
 #: The kit's ``faulty`` child composed into the decode server: a best-effort tier that holds
 #: nothing (``matched_tokens: 0``) and raises when its faults fire.
@@ -51,17 +59,26 @@ class SoakOptions:
     #: rate ``link``; the plan then also cuts that link once and restores it.
     hosts: bool = False
     link: str | None = None
+    #: How much longer than the prefill's lease each paused server stays stopped.
+    pause_beyond_lease_s: float = PAUSE_BEYOND_LEASE_S
 
     def __post_init__(self) -> None:
-        if self.requests < 20 or self.concurrency < 1 or not 0 <= self.hangups < 1 or self.sample < 1:
+        if (
+            self.requests < 20
+            or self.concurrency < 1
+            or not 0 <= self.hangups < 1
+            or self.sample < 1
+            or self.pause_beyond_lease_s <= 0
+        ):
             raise ValueError(
-                "--requests must be >= 20 (faults are placed between 15% and 75% of them), "
-                "--concurrency >= 1, the hang-up share in [0, 1), the sample >= 1"
+                "--requests must be >= 20 (faults are placed between 5% and 88% of them), "
+                "--concurrency >= 1, the hang-up share in [0, 1), the sample >= 1, "
+                "the pauses' margin past the lease > 0"
             )
 
 
 #: CI's short variant: every fault kind, once each, in a few minutes.
-QUICK = SoakOptions(requests=160, concurrency=8, sample=16)
+QUICK = SoakOptions(requests=160, concurrency=8, sample=16, pause_beyond_lease_s=QUICK_PAUSE_BEYOND_LEASE_S)
 
 PREFIX_TOKENS = 256  # 8 blocks: a host-tier hit is worth a load
 NEW_TOKENS = (40, 200)
@@ -97,19 +114,34 @@ class Request:
 
 @dataclass(frozen=True)
 class FaultPlan:
-    """The run's faults: request counts at which a server is killed and, across hosts, the link
-    between prefill and decode cut (for ``cut_s``), the flaky child's faults."""
+    """The run's faults: request counts at which a server is killed, at which one is paused (for
+    ``pause_s``) and, across hosts, the link between prefill and decode cut (for ``cut_s``), the
+    flaky child's faults."""
 
     kill_prefill_at: int
     kill_decode_at: int
     flaky_faults: tuple[dict[str, Any], ...]
     cut_link_at: int | None = None
     cut_s: float = 0.0
+    pause_prefill_at: int | None = None
+    pause_decode_at: int | None = None
+    pause_s: float = 0.0
+
+    @property
+    def pauses(self) -> list[tuple[int, str]]:
+        """``(count, role)`` of each planned pause."""
+        planned = [(self.pause_prefill_at, "prefill"), (self.pause_decode_at, "decode")]
+        return [(at, role) for at, role in planned if at is not None]
 
     def describe(self) -> list[str]:
         out = [
             f"SIGKILL the prefill server once {self.kill_prefill_at} requests were sent, then restart it",
             f"SIGKILL the decode server once {self.kill_decode_at} requests were sent, then restart it",
+        ]
+        out += [
+            f"SIGSTOP the {role} server's process group once {at} requests were sent, for {self.pause_s:g} s "
+            "(longer than the prefill's lease: a VM pause, a stuck host), then SIGCONT"
+            for at, role in sorted(self.pauses)
         ]
         if self.cut_link_at is not None:
             out.append(
@@ -150,12 +182,20 @@ def plan(options: SoakOptions) -> tuple[list[Request], FaultPlan]:
     kill_decode_at = rng.randint(int(n * 0.55), int(n * 0.75))
     # Drawn last, so a seed's other faults are the same with and without hosts.
     cut_link_at = rng.randint(int(n * 0.40), int(n * 0.50)) if options.hosts else None
+    # After every draw above, so a seed's other faults are the ones it drew before pauses existed.
+    # Apart from the kills' and the cut's windows, and before the last 12%: requests sent after the
+    # resume are what shows the pair serving again.
+    pause_prefill_at = rng.randint(int(n * 0.05), int(n * 0.12))
+    pause_decode_at = rng.randint(int(n * 0.78), int(n * 0.88))
     return requests, FaultPlan(
         kill_prefill_at=kill_prefill_at,
         kill_decode_at=kill_decode_at,
         flaky_faults=faults,
         cut_link_at=cut_link_at,
         cut_s=prefill_lease_s() + CUT_BEYOND_LEASE_S if options.hosts else 0.0,
+        pause_prefill_at=pause_prefill_at,
+        pause_decode_at=pause_decode_at,
+        pause_s=prefill_lease_s() + options.pause_beyond_lease_s,
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvcompose.e2e.load import LATE_READ_REQUEST
 from kvcompose.e2e.stats import quantile
-from kvcompose.soak.drive import FINAL, OUTCOMES, Outcome
+from kvcompose.soak.drive import FINAL, OUTCOMES, Injector, Outcome
 from kvcompose.soak.plan import HANG_UP_PATHS, Request
 from kvcompose.soak.stack import GAUGES, ROLES, Sample
 
@@ -74,7 +74,7 @@ class SoakReport:
     counters: dict[str, dict[str, float]]  # server process -> COUNTERS at its last reading
     prefill_held_after_decode_kill: float  # max prefill KV usage in the seconds after the kill
     lease_releases: int  # requests whose blocks the prefill released on NIXL lease expiry (its log)
-    lease_releases_unplanned: int  # of those, logged outside the lease after the decode's kill (each a problem)
+    lease_releases_unplanned: int  # of those, logged outside the lease after a planned cause (each a problem)
     late_reads: int  # decode reads notified after the prefill's lease expired (its log; each a problem)
     refused_reads: int  # decode reads its nixl child refused for ending after the lease (recomputed or failed)
     breaker_changes: list[str]
@@ -141,7 +141,8 @@ class SoakReport:
         lines.append(
             f"  prefill released the blocks of {self.lease_releases} request(s) on NIXL lease expiry "
             '(vLLM\'s log: "Releasing expired KV blocks ... retrieved by 0 remote worker(s)"); '
-            f"{self.lease_releases_unplanned} outside the lease after the decode's kill or the link's cut (must be 0)"
+            f"{self.lease_releases_unplanned} outside the lease after the decode's kill, a pause or the link's cut "
+            "(must be 0)"
         )
         lines.append(
             f"  decode reads after the prefill's lease expired, not refused: {self.late_reads} (must be 0; vLLM's "
@@ -314,9 +315,13 @@ def logged(logs: Path, role: str, text: str, near: datetime) -> list[LogLine]:
     return out
 
 
+#: A planned cause of lease expiries: a moment (a kill, a hang-up) or a span (a cut, a pause).
+Cause = datetime | tuple[datetime, datetime]
+
+
 def unplanned_expiries(
     expiries: list[LogLine],
-    causes: Sequence[datetime | tuple[datetime, datetime]],
+    causes: Sequence[Cause],
     lease_s: float,
     slack_s: float = LEASE_SLACK_S,
 ) -> list[LogLine]:
@@ -325,8 +330,10 @@ def unplanned_expiries(
     cannot be read. A prefill lets a lease expire only when no decode reads the blocks: the
     requests it prefilled for a decode that was then killed, those whose client hung up at the
     router while the prefill computed them (the router then never sends the decode request), and
-    those whose decode could not reach it while the link was cut. ``causes``: the decode kills' and
-    those hang-ups' wall-clock times, and the link cuts' (cut, restore) spans."""
+    those whose decode could not reach it while the link was cut or while either server was paused
+    (a stopped decode reads nothing; a stopped prefill's reaper runs out the leases of the reads it
+    held up on its first steps after the resume). ``causes``: the decode kills' and those hang-ups'
+    wall-clock times, the link cuts' (cut, restore) and the pauses' (stop, resume) spans."""
     spans = [c if isinstance(c, tuple) else (c, c) for c in causes]
 
     def planned(at: datetime | None) -> bool:
@@ -335,6 +342,21 @@ def unplanned_expiries(
         )
 
     return [e for e in expiries if not planned(e.at)]
+
+
+def planned_causes(injector: Injector, outcomes: list[Outcome], load_started: float) -> list[Cause]:
+    """What :func:`unplanned_expiries` reads lease expiries against: the clients that hung up at
+    the router (:func:`router_hang_ups`), and from its start until its end the decode's kills
+    (until its replacement is healthy: a direct request, the proxy flow by hand, retried while the
+    decode is down is prefilled first at every try), the link's cuts (the restore) and both
+    servers' pauses (the resume)."""
+    causes: list[Cause] = [
+        (datetime.fromtimestamp(a), datetime.fromtimestamp(b)) for name, a, b in injector.kills if name == "decode"
+    ]
+    causes += router_hang_ups(outcomes, load_started)
+    causes += [(datetime.fromtimestamp(a), datetime.fromtimestamp(b)) for a, b in injector.cuts]
+    causes += [(datetime.fromtimestamp(a), datetime.fromtimestamp(b)) for _, a, b in injector.pauses]
+    return causes
 
 
 def router_hang_ups(outcomes: list[Outcome], load_started: float) -> list[datetime]:
@@ -361,7 +383,7 @@ def used_late_reads(late_reads: list[LogLine], refused: Collection[str]) -> list
 
 def lease_problems(late_reads: list[LogLine], unplanned: list[LogLine], lease_s: float) -> list[str]:
     """A line for the decode reads after a lease expired (each may have computed from blocks reused
-    by another request) and one for the lease expiries outside the decode kill's window."""
+    by another request) and one for the lease expiries outside every planned cause's window."""
     out = []
     if late_reads:
         out.append(
@@ -372,8 +394,8 @@ def lease_problems(late_reads: list[LogLine], unplanned: list[LogLine], lease_s:
         when = ", ".join("time unreadable" if e.at is None else e.at.strftime("%H:%M:%S") for e in unplanned[:5])
         out.append(
             f"{len(unplanned)} NIXL lease expiry(ies) on the prefill outside the {lease_s:g} s (+ {LEASE_SLACK_S:g} s) "
-            f"after the decode was killed or a client hung up at the router (at {when}): a decode that never read "
-            "a request's blocks"
+            "after the decode was killed, a server paused, the link cut or a client hung up at the router "
+            f"(at {when}): a decode that never read a request's blocks"
         )
     return out
 

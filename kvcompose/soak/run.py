@@ -5,14 +5,16 @@
    router in P/D mode.
 2. Send the plan's requests (:func:`~kvcompose.soak.plan.plan`) through the router with
    ``concurrency`` clients; some clients hang up mid-request. Meanwhile the prefill server is
-   SIGKILLed and restarted, later the decode server, and the flaky child raises at its planned
-   calls. With ``hosts`` the prefill and the decode run on hosts of their own
+   SIGKILLed and restarted, later the decode server; each is also paused once (SIGSTOP on its
+   process group for longer than the prefill's lease, then SIGCONT), and the flaky child raises
+   at its planned calls. With ``hosts`` the prefill and the decode run on hosts of their own
    (:mod:`kvcompose.e2e.hosts`), and between the two kills the link between them is cut, longer
    than the prefill's lease, and restored.
 3. Wait until every engine is quiet: no request running or waiting, no KV block in use (the
    prefill frees the blocks it held for the killed decode when their lease expires), no host-tier
-   block pinned or pending. Read the prefill logs: no decode read after a lease expired, no lease
-   expiry outside the one after the decode's kill.
+   block pinned or pending. Read the prefill logs: no decode read after a lease expired that the
+   decode did not refuse, no lease expiry outside the lease after a planned cause (the decode's
+   kill, a pause, the cut, a client hanging up at the router).
 4. Stop the stack; answer a sample of the answered prompts on a single engine without a
    connector and compare.
 """
@@ -49,9 +51,9 @@ from kvcompose.soak.report import (
     last_counters,
     lease_problems,
     logged,
+    planned_causes,
     process_logs,
     quiet_problems,
-    router_hang_ups,
     unplanned_expiries,
     used_late_reads,
 )
@@ -96,7 +98,7 @@ def run(
             sampler = Sampler(stack, load.t0)
             kills = [(faults.kill_prefill_at, "prefill"), (faults.kill_decode_at, "decode")]
             cut = (faults.cut_link_at, faults.cut_s) if faults.cut_link_at is not None else None
-            injector = Injector(load, stack, kills, cut)
+            injector = Injector(load, stack, kills, cut, faults.pauses, faults.pause_s)
             injector.start()
             load.run(options.concurrency, _progress(load, echo))
             load_started = time.time() - (time.monotonic() - load.t0)  # the outcomes' times count from load.t0
@@ -121,11 +123,7 @@ def run(
     requests_by = by_request(load.outcomes)
     answered = sorted(o.latency_s for o in load.outcomes if o.kind == "answered")
     ttft = first_tokens(load.outcomes, injector.outages)
-    causes: list[datetime | tuple[datetime, datetime]] = [
-        datetime.fromtimestamp(at) for name, at in injector.kills if name == "decode"
-    ]
-    causes += router_hang_ups(load.outcomes, load_started)
-    causes += [(datetime.fromtimestamp(a), datetime.fromtimestamp(b)) for a, b in injector.cuts]
+    causes = planned_causes(injector, load.outcomes, load_started)
     unplanned = unplanned_expiries(expiries, causes, lease_s)
     problems = deaths + quiet_problems(quiet) + lease_problems(late_reads, unplanned, lease_s) + ttft.problems()
     if injector.error is not None:

@@ -6,6 +6,7 @@ the router in the root namespace, and the link between the two hosts can be cut.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvcompose.e2e.node import EngineSpec, NodeError, wait_all_ready
 from kvcompose.e2e.ports import free_ports
+from kvcompose.e2e.processes import signal_group
 from kvcompose.e2e.router import RouterNode
 from kvcompose.e2e.server import HOST, ServerNode
 from kvcompose.examples import EXAMPLES
@@ -117,6 +119,15 @@ class Stack:
         """Put back the path :meth:`cut_link` cut."""
         if self.hosts is not None:
             self.hosts["prefill"].restore(self.hosts["decode"])
+
+    def pause(self, role: str) -> None:
+        """SIGSTOP ``role``'s server's process group (API server and engine core): every process of
+        it stops at once, as in a VM pause, and its sockets stay open."""
+        signal_group(self.servers[role].proc, signal.SIGSTOP)
+
+    def resume(self, role: str) -> None:
+        """SIGCONT the process group :meth:`pause` stopped."""
+        signal_group(self.servers[role].proc, signal.SIGCONT)
 
     def kill(self, role: str) -> None:
         """SIGKILL ``role``'s server, engine core and all."""

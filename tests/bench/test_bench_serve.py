@@ -51,6 +51,7 @@ class _SSE(BaseHTTPRequestHandler):
     lock = threading.Lock()
     delay_s = 0.0
     chunks: list[dict[str, object]] = []
+    done = True  # end with data: [DONE]
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -66,7 +67,8 @@ class _SSE(BaseHTTPRequestHandler):
             return
         for chunk in self.chunks:
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        self.wfile.write(b"data: [DONE]\n\n")
+        if self.done:
+            self.wfile.write(b"data: [DONE]\n\n")
 
     def log_message(self, *args: object) -> None:
         pass
@@ -74,7 +76,7 @@ class _SSE(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def sse() -> Iterator[ThreadingHTTPServer]:
-    _SSE.status, _SSE.statuses, _SSE.seen, _SSE.delay_s, _SSE.chunks = 200, [], 0, 0.0, []
+    _SSE.status, _SSE.statuses, _SSE.seen, _SSE.delay_s, _SSE.chunks, _SSE.done = 200, [], 0, 0.0, [], True
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SSE)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
@@ -92,6 +94,23 @@ def test_a_refused_or_empty_stream_is_an_error(sse: ThreadingHTTPServer) -> None
         serve.stream_completion("127.0.0.1", sse.server_port, "m", [1])
     _SSE.status = 200
     with pytest.raises(RuntimeError, match="without a token"):
+        serve.stream_completion("127.0.0.1", sse.server_port, "m", [1])
+
+
+@pytest.mark.parametrize(
+    ("chunks", "done", "error"),
+    [
+        ([{"choices": [{"text": "a"}]}, {"error": {"message": "boom", "code": 500}}], True, "boom"),
+        ([{"choices": [{"text": "a"}]}, {"object": "error", "message": "old shape"}], True, "old shape"),
+        ([{"choices": [{"text": "", "finish_reason": "error"}]}], True, "an error in the stream"),
+        ([{"choices": [{"text": "a"}]}], False, "before data: \\[DONE\\]"),  # the server died mid-answer
+    ],
+)
+def test_a_stream_with_an_error_event_or_no_end_is_an_error(
+    sse: ThreadingHTTPServer, chunks: list[dict[str, object]], done: bool, error: str
+) -> None:
+    _SSE.chunks, _SSE.done = chunks, done
+    with pytest.raises(RuntimeError, match=error):
         serve.stream_completion("127.0.0.1", sse.server_port, "m", [1])
 
 

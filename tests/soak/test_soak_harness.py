@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,10 +21,11 @@ from kvcompose.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ
 from kvcompose.e2e.ports import free_ports
 from kvcompose.e2e.server import completion_body, parse_completion
 from kvcompose.examples import EXAMPLES
-from kvcompose.soak.drive import Injector, Load, Outcome, send
+from kvcompose.soak.drive import PAUSED, Injector, Load, Outcome, send
 from kvcompose.soak.plan import (
     CUT_BEYOND_LEASE_S,
     FLAKY,
+    PAUSE_BEYOND_LEASE_S,
     QUICK,
     SoakOptions,
     decode_composition,
@@ -44,6 +45,7 @@ from kvcompose.soak.report import (
     lease_problems,
     log_time,
     logged,
+    planned_causes,
     process_logs,
     quiet_problems,
     unplanned_expiries,
@@ -72,7 +74,7 @@ def test_the_decode_composition_is_the_shipped_example_with_a_flaky_child_under_
     composed = load(decode_composition(faults, tmp_path))
     assert [c.name for c in composed.children] == [FLAKY, "host", "pd"]
     assert "breaker" in "\n".join(composed.explain())
-    assert len(faults.describe()) == 2 + len(faults.flaky_faults)
+    assert len(faults.describe()) == 2 + len(faults.pauses) + len(faults.flaky_faults)
 
 
 @pytest.mark.parametrize("argv", [["--requests", "5"], ["--concurrency", "0"]])
@@ -194,6 +196,25 @@ def test_a_streamed_answer_is_joined_and_its_first_token_timed(server: _Server) 
             "http-error",
             "boom",
         ),
+        # An error event after a token (vLLM's older error shape): failed, whatever came before it.
+        (
+            ([200], 0.0, 0.0, [f"data: {json.dumps(CHUNKS[0])}", 'data: {"object": "error", "message": "x"}']),
+            "http-error",
+            "an error in the stream",
+        ),
+        # A choice finished for error (vLLM's finish_reason when a request fails in the engine).
+        (
+            ([200], 0.0, 0.0, ['data: {"choices": [{"text": "", "finish_reason": "error"}]}', "data: [DONE]"]),
+            "http-error",
+            "an error in the stream",
+        ),
+        # [DONE] with no token before it: nothing was answered.
+        (([200], 0.0, 0.0, ["data: [DONE]"]), "http-error", "without a token"),
+        (
+            ([200], 0.0, 0.0, ['data: {"choices": [{"text": "", "token_ids": []}]}', "data: [DONE]"]),
+            "http-error",
+            "without a token",
+        ),
         # The server behind the router died mid-answer: the 200 went out, [DONE] never comes.
         (([200], 0.0, 0.0, [f"data: {json.dumps(CHUNKS[0])}"]), "cut-off", "after 1 tokens"),
         (([503],), "http-error", "HTTP 503"),
@@ -241,8 +262,10 @@ def test_the_injector_kills_and_restarts_once_the_count_is_sent(server: _Server)
     assert [c.split(" after")[0] for c in calls] == ["kill prefill", "restart prefill", "kill decode", "restart decode"]
     assert [o[0] for o in injector.outages] == ["prefill", "decode"] and injector.error is None
     # Each kill's wall-clock time, what the servers' log times are read against.
-    assert [name for name, _ in injector.kills] == ["prefill", "decode"]
-    assert before <= injector.kills[0][1] <= injector.kills[1][1] <= time.time()
+    assert [name for name, _, _ in injector.kills] == ["prefill", "decode"]
+    # From just before the SIGKILL until the replacement was healthy.
+    (_, killed, healthy), (_, killed_2, _) = injector.kills
+    assert before <= killed <= healthy <= killed_2 <= time.time()
     assert by_request(load.outcomes)["answered"] == 4
 
 
@@ -298,6 +321,132 @@ def test_a_pair_that_serves_no_request_after_the_restore_is_a_failed_injection(s
     injector.join()
     assert servers.calls == ["cut", "restore"]
     assert "no request sent after the link's restore was answered" in str(injector.error)
+
+
+class _PauseServers(_LinkServers):
+    """:class:`_LinkServers` that pauses and resumes too, with the load's count at each call."""
+
+    def __init__(self, load: Load | None = None) -> None:
+        super().__init__()
+        self.load = load
+
+    def pause(self, role: str) -> None:
+        self.calls.append(f"pause {role}")
+
+    def resume(self, role: str) -> None:
+        self.calls.append(f"resume {role}")
+
+
+@pytest.mark.parametrize("server", [([200],)], indirect=True)
+def test_the_injector_pauses_resumes_and_waits_for_the_pair_to_serve(server: _Server) -> None:
+    servers = _PauseServers()
+    requests, _ = plan(SoakOptions(requests=20, hangups=0.0))
+    load = Load(requests, server, "m", 1)
+    injector = Injector(load, servers, [(14, "prefill")], pauses=[(8, "decode"), (2, "prefill")], pause_s=0.3)
+    before = time.time()
+    injector.start()
+    load.run(1)
+    injector.join()
+    assert injector.error is None
+    assert servers.calls == [
+        "pause prefill",
+        "resume prefill",
+        "pause decode",
+        "resume decode",
+        "kill prefill",
+        "restart prefill",
+    ]
+    # Each pause's wall-clock stop and resume, what the prefill's log times are read against.
+    assert [name for name, _, _ in injector.pauses] == ["prefill", "decode"]
+    assert before <= injector.pauses[0][1] < injector.pauses[0][2] <= injector.pauses[1][1]
+    # Each pause is an outage until a request sent after its resume was answered.
+    names = [name for name, _, _ in injector.outages]
+    assert names == [PAUSED.format(role="prefill"), PAUSED.format(role="decode"), "prefill"]
+    for _, down, back in injector.outages[:2]:
+        assert any(
+            o.kind == "answered" and down + 0.3 <= o.sent_at and o.sent_at + o.latency_s <= back for o in load.outcomes
+        )
+    text = "\n".join(injector.events)
+    assert "prefill paused (SIGSTOP) after" in text and "decode resumed (SIGCONT) after" in text
+    assert "the pair serves again: a request sent after the decode's resume answered" in text
+
+
+@pytest.mark.parametrize("server", [([200],)], indirect=True)
+def test_a_paused_server_is_resumed_even_when_nothing_is_answered_after(server: _Server) -> None:
+    servers = _PauseServers()
+    requests, _ = plan(SoakOptions(requests=20, hangups=0.0))
+    load = Load(requests[:3], server, "m", 1)
+    injector = Injector(load, servers, [], pauses=[(3, "decode")], pause_s=1.5)  # the load ends while paused
+    injector.start()
+    load.run(1)
+    injector.join()
+    assert servers.calls == ["pause decode", "resume decode"]
+    assert "no request sent after the decode's resume was answered" in str(injector.error)
+
+
+def test_a_plan_pauses_each_server_once_longer_than_the_lease_and_keeps_the_other_faults() -> None:
+    """The pauses are drawn after every other fault: a seed's kills, flaky faults and cut are the
+    ones it drew before pauses existed, whatever the pause's margin."""
+    n = QUICK.requests
+    for hosts in (False, True):
+        _, f = plan(SoakOptions(requests=n, concurrency=8, hosts=hosts))
+        _, quick = plan(SoakOptions(requests=n, concurrency=8, hosts=hosts, pause_beyond_lease_s=1.0))
+        assert (f.kill_prefill_at, f.kill_decode_at, f.flaky_faults, f.cut_link_at) == (
+            quick.kill_prefill_at,
+            quick.kill_decode_at,
+            quick.flaky_faults,
+            quick.cut_link_at,
+        )
+        assert sorted(role for _, role in f.pauses) == ["decode", "prefill"]
+        assert f.pause_prefill_at is not None and f.pause_decode_at is not None
+        # Clear of the kills and the cut, with requests left to send after the decode's resume.
+        assert 0.05 * n <= f.pause_prefill_at <= 0.12 * n < f.kill_prefill_at
+        assert f.kill_decode_at < 0.78 * n <= f.pause_decode_at <= 0.88 * n
+        assert f.pause_s == prefill_lease_s() + PAUSE_BEYOND_LEASE_S > prefill_lease_s()
+        assert quick.pause_s == prefill_lease_s() + 1.0
+        assert sum("SIGSTOP" in line and "then SIGCONT" in line for line in f.describe()) == 2
+    assert plan(QUICK)[1].pause_s > prefill_lease_s()  # CI's shorter margin still outlives the lease
+    with pytest.raises(ValueError, match="the pauses' margin past the lease > 0"):
+        SoakOptions(pause_beyond_lease_s=0.0)
+
+
+def test_expiries_are_planned_from_a_pause_to_a_lease_after_its_resume() -> None:
+    """A stopped decode reads nothing: the leases of what the prefill holds for it run out while it
+    is stopped; a stopped prefill's reaper runs out the leases its pause held up on its first steps
+    after the resume. Either pause is a span, like a cut."""
+
+    class Faults:
+        kills = [("prefill", datetime(2026, 11, 26, 5, 0, 0).timestamp(), datetime(2026, 11, 26, 5, 1, 0).timestamp())]
+        cuts: list[tuple[float, float]] = []
+        pauses = [
+            ("prefill", datetime(2026, 11, 26, 5, 10, 0).timestamp(), datetime(2026, 11, 26, 5, 10, 35).timestamp())
+        ]
+
+    causes = planned_causes(Faults(), [], 0.0)  # type: ignore[arg-type]
+    assert causes == [
+        (datetime(2026, 11, 26, 5, 10, 0), datetime(2026, 11, 26, 5, 10, 35))
+    ]  # a prefill kill plans none
+    lines = [
+        LogLine(datetime(2026, 11, 26, 5, m, sec), f"{m}:{sec}") for m, sec in ((0, 20), (10, 36), (11, 20), (11, 21))
+    ]
+    # From the pause's second to the resume plus the lease and its slack (05:11:20).
+    assert [e.text for e in unplanned_expiries(lines, causes, lease_s=30.0, slack_s=15.0)] == ["0:20", "11:21"]
+
+
+def test_expiries_are_planned_while_the_killed_decode_restarts_and_a_lease_after() -> None:
+    """A direct request (the proxy flow by hand) retried while the decode is down is prefilled at
+    every try, and its blocks wait for a lease however long the restart takes (a soak run here saw
+    one such expiry every 8 s, a client's longest back-off, through an 85 s restart)."""
+
+    class Faults:
+        kills = [("decode", datetime(2026, 11, 26, 5, 0, 0).timestamp(), datetime(2026, 11, 26, 5, 1, 25).timestamp())]
+        cuts: list[tuple[float, float]] = []
+        pauses: list[tuple[str, float, float]] = []
+
+    causes = planned_causes(Faults(), [], 0.0)  # type: ignore[arg-type]
+    lines = [LogLine(datetime(2026, 11, 26, 5, m, sec), f"{m}:{sec}") for m, sec in ((0, 46), (2, 10), (2, 11))]
+    # Until the replacement was healthy (05:01:25), plus the lease and its slack (05:02:10).
+    assert [e.text for e in unplanned_expiries(lines, causes, lease_s=30.0, slack_s=15.0)] == ["2:11"]
 
 
 def test_a_plan_across_hosts_adds_a_link_cut_longer_than_the_lease_and_keeps_the_other_faults() -> None:
@@ -392,7 +541,7 @@ def test_the_report_names_every_figure_and_each_failed_check() -> None:
         "up to 48.6%",
         "the blocks of 32 request(s) on NIXL lease expiry",
         "seed 3, prefill and decode on hosts of their own, link 781mbit, 200 s",
-        "0 outside the lease after the decode's kill or the link's cut (must be 0)",
+        "0 outside the lease after the decode's kill, a pause or the link's cut (must be 0)",
         "decode reads after the prefill's lease expired, not refused: 0 (must be 0",
         "refused by the decode's nixl child: 2",
         "time to first token (streamed): p50 312 ms, p99 2500 ms, max 7250 ms; above 5 s: 0 outside the outages",
@@ -586,3 +735,46 @@ def test_a_client_that_hung_up_at_the_router_plans_a_lease_expiry_from_when_it_d
     expiry = LogLine(datetime(2026, 11, 26, 5, 12, 41), "05:12:41")
     assert unplanned_expiries([expiry], causes, lease_s=30.0) == []
     assert unplanned_expiries([expiry], [], lease_s=30.0) == [expiry]
+
+
+def _states(pgid: int) -> dict[int, str]:
+    """The state letter (``/proc/<pid>/stat``) of every process in the process group ``pgid``."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            out[int(stat.parent.name)] = fields[0]
+    return out
+
+
+def _until(condition: Callable[[], bool], within_s: float = 10.0) -> bool:
+    """Whether ``condition`` holds within ``within_s`` (a signal reaches a process group soon, not
+    at once)."""
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_pause_stops_the_servers_whole_process_group_and_the_resume_starts_it_again() -> None:
+    """vLLM's API server and its engine core are one process group (``start_group``): SIGSTOP to
+    the group stops both, as a VM pause does; SIGCONT starts both again."""
+    from types import SimpleNamespace
+
+    from kvcompose.e2e.processes import start_group, stop_group
+    from kvcompose.soak.stack import Stack
+
+    proc = start_group("pause-test", ["sh", "-c", "sleep 60 & sleep 60; wait"])  # a leader and its children
+    try:
+        stack = Stack.__new__(Stack)  # only its servers: no engine started
+        stack.servers = {"decode": SimpleNamespace(proc=proc)}  # type: ignore[dict-item]
+        assert _until(lambda: len(_states(proc.pid)) == 3)
+        stack.pause("decode")
+        assert _until(lambda: set(_states(proc.pid).values()) == {"T"})  # every process of the group stopped
+        stack.resume("decode")
+        assert _until(lambda: "T" not in _states(proc.pid).values()) and proc.poll() is None
+    finally:
+        stop_group(proc, 1.0)
