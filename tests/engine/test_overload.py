@@ -28,8 +28,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SideRun]:
 
 def test_the_examples_answer_as_many_as_vllms_own_nixl_connector(runs: dict[str, SideRun]) -> None:
     vllm, examples = runs[BASELINE], runs[SUBJECT]
-    assert vllm.burst.answered > 0, f"vLLM's NixlConnector answered nothing: {row_text(vllm.figures())}"
-    assert examples.burst.answered >= vllm.burst.answered, (
+    theirs, ours = vllm.burst.answered, examples.burst.answered  # counts, so that a failure prints them alone
+    assert theirs > 0, f"vLLM's NixlConnector answered nothing: {row_text(vllm.figures())}"
+    assert ours >= theirs, (
         f"the examples: {row_text(examples.figures())}; vLLM's NixlConnector: {row_text(vllm.figures())}; "
         f"logs: {examples.logs}"
     )
