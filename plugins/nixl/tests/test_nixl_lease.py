@@ -40,6 +40,9 @@ def composition(role: str, port: int, options: str = "", top: str = "") -> str:
 #: heartbeats every step and each extends the lease to 4 s from when it is read: with the default
 #: 2 s margin, beats sent in the lease's first 4 s would push a 6 s lease to 8 s if they counted
 CUT_LEASE_S = 6
+#: heartbeats every 2 s, each extending the lease to 8 s: a queued request keeps its blocks even
+#: when a starved test process steps its engines seconds apart (a full suite beside engines)
+QUEUED_LEASE_S = 12
 
 
 def test_heartbeats_sent_while_the_link_is_cut_do_not_extend_the_lease(fake_nixl: FakeNixl) -> None:
@@ -99,7 +102,7 @@ def test_a_read_queued_past_its_first_deadline_is_taken_when_the_prefill_answere
     beat with the time its lease now runs, so when room frees the read is taken, not refused (an
     earlier LeaseWatch refused it: no heartbeat moved the end it checked), and the prefill held
     the blocks until the read's own notification."""
-    options = f", lease_seconds: {CUT_LEASE_S}"
+    options = f", lease_seconds: {QUEUED_LEASE_S}"
     p, d = fake_nixl.pair(composition("producer", 5805, options), composition("consumer", 5806, options), num_blocks=16)
     req = prefill_request(3 * BLOCK, block_size=BLOCK)
     p.scheduler.add_request(req)
@@ -261,7 +264,7 @@ def test_over_real_nixl_a_read_queued_past_its_first_deadline_is_taken_and_holds
     from kvcompose.e2e.ports import free_ports
 
     p_port, d_port = free_ports(2)
-    options = f", lease_seconds: {CUT_LEASE_S}"
+    options = f", lease_seconds: {QUEUED_LEASE_S}"
     producer = composition("producer", p_port, options)
     with PrefillProcess(producer, block_size=BLOCK, num_blocks=PREFILL_BLOCKS) as prefill:
         d = WorkerHarness.from_yaml(composition("consumer", d_port, options), block_size=BLOCK, num_blocks=16)
