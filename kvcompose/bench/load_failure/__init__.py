@@ -8,7 +8,9 @@ and ``recompute``. Per policy, a steady P/D load (:mod:`.client`: :data:`CLIENTS
 proxy flow, streamed decode) runs :data:`WINDOW_S` s, then the decode's process group is stopped
 (SIGSTOP) for the lease + 10 s and continued (SIGCONT), and the load runs :data:`AFTER_S` s more.
 While the decode is stopped it sends no heartbeats, the prefill releases the blocks of the
-requests waiting for it at the lease's end, and after the resume the decode's nixl child refuses
+requests waiting for it at the lease's end (in its next step: a short plain request every
+:data:`~.client.TICK_S` stands for its other decodes' traffic, without which an idle prefill
+releases nothing and nothing is refused), and after the resume the decode's nixl child refuses
 those reads: the policy decides what becomes of them. Per policy (:mod:`.findings`): answered
 and failed, the refused requests (matched to the client's by ``X-Request-Id``), how long after
 the resume they got a first token (recomputed, or a failed one's single retry), and the
@@ -40,12 +42,14 @@ LEASE_S = 10
 #: The decode is stopped this much longer than the lease (no heartbeat in it: the prefill releases).
 PAUSE_MARGIN_S = 10
 CLIENTS = 8
-PROMPT_TOKENS = 256
-MAX_TOKENS = 32
+#: Long prompts and short answers: most clients are in their prefill or waiting for their read
+#: (their blocks leased), not streaming, when the pause comes.
+PROMPT_TOKENS = 512
+MAX_TOKENS = 8
 #: The load runs this long before the pause (the "before" window) ...
 WINDOW_S = 20.0
 #: ... and this long after the resume (the "after" window: what the decode's recompute costs the others).
-AFTER_S = 60.0  # quick: 30
+AFTER_S = 45.0  # quick: 30
 RUNS = 2  # quick: 1
 #: Answers checked against the single engine: every recomputed one, and this many others per phase.
 OTHERS_CHECKED = 2
@@ -58,7 +62,9 @@ def _server(name: str, model: str, yaml: str, port: int, logs: Path, policy: str
     spec = EngineSpec(
         name, model, str(EXAMPLES / yaml), port, {"lease_seconds": LEASE_S}, kv_load_failure_policy=policy
     )
-    return ServerNode(spec, logs)
+    # `kvcompose bench` sets VLLM_LOGGING_LEVEL=ERROR for itself; the servers' warnings (lease
+    # expiries, refused reads) are what this benchmark reads, so they log at INFO.
+    return ServerNode(spec, logs, extra_env={"VLLM_LOGGING_LEVEL": "INFO"})
 
 
 def phase(prefill: Any, decode: Any, policy: str, run: int, after_s: float, echo: Callable[[str], None]) -> Phase:

@@ -24,6 +24,10 @@ from kvcompose.e2e.server import completion_body
 
 #: A hang guard: longer than any pause the benchmark makes.
 TIMEOUT_S = 180.0
+#: The other traffic the prefill serves, one short plain request this often: vLLM's prefill reaps
+#: expired leases only in its steps, so with every client waiting on a stopped decode it would
+#: release nothing (its other decodes' traffic makes those steps in a deployment).
+TICK_S = 0.5
 
 
 @dataclass
@@ -128,6 +132,7 @@ class Clients:
         self.sent: list[Sent] = []
         self.t0 = time.monotonic()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
+        self._threads.append(threading.Thread(target=self._tick, daemon=True))
         for t in self._threads:
             t.start()
 
@@ -151,6 +156,14 @@ class Clients:
             if s.error is not None:  # one retry, as a proxy with one retry sends it
                 ttft, ids, err = pd_once(self._prefill, self._decode, body, s.rid + "-retry", start)
                 s.retry_ttft_s = ttft if err is None else None
+
+    def _tick(self) -> None:
+        body = completion_body(self._model, token_prompt(0, 5), 1)  # under one block: no KV to keep
+        while not self._stop.wait(TICK_S):
+            try:
+                _post(self._prefill, body, f"{self._tag}-tick").read()
+            except (OSError, http.client.HTTPException):
+                pass  # a tick is not measured
 
     def stop(self, progress: Callable[[], None] | None = None) -> None:
         """Stop sending; returns once every request in flight has its answer."""
