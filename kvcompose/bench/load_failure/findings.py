@@ -110,7 +110,7 @@ class Phase:
         retried = [s.sent_at + s.retry_ttft_s - self.resumed_at for s in refused if not s.answered and s.retry_ttft_s]
         return {
             "policy": self.policy,
-            "run": self.run,
+            "run": self.run + 1,  # as the progress lines count runs
             "sent": len(self.sent),
             "answered": sum(s.answered for s in self.sent),
             "failed": sum(not s.answered for s in self.sent),
