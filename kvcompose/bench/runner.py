@@ -25,9 +25,20 @@ BENCHMARKS: dict[str, str] = {
     "lease": "lease_cost",
     "multi-turn": "multi_turn",
     "overload": "overload",
+    "load-failure": "load_failure",
 }
 #: Left out of ``--quick`` unless named with ``--only``: they start vLLM engines (minutes).
-FULL_ONLY = ("pd-ttft", "ranges", "cold-start", "serve", "pd-load", "lease", "multi-turn", "overload")
+FULL_ONLY = (
+    "pd-ttft",
+    "ranges",
+    "cold-start",
+    "serve",
+    "pd-load",
+    "lease",
+    "multi-turn",
+    "overload",
+    "load-failure",
+)
 #: Those that run across hosts with ``--hosts`` (``run(link=...)``: prefill and decode each in a
 #: host of their own, :mod:`kvcompose.e2e.hosts`).
 ACROSS_HOSTS = ("cold-start", "overload")
