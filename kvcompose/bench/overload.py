@@ -172,7 +172,12 @@ def side_run(side: str, model: str, size: Size, logs: Path, hosts: Hosts | None 
     placed: list[Host | None] = [hosts["prefill"], hosts["decode"]] if hosts else [None, None]
     addresses = tuple(h.address if h else "127.0.0.1" for h in placed)
     pair = specs(side, model, tuple(free_ports(2)), size, addresses)  # type: ignore[arg-type]
-    nodes = [ServerNode(spec, logs, extra_env=env, host=h) for (spec, env), h in zip(pair, placed, strict=True)]
+    # `kvcompose bench` sets VLLM_LOGGING_LEVEL=ERROR for itself: the prefill's lease expiries are
+    # warnings, and this benchmark counts them.
+    nodes = [
+        ServerNode(spec, logs, extra_env={**env, "VLLM_LOGGING_LEVEL": "INFO"}, host=h)
+        for (spec, env), h in zip(pair, placed, strict=True)
+    ]
     try:
         wait_all_ready(nodes)  # type: ignore[arg-type]
         prefill, decode = nodes

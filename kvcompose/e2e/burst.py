@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvcompose.e2e.flow import token_prompt
-from kvcompose.e2e.load import LATE_READ_REQUEST, LEASE_EXPIRY, REFUSED_READ, RELEASED_UNREAD
+from kvcompose.e2e.load import LATE_READ_REQUEST, LEASE_EXPIRY, LEASE_EXPIRY_REQUEST, REFUSED_READ, RELEASED_UNREAD
 
 #: How long one call of a request may take (a queued decode of the full burst waits ~70 s).
 CALL_TIMEOUT_S = 600.0
@@ -160,6 +160,8 @@ class LeaseLines:
     refused: Counter[str] = field(default_factory=Counter)
     #: prefill request id -> releases without a read the decode logged for it
     released: Counter[str] = field(default_factory=Counter)
+    #: prefill request id -> its lease expiries on the prefill
+    expired: Counter[str] = field(default_factory=Counter)
 
     @property
     def late_reads(self) -> int:
@@ -168,6 +170,11 @@ class LeaseLines:
     @property
     def refusals(self) -> int:
         return sum(self.refused.values())
+
+    def refused_while_held(self) -> dict[str, int]:
+        """Prefill request id -> reads the decode refused although the prefill never released the
+        blocks (no expiry logged for them): valid reads lost, what issue 43 was about."""
+        return {rid: n for rid, n in self.refused.items() if not self.expired[rid]}
 
     def unmatched(self) -> dict[str, int]:
         """Prefill request id -> its late-read lines that the decode's lines do not account for
@@ -187,6 +194,7 @@ def lease_lines(prefill_log: str, decode_log: str) -> LeaseLines:
         Counter(LATE_READ_REQUEST.findall(prefill_log)),
         Counter(REFUSED_READ.findall(decode_log)),
         Counter(RELEASED_UNREAD.findall(decode_log)),
+        Counter(LEASE_EXPIRY_REQUEST.findall(prefill_log)),
     )
 
 

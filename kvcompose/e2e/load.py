@@ -55,6 +55,8 @@ PREFIX_ARGS = {
 WORDS = re.findall(r"[a-z]+", CORPUS.lower())
 #: vLLM's NIXL worker on the prefill, when a request's lease runs out before every decode read it.
 LEASE_EXPIRY = "Releasing expired KV blocks for request"
+#: The prefill's request a :data:`LEASE_EXPIRY` line names.
+LEASE_EXPIRY_REQUEST = re.compile(LEASE_EXPIRY + r" (\S+)")
 #: vLLM's NIXL worker on the prefill, when a decode's read notification names a request whose
 #: blocks it no longer holds (their lease expired): the decode read blocks that may have been
 #: reused by another request (and, without the nixl plugin's check, computed from them).

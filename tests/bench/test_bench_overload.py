@@ -33,6 +33,8 @@ def test_a_refusal_accounts_for_two_late_read_lines_and_a_release_for_one() -> N
     lines = lease_lines(PREFILL, DECODE)
     assert (lines.expiries, lines.late_reads, lines.refusals) == (1, 4, 1)
     assert lines.unmatched() == {"cmpl-d-0": 1}  # read after its lease, neither refused nor released
+    assert lines.refused_while_held() == {"cmpl-b-0": 1}  # refused, its lease never expired
+    assert lease_lines(PREFILL.replace("cmpl-a-0", "cmpl-b-0"), DECODE).refused_while_held() == {}
     assert lease_lines(PREFILL.replace("cmpl-d-0", "cmpl-b-0"), DECODE).unmatched() == {"cmpl-b-0": 1}
 
 

@@ -5,9 +5,11 @@ The same burst (:data:`kvcompose.bench.overload.SHORT`: a 6 s lease on both serv
 disaggregated proxy sends them) goes into two pairs, one after the other: vLLM's NixlConnector as
 shipped on both servers, then the shipped examples. The decode queues requests past the lease;
 vLLM's heartbeats from the waiting decode keep their blocks on the prefill. The examples must
-answer at least as many requests as vLLM's own connector, and every read the prefill saw after a
-lease (``Potentially invalid KV blocks``) must be one the decode refused or never made: no read
-of released blocks used. About three and a half minutes here, both pairs' starts included.
+answer at least as many requests as vLLM's own connector, every read the prefill saw after a
+lease (``Potentially invalid KV blocks``) must be one the decode refused or never made (no read
+of released blocks used), and the decode must refuse no read whose blocks the prefill never
+released (the examples recompute a refused read, so the count alone would not show it). About
+three and a half minutes here, both pairs' starts included.
 """
 
 from __future__ import annotations
@@ -41,4 +43,14 @@ def test_every_read_after_a_lease_was_refused_by_the_decode(runs: dict[str, Side
     assert lines.unmatched() == {}, (
         f"prefill requests whose late reads no refusal or release on the decode accounts for: "
         f"{lines.unmatched()}; logs: {runs[SUBJECT].logs}"
+    )
+
+
+def test_no_read_is_refused_that_the_prefill_still_held(runs: dict[str, SideRun]) -> None:
+    """The examples recompute a refused read (``load_failure: recompute``), so the count above
+    would not show one: a refusal must be of blocks the prefill released."""
+    lines = runs[SUBJECT].lines
+    assert lines.refused_while_held() == {}, (
+        f"reads the decode refused while the prefill held their blocks: {lines.refused_while_held()}; "
+        f"logs: {runs[SUBJECT].logs}"
     )
