@@ -43,7 +43,7 @@ from kvcompose.bench.measure import Samples, ratio, repeats_for
 from kvcompose.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose.bench.report import Case, Result, Target
 from kvcompose.e2e.flow import delta
-from kvcompose.e2e.server import HOST
+from kvcompose.e2e.server import HOST, stream_failure
 from kvcompose.e2e.spec import EngineSpec, composed_kv_transfer_config
 from kvcompose.e2e.stats import quantile
 from kvcompose.vllm.args import vllm_multiconnector
@@ -102,11 +102,7 @@ def stream_completion(host: str, port: int, model: str, prompt: list[int], timeo
                 break
             chunk = json.loads(data)
             choices = chunk.get("choices") or []  # the usage chunk has none
-            if (
-                "error" in chunk
-                or chunk.get("object") == "error"
-                or any(c.get("finish_reason") == "error" for c in choices)
-            ):
+            if stream_failure(chunk) is not None:
                 raise RuntimeError(f"an error in the stream: {data[:300].decode(errors='replace')}")
             if first is None and any(c.get("text") is not None for c in choices):
                 first = time.perf_counter() - t0

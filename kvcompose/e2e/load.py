@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 from kvcompose.e2e.model import CORPUS
 from kvcompose.e2e.router import SESSION_HEADER
+from kvcompose.e2e.server import stream_failure
 from kvcompose.e2e.stats import quantile
 
 #: Conversations, turns per conversation and clients of :func:`chat_load`.
@@ -175,10 +176,8 @@ def stream_chat(
                 done = True
                 break
             chunk = json.loads(data)
-            if "error" in chunk or chunk.get("object") == "error":
-                return ttft, "".join(text), ids, f"error event: {str(chunk.get('error', chunk))[:300]}"
-            if any(choice.get("finish_reason") == "error" for choice in chunk.get("choices") or []):
-                return ttft, "".join(text), ids, f"error event: finished for error: {data[:300]}"
+            if (why := stream_failure(chunk)) is not None:
+                return ttft, "".join(text), ids, f"error event: {why}: {data[:300]}"
             for choice in chunk.get("choices", []):
                 content = (choice.get("delta") or {}).get("content")
                 for lp in (choice.get("logprobs") or {}).get("content") or []:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from kvcompose.e2e.server import completion_body, parse_completion
+from kvcompose.e2e.server import completion_body, parse_completion, stream_failure
 from kvcompose.soak.plan import Request
 
 #: answered: 200 with tokens (streamed: through ``data: [DONE]``). http-error: an error status,
@@ -147,8 +147,7 @@ def read_stream(lines: Iterable[bytes], t0: float, timeout_s: float = REQUEST_TI
                 joined = {"text": "".join(text), "token_ids": token_ids, "logprobs": {"token_logprobs": logprobs}}
                 return Reply("answered", "", {"choices": [{**choice, **joined}]}, first)
             chunk = json.loads(data)
-            failed = any(part.get("finish_reason") == "error" for part in chunk.get("choices") or [])
-            if "error" in chunk or chunk.get("object") == "error" or failed:
+            if stream_failure(chunk) is not None:
                 error = data[:200].decode(errors="replace")
                 return Reply("http-error", f"HTTP 200, then an error in the stream: {error}", None)
             for part in chunk.get("choices") or []:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcompose.e2e.flow import token_prompt
-from kvcompose.e2e.server import completion_body
+from kvcompose.e2e.server import completion_body, stream_failure
 
 #: A hang guard: longer than any pause the benchmark makes.
 TIMEOUT_S = 180.0
@@ -84,7 +84,7 @@ def stream_tokens(resp: http.client.HTTPResponse, t0: float) -> tuple[float | No
         if data == b"[DONE]":
             return first, ids, None if ids else "[DONE] without a token"
         chunk = json.loads(data)
-        if "error" in chunk or any(c.get("finish_reason") == "error" for c in chunk.get("choices") or []):
+        if stream_failure(chunk) is not None:
             return first, ids, f"error in the stream: {data[:200].decode(errors='replace')}"
         for choice in chunk.get("choices") or []:
             new = list(choice.get("token_ids") or [])
