@@ -17,7 +17,7 @@ prefill's answers instead:
 
 * the prefill's scheduler (:func:`stamp`) adds the lease's first end to the ``kv_transfer_params``
   it returns, as vLLM's own ``remote_blocks_expiry_time`` (vLLM fills that field only for a
-  decode instance's blocks, for bidirectional transfers), and :data:`ANSWERS_KEY`: this prefill
+  decode instance's blocks, for bidirectional transfers), and :data:`~kvcompose_nixl.LEASE_ANSWERS_KEY`: this prefill
   answers lease questions;
 * the decode's worker (:class:`LeaseWatch`), right after vLLM sent its heartbeats to such a
   prefill, asks it (its own notification, :data:`ASK`) how long each of those requests' blocks
@@ -35,7 +35,7 @@ prefill's answers instead:
 A read that ends inside the stamped end costs nothing more; questions go out only with vLLM's
 heartbeats, to waiting requests. Across a cut link no answer comes (or it comes late, and the
 read was refused meanwhile): nothing released is used, as before. Questions go only to a prefill
-that stamped :data:`ANSWERS_KEY` (vLLM's own NixlConnector would log each one as a read of an
+that stamped :data:`~kvcompose_nixl.LEASE_ANSWERS_KEY` (vLLM's own NixlConnector would log each one as a read of an
 unknown request); a prefill that stamps an end but does not answer (an older kvcompose) leaves
 the stamped end, and a prefill with vLLM's own NixlConnector stamps nothing: its reads are taken
 unchecked, as vLLM takes them (``kvcompose check`` says so for a consumer).
@@ -62,8 +62,6 @@ vllm_log = logging.getLogger("vllm.kvcompose.nixl")
 #: vLLM's ``kv_transfer_params`` key for the end of a lease on the sender's blocks
 #: (``nixl/metadata.py``: read into ``RemoteMeta.blocks_expiry_time``).
 EXPIRY_KEY = "remote_blocks_expiry_time"
-#: The ``kv_transfer_params`` key of a prefill instance that answers lease questions.
-ANSWERS_KEY = LEASE_ANSWERS_KEY
 #: How the decode's log starts the line of a read it refused (the soak matches it with the
 #: prefill's ``Potentially invalid KV blocks`` line for the same request).
 REFUSED = "NIXL read refused:"
@@ -101,13 +99,13 @@ def stamp(scheduler: Any, request_id: str, params: dict[str, Any] | None) -> Non
     expires = scheduler._reqs_need_send.get(request_id)
     if expires is not None:
         params[EXPIRY_KEY] = expires
-        params[ANSWERS_KEY] = 1
+        params[LEASE_ANSWERS_KEY] = 1
 
 
 def answering_engine(params: dict[str, Any]) -> str | None:
     """The prefill engine of a decode request's ``params`` when it answers lease questions."""
     engine = params.get("remote_engine_id")
-    return str(engine) if engine is not None and params.get(ANSWERS_KEY) else None
+    return str(engine) if engine is not None and params.get(LEASE_ANSWERS_KEY) else None
 
 
 def _name(agent: str | bytes) -> str:

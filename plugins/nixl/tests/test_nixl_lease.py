@@ -14,9 +14,9 @@ from vllm.v1.request import RequestStatus
 from kvcompose.e2e.load import RELEASED_UNREAD
 from kvcompose.testing.harness import make_request, prefill_request
 from kvcompose.testing.worker import WorkerHarness
-from kvcompose_nixl import HANDSHAKE_TRY_S
+from kvcompose_nixl import HANDSHAKE_TRY_S, LEASE_ANSWERS_KEY
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
-from kvcompose_nixl.lease import ANSWERS_KEY, ASK, HELLO, PREFIX, RELEASED
+from kvcompose_nixl.lease import ASK, HELLO, PREFIX, RELEASED
 from kvcompose_nixl.testing.fake_nixl import PRODUCER, FakeNixl, nixl_worker
 from kvcompose_nixl.testing.prefill_process import PrefillProcess
 from kvcompose_nixl.testing.side_channel import LateListener, pulled
@@ -109,7 +109,7 @@ def test_a_read_queued_past_its_first_deadline_is_taken_when_the_prefill_answere
     _, eco = p.engine_step()
     (out,) = [o for e in eco.values() for o in e.outputs]
     params = out.kv_transfer_params
-    assert params[ANSWERS_KEY] == 1
+    assert params[LEASE_ANSWERS_KEY] == 1
     expires = params["remote_blocks_expiry_time"]
     local = _queued_behind(d, 13)  # 15 usable blocks: 2 left, and the pull needs 3
     dreq = make_request(3 * BLOCK, block_size=BLOCK, prompt=req.prompt_token_ids, kv_transfer_params=params)
@@ -151,7 +151,7 @@ def test_no_question_goes_to_a_prefill_with_vllms_own_connector(fake_nixl: FakeN
     p.scheduler.add_request(req)
     _, eco = p.engine_step()
     (out,) = [o for e in eco.values() for o in e.outputs]
-    assert ANSWERS_KEY not in out.kv_transfer_params
+    assert LEASE_ANSWERS_KEY not in out.kv_transfer_params
     local = _queued_behind(d, 13)
     dreq = make_request(
         3 * BLOCK, block_size=BLOCK, prompt=req.prompt_token_ids, kv_transfer_params=out.kv_transfer_params
