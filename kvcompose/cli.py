@@ -180,16 +180,16 @@ def _write_new(target: str, text: str, force: bool) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from kvcompose.vllm import migrate
+    from kvcompose.vllm import dropin, migrate
 
     text, origin = _import_source(args.source)
     cfg = migrate.parse(text, origin)
-    data = migrate.composition_data(cfg, get_plugins().connector_types, origin)
+    data = dropin.composition_data(cfg, get_plugins().connector_types, origin)
     build(from_builtins(data, origin))  # what is written must compose (vllm-args of it)
     out = migrate.to_yaml(data, origin, migrate.left_behind(cfg))
     if args.output:
         _write_new(args.output, out, args.force)
-        print(f"{args.output}: {migrate.describe(data)}", file=sys.stderr)
+        print(f"{args.output}: {dropin.describe(data)}", file=sys.stderr)
     else:
         print(out, end="")
     return 0

@@ -16,7 +16,7 @@ store          which children receive the save hooks
 metadata       how the children's per-step metadata travels scheduler -> workers
 params         how the children's ``kv_transfer_params`` are merged
 completion     which child reports reach vLLM, once (worker and scheduler halves)
-faults         which children may fail without stopping the engine, and what they owed
+faults         which children may fail without stopping the engine, and when they are called again
 =============  ====================================================================
 
 Nothing here imports vLLM: rules are unit-tested without it. Child positions are the children's
@@ -402,18 +402,14 @@ class Isolation(FaultMonitor):
 
 @runtime_checkable
 class FaultsRule(Protocol):
-    """Rule kind ``faults``: which child failures are contained, what a failed child owed, and
-    whether (and when) a bypassed child is called again."""
+    """Rule kind ``faults``: which child failures are contained, and whether (and when) a
+    bypassed child is called again. The adapter reports the loads a contained child owed failed
+    (:meth:`CompletionTracker.owed_by`), so that vLLM stops waiting for them."""
 
     def contains(self, child: int) -> bool:
         """Whether an exception raised by ``child`` is contained (the child's call answers
         vLLM's "nothing" and the engine goes on) instead of propagating to vLLM."""
         ...
-
-    def owed(self, child: int, tracker: CompletionTracker) -> set[str]:
-        """Worker half: the loads a child whose call failed owed, to report failed so that vLLM
-        stops waiting for them (and recomputes under ``kv_load_failure_policy: recompute``)."""
-        return tracker.owed_by(child)
 
     def monitor(self) -> FaultMonitor:
         """A fresh monitor for one connector instance. The default bypasses a child at its

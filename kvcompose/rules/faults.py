@@ -1,5 +1,8 @@
-"""Fault rules: what happens when a child raises, what a contained child answers, what its
-failure settles, and whether it is ever called again."""
+"""Fault rules: whether a child that raises is contained (the engine goes on without it) and
+whether, and when, it is called again (a circuit breaker's state).
+
+What a contained child answers in its call's place, and how what it owed is reported failed,
+are the adapter's (:mod:`kvcompose.vllm.forward`, :mod:`kvcompose.vllm.connector`)."""
 
 from __future__ import annotations
 
@@ -7,62 +10,22 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any
 
 import msgspec
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
 from kvcompose.rules.children import ChildrenParams, indices
-from kvcompose.rules.contract import ChildState, CompletionTracker, FaultMonitor, FaultsRule
+from kvcompose.rules.contract import ChildState, FaultMonitor, FaultsRule
 
 log = logging.getLogger("kvcompose.rules.faults")
-
-#: The shapes of a child's answer to a connector call (each call's shape is in the call table,
-#: :mod:`kvcompose.vllm.calls`).
-Answer = Literal["none", "flag", "block-ids", "events", "hit", "finished", "sources"]
-
-#: What a contained child answers in place of a call that raised: vLLM's "nothing" for the
-#: answer's shape, which the composite's combination of the children's answers drops.
-NEUTRAL: dict[Answer, Any] = {
-    "none": None,
-    "flag": False,
-    "block-ids": frozenset(),
-    "events": (),
-    "hit": (0, False),  # no tokens to load, not asynchronously
-    "finished": (False, None),  # blocks freed now, no kv_transfer_params
-    "sources": {},
-}
-
-
-class LoadsOwed(Protocol):
-    """The scheduler's record of the loads it gave the children (the composite's request loads)."""
-
-    def abandon(self, child: int) -> None:
-        """``child`` failed on the scheduler: the loads it was given that the workers have not
-        been told of are reported failed to them."""
-        ...
-
-
-def settle(
-    rule: FaultsRule, child: int, bypassed: bool, tracker: CompletionTracker, loads: LoadsOwed | None = None
-) -> None:
-    """A contained child raised: what it owed is reported failed, whether or not it is bypassed
-    now (a failed call may have lost a load). On a worker: the loads it still owes (the rule's
-    :meth:`~FaultsRule.owed`). On the scheduler: the loads it was given that the workers have not
-    been told of (``loads``). A bypassed child's delayed frees are released, so that its blocks
-    are not held until it comes back."""
-    tracker.abandon(child, rule.owed(child, tracker))
-    if bypassed:
-        tracker.release(child)
-    if loads is not None:
-        loads.abandon(child)
 
 
 @dataclass(frozen=True)
 class Contain(FaultsRule):
     """Errors of the ``best_effort`` children are contained; a child that raised is bypassed for
-    good and its outstanding loads are reported failed (the :class:`FaultsRule` defaults)."""
+    good (the :class:`FaultsRule` default monitor)."""
 
     best_effort: frozenset[int]
 

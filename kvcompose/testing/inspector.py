@@ -23,20 +23,21 @@ def child(connector: KVComposeConnector, name: str) -> KVConnectorBase_V1:
 
 def loaders(connector: KVComposeConnector, request_id: str) -> tuple[str, ...]:
     """Names of the children loading (or chosen to load) a request's external KV (scheduler)."""
-    return connector._loads.loaders(request_id)
+    return tuple(connector.names[c.child] for c in connector.loads.contributions(request_id))
 
 
 def deferred_loaders(connector: KVComposeConnector, request_id: str) -> tuple[str, ...]:
     """Names of the children whose part of a request's load waits for the request's next
     schedule (a synchronous range of a mixed load, :meth:`LoadRule.deferred`)."""
-    return connector._loads.loaders(request_id, deferred=True)
+    held = connector.loads.held.get(request_id)
+    return tuple(connector.names[c.child] for c in held.contributions) if held is not None else ()
 
 
 def disabled(connector: KVComposeConnector) -> tuple[str, ...]:
     """Names of the children bypassed now after a contained fault (open breakers included)."""
-    return tuple(connector.names[i] for i in sorted(connector.calls.disabled))
+    return tuple(connector.names[i] for i in sorted(connector.fanout.disabled))
 
 
 def child_state(connector: KVComposeConnector, name: str) -> ChildState:
     """``closed``, ``open`` or ``half-open``: the child's state in this connector instance."""
-    return connector.calls.monitor.state(connector.names.index(name))
+    return connector.fanout.monitor.state(connector.names.index(name))

@@ -1,12 +1,13 @@
 """Plugin module: the test kit's connector types (``record``, ``record-range``, ``record-pd``,
 ``faulty``).
 
-Nothing here imports vLLM (the call table, :mod:`kvcompose.vllm.calls`, is written without it): the
-classes vLLM instantiates live in :mod:`kvcompose.testing.connectors`.
+Nothing here imports vLLM until a fault is declared (the calls it may name are the composite's):
+the classes vLLM instantiates live in :mod:`kvcompose.testing.connectors`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -18,7 +19,6 @@ import msgspec
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, ConnectorType, Options
-from kvcompose.vllm.calls import FORWARDED
 
 if TYPE_CHECKING:
     from kvcompose.plugins import Plugins
@@ -33,9 +33,15 @@ class RecordOptions(Options):
     sleep_mode: bool = True
 
 
-#: Every engine call a fault may name: the calls a composed connector forwards to a child's own
-#: implementation, from the call table (so each one fires, and every forwarded call can fail).
-FAULT_CALLS: frozenset[str] = FORWARDED
+@functools.cache
+def fault_calls() -> frozenset[str]:
+    """Every engine call a fault may name: the calls the composed connector declares as forwarded
+    to a child's own implementation (so each one fires, and every forwarded call can fail)."""
+    from kvcompose.vllm.connector import KVComposeConnector  # vLLM, only once a fault is declared
+    from kvcompose.vllm.forward import declared
+
+    return frozenset(name for name, call in declared(KVComposeConnector).items() if call.forwarded)
+
 
 FaultAction = Literal["raise", "none", "stall", "fail-load"]
 
@@ -57,8 +63,8 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     times: int | None = None
 
     def __post_init__(self) -> None:
-        if self.call not in FAULT_CALLS:
-            raise ValueError(f"call {self.call!r} is not a connector call; expected one of {sorted(FAULT_CALLS)}")
+        if self.call not in fault_calls():
+            raise ValueError(f"call {self.call!r} is not a connector call; expected one of {sorted(fault_calls())}")
         if self.action == "fail-load" and self.call != "get_transfer_results":
             raise ValueError("action fail-load is reported by get_transfer_results; set call: get_transfer_results")
         if self.seconds < 0 or self.after < 0 or (self.times is not None and self.times < 1):

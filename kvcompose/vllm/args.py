@@ -54,8 +54,8 @@ def vllm_multiconnector(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def children_configs(extra_config: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """The children's ``KVTransferConfig`` kwargs from a ``kv_connector_extra_config``."""
+def listed_entries(extra_config: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The children's ``KVTransferConfig`` kwargs as a ``kv_connector_extra_config`` lists them."""
     return list((extra_config or {}).get(CHILDREN_KEY) or [])
 
 

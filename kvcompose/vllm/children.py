@@ -1,4 +1,5 @@
-"""The children as vLLM sees them: their configs and classes, from a composite's ``KVTransferConfig``.
+"""The children as vLLM sees them: the plan, their configs and classes, from a composite's
+``KVTransferConfig`` (built once per process: :func:`composite_of`).
 
 Also the class-level answers vLLM asks of a connector class before any instance exists
 (KV layout, CUDA-graph mode, Prometheus metrics), each combined over the children's classes.
@@ -7,6 +8,9 @@ Also the class-level answers vLLM asks of a connector class before any instance 
 from __future__ import annotations
 
 import copy
+import functools
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -25,31 +29,91 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from kvcompose.catalog import Plan
 from kvcompose.compose import build
 from kvcompose.config import to_builtins
+from kvcompose.plugins import get_plugins, tracing_enabled
 from kvcompose.rules.checks import layout_conflict
 from kvcompose.rules.contract import EngineFacts
+from kvcompose.vllm.args import listed_entries
+from kvcompose.vllm.dropin import announce_dropin, is_dropin, refuse_mismatch, source
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
 from kvcompose.vllm.health import ChildStatePromMetrics
 from kvcompose.vllm.loadstats import STATS_KEY as LOADS_KEY
 from kvcompose.vllm.loadstats import ChildLoadPromMetrics
 from kvcompose.vllm.metadata import ComposedStats
-from kvcompose.vllm.migrate import announce_dropin, is_dropin, source
-from kvcompose.vllm.migrate import child_configs as listed_configs
 from kvcompose.vllm.surface import sleep_mode
 
 #: Under vLLM's logger, whose handler and ``VLLM_LOGGING_LEVEL`` an engine's log already has.
 vllm_log = init_logger("vllm.kvcompose")
 
 
-def plan_from_config(ktc: KVTransferConfig, announce: bool = False) -> Plan:
-    """Rebuild the plan from the composition embedded in vLLM's ``kv_connector_extra_config``, or
-    from a MultiConnector ``connectors`` list taken as it is (``announce``: say what was composed).
+@dataclass(frozen=True)
+class Composite:
+    """A composite's plan and its children's configs, read from its ``KVTransferConfig`` once per
+    process (:func:`composite_of`): the instance and every class-level answer share it."""
+
+    plan: Plan
+    #: Each child's ``KVTransferConfig`` kwargs, in YAML order: as listed, or as a drop-in renders them.
+    entries: tuple[dict[str, Any], ...]
+    #: The composite's ``engine_id``, each child's unless the child sets its own.
+    engine_id: str | None
+    #: Started from vLLM's plain ``connectors`` list, without kvcompose's entry.
+    dropin: bool
+
+    @functools.cached_property
+    def configs(self) -> tuple[KVTransferConfig, ...]:
+        """Each child's own ``KVTransferConfig``. vLLM's MultiConnector passes ``engine_id`` twice
+        when a child sets it (a TypeError); merging the dicts lets the child's value win."""
+        return tuple(KVTransferConfig(**{"engine_id": self.engine_id, **entry}) for entry in self.entries)
+
+    def announce(self) -> None:
+        """Say, once per process, what a drop-in config was composed into (in vLLM's log)."""
+        if self.dropin:
+            announce_dropin(to_builtins(self.plan.composition), vllm_log)
+
+    def child_classes(self, vllm_config: VllmConfig) -> list[tuple[type[KVConnectorBase_V1], VllmConfig]]:
+        """Each child's connector class, with a copy of ``vllm_config`` holding the child's config."""
+        out = []
+        for cktc in self.configs:
+            cfg = copy.copy(vllm_config)
+            cfg.kv_transfer_config = cktc
+            out.append((KVConnectorFactory.get_connector_class(cktc), cfg))
+        return out
+
+
+_composites: dict[tuple[Any, ...], Composite] = {}
+
+
+def composite_of(
+    extra_config: dict[str, Any] | None, kv_role: str | None = None, engine_id: str | None = None
+) -> Composite:
+    """The plan of the composition embedded in vLLM's ``kv_connector_extra_config`` (or made of a
+    MultiConnector ``connectors`` list taken as it is), built on first use per process, per
+    config, plugin set and ``KVCOMPOSE_TRACE``.
 
     The checks import the modules the children name: the engine imports them next anyway, and a
-    module that fails to import is then a located error instead of vLLM's traceback."""
-    plan = build(source(ktc.kv_connector_extra_config, ktc.kv_role), import_modules=True)
-    if announce and is_dropin(ktc.kv_connector_extra_config):
-        announce_dropin(to_builtins(plan.composition), vllm_log)
-    return plan
+    module that fails to import is then a located error instead of vLLM's traceback. The listed
+    entries must be those the composition renders (:func:`~kvcompose.vllm.dropin.refuse_mismatch`).
+    """
+    extra = extra_config or {}
+    key = (json.dumps(extra, sort_keys=True, default=repr), kv_role, engine_id, get_plugins(), tracing_enabled())
+    found = _composites.get(key)
+    if found is not None:
+        return found
+    dropin = is_dropin(extra)
+    plan = build(source(extra, kv_role), import_modules=True)
+    if dropin:
+        entries = [c.vllm_config() for c in plan.children]
+    else:
+        entries = listed_entries(extra)
+        refuse_mismatch(plan, entries)
+    found = _composites[key] = Composite(plan, tuple(entries), engine_id, dropin)
+    return found
+
+
+def composite_of_config(vllm_config: VllmConfig) -> Composite:
+    """:func:`composite_of` the composite's ``KVTransferConfig`` in ``vllm_config``."""
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    return composite_of(ktc.kv_connector_extra_config, ktc.kv_role, ktc.engine_id)
 
 
 def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> EngineFacts:
@@ -61,34 +125,6 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None)
         max(groups, 1),
         parallel.decode_context_parallel_size * parallel.prefill_context_parallel_size,
     )
-
-
-def child_configs(ktc: KVTransferConfig) -> list[KVTransferConfig]:
-    """Each child's own ``KVTransferConfig``; a child may carry its own ``engine_id``.
-
-    vLLM's MultiConnector passes ``engine_id`` twice when a child sets it (a TypeError); merging
-    the dicts lets the child's value win.
-    """
-    return [
-        KVTransferConfig(**{"engine_id": ktc.engine_id, **entry})
-        for entry in listed_configs(ktc.kv_connector_extra_config, ktc.kv_role)
-    ]
-
-
-def child_names(ktc: KVTransferConfig) -> list[str]:
-    """The children's names, in the order of :func:`child_configs`."""
-    return [c.name for c in source(ktc.kv_connector_extra_config, ktc.kv_role).composition.connectors]
-
-
-def child_classes(vllm_config: VllmConfig) -> list[tuple[type[KVConnectorBase_V1], VllmConfig]]:
-    """Each child's connector class, with a copy of ``vllm_config`` holding the child's config."""
-    assert vllm_config.kv_transfer_config is not None
-    out = []
-    for cktc in child_configs(vllm_config.kv_transfer_config):
-        cfg = copy.copy(vllm_config)
-        cfg.kv_transfer_config = cktc
-        out.append((KVConnectorFactory.get_connector_class(cktc), cfg))
-    return out
 
 
 class ClassLevelAnswers:
@@ -127,19 +163,20 @@ class ClassLevelAnswers:
 def sleep_mode_support(ktc: KVTransferConfig) -> dict[str, bool]:
     """Per child name, whether its connector class supports sleep mode (vLLM 0.33's
     ``supports_sleep_mode``, asked with the child's own config; no such classmethod: no)."""
+    composite = composite_of(ktc.kv_connector_extra_config, ktc.kv_role, ktc.engine_id)
     return {
         name: sleep_mode(KVConnectorFactory.get_connector_class(cktc), cktc)
-        for name, cktc in zip(child_names(ktc), child_configs(ktc), strict=True)
+        for name, cktc in zip(composite.plan.names, composite.configs, strict=True)
     }
 
 
 def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
     """The one layout the children need (None: any); raises when they disagree."""
     assert vllm_config.kv_transfer_config is not None
-    names = child_names(vllm_config.kv_transfer_config)
+    composite = composite_of_config(vllm_config)
     layouts = {
         name: cls.get_required_kvcache_layout(cfg)
-        for name, (cls, cfg) in zip(names, child_classes(vllm_config), strict=True)
+        for name, (cls, cfg) in zip(composite.plan.names, composite.child_classes(vllm_config), strict=True)
     }
     conflict = layout_conflict(layouts)
     if conflict:
@@ -149,9 +186,9 @@ def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
 
 def requires_piecewise_for_cudagraph(extra_config: dict[str, Any]) -> bool:
     """Whether any child needs piecewise CUDA graphs."""
-    for entry in listed_configs(extra_config):
-        child_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**entry))
-        if child_cls.requires_piecewise_for_cudagraph(entry.get("kv_connector_extra_config", {})):
+    for cktc in composite_of(extra_config).configs:
+        child_cls = KVConnectorFactory.get_connector_class(cktc)
+        if child_cls.requires_piecewise_for_cudagraph(cktc.kv_connector_extra_config):
             return True
     return False
 
@@ -171,8 +208,8 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
         assert vllm_config.kv_transfer_config is not None
         by_class: dict[type[KVConnectorBase_V1], KVConnectorPromMetrics | None] = {}
         self._by_name: dict[str, KVConnectorPromMetrics] = {}
-        names = child_names(vllm_config.kv_transfer_config)
-        for name, (child_cls, cfg) in zip(names, child_classes(vllm_config), strict=True):
+        composite = composite_of_config(vllm_config)
+        for name, (child_cls, cfg) in zip(composite.plan.names, composite.child_classes(vllm_config), strict=True):
             if child_cls not in by_class:  # a second registration of one family would clash
                 by_class[child_cls] = child_cls.build_prom_metrics(
                     cfg, metric_types, labelnames, per_engine_labelvalues

@@ -67,19 +67,7 @@ class ResultsCodec:
 
 
 #: The codec of the installed vLLM's class.
-RESULTS = ResultsCodec(KVConnectorTransferResults)
-#: vLLM's transfer-result fields (the installed vLLM's class).
-RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(KVConnectorTransferResults))
-
-
-def from_vllm_results(results: KVConnectorTransferResults | None) -> TransferResults | None:
-    """A child's report as the completion rule reads it (:meth:`ResultsCodec.read`)."""
-    return RESULTS.read(results)
-
-
-def to_vllm_results(results: TransferResults) -> KVConnectorTransferResults:
-    """vLLM's report of the rules' fields (:meth:`ResultsCodec.write`)."""
-    return RESULTS.write(results)
+RESULTS_CODEC = ResultsCodec(KVConnectorTransferResults)
 
 
 @dataclass

@@ -9,9 +9,10 @@ is one module's work:
   forwards those calls on every vLLM, to the children that have them (:func:`provides`); a child
   class written for 0.32 has none of them and does not support sleep mode (:func:`sleep_mode`).
 - **Calls kvcompose does not know.** An engine call of a newer vLLM's base class that the
-  composite does not define is forwarded to every child and the answers combined by
-  :func:`kvcompose.merge.merge_values` (:func:`forward_unknown_calls`, the call table's
-  ``merge``), instead of vLLM's do-nothing default answering for the children.
+  composite does not declare (:func:`unknown_calls`) is forwarded to every child and the answers
+  combined by :func:`kvcompose.merge.merge_values`
+  (:func:`kvcompose.vllm.forward.forward_unknown_calls`), instead of vLLM's do-nothing default
+  answering for the children.
 - **Moved helpers of vLLM's.** The test kit's KV layout uses vLLM's KV cache planning, which 0.33
   moved to another module (:func:`kv_cache_config_from_groups`).
 
@@ -40,20 +41,14 @@ log = logging.getLogger("kvcompose.vllm")
 SLEEP_MODE_CALLS = ("unregister_kv_caches", "restore_kv_caches")
 #: Whether the installed vLLM asks connectors about sleep mode (0.33 and later).
 HAS_SLEEP_MODE = callable(getattr(KVConnectorBase_V1, "supports_sleep_mode", None))
-#: The calls of the call table (:mod:`kvcompose.vllm.calls`) that vLLM 0.32's connector API lacks.
+#: The calls the composite declares that vLLM 0.32's connector API lacks.
 SINCE_0_33 = frozenset({"supports_sleep_mode", *SLEEP_MODE_CALLS})
-#: The calls of the call table that the installed vLLM does not make (none from 0.33 on).
+#: The calls the composite declares that the installed vLLM does not make (none from 0.33 on).
 INSTALLED_LACKS: frozenset[str] = frozenset() if HAS_SLEEP_MODE else SINCE_0_33
 
 #: Base-class members whose base implementation is right for the composite too (vLLM's own
 #: MultiConnector guard exempts the same two).
 NOT_FORWARDED = frozenset({"role", "has_connector_metadata"})
-#: The call of vLLM's ``SupportsHMA`` interface (the composite is ``SupportsHMA``); the call table
-#: holds it beside ``KVConnectorBase_V1``'s.
-HMA_CALLS = frozenset({"request_finished_all_groups"})
-#: Members of vLLM's MultiConnector beyond the connector API that the composite keeps, as a
-#: drop-in for it.
-MULTICONNECTOR_EXTRAS = frozenset({"sub_connectors"})
 
 
 def provides(connector: object, call: str) -> bool:
@@ -95,30 +90,6 @@ def unknown_calls(cls: type, base: type = KVConnectorBase_V1) -> list[str]:
         if name not in NOT_FORWARDED
         and inspect.getattr_static(cls, name, None) in (None, inspect.getattr_static(base, name))
     )
-
-
-def forward_unknown_calls(cls: type, base: type = KVConnectorBase_V1) -> type:
-    """Class decorator: each instance method of vLLM's base class (or ``base``) that the
-    composite does not define is forwarded to every child that has it, the answers merged by
-    type; ``cls.forwarded_generically`` names them. Class methods and properties it does not
-    define keep vLLM's default (the surface tests name them), since no child instance exists to
-    ask."""
-    kinds = base_calls(base)
-    generic = tuple(name for name in unknown_calls(cls, base) if kinds[name] == "method")
-    for name in generic:
-        setattr(cls, name, _forwarder(name))
-    cls.forwarded_generically = generic
-    return cls
-
-
-def _forwarder(name: str) -> Callable[..., Any]:
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        warn_generic(name)
-        return self.calls.combiner(name)(*args, **kwargs)
-
-    forward.__name__ = forward.__qualname__ = name
-    forward.__doc__ = f"vLLM's ``{name}``, unknown to kvcompose: forwarded to every child, answers merged by type."
-    return forward
 
 
 @functools.cache

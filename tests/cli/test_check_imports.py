@@ -3,7 +3,7 @@
 A ``vllm`` child's ``kv_connector_module_path`` is a module on ``sys.path``; importing it runs its
 code. Without ``--import-modules`` the commands leave it unimported and say so in one line; with
 it, the class is checked and whatever the import raises is a located error (exit 2), never a
-traceback. The engine's plan (``plan_from_config``) still imports: that is where the class is used.
+traceback. The engine's plan (``composite_of``) still imports: that is where the class is used.
 """
 
 from __future__ import annotations
@@ -163,23 +163,23 @@ def test_a_registered_name_is_resolved_without_the_flag(tmp_path: Path, capsys: 
 
 
 def test_the_engine_still_imports_and_locates_a_failing_import(tmp_path: Path, modules: Path) -> None:
-    """``plan_from_config`` (the composite's, in every engine process) checks with imports on."""
+    """``composite_of`` (the composite's, in every engine process) checks with imports on."""
     from vllm.config.kv_transfer import KVTransferConfig
 
     from kvcompose.compose import load
     from kvcompose.errors import CompositionError
     from kvcompose.vllm.args import kv_transfer_config
-    from kvcompose.vllm.children import plan_from_config
+    from kvcompose.vllm.children import composite_of
 
     marker = tmp_path / "marker"
     good = composition(tmp_path, module(modules, MARKER.format(marker=str(marker))))
-    plan = plan_from_config(KVTransferConfig(**kv_transfer_config(load(good))))
+    plan = composite_of(kv_transfer_config(load(good))["kv_connector_extra_config"]).plan
     assert plan.import_modules and marker.read_text() == "imported"
 
     failing = composition(tmp_path, module(modules, FAILING["RuntimeError"]))
     config = KVTransferConfig(**kv_transfer_config(load(failing)))
     with pytest.raises(CompositionError, match=r"kv_connector_module_path: importing .* failed: RuntimeError"):
-        plan_from_config(config)
+        composite_of(config.kv_connector_extra_config, config.kv_role)
 
 
 def test_no_traceback_reaches_stderr_from_a_real_process(tmp_path: Path, modules: Path) -> None:

@@ -151,7 +151,7 @@ connectors:
 def test_child_may_carry_its_own_engine_id() -> None:
     from vllm.config import KVTransferConfig
 
-    from kvcompose.vllm.children import child_configs
+    from kvcompose.vllm.children import composite_of
 
     ktc = KVTransferConfig(
         kv_connector="MultiConnector",
@@ -164,7 +164,8 @@ def test_child_may_carry_its_own_engine_id() -> None:
             ]
         },
     )
-    assert [c.engine_id for c in child_configs(ktc)] == ["mine", "top"]
+    configs = composite_of(ktc.kv_connector_extra_config, ktc.kv_role, ktc.engine_id).configs
+    assert [c.engine_id for c in configs] == ["mine", "top"]
 
 
 def test_stats_per_child_name_and_rebuilt_from_plain_data(kvcompose_worker: Factory) -> None:

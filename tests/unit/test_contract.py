@@ -132,12 +132,11 @@ class ContainNothing(FaultsRule):
         return False
 
 
-def test_an_explicit_faults_rule_subclass_inherits_owed() -> None:
-    tracker = completion.OwnerAccounting(("a", "b"))
-    tracker.expect_load("r", (1,))
+def test_an_explicit_faults_rule_subclass_inherits_the_isolation_monitor() -> None:
     rule = ContainNothing()
     assert isinstance(rule, FaultsRule)
-    assert rule.owed(1, tracker) == {"r"} and rule.owed(0, tracker) == set()
+    monitor = rule.monitor()
+    assert monitor.failed(1) and monitor.state(1) == "open" and monitor.step() == ()
 
 
 # ------------------------------------------------------------------ every built-in rule builds its Protocol

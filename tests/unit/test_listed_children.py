@@ -15,7 +15,7 @@ from kvcompose.cli import main
 from kvcompose.compose import loads
 from kvcompose.errors import CompositionError
 from kvcompose.vllm.args import CHILDREN_KEY, EXTRA_KEY, kv_transfer_config
-from kvcompose.vllm.migrate import child_configs
+from kvcompose.vllm.children import composite_of
 
 COMPOSITION = """\
 version: 1
@@ -48,15 +48,15 @@ def listed(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def refused(config: dict[str, Any]) -> str:
-    """The one problem ``child_configs`` (the composite's reader) refuses ``config`` with."""
+    """The one problem the composite's reader (:func:`composite_of`) refuses ``config`` with."""
     with pytest.raises(CompositionError) as err:
-        child_configs(config["kv_connector_extra_config"])
+        composite_of(config["kv_connector_extra_config"])
     [problem] = err.value.problems
     return str(err.value)
 
 
 def test_an_untouched_config_reads_back_its_entries(rendered: dict[str, Any]) -> None:
-    assert child_configs(rendered["kv_connector_extra_config"]) == listed(rendered)
+    assert list(composite_of(rendered["kv_connector_extra_config"]).entries) == listed(rendered)
 
 
 def test_two_swapped_entries_are_refused_naming_the_first_that_differs(rendered: dict[str, Any]) -> None:
@@ -133,7 +133,7 @@ def test_an_entry_that_is_not_an_object_is_refused(rendered: dict[str, Any]) -> 
 
 
 def test_the_composite_refuses_a_hand_edited_config_before_loading_a_class(rendered: dict[str, Any]) -> None:
-    """``child_configs`` of the vLLM adapter, which every class-level answer and the composite's
+    """``composite_of`` of the vLLM adapter, which every class-level answer and the composite's
     constructor read the children through."""
     from vllm.config.kv_transfer import KVTransferConfig
 
@@ -143,8 +143,8 @@ def test_the_composite_refuses_a_hand_edited_config_before_loading_a_class(rende
     entries = listed(config)
     entries[0], entries[2] = entries[2], entries[0]
     with pytest.raises(CompositionError, match=r"connectors\[0\]\.kv_connector: is 'ExampleConnector'"):
-        children.child_configs(KVTransferConfig(**config))
-    assert len(children.child_configs(KVTransferConfig(**rendered))) == 3
+        children.composite_of(KVTransferConfig(**config).kv_connector_extra_config)
+    assert len(children.composite_of(KVTransferConfig(**rendered).kv_connector_extra_config).configs) == 3
 
 
 def test_import_refuses_a_hand_edited_config(rendered: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ from kvcompose.compose import build
 from kvcompose.config import from_builtins, load_text
 from kvcompose.errors import CompositionError
 from kvcompose.plugins import get_plugins
-from kvcompose.vllm import migrate
+from kvcompose.vllm import dropin, migrate
 from kvcompose.vllm.args import EXTRA_KEY, kv_transfer_config
 
 #: vLLM, docs/features/disagg_prefill.md ("MultiConnector: ... such as:"), as the page shows it.
@@ -81,7 +81,7 @@ NIXL_OFFLOADING = {
 
 def imported(text: str) -> tuple[dict[str, Any], str]:
     cfg = migrate.parse(text)
-    data = migrate.composition_data(cfg, get_plugins().connector_types)
+    data = dropin.composition_data(cfg, get_plugins().connector_types)
     return cfg, migrate.to_yaml(data, "the docs", migrate.left_behind(cfg))
 
 
@@ -91,8 +91,8 @@ def round_trip(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], l
     plan = build(load_text(out, "imported.yaml"))
     again = json.loads(json.dumps(kv_transfer_config(plan)))
     del again["kv_connector_extra_config"][EXTRA_KEY]  # the children's configs alone, as MultiConnector reads them
-    back = migrate.composition_data(again, get_plugins().connector_types)
-    return yaml.safe_load(out)["connectors"], back["connectors"], migrate.entries(cfg)
+    back = dropin.composition_data(again, get_plugins().connector_types)
+    return yaml.safe_load(out)["connectors"], back["connectors"], dropin.entries(cfg)
 
 
 @pytest.mark.parametrize("text", [VLLM_DISAGG_PREFILL, DYNAMO_DISAGG_LMCACHE, json.dumps(NIXL_OFFLOADING)])
@@ -133,7 +133,7 @@ def test_built_in_types_where_they_apply() -> None:
     ]
     assert children[0]["options"] == {"buffer_device": "cpu"}
     assert children[1]["options"] == {"cpu_bytes": 67108864}
-    data = migrate.composition_data(NIXL_OFFLOADING, get_plugins().connector_types)
+    data = dropin.composition_data(NIXL_OFFLOADING, get_plugins().connector_types)
     assert data["load_failure"] == "recompute"
 
 
@@ -166,7 +166,7 @@ def test_a_single_connector_is_a_one_child_composition() -> None:
 def test_a_key_vllm_would_refuse_is_located_with_the_fix() -> None:
     """Ray's page puts NIXL's ``backends`` beside ``kv_role``; KVTransferConfig has no such field."""
     with pytest.raises(CompositionError) as err:
-        migrate.composition_data(RAY_LMCACHE_NIXL, get_plugins().connector_types)
+        dropin.composition_data(RAY_LMCACHE_NIXL, get_plugins().connector_types)
     text = str(err.value)
     assert "kv_connector_extra_config.connectors[1].backends: unknown key 'backends'" in text
     assert "goes inside the entry's kv_connector_extra_config" in text
@@ -201,15 +201,15 @@ def test_bad_json_is_located() -> None:
 
 
 def test_names_follow_the_connector() -> None:
-    assert migrate.child_name("NixlConnector") == "nixl"
-    assert migrate.child_name("MooncakeStoreConnector") == "mooncake-store"
-    assert migrate.child_name("LMCacheConnectorV1") == "lm-cache"
-    assert migrate.child_name("P2pNcclConnector") == "p2p-nccl"
+    assert dropin.child_name("NixlConnector") == "nixl"
+    assert dropin.child_name("MooncakeStoreConnector") == "mooncake-store"
+    assert dropin.child_name("LMCacheConnectorV1") == "lm-cache"
+    assert dropin.child_name("P2pNcclConnector") == "p2p-nccl"
     two = {
         "kv_connector": "MultiConnector",
         "kv_connector_extra_config": {"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}] * 2},
     }
-    data = migrate.composition_data(two, get_plugins().connector_types)
+    data = dropin.composition_data(two, get_plugins().connector_types)
     assert [c["name"] for c in data["connectors"]] == ["nixl", "nixl-2"]
 
 
@@ -218,17 +218,17 @@ def test_names_follow_the_connector() -> None:
 def test_an_extra_config_that_is_not_an_object_is_located(connector: str, extra: object) -> None:
     cfg = {"kv_connector": connector, "kv_connector_extra_config": extra}
     with pytest.raises(CompositionError, match=r"^cfg.json: kv_connector_extra_config: expected a JSON object, got "):
-        migrate.composition_data(cfg, get_plugins().connector_types, "cfg.json")
+        dropin.composition_data(cfg, get_plugins().connector_types, "cfg.json")
 
 
 def test_a_kv_role_that_is_not_text_is_located() -> None:
     child = {"kv_connector": "NixlConnector", "kv_role": ["kv_both"]}
     cfg = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [child]}}
     with pytest.raises(CompositionError, match=r"connectors\[0\]\.kv_role: unknown kv_role \['kv_both'\]"):
-        migrate.composition_data(cfg, get_plugins().connector_types)
+        dropin.composition_data(cfg, get_plugins().connector_types)
     cfg = {**cfg, "kv_role": {"x": 1}, "kv_connector_extra_config": {"connectors": [{"kv_connector": "NixlConnector"}]}}
     with pytest.raises(CompositionError, match=r": kv_role: unknown kv_role \{'x': 1\}"):
-        migrate.composition_data(cfg, get_plugins().connector_types)
+        dropin.composition_data(cfg, get_plugins().connector_types)
 
 
 def test_an_embedded_composition_that_is_not_an_object_is_located() -> None:
@@ -236,7 +236,7 @@ def test_an_embedded_composition_that_is_not_an_object_is_located() -> None:
     with pytest.raises(
         CompositionError, match=rf"kv_connector_extra_config\.{EXTRA_KEY}\.composition: expected a JSON"
     ):
-        migrate.composition_data(cfg, get_plugins().connector_types)
+        dropin.composition_data(cfg, get_plugins().connector_types)
 
 
 def test_a_config_nested_too_deeply_is_refused() -> None:

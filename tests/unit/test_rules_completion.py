@@ -14,7 +14,6 @@ from kvcompose.compose import loads
 from kvcompose.rules import completion
 from kvcompose.rules.completion import FREED_KEPT, Owner, OwnerAccounting
 from kvcompose.rules.contract import CompletionRule, CompletionTracker, TransferResults
-from kvcompose.rules.faults import Contain
 from tests.unit.three import THREE
 
 
@@ -210,13 +209,12 @@ def test_abandon_accumulates_until_settled() -> None:
     assert out == TransferResults(finished_recving={"r1", "r2"}, failed_recving={"r1", "r2"})
 
 
-def test_faults_owed_is_the_trackers_owed_by() -> None:
+def test_a_failed_childs_owed_loads_abandoned_report_failed() -> None:
     t = tracker()
     t.expect_load("r1", (0, 1))
     t.expect_load("r2", (0,))
-    faults = Contain(frozenset({0}))
-    assert faults.owed(0, t) == {"r1", "r2"} and faults.owed(1, t) == {"r1"}
-    t.abandon(0, faults.owed(0, t))
+    assert t.owed_by(0) == {"r1", "r2"} and t.owed_by(1) == {"r1"}
+    t.abandon(0, t.owed_by(0))
     out, _ = t.settle(report(b=recv("r1")))
     assert out == TransferResults(finished_recving={"r1", "r2"}, failed_recving={"r1", "r2"})
 

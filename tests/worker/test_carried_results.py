@@ -44,7 +44,7 @@ class NewerResults(KVConnectorTransferResults):
 @pytest.fixture
 def newer_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The composite built after this sees vLLM's results class as :class:`NewerResults`."""
-    monkeypatch.setattr(metadata, "RESULTS", metadata.ResultsCodec(NewerResults))
+    monkeypatch.setattr(metadata, "RESULTS_CODEC", metadata.ResultsCodec(NewerResults))
 
 
 def test_the_codec_knows_the_rules_fields_and_carries_the_rest() -> None:

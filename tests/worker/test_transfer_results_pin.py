@@ -16,7 +16,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvcompose.rules.contract import TransferResults
-from kvcompose.vllm.metadata import RESULT_FIELDS, RESULTS, from_vllm_results, to_vllm_results
+from kvcompose.vllm.metadata import RESULTS_CODEC as RESULTS
 
 VLLM_FIELDS = {f.name: f for f in dataclasses.fields(KVConnectorTransferResults)}
 OUR_FIELDS = {f.name: f for f in dataclasses.fields(TransferResults)}
@@ -68,23 +68,23 @@ def test_defaults_are_not_shared_between_instances() -> None:
 
 
 def test_the_adapter_copies_every_vllm_field() -> None:
-    assert set(RESULT_FIELDS) == set(VLLM_FIELDS)
+    assert set(RESULTS.known + RESULTS.carried) == set(VLLM_FIELDS)
 
 
 def test_a_report_round_trips_through_ours_field_by_field() -> None:
     values = {name: {f"{name}-1", f"{name}-2"} for name in SHARED}
     theirs = KVConnectorTransferResults(**values)
-    ours = from_vllm_results(theirs)
+    ours = RESULTS.read(theirs)
     assert ours is not None
     for name, value in values.items():
         assert getattr(ours, name) == value
         assert getattr(ours, name) is not getattr(theirs, name)  # a copy: the rules may change it
-    back = to_vllm_results(ours)
+    back = RESULTS.write(ours)
     assert isinstance(back, KVConnectorTransferResults)
     assert dataclasses.asdict(back) == dataclasses.asdict(theirs)
 
 
 def test_an_empty_report_is_none_and_empty_ours_is_an_empty_vllm_report() -> None:
-    assert from_vllm_results(None) is None
-    assert from_vllm_results(KVConnectorTransferResults()) is None
-    assert dataclasses.asdict(to_vllm_results(TransferResults())) == dataclasses.asdict(KVConnectorTransferResults())
+    assert RESULTS.read(None) is None
+    assert RESULTS.read(KVConnectorTransferResults()) is None
+    assert dataclasses.asdict(RESULTS.write(TransferResults())) == dataclasses.asdict(KVConnectorTransferResults())

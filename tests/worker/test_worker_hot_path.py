@@ -1,8 +1,8 @@
 """The composite's per-step worker shortcuts answer exactly what the full path would.
 
 The worker hooks skip a child that inherits vLLM's constant base answer (an empty set), a
-child whose hook has an empty body (it does nothing and answers ``None``), both where the call
-table says the call's combination drops that answer, and settling transfer results on a step
+child whose hook has an empty body (it does nothing and answers ``None``), both where the
+composite declares that the call's combination drops that answer, and settling transfer results on a step
 where no child reported any; these tests pin that the answers are unchanged and
 which child code runs (the time saved is measured by ``kvcompose bench``).
 """
@@ -19,10 +19,9 @@ from unittest import mock
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvcompose.rules.faults import NEUTRAL
 from kvcompose.testing import inspector
-from kvcompose.vllm.calls import CALLS, IGNORES_NEUTRAL
-from kvcompose.vllm.dispatch import has_empty_body
+from kvcompose.vllm.connector import KVComposeConnector
+from kvcompose.vllm.forward import declared, has_empty_body
 
 Factory = Callable[..., Any]
 
@@ -168,14 +167,15 @@ def test_functions_that_do_or_answer_something_have_a_body(fn: Callable[..., Any
 def test_the_calls_whose_base_answer_is_neutral_answer_it() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    marked = [name for name, c in CALLS.items() if c.base_neutral]
+    calls = declared(KVComposeConnector)
+    marked = [name for name, c in calls.items() if c.base_neutral]
     assert marked  # a child inheriting one of these is not called
     for name in marked:
-        c = CALLS[name]
+        c = calls[name]
         base = getattr(KVConnectorBase_V1, name)
         # A misspelt or renamed method would silently never be skipped.
         assert callable(base), name
         # The base answer is a constant, and exactly what the call's combination drops.
         assert not has_empty_body(base), name
-        assert base(None, *[None] * (base.__code__.co_argcount - 1)) == NEUTRAL[c.answer], name
-        assert c.combine in IGNORES_NEUTRAL, name
+        assert base(None, *[None] * (base.__code__.co_argcount - 1)) == c.neutral, name
+        assert c.how in ("any", "union", "concat"), name
