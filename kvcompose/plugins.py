@@ -15,7 +15,7 @@ Environment:
     Set to ``1`` to log, at INFO level on the ``kvcompose.trace`` logger, every hook call
     (pluggy tracing: registration hooks, each preceded by a line naming the plugin called, and
     ``kvcompose_check``) and every child call the composed connector forwards
-    (:mod:`kvcompose.vllm.dispatch`). Read from the process environment when a :class:`Plugins` is
+    (:mod:`kvcompose.vllm.forward`). Read from the process environment when a :class:`Plugins` is
     built (hooks) and when a composition is resolved (child calls). The CLI shows the logger's
     lines on stderr while the variable is set (:func:`kvcompose.cli.main`).
 """

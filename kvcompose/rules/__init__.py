@@ -4,16 +4,17 @@ and the built-in rules, each kind a plugin module with a ``kvcompose_rules`` hoo
 =============  ===================================  ========================================
 module         built-in rules                       Protocol their ``build`` returns
 =============  ===================================  ========================================
-``load``       ``first-wins``, ``longest-hit``      :class:`~.contract.LoadRule`
+``load``       ``first-wins``, ``longest-hit``,     :class:`~.contract.LoadRule`
+               ``ranges``
 ``store``      ``all``, ``only``                    :class:`~.contract.StoreRule`
 ``metadata``   ``merge``                            :class:`~.contract.MetadataRule`
 ``params``     ``owners``, ``strict``               :class:`~.contract.ParamsRule`
 ``completion`` ``owner``                            :class:`~.contract.CompletionRule`
-``faults``     ``fail``, ``isolate``                :class:`~.contract.FaultsRule`
+``faults``     ``fail``, ``isolate``, ``breaker``   :class:`~.contract.FaultsRule`
 ``checks``     cross-child checks (``kvcompose_check``), a rule's own (:class:`~.checks.ChecksPlan`)
 =============  ===================================  ========================================
 
-``allocation`` puts a load rule's decisions together between lookup and load (the split at
-``update_state_after_alloc``, a mixed load's deferred part); ``children`` holds the child-index
-helpers for rules that name children. Plugins import all of this through :mod:`kvcompose.api`.
+``children`` holds the child-index helpers for rules that name children. Plugins import all of
+this through :mod:`kvcompose.api`. How the composite applies a load rule's decisions between
+vLLM's calls is the adapter's (:mod:`kvcompose.vllm.loads`).
 """

@@ -18,10 +18,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvcompose.testing import inspector
 from kvcompose.versions import BASE_PY, ConnectorAPI, connector_api, installed_base_py, parse_connector_api
 from kvcompose.vllm import surface
-from kvcompose.vllm.calls import CALLS
 from kvcompose.vllm.connector import KVComposeConnector
+from kvcompose.vllm.forward import Call, Read, forward_unknown_calls
 
 ROOT = Path(__file__).parents[2]
+
+#: The call of vLLM's ``SupportsHMA`` interface (the composite is ``SupportsHMA``), beside
+#: ``KVConnectorBase_V1``'s.
+HMA_CALLS = frozenset({"request_finished_all_groups"})
+#: Members of vLLM's MultiConnector beyond the connector API that the composite keeps, as a
+#: drop-in for it.
+MULTICONNECTOR_EXTRAS = frozenset({"sub_connectors"})
 
 
 def next_wheel() -> Path | None:
@@ -56,7 +63,7 @@ def not_forwarded(api: ConnectorAPI) -> list[str]:
 def surface_kind(member: object) -> str:
     if isinstance(member, classmethod):
         return "classmethod"
-    return "property" if isinstance(member, property) else "method"
+    return "property" if isinstance(member, (property, Read)) else "method"
 
 
 def composite_members() -> dict[str, str]:
@@ -67,30 +74,33 @@ def composite_members() -> dict[str, str]:
         if cls in vllm_classes or cls is object:
             continue
         for name, member in vars(cls).items():
-            if not name.startswith("_") and (callable(member) or isinstance(member, (classmethod, property))):
+            if not name.startswith("_") and (callable(member) or isinstance(member, (classmethod, property, Call))):
                 out.setdefault(name, surface_kind(member))
     return out
 
 
-def test_the_call_table_the_composite_and_the_installed_vllm_name_the_same_calls() -> None:
-    """One call table: each call of vLLM's connector API is declared once, of the kind vLLM's is,
-    and the composite defines exactly those (and MultiConnector's ``sub_connectors``)."""
-    table = {name: c.kind for name, c in CALLS.items() if name not in surface.INSTALLED_LACKS}
+def declared_api() -> dict[str, str]:
+    """The calls of vLLM's connector API the composite defines, by kind."""
+    return {name: kind for name, kind in composite_members().items() if name not in MULTICONNECTOR_EXTRAS}
+
+
+def test_the_composite_and_the_installed_vllm_name_the_same_calls() -> None:
+    """Each call of vLLM's connector API is defined once, of the kind vLLM's is, and the composite
+    defines exactly those (and MultiConnector's ``sub_connectors``)."""
+    mine = {name: kind for name, kind in declared_api().items() if name not in surface.INSTALLED_LACKS}
     vllm = {name: kind for name, kind in surface.base_calls().items() if name not in surface.NOT_FORWARDED}
-    assert table == vllm | dict.fromkeys(surface.HMA_CALLS, "method")
-    members = composite_members()
-    assert set(members) == set(CALLS) | surface.MULTICONNECTOR_EXTRAS
-    assert {name: members[name] for name in CALLS} == {name: c.kind for name, c in CALLS.items()}
+    assert mine == vllm | dict.fromkeys(HMA_CALLS, "method")
+    assert MULTICONNECTOR_EXTRAS <= set(composite_members())
     assert KVComposeConnector.forwarded_generically == ()
 
 
-def test_the_call_table_is_the_next_vllms_connector_api() -> None:
+def test_the_composite_defines_the_next_vllms_connector_api() -> None:
     wheel = next_wheel()
     if wheel is None:
         pytest.skip("no next vLLM wheel: run `make test-vllm-next` (or set KVCOMPOSE_VLLM_NEXT_WHEEL)")
     api = wheel_api(wheel)
     vllm = {name: api.kind(name) for name in api.all - surface.NOT_FORWARDED}
-    assert {name: c.kind for name, c in CALLS.items()} == vllm | dict.fromkeys(surface.HMA_CALLS, "method")
+    assert declared_api() == vllm | dict.fromkeys(HMA_CALLS, "method")
 
 
 def test_the_parser_reads_the_installed_base_as_python_sees_it() -> None:
@@ -124,7 +134,7 @@ def test_a_call_kvcompose_does_not_know_reaches_every_child_merged_by_type(kvcom
         def pinned_blocks(self, request_id: str) -> set[int] | None:
             return None
 
-    composite = surface.forward_unknown_calls(type("Newer", (KVComposeConnector,), {}), base=NewerBase)
+    composite = forward_unknown_calls(type("Newer", (KVComposeConnector,), {}), base=NewerBase)
     assert composite.forwarded_generically == ("pinned_blocks",)
     conn = kvcompose_worker(
         "version: 1\nconnectors: [{name: a, type: record}, {name: b, type: record}, {name: c, type: record}]\n",
@@ -133,4 +143,5 @@ def test_a_call_kvcompose_does_not_know_reaches_every_child_merged_by_type(kvcom
     inspector.child(conn, "a").pinned_blocks = lambda request_id: {1, 2}
     inspector.child(conn, "b").pinned_blocks = lambda request_id: {3}
     # c has no such call (a class written for an older vLLM): it is passed over.
-    assert composite.pinned_blocks(conn, "r1") == {1, 2, 3}
+    conn.__class__ = composite  # the same instance, under the newer vLLM's class
+    assert conn.pinned_blocks("r1") == {1, 2, 3}

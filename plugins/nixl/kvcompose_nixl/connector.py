@@ -6,7 +6,7 @@ vLLM imports ``kv_connector_module_path`` and takes ``getattr(module, kv_connect
 "NixlConnector" with ``KVTransferConfig.has_connector`` in several places, so a different name
 would silently turn those checks off.
 
-Both subclass vLLM's connectors and change these things only:
+Both subclass vLLM's connectors and change four things:
 
 1. **Side channel from the config.** vLLM reads the handshake listener's host and port only from
    ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (``base_scheduler.py``), one
@@ -43,8 +43,9 @@ Both subclass vLLM's connectors and change these things only:
 Before vLLM's worker creates its NIXL agent they also apply the agent settings vLLM has no
 option for (:mod:`kvcompose_nixl.agent`: the progress thread's sleep, UCX error handling), and
 once it exists they let it ask a slow peer's side channel again (:mod:`kvcompose_nixl.handshake`).
-Everything else (GPUDirect, host buffers, memory registration, the leases and their heartbeats)
-is vLLM's.
+Everything else is vLLM's: GPUDirect, host buffers, memory registration, and the leases
+themselves (the prefill's timers and reaping, the decode's heartbeats that renew them); item 4
+only asks the prefill how long it still holds them.
 """
 
 from __future__ import annotations

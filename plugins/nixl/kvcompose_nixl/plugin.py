@@ -183,8 +183,9 @@ class NixlOptions(Options):
 #: where it cannot: a prefill instance running vLLM's own NixlConnector.
 LEASE_CHECK = (
     "a read is refused (recomputed, or failed under load_failure: fail) when it ends after the prefill "
-    "instance's lease on its blocks, as far as that instance answered the questions that follow vLLM's "
-    "heartbeats, so a request that queues past the lease is read while heartbeats keep its blocks; this "
+    "instance's lease on its blocks, as far as that instance answered the questions this decode sends after "
+    "vLLM's heartbeats (the heartbeats renew the lease there; the answers, not the heartbeats, tell this "
+    "decode so), so a request that queues past the lease is read while the prefill still holds its blocks; this "
     "needs the prefill instance to run this nixl type (it stamps its leases and answers): behind vLLM's own "
     "NixlConnector the decode sees no lease and takes every read unchecked, as vLLM does"
 )

@@ -323,7 +323,7 @@ def test_describe_each_role() -> None:
 
 def test_describe_says_a_consumer_checks_reads_only_behind_this_type() -> None:
     consumer = NixlType().describe(child("consumer"))
-    assert "read while heartbeats keep its blocks" in consumer
+    assert "read while the prefill still holds its blocks" in consumer
     assert "behind vLLM's own NixlConnector the decode sees no lease and takes every read unchecked" in consumer
     assert "unchecked" not in NixlType().describe(child("producer"))
 

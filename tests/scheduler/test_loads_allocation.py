@@ -1,4 +1,4 @@
-"""Allocation under a load rule (:mod:`kvcompose.rules.allocation`): the split at
+"""Allocation under a load rule (the steps in :mod:`kvcompose.vllm.loads`): the split at
 ``update_state_after_alloc``, a mixed load's deferred part, what vLLM kept of the load, the
 blocks no other request may hit before the deferred part loads, and who loads a request.
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcompose.rules import allocation
-from kvcompose.rules.allocation import Deferred, Split
-from kvcompose.rules.contract import Contribution, LoadRule, Selection
+from kvcompose.rules.contract import Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.rules.load import FirstWins, Ranges
+from kvcompose.vllm import loads as allocation
+from kvcompose.vllm.loads import HeldPart, Split
 
 BS = 16
 HOST = Contribution(0, 0, 32, True)  # async, [0, 32) beyond the local prefix
@@ -73,10 +73,10 @@ def test_nothing_allocated_is_no_load(tokens: int) -> None:
 # ------------------------------------------------------------------ the deferred part
 
 
-def deferred(req: SimpleNamespace, local: int = 32) -> Deferred:
+def deferred(req: SimpleNamespace, local: int = 32) -> HeldPart:
     load = allocation.split(RULE, MIXED, 96)
     assert load is not None
-    return allocation.defer(req, load, local, list(range(100, 120)), BS)
+    return allocation.hold(req, load, local, list(range(100, 120)), BS)
 
 
 def test_defer_keeps_the_sync_ranges_blocks_and_the_loads_end() -> None:
@@ -144,23 +144,35 @@ def test_nothing_deferred_evicts_nothing() -> None:
 # ------------------------------------------------------------------ who loads a request
 
 
+def loads_of(selection: Selection | None, allocated: int | None = None) -> allocation.RequestLoads:
+    """A request ``r``'s load state after its lookup chose ``selection`` and, when ``allocated``
+    is given, vLLM allocated that many external tokens."""
+    loads = allocation.RequestLoads(RULE, ("host", "disk", "pd"), EngineFacts(BS))
+    if selection is not None:
+        loads.selected("r", selection, 0)
+    if allocated is not None:
+        blocks = SimpleNamespace(get_block_ids=lambda: (list(range(100, 120)),))
+        loads.after_alloc(request(), blocks, allocated)  # type: ignore[arg-type]
+    return loads
+
+
 def test_loaders_before_allocation_are_the_selection() -> None:
-    assert allocation.loaders(RULE, MIXED, None) == (HOST, DISK, PD)
+    assert loads_of(MIXED).contributions("r") == (HOST, DISK, PD)
 
 
 def test_loaders_after_allocation_are_the_allocation() -> None:
-    assert allocation.loaders(RULE, MIXED, (HOST,)) == (HOST,)
+    assert loads_of(MIXED, allocated=32).contributions("r") == (HOST,)
 
 
 def test_loaders_of_a_number_of_tokens_rerun_the_rules_split() -> None:
     """vLLM asks where a hit comes from with the tokens it means to load, before it allocates."""
-    assert allocation.loaders(RULE, MIXED, None, 40) == (HOST, Contribution(1, 32, 8, False))
-    assert allocation.loaders(RULE, MIXED, (HOST, DISK, PD), 40) == (HOST, Contribution(1, 32, 8, False))
+    assert loads_of(MIXED).contributions("r", 40) == (HOST, Contribution(1, 32, 8, False))
+    assert loads_of(MIXED, allocated=96).contributions("r", 40) == (HOST, Contribution(1, 32, 8, False))
 
 
 def test_no_loader_without_a_selection() -> None:
-    assert allocation.loaders(RULE, None, None) == ()
-    assert allocation.loaders(RULE, None, None, 32) == ()
+    assert loads_of(None).contributions("r") == ()
+    assert loads_of(None).contributions("r", 32) == ()
 
 
 def test_ranges_allocates_with_the_same_defaults() -> None:
