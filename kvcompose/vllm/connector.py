@@ -100,9 +100,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self.results_codec = vllm_metadata.RESULTS_CODEC
         self._completion = plan.completion.tracker()
         self._abandoned = False  # loads of a disabled child to settle as failed
-        #: Reports withheld from vLLM (not from a loader, duplicate or late), for tests and logs.
-        self.dropped_completions = 0
-        #: The scheduler's per-request load state (:mod:`kvcompose.vllm.loads`).
+        #: A request's load on the scheduler, and the load counters on both sides (:mod:`kvcompose.vllm.loads`).
         self.loads = RequestLoads(
             plan.load,
             self.names,
@@ -126,6 +124,11 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def sub_connectors(self) -> list[KVConnectorBase_V1]:
         """The children (vLLM's MultiConnector has this too)."""
         return list(self._connectors)
+
+    # Each call of vLLM's connector API, declared once (kvcompose/vllm/forward.py): ``each()`` calls
+    # every child that gets it with vLLM's arguments; ``combined(how, neutral)`` combines their
+    # answers (``neutral``: what a contained child that raised answers); a method marked
+    # ``@by_child`` / ``@combined`` decides itself, given the children's callables after ``self``.
 
     supports_divergent_local_hybrid_hits = read("all")
     requires_kv_delivery = read("any")
@@ -201,16 +204,18 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             carried = codec.merge_carried(raw)
             if not some:
                 return codec.write(TransferResults(), carried)
-            out, dropped = self._completion.settle(reports)
-            self.dropped_completions += dropped
+            out, withheld = self._completion.settle(reports)
+            if withheld:  # not from a loader, a duplicate or late: vllm:kvcompose_withheld_reports
+                self.loads.counts().withheld(withheld)
             return codec.write(out, carried)
         for i, fn in children.items():
             report = reports[i] = codec.read(fn(finished_req_ids))
             some = some or report is not None
         if not some:  # most steps: nothing finished anywhere
             return KVConnectorTransferResults()
-        out, dropped = self._completion.settle(reports)
-        self.dropped_completions += dropped
+        out, withheld = self._completion.settle(reports)
+        if withheld:
+            self.loads.counts().withheld(withheld)
         return codec.write(out)
 
     @combined("named")
@@ -307,9 +312,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     @by_child()
     def update_connector_output(self, children: ByChild, connector_output: KVConnectorOutput) -> None:
         reported = connector_output.finished_recving
-        if reported:
-            connector_output.finished_recving = kept = self.loads.arrived(reported, self._completion)
-            self.dropped_completions += len(reported) - len(kept)
+        if reported:  # the reports vLLM no longer waits for are withheld (and counted)
+            connector_output.finished_recving = self.loads.arrived(reported, self._completion)
         composed_meta = connector_output.kv_connector_worker_meta
         composed_events = connector_output.kv_cache_events
         metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else _NONE

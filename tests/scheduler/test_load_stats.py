@@ -141,4 +141,4 @@ def test_a_request_aborted_while_its_load_is_in_flight_is_counted_once(kvcompose
     assert isinstance(stats, ComposedStats) and stats.data[STATS_KEY].data["aborted"] == 1
     # vLLM frees the request's blocks on its load report, which still reaches it (not withheld).
     step(sched, finished_recving={req.request_id})
-    assert not sched.requests and conn.dropped_completions == 0
+    assert not sched.requests
