@@ -18,7 +18,7 @@ finished, past vLLM's 30 s lease: only the decode's heartbeats keep their blocks
 Per side: requests answered and failed, the longest decode call, and from the logs the prefill's
 lease expiries and late-read lines and the decode's refusals (:mod:`kvcompose_tools.e2e.burst`). The
 figure is answered requests, each side's over vLLM's NixlConnector's. :data:`SHORT` (``--quick``
-and ``tests/engine/test_overload.py``) is the same situation in about two minutes: a 6 s lease on
+and ``tools/tests/engine/test_overload.py``) is the same situation in about two minutes: a 6 s lease on
 both servers, a smaller decode, fewer and shorter requests.
 
 ``link`` (``kvcompose bench --only overload --hosts``) puts the prefill and the decode in two

@@ -1,5 +1,5 @@
 """Ctrl-C stops every process group the command started (each with a child of its own, as an
-engine has its engine core) and says so; ``tests/engine/test_interrupt.py`` does it to
+engine has its engine core) and says so; ``tools/tests/engine/test_interrupt.py`` does it to
 ``kvcompose demo`` with real engines."""
 
 from __future__ import annotations

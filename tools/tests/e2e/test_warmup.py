@@ -1,6 +1,6 @@
 """``kvcompose warmup`` without engines: every prefill/decode pair gets one small P/D request of
 its own, and a server that cannot be reached is a one-line error. Against real servers:
-``tests/engine/test_router.py``; its effect on a fresh pair's first request: ``kvcompose bench
+``tools/tests/engine/test_router.py``; its effect on a fresh pair's first request: ``kvcompose bench
 --only cold-start``."""
 
 from __future__ import annotations

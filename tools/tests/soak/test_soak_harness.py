@@ -1,7 +1,7 @@
 """The soak harness without engines: its plan, its clients against a real local HTTP server
 (streamed answers included), its report's arithmetic, its reading of vLLM's prefill logs, and
 ``kvcompose soak``'s refusals. The run itself, with real engines, is
-``tests/engine/test_soak.py``."""
+``tools/tests/engine/test_soak.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What one phase of the load-failure benchmark showed, from the client's records and the decode's
-log: no engine needed (tests/bench/test_bench_load_failure.py).
+log: no engine needed (tools/tests/bench/test_bench_load_failure.py).
 
 A phase is one decode policy under the steady load with one pause of the decode. Its requests
 fall in four groups: ``refused`` (the decode's nixl child refused their read: the
