@@ -93,3 +93,27 @@ def test_a_benchmark_stream_without_its_usage_chunk_is_failed() -> None:
     assert (failed.success, failed.error) == (False, "HTTP 500")
     assert funcs["vllm"] is request  # restored
     assert "vllm" in serve.ASYNC_REQUEST_FUNCS  # the one prefix_load wraps
+
+
+def test_the_prefix_load_leaves_the_heap_unfrozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's benchmark freezes the garbage collector's heap (``freeze_gc_heap``); frozen cycles
+    holding triton's nanobind objects outlive the interpreter's last collection, and nanobind lists
+    them as "leaked" at exit, the last lines of ``make test`` and ``kvcompose bench``. The load
+    unfreezes it, also when the benchmark fails."""
+    import gc
+
+    from vllm.benchmarks import serve
+
+    from kvcompose_tools.e2e.load import prefix_load
+
+    def frozen_then_failed(args: Any) -> dict[str, Any]:
+        gc.freeze()
+        raise ConnectionError("the router went away")
+
+    monkeypatch.setattr(serve, "main", frozen_then_failed)
+    try:
+        with pytest.raises(ConnectionError):
+            prefix_load("http://127.0.0.1:9", "model")
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
