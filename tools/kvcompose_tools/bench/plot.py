@@ -1,4 +1,4 @@
-"""PNG drawing of a benchmark's ratios (needs matplotlib: ``pip install 'kvcompose[bench]'``)."""
+"""PNG drawing of a benchmark's ratios (needs matplotlib: ``pip install 'kvcompose-tools[bench]'``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def require_matplotlib() -> None:
     except ImportError as exc:
         raise PlotUnavailable(
             "--png needs matplotlib, which is not installed; install it with "
-            "`pip install 'kvcompose[bench]'` (or `pip install matplotlib`)"
+            "`pip install 'kvcompose-tools[bench]'` (or `pip install matplotlib`)"
         ) from exc
 
 
