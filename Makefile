@@ -28,7 +28,7 @@ demo: setup
 # cores are named (VLLM_CPU_OMP_THREADS_BIND) (docs/e2e.md, cold start).
 test: setup lint
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
-	KVCOMPOSE_SPREAD_ENGINE_THREADS=1 $(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tests/engine plugins $(PYTEST_ARGS)
+	KVCOMPOSE_SPREAD_ENGINE_THREADS=1 $(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tools/tests/engine plugins $(PYTEST_ARGS)
 
 # ruff's linter and formatter, and the layer contracts (lint-imports: an import the wrong way
 # fails), all configured in pyproject.toml; `make test` runs this first.

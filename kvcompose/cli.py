@@ -1,10 +1,13 @@
-"""``kvcompose``: check, explain, plugins, schema, vllm-args, import, examples, demo, bench.
+"""``kvcompose``: check, explain, plugins, schema, vllm-args, import, examples; and the commands
+other distributions add through the ``kvcompose.commands`` entry-point group (``kvcompose-tools``:
+demo, bench, soak, warmup).
 
 Exit status: 0 on success, 2 for a bad composition or bad usage (the error is printed as
-``FILE:LINE:COL: key: message (hint)``, never as a traceback), 1 for a broken plugin; 141
-(128 + SIGPIPE, what a shell reports for ``yes | head``) when the reader of the output goes away
-first, quietly; 130 (128 + SIGINT) or 143 (SIGTERM) when ``demo`` or ``bench`` is interrupted,
-after stopping every engine and router process it started.
+``FILE:LINE:COL: key: message (hint)``, never as a traceback) or for a command whose distribution
+is not installed (the line says which to install), 1 for a broken plugin; 141 (128 + SIGPIPE,
+what a shell reports for ``yes | head``) when the reader of the output goes away first, quietly;
+130 (128 + SIGINT) or 143 (SIGTERM) when ``demo`` or ``bench`` is interrupted, after stopping
+every engine and router process it started.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.metadata
 import json
 import logging
 import os
@@ -22,7 +26,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from kvcompose.bench.runner import BENCHMARKS
 from kvcompose.catalog import Child, Plan
 from kvcompose.compose import build, load
 from kvcompose.config import from_builtins
@@ -216,103 +219,6 @@ def cmd_examples(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from kvcompose.bench.plot import PlotUnavailable
-    from kvcompose.bench.runner import run
-    from kvcompose.e2e.hosts import DEFAULT_LINK
-    from kvcompose.e2e.processes import stopped_on_interrupt
-
-    if args.link and not args.hosts:
-        print("kvcompose bench: --link sets the rate of --hosts' links; add --hosts", file=sys.stderr)
-        return 2
-    try:
-        with stopped_on_interrupt():
-            run(
-                quick=args.quick,
-                only=args.only or (),
-                png=args.png,
-                out=Path(args.out),
-                link=(args.link or DEFAULT_LINK) if args.hosts else None,
-            )
-    except (PlotUnavailable, ValueError) as exc:
-        print(f"kvcompose bench: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from kvcompose.e2e.demo import run
-    from kvcompose.e2e.hosts import DEFAULT_LINK
-    from kvcompose.e2e.processes import stopped_on_interrupt
-
-    with stopped_on_interrupt():
-        return run(http=args.http, decodes=args.decodes, link=(args.link or DEFAULT_LINK) if args.hosts else None)
-
-
-def cmd_warmup(args: argparse.Namespace) -> int:
-    from kvcompose.e2e.processes import NodeError
-    from kvcompose.e2e.warmup import check_url, connect, warm
-
-    try:
-        for url in args.prefill + args.decode:
-            check_url(url)
-    except ValueError as exc:
-        print(f"kvcompose warmup: {exc}", file=sys.stderr)
-        return 2
-    try:
-        prefills = [connect(u) for u in args.prefill]
-        decodes = [connect(u) for u in args.decode]
-        warmed = warm(prefills, decodes, echo=print)
-    except NodeError as exc:
-        print(f"kvcompose warmup: {exc}", file=sys.stderr)
-        return 1
-    cold = [w for w in warmed if w.nixl_bytes <= 0]
-    for w in cold:
-        print(
-            f"kvcompose warmup: {w.prefill} -> {w.decode} moved nothing over NIXL: is the decode a kv_consumer "
-            "composition with a nixl child, and the prefill a kv_producer?",
-            file=sys.stderr,
-        )
-    return 1 if cold else 0
-
-
-def cmd_soak(args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
-
-    from kvcompose.e2e.hosts import HostsError, parse_rate
-    from kvcompose.e2e.processes import NodeError, stopped_on_interrupt
-    from kvcompose.soak.plan import QUICK, SoakOptions
-    from kvcompose.soak.run import run
-
-    base = QUICK if args.quick else SoakOptions()
-    given = {k: getattr(args, k) for k in ("requests", "concurrency", "seed", "link") if getattr(args, k) is not None}
-    if args.link and not args.hosts:
-        print("kvcompose soak: --link sets the rate of --hosts' link; add --hosts", file=sys.stderr)
-        return 2
-    try:
-        options = dataclasses.replace(base, hosts=args.hosts, **given)
-        if options.link is not None:
-            parse_rate(options.link)  # a ValueError naming tc's units
-    except ValueError as exc:
-        print(f"kvcompose soak: {exc}", file=sys.stderr)
-        return 2
-    try:
-        with stopped_on_interrupt():
-            report = run(options, Path(args.work) if args.work else None, echo=lambda line: print(line, flush=True))
-    except HostsError as exc:  # not root, or no namespace could be made: nothing was measured
-        print(f"kvcompose soak: {exc}", file=sys.stderr)
-        return 2
-    except NodeError as exc:  # the stack did not start: nothing was measured
-        print(f"kvcompose soak: {exc}", file=sys.stderr)
-        return 1
-    print()
-    print(report.render())
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.as_dict(), indent=1))
-    return 1 if report.problems else 0
-
-
 class _Versions(argparse.Action):
     """``--version``: kvcompose's, its plugins' and the vLLM and NIXL found (read only when asked)."""
 
@@ -328,10 +234,11 @@ class _Versions(argparse.Action):
         parser.exit()
 
 
-def _command(
+def command(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str, example: str
 ) -> argparse.ArgumentParser:
-    """A subcommand whose ``--help`` ends with an example of its use."""
+    """A subcommand whose ``--help`` ends with an example of its use (what a ``kvcompose.commands``
+    entry point calls to add its command)."""
     return sub.add_parser(
         name,
         help=help,
@@ -361,11 +268,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action=_Versions)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    s = _command(sub, "check", "validate a composition and say what it will do", "kvcompose check pd-decode.yaml")
+    s = command(sub, "check", "validate a composition and say what it will do", "kvcompose check pd-decode.yaml")
     s.add_argument("file")
     _import_modules_flag(s)
     s.set_defaults(func=cmd_check)
-    s = _command(
+    s = command(
         sub,
         "explain",
         "the plan in plain words and each child's vLLM config",
@@ -374,7 +281,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     _import_modules_flag(s)
     s.set_defaults(func=cmd_explain)
-    s = _command(
+    s = command(
         sub,
         "plugins",
         "every connector type and rule, with the distribution providing it",
@@ -382,14 +289,14 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_plugins)
-    s = _command(
+    s = command(
         sub,
         "schema",
         "JSON Schema of the composition file (for editor completion)",
         "kvcompose schema > kvcompose.schema.json",
     )
     s.set_defaults(func=cmd_schema)
-    s = _command(
+    s = command(
         sub,
         "vllm-args",
         "the --kv-transfer-config value that makes vLLM load the composition",
@@ -404,7 +311,7 @@ def parser() -> argparse.ArgumentParser:
     )
     _import_modules_flag(s)
     s.set_defaults(func=cmd_vllm_args)
-    s = _command(
+    s = command(
         sub,
         "import",
         "a composition file from a vLLM --kv-transfer-config (MultiConnector JSON or one connector)",
@@ -426,7 +333,7 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--force", action="store_true", help="with -o: replace a file that differs")
     s.set_defaults(func=cmd_import)
-    s = _command(
+    s = command(
         sub,
         "examples",
         "the example compositions shipped with kvcompose: list them, print one, or copy them",
@@ -438,102 +345,53 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--write", metavar="DIR", help="copy the example(s) into DIR (created if missing)")
     s.add_argument("--force", action="store_true", help="with --write: replace files that differ")
     s.set_defaults(func=cmd_examples)
-    s = _command(
-        sub,
-        "demo",
-        "P/D over NIXL plus the CPU tier between two real vLLM engines, "
-        "checked against a single-engine baseline (the main job)",
-        "kvcompose demo                      # offline engines\n"
-        "kvcompose demo --http               # vLLM's router and HTTP servers\n"
-        "kvcompose demo --http --decodes 2  # 1P2D: one conversation per decode\n"
-        "kvcompose demo --hosts              # the --http stack, prefill and decode on two hosts",
-    )
-    s.add_argument(
-        "--http",
-        action="store_true",
-        help="the serving stack: vLLM's router (P/D mode, nixl) in front of prefill and decode as "
-        "vLLM's OpenAI-compatible HTTP servers, completions and a 3-turn chat through the router, "
-        "counters from decode's /metrics (instead of offline engines)",
-    )
-    s.add_argument(
-        "--decodes",
-        type=int,
-        choices=[1, 2],
-        default=1,
-        help="with --http: decode servers behind the router (2: 1P2D, the router's consistent_hash keeps each "
-        "conversation on one decode, whose host tier serves its later turns)",
-    )
-    s.add_argument(
-        "--hosts",
-        action="store_true",
-        help="the --http stack across hosts: prefill and each decode in a host of its own (network namespaces, "
-        "needs root), the router in this one",
-    )
-    s.add_argument(
-        "--link",
-        metavar="RATE",
-        help="with --hosts: the links' rate in tc's units (default 800mbit: the tiny model's KV scaled to "
-        "Llama-3-8B's on 100 Gbit/s)",
-    )
-    s.set_defaults(func=cmd_demo)
-    s = _command(
-        sub,
-        "bench",
-        "benchmarks: kvcompose vs vLLM's MultiConnector, copy paths, NIXL (ratios)",
-        "kvcompose bench --quick --only dispatch --png",
-    )
-    s.add_argument("--quick", action="store_true", help="fewer sizes and repeats, no engine run (under 2 minutes)")
-    s.add_argument(
-        "--only",
-        action="append",
-        metavar="NAME",
-        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}",
-    )
-    s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
-    s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
-    s.add_argument(
-        "--hosts",
-        action="store_true",
-        help="prefill and decode each in a host of their own (network namespaces, needs root): cold-start only",
-    )
-    s.add_argument("--link", metavar="RATE", help="with --hosts: the links' rate in tc's units (default 800mbit)")
-    s.set_defaults(func=cmd_bench)
-    s = _command(
-        sub,
-        "warmup",
-        "one small P/D request through every prefill/decode pair, so that no user request pays a "
-        "pair's first NIXL handshake and transfer (run after a deploy or a scale-out, before traffic)",
-        "kvcompose warmup --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200\n"
-        "kvcompose warmup --prefill $P1 --prefill $P2 --decode $D1 --decode $D2   # all 4 pairs",
-    )
-    s.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill server (repeatable)")
-    s.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode server (repeatable)")
-    s.set_defaults(func=cmd_warmup)
-    s = _command(
-        sub,
-        "soak",
-        "the serving stack under load with faults: servers killed and restarted, clients hanging up, "
-        "a child raising; then every engine must be quiet and answers equal a baseline",
-        "kvcompose soak                       # 1,000 requests, 32 at a time (about 10 minutes)\n"
-        "kvcompose soak --quick               # CI's short variant\n"
-        "kvcompose soak --seed 7 --json soak.json\n"
-        "kvcompose soak --quick --hosts       # prefill and decode on two hosts; the link between them cut once",
-    )
-    s.add_argument("--requests", type=int, help="requests to send (default 1000; --quick: 160)")
-    s.add_argument("--concurrency", type=int, help="clients sending at once (default 32; --quick: 8)")
-    s.add_argument("--seed", type=int, help="draws the prompts, hang-ups and fault moments (default 0)")
-    s.add_argument("--quick", action="store_true", help="the short variant CI runs")
-    s.add_argument("--work", metavar="DIR", help="where the logs and the decode composition go (default: a temp dir)")
-    s.add_argument("--json", metavar="FILE", help="also write the report as JSON")
-    s.add_argument(
-        "--hosts",
-        action="store_true",
-        help="prefill and decode each in a host of their own (network namespaces, needs root), the router in this "
-        "one; the link between the two is cut once, longer than the prefill's lease, and restored",
-    )
-    s.add_argument("--link", metavar="RATE", help="with --hosts: the link's rate in tc's units (default 800mbit)")
-    s.set_defaults(func=cmd_soak)
+    _added_commands(sub)
     return p
+
+
+#: The entry-point group through which other distributions add commands to the CLI: each entry
+#: point is named after its command and is a function ``add(sub)`` that adds the subcommand to the
+#: parser's subparsers (with :func:`command`) and sets its ``func``.
+COMMANDS_GROUP = "kvcompose.commands"
+#: The commands that come with another distribution, and which: ``kvcompose demo`` without it
+#: says what to install.
+TOOL_COMMANDS = {
+    "demo": "kvcompose-tools",
+    "bench": "kvcompose-tools",
+    "warmup": "kvcompose-tools",
+    "soak": "kvcompose-tools",
+}
+
+
+class NotInstalled(Exception):
+    """A command of a distribution that is not installed: ``kvcompose COMMAND: ...``, exit status 2."""
+
+
+def _added_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The commands of the installed distributions' ``kvcompose.commands`` entry points, then a
+    stand-in for each tool command none provides (it says which distribution to install). An
+    entry point that fails to load fails only its own command, as a plugin error."""
+    found = {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMANDS_GROUP)}
+    order = [*TOOL_COMMANDS, *sorted(found)]  # the tools' in the order --help has always listed them
+    for name, ep in sorted(found.items(), key=lambda item: order.index(item[0])):
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # a broken install: the other commands still work
+            _stand_in(sub, name, f"added by {ep.value}, which failed to load", PluginError(f"{ep.value}: {exc}"))
+    for name, distribution in TOOL_COMMANDS.items():
+        if name not in found:
+            why = f"a command of {distribution}, which is not installed (pip install {distribution})"
+            _stand_in(sub, name, why, NotInstalled(why))
+
+
+def _stand_in(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str, error: Exception) -> None:
+    """A command that is listed, takes any arguments and, run, raises ``error``."""
+
+    def fail(args: argparse.Namespace) -> int:
+        raise error
+
+    s = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
+    s.set_defaults(func=fail, any_arguments=True)
 
 
 #: 128 + the signal's number: the status a shell reports for a command a signal ended.
@@ -582,7 +440,10 @@ def _trace_to_stderr() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # what parse_args says
     with _trace_to_stderr():
         return _run(args)
 
@@ -599,7 +460,7 @@ def _run(args: argparse.Namespace) -> int:
     except ExampleError as exc:
         print(f"kvcompose examples: {exc}", file=sys.stderr)
         return 2
-    except UsageError as exc:
+    except (UsageError, NotInstalled) as exc:
         print(f"kvcompose {args.command}: {exc}", file=sys.stderr)
         return 2
     except PluginError as exc:
@@ -612,11 +473,12 @@ def _run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return SIGNALLED + signal.SIGPIPE
     except KeyboardInterrupt as exc:
-        from kvcompose.e2e.processes import Interrupted
-
-        if isinstance(exc, Interrupted):
-            print("\n" + exc.message(args.command), file=sys.stderr)
-            return SIGNALLED + exc.signum
+        # A tool's interrupt (kvcompose_tools.e2e.processes.Interrupted) names its signal and what
+        # it stopped; kvcompose does not import the tools, so it is recognised by its message().
+        message = getattr(exc, "message", None)
+        if callable(message):
+            print("\n" + message(args.command), file=sys.stderr)
+            return SIGNALLED + int(getattr(exc, "signum", signal.SIGINT))
         print(f"\nkvcompose {args.command}: interrupted", file=sys.stderr)
         return SIGNALLED + signal.SIGINT
 

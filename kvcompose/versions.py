@@ -25,6 +25,8 @@ from kvcompose import __version__
 
 #: kvcompose's two connector-type plugins, as pip names them.
 PLUGINS = ("kvcompose-nixl", "kvcompose-cpu-offload")
+#: The tools' distribution (the demo, bench, soak, warmup commands): listed when installed.
+TOOLS = "kvcompose-tools"
 MISSING = "not installed"
 
 
@@ -100,11 +102,14 @@ def outside(runtime: Supported, providers: dict[str, list[str]]) -> list[str]:
 
 
 def version_lines() -> list[str]:
-    """``kvcompose --version``'s lines: kvcompose, its plugins, each runtime found, and the ranges
-    kvcompose supports."""
+    """``kvcompose --version``'s lines: kvcompose, its plugins, the tools where installed, each
+    runtime found, and the ranges kvcompose supports."""
     providers = metadata.packages_distributions()
     # kvcompose's own: the code running now, even from a checkout that pip never installed.
     lines = [f"kvcompose {__version__}"] + [f"{name} {distribution_version(name)}" for name in PLUGINS]
+    tools = distribution_version(TOOLS)
+    if tools != MISSING:
+        lines.append(f"{TOOLS} {tools}")
     lines += [f"{r.label} {runtime_version(r.import_name, providers)}" for r in RUNTIMES]
     lines.append("supported: " + ", ".join(f"{r.label} {r.specifier}" for r in RUNTIMES) + " (docs/versions.md)")
     return lines

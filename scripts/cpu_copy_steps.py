@@ -1,7 +1,7 @@
 """The CPU tier's copy path step by step, each against a contiguous memcpy (docs/performance.md, 4).
 
 Not part of ``kvcompose bench``: it measures the alternatives the cpu-offload plugin's host copy
-path was chosen from, on the same engine-laid-out KV as ``kvcompose/bench/cpu_copy.py`` (8
+path was chosen from, on the same engine-laid-out KV as ``tools/kvcompose_tools/bench/cpu_copy.py`` (8
 layers, vLLM's CPU layout), one thread, every step interleaved with the memcpy:
 
 0. before: the worker at 1c6948b (``index_select`` + ``index_copy_`` per layer region for
@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvcompose.bench.cpu_copy import GEOMETRY, NUM_LAYERS, _engine_worker, _ids, _label, _through_worker
-from kvcompose.bench.measure import interleave
 from kvcompose_cpu_offload.block_copy import as_array, contiguous_runs, copy_runs
+from kvcompose_tools.bench.cpu_copy import GEOMETRY, NUM_LAYERS, _engine_worker, _ids, _label, _through_worker
+from kvcompose_tools.bench.measure import interleave
 
 STEPS = (
     "0 before (index_select)",

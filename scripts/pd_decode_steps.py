@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcompose import hookimpl
-from kvcompose.bench.pd_ttft import PROMPT_TOKENS, composition_file, nixl_alone
-from kvcompose.bench.serve import pd_only
 from kvcompose.plugins import get_plugins
 from kvcompose.testing.harness import decode_request, model_runner_output, scheduler_for, yaml_kv_transfer_config
+from kvcompose_tools.bench.pd_ttft import PROMPT_TOKENS, composition_file, nixl_alone
+from kvcompose_tools.bench.serve import pd_only
 
 BLOCK = 32
 CONNECTOR = "plugins/cpu_offload/kvcompose_cpu_offload/connector.py"

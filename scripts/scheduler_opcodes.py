@@ -1,7 +1,7 @@
 """Bytecodes executed per scheduler step, kvcompose against MultiConnector (docs/performance.md, fifth round).
 
 Not part of ``kvcompose bench``: a count, not a time, so it does not move with the machine's
-load. Each side is the scheduler benchmark's driver (``kvcompose/bench/scheduler_step.py``: the
+load. Each side is the scheduler benchmark's driver (``tools/kvcompose_tools/bench/scheduler_step.py``: the
 same request stream and worker reports), warmed up as the benchmark warms it; then only
 ``schedule()`` and ``update_from_output()`` run under ``sys.settrace`` with opcode events, and
 every executed bytecode is counted against the function that ran it. The per-step totals of the
@@ -19,7 +19,7 @@ from collections import Counter
 from types import FrameType
 from typing import Any
 
-from kvcompose.bench.scheduler_step import Driver, warmup_steps
+from kvcompose_tools.bench.scheduler_step import Driver, warmup_steps
 
 SIDES = ("MultiConnector", "kvcompose")
 

@@ -15,7 +15,7 @@ PY=${PYTHON:-python3}
 VLLM_NEXT=0.33.0
 NIXL_NEXT=1.5.1
 
-stamp_inputs() { cat scripts/setup-next.sh pyproject.toml plugins/*/pyproject.toml; }
+stamp_inputs() { cat scripts/setup-next.sh pyproject.toml plugins/*/pyproject.toml tools/pyproject.toml; }
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 if [[ -x "$VENV/bin/python" && -f "$VENV/.kvcompose-setup" && "$(cat "$VENV/.kvcompose-setup")" == "$want" ]]; then
   exit 0
@@ -32,7 +32,7 @@ check "import vllm; assert vllm.__version__ == '$VLLM_NEXT'" || pip install --fi
 check "import nixl_cu13" || pip install --no-deps "nixl-cu13==$NIXL_NEXT"
 check "import nixl._api" || pip install --no-deps "nixl==$NIXL_NEXT"
 pip install pluggy msgspec pyyaml "pytest>=8"
-pip install --no-deps -e . -e plugins/nixl -e plugins/cpu_offload
+pip install --no-deps -e . -e plugins/nixl -e plugins/cpu_offload -e tools  # tools: the nixl tests import its e2e kit
 check "import vllm, nixl._api, kvcompose.vllm.connector, kvcompose_nixl, kvcompose_cpu_offload" \
   || { echo "setup-next.sh: $VENV does not import; see the messages above" >&2; exit 1; }
 echo "$want" > "$VENV/.kvcompose-setup"

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV=${KVCOMPOSE_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-stamp_inputs() { cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml plugins/*/kvcompose_*/*.c; }
+stamp_inputs() { cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml tools/pyproject.toml plugins/*/kvcompose_*/*.c; }
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 if [[ -x "$VENV/bin/python" && -f "$VENV/.kvcompose-setup" && "$(cat "$VENV/.kvcompose-setup")" == "$want" ]]; then
   exit 0
@@ -34,10 +34,10 @@ else
 fi
 # ruff and import-linter: `make lint` (the style, and the layers declared in pyproject.toml).
 pip install pluggy msgspec pyyaml "pytest>=8" "ruff==0.17.6" "import-linter==2.17"
-check "import matplotlib" || pip install "matplotlib>=3.7"   # kvcompose[bench]: bench --png
-# kvcompose[serve]: vLLM's router for `kvcompose demo --http` and the router engine tests.
+check "import matplotlib" || pip install "matplotlib>=3.7"   # kvcompose-tools[bench]: bench --png
+# kvcompose-tools[serve]: vLLM's router for `kvcompose demo --http` and the router engine tests.
 check "import importlib.metadata as m; assert m.version('vllm-router') == '0.1.17'" || pip install "vllm-router==0.1.17"
-pip install --no-deps -e . -e plugins/nixl -e plugins/cpu_offload
-"$VENV/bin/python" -c "import vllm, nixl._api, pluggy, msgspec, yaml, vllm_router, kvcompose, kvcompose_nixl, kvcompose_cpu_offload" \
+pip install --no-deps -e . -e plugins/nixl -e plugins/cpu_offload -e tools
+"$VENV/bin/python" -c "import vllm, nixl._api, pluggy, msgspec, yaml, vllm_router, kvcompose, kvcompose_nixl, kvcompose_cpu_offload, kvcompose_tools" \
   || { echo "setup.sh: the environment does not import; see the messages above" >&2; exit 1; }
 echo "$want" > "$VENV/.kvcompose-setup"

@@ -31,10 +31,10 @@ from typing import Any
 
 import pytest
 
-from kvcompose.bench.runner import BENCHMARKS
 from kvcompose.cli import main
-from kvcompose.e2e.warmup import check_url
 from kvcompose.examples import all_examples
+from kvcompose_tools.bench.runner import BENCHMARKS
+from kvcompose_tools.e2e.warmup import check_url
 
 EXAMPLES = [e.path for e in all_examples()]
 #: Every truncation and every single-byte deletion of this one (the suite stays fast).
@@ -441,20 +441,20 @@ def refuse_to_start(what: str) -> Callable[..., Any]:
 def test_every_subcommand_refuses_or_accepts_generated_arguments_cleanly(
     places: Places, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvcompose.bench.runner
-    import kvcompose.e2e.demo
-    import kvcompose.soak.run
+    import kvcompose_tools.bench.runner
+    import kvcompose_tools.e2e.demo
+    import kvcompose_tools.soak.run
 
-    bench = kvcompose.bench.runner.run
+    bench = kvcompose_tools.bench.runner.run
 
     def bench_refusing(*args: Any, only: Sequence[str] = (), **kwargs: Any) -> Any:
         known = set(BENCHMARKS) | set(BENCHMARKS.values())
         assert only and not set(only) <= known, f"the fuzz would run benchmarks {only}"
         return bench(*args, only=only, **kwargs)
 
-    monkeypatch.setattr(kvcompose.e2e.demo, "run", refuse_to_start("kvcompose demo"))
-    monkeypatch.setattr(kvcompose.soak.run, "run", refuse_to_start("kvcompose soak"))
-    monkeypatch.setattr(kvcompose.bench.runner, "run", bench_refusing)
+    monkeypatch.setattr(kvcompose_tools.e2e.demo, "run", refuse_to_start("kvcompose demo"))
+    monkeypatch.setattr(kvcompose_tools.soak.run, "run", refuse_to_start("kvcompose soak"))
+    monkeypatch.setattr(kvcompose_tools.bench.runner, "run", bench_refusing)
     monkeypatch.chdir(places.tmp)  # anything written to a relative path lands here
     rng = random.Random(ARGS_SEED)
     outcomes: Counter[tuple[str, int]] = Counter()

@@ -1,5 +1,6 @@
-"""The three distributions as a user gets them: wheels, installed into a fresh virtual environment,
-used from a folder outside the checkout.
+"""The four distributions as a user gets them: wheels, installed into a fresh virtual environment,
+used from a folder outside the checkout; and a production install, kvcompose and its plugins
+without kvcompose-tools, in a second one.
 
 The wheels are built offline from a copy of the sources (``pip wheel --no-deps
 --no-build-isolation --no-index``), and installed with ``pip install --no-index`` from that folder
@@ -40,9 +41,12 @@ SOURCES = {
     "kvcompose": REPO,
     "kvcompose-nixl": REPO / "plugins/nixl",
     "kvcompose-cpu-offload": REPO / "plugins/cpu_offload",
+    "kvcompose-tools": REPO / "tools",
 }
+#: What a production install holds: what vLLM loads and what prepares its arguments, no tools.
+PRODUCTION = ("kvcompose", *PLUGINS)
 #: What a wheel is built from, in each source folder; the rest of the checkout stays behind.
-BUILT_FROM = ("pyproject.toml", "README.md", "kvcompose", "kvcompose_nixl", "kvcompose_cpu_offload")
+BUILT_FROM = ("pyproject.toml", "README.md", "kvcompose", "kvcompose_nixl", "kvcompose_cpu_offload", "kvcompose_tools")
 #: Names in this environment's site-packages that belong to kvcompose's own installation.
 OWN = re.compile(r"(__editable__[._])?kvcompose.*|.*\.pth")
 
@@ -54,9 +58,10 @@ class Venv:
     work: Path  # the folder every command runs in: outside the checkout and the sources
     env: dict[str, str]
 
-    def run(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def run(self, *argv: str, timeout: float = 300, status: int = 0) -> subprocess.CompletedProcess[str]:
         out = subprocess.run(argv, cwd=self.work, env=self.env, capture_output=True, text=True, timeout=timeout)
-        assert out.returncode == 0, f"{' '.join(argv)}: rc={out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+        said = f"{' '.join(argv)}: rc={out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+        assert out.returncode == status, said
         return out
 
     def kvcompose(self, *args: str) -> str:
@@ -89,7 +94,8 @@ def _shared_site(dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The four distributions' wheels, built offline from a copy of their sources."""
     tmp = tmp_path_factory.mktemp("wheels")
     sources = _copy_sources(tmp / "src")
     dist = tmp / "dist"
@@ -111,6 +117,11 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
         timeout=300,
     )
     assert build.returncode == 0, build.stdout + build.stderr
+    return dist
+
+
+def _installed(tmp: Path, dist: Path, distributions: tuple[str, ...]) -> Venv:
+    """A fresh virtual environment in ``tmp`` with ``distributions`` installed from ``dist`` only."""
     root = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
     python = root / "bin" / "python"
@@ -140,23 +151,35 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
         "--no-index",
         "--find-links",
         str(dist),
-        *SOURCES,
+        *distributions,
     )
     return v
+
+
+@pytest.fixture(scope="module")
+def venv(wheels: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    """All four distributions."""
+    return _installed(tmp_path_factory.mktemp("all"), wheels, tuple(SOURCES))
+
+
+@pytest.fixture(scope="module")
+def production(wheels: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    """kvcompose and its two plugins, without kvcompose-tools: what a serving host installs."""
+    return _installed(tmp_path_factory.mktemp("production"), wheels, PRODUCTION)
 
 
 def test_the_wheels_are_what_the_new_environment_imports(venv: Venv) -> None:
     out = venv.run(
         str(venv.root / "bin" / "python"),
         "-c",
-        "import json, kvcompose, kvcompose_nixl, kvcompose_cpu_offload, kvcompose.examples as e; "
-        "print(json.dumps([m.__file__ for m in (kvcompose, kvcompose_nixl, kvcompose_cpu_offload, e)]))",
+        "import json, kvcompose, kvcompose_nixl, kvcompose_cpu_offload, kvcompose_tools, kvcompose.examples as e; "
+        "ms = (kvcompose, kvcompose_nixl, kvcompose_cpu_offload, kvcompose_tools, e); "
+        "print(json.dumps([m.__file__ for m in ms]))",
     )
     for path in json.loads(out.stdout):
         assert Path(path).is_relative_to(venv.site), path
-    assert (venv.site / "kvcompose" / "py.typed").is_file()
-    assert (venv.site / "kvcompose_nixl" / "py.typed").is_file()
-    assert (venv.site / "kvcompose_cpu_offload" / "py.typed").is_file()
+    for package in ("kvcompose", "kvcompose_nixl", "kvcompose_cpu_offload", "kvcompose_tools"):
+        assert (venv.site / package / "py.typed").is_file(), package
     # The cpu-offload wheel carries its compiled streaming copy, built from the C source where a
     # compiler is (optional: without one the wheel installs without it).
     if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
@@ -190,8 +213,8 @@ def test_what_a_package_index_shows(venv: Venv, distribution: str) -> None:
 def test_version_reports_the_installed_wheels(venv: Venv) -> None:
     lines = venv.kvcompose("--version").splitlines()
     versions = {name: _declared_version(name) for name in SOURCES}
-    assert lines[:3] == [f"{name} {version}" for name, version in versions.items()]
-    assert lines[3].startswith("vLLM 0.") and lines[4].startswith("NIXL ")
+    assert lines[:4] == [f"{name} {version}" for name, version in versions.items()]
+    assert lines[4].startswith("vLLM 0.") and lines[5].startswith("NIXL ")
     assert "not installed" not in "\n".join(lines)
     print("\n$ kvcompose --version\n" + "\n".join(lines))
 
@@ -206,7 +229,13 @@ def test_plugins_finds_both_types_through_their_entry_points(venv: Venv) -> None
     print("\n$ kvcompose plugins\n" + out)
 
 
-def test_packaged_examples_check_and_render_for_vllm(venv: Venv) -> None:
+#: The two environments: every distribution, and the production install without the tools.
+INSTALLS = ["venv", "production"]
+
+
+@pytest.mark.parametrize("install", INSTALLS)
+def test_packaged_examples_check_and_render_for_vllm(install: str, request: pytest.FixtureRequest) -> None:
+    venv: Venv = request.getfixturevalue(install)
     listing = venv.kvcompose("examples")
     assert [line.split()[0] for line in listing.splitlines()] == [e.name for e in all_examples()]
     written = venv.kvcompose("examples", "--write", "compose").split()
@@ -237,13 +266,61 @@ def test_packaged_examples_check_and_render_for_vllm(venv: Venv) -> None:
     print(f"\n$ kvcompose check compose/pd-decode.yaml\n{check}\nvLLM resolves vllm-args to {module}.{name} ({path})")
 
 
-def test_the_pytest_plugins_fixtures_in_a_fresh_test_file(venv: Venv) -> None:
+@pytest.mark.parametrize("install", INSTALLS)
+def test_the_pytest_plugins_fixtures_in_a_fresh_test_file(install: str, request: pytest.FixtureRequest) -> None:
+    venv: Venv = request.getfixturevalue(install)
     tests = venv.work / "kit-user"
     tests.mkdir()
     (tests / "test_my_composition.py").write_text(PD_CPU_EXAMPLE)
     out = venv.run(str(venv.root / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests))
     assert re.search(r"^3 passed", out.stdout, flags=re.M), out.stdout
     print("\n$ pytest kit-user\n" + out.stdout[-300:])
+
+
+def test_the_tools_commands_come_with_their_wheel(venv: Venv) -> None:
+    """kvcompose-tools adds its commands through the kvcompose.commands entry points."""
+    listed = venv.kvcompose("--help")
+    for command in ("demo", "bench", "warmup", "soak"):
+        assert re.search(rf"^    {command} ", listed, flags=re.M), listed
+    bench = venv.kvcompose("bench", "--help")
+    assert "run only this benchmark (repeatable): scheduler, worker, dispatch" in " ".join(bench.split()), bench
+    refused = venv.run(str(venv.root / "bin" / "kvcompose"), "bench", "--only", "no-such", "--out", "out", status=2)
+    assert refused.stderr.startswith("kvcompose bench: "), refused.stderr
+    print("\n$ kvcompose bench --help\n" + bench)
+
+
+def test_the_production_install_has_no_tools_and_says_where_they_are(production: Venv) -> None:
+    """kvcompose and its plugins alone: a tool command names the distribution to install, in one
+    line, exit status 2; --version does not list the tools; kvcompose_tools is not importable."""
+    for command in ("demo", "bench", "warmup", "soak"):
+        out = production.run(str(production.root / "bin" / "kvcompose"), command, "--http", status=2)
+        assert out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr == (
+            f"kvcompose {command}: a command of kvcompose-tools, which is not installed (pip install kvcompose-tools)\n"
+        )
+    lines = production.kvcompose("--version").splitlines()
+    assert lines[:3] == [f"{name} {_declared_version(name)}" for name in PRODUCTION]
+    assert lines[3].startswith("vLLM 0.") and "kvcompose-tools" not in "\n".join(lines)
+    production.run(str(production.root / "bin" / "python"), "-c", "import kvcompose_tools", status=1)
+    print(f"\n$ kvcompose demo  # kvcompose and its plugins only\n{out.stderr}")
+
+
+def test_import_writes_a_composition_that_checks(production: Venv) -> None:
+    """``kvcompose import`` of a MultiConnector config, then ``kvcompose check`` of what it wrote."""
+    config = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both"},
+            ]
+        },
+    }
+    (production.work / "kv.json").write_text(json.dumps(config))
+    production.kvcompose("import", "kv.json", "-o", "imported.yaml")
+    check = production.kvcompose("check", "imported.yaml")
+    assert check.startswith("imported.yaml: ok, 2 connectors\n"), check
 
 
 def test_the_nixl_wheel_brings_its_own_fixtures(venv: Venv) -> None:
@@ -270,7 +347,8 @@ def test_kvcompose_is_the_version_of_this_checkout() -> None:
 
 @pytest.mark.parametrize(
     "pyproject",
-    [SOURCES[name] / "pyproject.toml" for name in PLUGINS] + [REPO / "examples/prefer-rule/pyproject.toml"],
+    [SOURCES[name] / "pyproject.toml" for name in (*PLUGINS, "kvcompose-tools")]
+    + [REPO / "examples/prefer-rule/pyproject.toml"],
     ids=lambda p: p.parent.name,
 )
 def test_plugins_require_a_kvcompose_range_that_holds_this_version(pyproject: Path) -> None:

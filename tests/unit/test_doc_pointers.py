@@ -22,8 +22,8 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
-#: Where pointers are written: the packages, both plugins, the docs, the tests and examples.
-SCANNED = ("kvcompose", "plugins", "docs", "tests", "examples", "scripts")
+#: Where pointers are written: the packages, both plugins, the tools, the docs, the tests and examples.
+SCANNED = ("kvcompose", "plugins", "tools", "docs", "tests", "examples", "scripts")
 TOP_FILES = ("README.md", "Makefile", "pyproject.toml")
 SUFFIXES = {".py", ".md", ".c", ".toml", ".yaml", ".yml", ".sh", ".cfg"}
 SKIPPED_DIRS = {"__pycache__", "build", "dist", "node_modules"}

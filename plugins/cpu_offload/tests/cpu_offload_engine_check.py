@@ -1,6 +1,6 @@
 """Real-engine check: vLLM on the CPU platform with the cpu-offload connector.
 
-Starts one engine through the e2e kit (:class:`kvcompose.e2e.node.EngineNode`, ``vllm.LLM`` in a
+Starts one engine through the e2e kit (:class:`kvcompose_tools.e2e.node.EngineNode`, ``vllm.LLM`` in a
 process of its own) with a tiny Llama whose weights are seeded random numbers at realistic
 scales (so the output depends on the KV it attends to; dummy weights would not show whether KV
 moved), serves prompt A, pushes A out of the device prefix cache with other prompts, then
@@ -65,9 +65,9 @@ def main(argv: list[str]) -> int:
         help="the tier to offload to (disk: a file in a temporary directory)",
     )
     args = parser.parse_args(argv)
-    from kvcompose.e2e.model import make_model
-    from kvcompose.e2e.node import EngineNode, wait_all_ready
-    from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
+    from kvcompose_tools.e2e.model import make_model
+    from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
+    from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
     source = "disk" if args.backend == "disk" else "host"
     with tempfile.TemporaryDirectory(prefix="kvcompose-cpu-offload-") as tmp:

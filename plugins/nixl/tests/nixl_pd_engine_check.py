@@ -1,7 +1,7 @@
 """Real-engine check: NIXL P/D between two vLLM engines on the CPU platform, kvcompose's classes.
 
 Starts a prefill engine (``kv_producer``) and a decode engine (``kv_consumer``) through the e2e
-kit (:class:`kvcompose.e2e.node.EngineNode`: each a ``vllm.LLM`` in its own process), both
+kit (:class:`kvcompose_tools.e2e.node.EngineNode`: each a ``vllm.LLM`` in its own process), both
 loading ``kvcompose_nixl.connector`` with the side-channel ports from
 ``kv_connector_extra_config`` (the kit removes ``VLLM_NIXL_SIDE_CHANNEL_PORT`` from the engines'
 environment, so without the override both engines would bind the same default port). NIXL's UCX
@@ -17,7 +17,7 @@ Checks:
    ``remote_block_ids`` is computed locally and answered, and the decode engine then serves
    another pulled request (vLLM's own NixlConnector kills the engine core here).
 
-The model is the seeded tiny Llama of ``kvcompose.e2e.model`` (made once, cached).
+The model is the seeded tiny Llama of ``kvcompose_tools.e2e.model`` (made once, cached).
 
 Run it directly (``python nixl_pd_engine_check.py``). It prints one line ``RESULT {json}`` and
 exits 0 when every check holds, 1 otherwise.
@@ -36,12 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcompose.e2e.flow import COMPUTED, EXTERNAL, NIXL_BYTES, NIXL_FAILED
-from kvcompose.e2e.model import make_model
-from kvcompose.e2e.node import EngineNode, wait_all_ready
-from kvcompose.e2e.ports import free_ports
-from kvcompose.e2e.processes import NodeError
-from kvcompose.e2e.spec import BLOCK_SIZE, EngineSpec
+from kvcompose_tools.e2e.flow import COMPUTED, EXTERNAL, NIXL_BYTES, NIXL_FAILED
+from kvcompose_tools.e2e.model import make_model
+from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
+from kvcompose_tools.e2e.ports import free_ports
+from kvcompose_tools.e2e.processes import NodeError
+from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
 PROMPT_LEN = 100  # 4 blocks, the last one partial
 SHORT_LEN = 10  # shorter than one block

@@ -153,7 +153,7 @@ def test_a_decode_worker_reads_through_a_side_channel_that_answers_7_s_late(trie
     one try (vLLM's) the load fails and the request's blocks are reported invalid; with three a
     later try is answered (the second, unless the host is too busy) and every block arrives."""
     pytest.importorskip("nixl")
-    from kvcompose.e2e.ports import free_ports
+    from kvcompose_tools.e2e.ports import free_ports
 
     p_port, d_port = free_ports(2)
     with PrefillProcess(composition("producer", p_port), block_size=BLOCK, num_blocks=32) as prefill:
@@ -197,7 +197,7 @@ def test_a_silent_prefill_instance_does_not_hold_the_reads_from_a_healthy_one() 
     would run both handshakes on its one thread, the healthy one after the silent one's tries);
     the silent one's request fails once its tries are spent."""
     pytest.importorskip("nixl")
-    from kvcompose.e2e.ports import free_ports
+    from kvcompose_tools.e2e.ports import free_ports
 
     p_port, d_port = free_ports(2)
     with PrefillProcess(composition("producer", p_port), block_size=BLOCK, num_blocks=32) as prefill:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvcompose.e2e.load import RELEASED_UNREAD
 from kvcompose.testing.harness import make_request, prefill_request
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S, LEASE_ANSWERS_KEY
@@ -20,6 +19,7 @@ from kvcompose_nixl.lease import ASK, HELLO, PREFIX, RELEASED
 from kvcompose_nixl.testing.fake_nixl import PRODUCER, FakeNixl, nixl_worker
 from kvcompose_nixl.testing.prefill_process import PrefillProcess
 from kvcompose_nixl.testing.side_channel import LateListener, pulled
+from kvcompose_tools.e2e.load import RELEASED_UNREAD
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 LEASE_S = 2
@@ -204,7 +204,7 @@ def test_a_read_that_ends_after_the_lease_is_recomputed_not_used() -> None:
     counts as failed, vLLM's scheduler recomputes A's blocks (``load_failure: recompute``), and
     A's blocks end up holding A's KV, not B's."""
     pytest.importorskip("nixl")
-    from kvcompose.e2e.ports import free_ports
+    from kvcompose_tools.e2e.ports import free_ports
 
     p_port, d_port = free_ports(2)
     producer = composition("producer", p_port, f", lease_seconds: {LEASE_S}")
@@ -261,7 +261,7 @@ def test_over_real_nixl_a_read_queued_past_its_first_deadline_is_taken_and_holds
     hello loads its address into the prefill's agent, the prefill's answers come back over NIXL,
     the queued read is taken after the stamped end and its blocks hold the prompt's KV."""
     pytest.importorskip("nixl")
-    from kvcompose.e2e.ports import free_ports
+    from kvcompose_tools.e2e.ports import free_ports
 
     p_port, d_port = free_ports(2)
     options = f", lease_seconds: {QUEUED_LEASE_S}"

@@ -1,0 +1,145 @@
+"""What one engine runs (:class:`EngineSpec`): the model, the engine settings and the connector
+composition, rendered the way ``kvcompose vllm-args`` renders it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcompose_tools.e2e.affinity import OMP_BIND_ENV
+
+if TYPE_CHECKING:
+    from kvcompose.catalog import Plan
+    from kvcompose_tools.e2e.hosts import Host
+
+#: vLLM block size the nodes use; the tiny model's KV block is 32 KiB at this size.
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+#: Environment every engine gets: a 1 GiB KV budget; one reserved core so the worker's OMP
+#: thread count, and thus float rounding, does not change with the connector; and no
+#: torch.compile, whose lazy logprobs compile would land in the first request
+#: (docs/e2e.md, "Settings that matter on CPU-only hosts").
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TORCHDYNAMO_DISABLE": "1"}
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for an engine process: :data:`ENGINE_ENV` on top, and no
+    inherited NIXL side-channel variables (each engine gets its port from its composition)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
+    env.update(ENGINE_ENV)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class EngineSpec:
+    """What one engine process runs.
+
+    ``composition`` is a kvcompose YAML file (``None``: no connector, a baseline engine).
+    ``side_channel_port`` and ``nixl_options`` override the ``nixl`` children's options, so that
+    a shipped example can run with a free port or with the handshake check off. ``kv_config`` is a
+    ``KVTransferConfig`` as is, instead of a composition (a benchmark's bare-connector baseline).
+    """
+
+    name: str
+    model: str
+    composition: str | None = None
+    side_channel_port: int | None = None
+    nixl_options: dict[str, Any] = field(default_factory=dict)
+    #: vLLM's ``kv_load_failure_policy``: "fail" (vLLM's default) or "recompute".
+    kv_load_failure_policy: str | None = None
+    num_gpu_blocks: int = 256
+    seed: int = 0
+    kv_config: dict[str, Any] | None = None
+    #: vLLM's ``KVEventsConfig`` as a dict (:func:`kvcompose_tools.e2e.events.kv_events_config`): the
+    #: engine publishes its KV cache events, the connector's included.
+    kv_events: dict[str, Any] | None = None
+    #: Tensor-parallel workers (one process each). On vLLM's CPU platform TP > 1 also needs each
+    #: worker's OpenMP threads bound to cores of its own: :meth:`env`.
+    tensor_parallel_size: int = 1
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        """The ``KVTransferConfig`` kwargs: ``kv_config``, or the composition's with this spec's
+        overrides."""
+        if self.kv_config is not None:
+            return dict(self.kv_config)
+        if self.composition is None:
+            return None
+        return composed_kv_transfer_config(
+            Path(self.composition), self.side_channel_port, self.nixl_options, self.kv_load_failure_policy
+        )
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """``vllm.LLM`` keyword arguments (the same engine settings the HTTP servers get)."""
+        return {
+            # With the model's tokenizer: text prompts and chat work, and token-id prompts as before
+            # (EOS is config.json's id either way).
+            "model": self.model,
+            "load_format": "safetensors",
+            "dtype": "float32",
+            "max_model_len": MAX_MODEL_LEN,
+            "enforce_eager": True,
+            "block_size": BLOCK_SIZE,
+            "seed": self.seed,
+            "num_gpu_blocks_override": self.num_gpu_blocks,
+            "disable_log_stats": False,  # the Prometheus counters the checks read
+            **({"kv_events_config": self.kv_events} if self.kv_events is not None else {}),
+            **({"tensor_parallel_size": self.tensor_parallel_size} if self.tensor_parallel_size > 1 else {}),
+        }
+
+    def env(self) -> dict[str, str]:
+        """Environment this engine needs beyond :data:`ENGINE_ENV`: with TP > 1, one core per
+        worker (``VLLM_CPU_OMP_THREADS_BIND`` ``0|1|...``; vLLM's CPU default binds by NUMA node
+        and leaves a 2-core host's second worker nothing)."""
+        if self.tensor_parallel_size <= 1:
+            return {}
+        return {OMP_BIND_ENV: "|".join(str(i) for i in range(self.tensor_parallel_size))}
+
+
+def placed(spec: EngineSpec, host: Host | None) -> EngineSpec:
+    """``spec`` as it runs in ``host`` (:mod:`kvcompose_tools.e2e.hosts`): its ``nixl`` children's side
+    channel on the host's address, unless the spec names one; as it is without a host."""
+    if host is None:
+        return spec
+    return replace(spec, nixl_options={"side_channel_host": host.address, **spec.nixl_options})
+
+
+def composed_kv_transfer_config(
+    composition: Path,
+    side_channel_port: int | None = None,
+    nixl_options: dict[str, Any] | None = None,
+    kv_load_failure_policy: str | None = None,
+) -> dict[str, Any]:
+    """What ``kvcompose vllm-args`` renders for ``composition``, with nixl option overrides."""
+    from kvcompose.vllm.args import kv_transfer_config
+
+    return kv_transfer_config(composed_plan(composition, side_channel_port, nixl_options, kv_load_failure_policy))
+
+
+def composed_plan(
+    composition: Path,
+    side_channel_port: int | None = None,
+    nixl_options: dict[str, Any] | None = None,
+    load_failure: str | None = None,
+) -> Plan:
+    """The composition's :class:`~kvcompose.compose.Plan`, its ``nixl`` children's options
+    overridden (a free side-channel port, the handshake check off, ...) and, when given, its
+    ``load_failure`` (vLLM's ``kv_load_failure_policy``)."""
+    from kvcompose.compose import build, load
+    from kvcompose.config import from_builtins, to_builtins
+
+    plan = load(composition)
+    overrides = dict(nixl_options or {})
+    if side_channel_port is not None:
+        overrides["side_channel_port"] = side_channel_port
+    if overrides or load_failure is not None:
+        data = to_builtins(plan.composition)
+        for child in data["connectors"]:
+            if child["type"] == "nixl":
+                child["options"] = {**child.get("options", {}), **overrides}
+        if load_failure is not None:
+            data["load_failure"] = load_failure
+        plan = build(from_builtins(data, str(composition)))
+    return plan
