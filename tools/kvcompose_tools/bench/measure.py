@@ -187,6 +187,17 @@ def ratio(
     return Ratio(case, subject, baseline, best_s / best_b, s.median / b.median, higher_is_better)
 
 
+def paired(
+    samples: Mapping[str, Samples], subject: str, baseline: str, figure: Callable[[float, float], float]
+) -> Samples:
+    """``figure(subject's sample, baseline's sample)`` for each repeat, in the repeats' order.
+
+    The two samples of one repeat were taken at the same moments of machine load (interleaved),
+    so a figure of the pair (a difference, a ratio) leaves out the load the sides shared.
+    """
+    return Samples([figure(s, b) for s, b in zip(samples[subject].values, samples[baseline].values, strict=True)])
+
+
 def repeats_for(quick: bool, full: int, quick_repeats: int = MIN_REPEATS) -> int:
     """How many repeats a benchmark runs: never fewer than :data:`MIN_REPEATS`."""
     return max(MIN_REPEATS, quick_repeats if quick else full)

@@ -124,9 +124,17 @@ class Case:
     label: str
     samples: dict[str, Samples]
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Figures of each repeat's samples (:func:`~kvcompose.bench.measure.paired`), by a name
+    #: that says their unit; printed as median [min, max], unscaled.
+    derived: dict[str, Samples] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"case": self.label, "samples": {n: s.to_json() for n, s in self.samples.items()}, **self.extra}
+        return {
+            "case": self.label,
+            "samples": {n: s.to_json() for n, s in self.samples.items()},
+            "derived": {n: s.to_json() for n, s in self.derived.items()},
+            **self.extra,
+        }
 
 
 @dataclass
@@ -197,6 +205,8 @@ class Result:
             key=lambda p: [(r.subject, r.baseline) for r in self.ratios].index(p),
         )
         head += [f"{s}/{b} best/med" for s, b in pairs]
+        derived = list(dict.fromkeys(n for c in self.cases for n in c.derived))
+        head += [f"{n} med [min, max]" for n in derived]
         rows = []
         for c in self.cases:
             row = [c.label]
@@ -218,6 +228,9 @@ class Result:
                         else " MISS"
                     )
                     row.append(f"{r.by_min:.3f} / {r.by_median:.3f}{mark}")
+            for n in derived:
+                d = c.derived.get(n)
+                row.append("-" if d is None else f"{_num(d.median)} [{_num(d.min)}, {_num(d.max)}]")
             rows.append(row)
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
         fmt = lambda cells: "  ".join(str(x).ljust(w) for x, w in zip(cells, widths))  # noqa: E731

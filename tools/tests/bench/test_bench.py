@@ -15,6 +15,7 @@ from kvcompose_tools.bench.measure import (
     interleave,
     interleave_balanced,
     interleave_units,
+    paired,
     ratio,
 )
 from kvcompose_tools.bench.report import Case, Result, Target
@@ -73,6 +74,22 @@ def test_result_json_and_table_name_the_target_and_its_verdict(tmp_path: Path) -
     assert data["cases"][0]["samples"]["kvcompose"]["median"] == pytest.approx(1.1)
     table = r.table()
     assert "16 reqs" in table and "MISS" in table and "cores" in table
+
+
+def test_a_derived_figure_pairs_each_repeats_samples_and_is_printed_and_written(tmp_path: Path) -> None:
+    """The scheduler's own cost per request is of each repeat's two samples, not of their medians."""
+    samples = {"MultiConnector": Samples([1.0, 3.0, 2.0]), "kvcompose": Samples([1.5, 3.0, 2.1])}
+    own = paired(samples, "kvcompose", "MultiConnector", lambda s, b: (s - b) / 2)
+    assert own.values == pytest.approx([0.25, 0.0, 0.05]) and own.median == pytest.approx(0.05)
+    with pytest.raises(ValueError):  # the repeats must pair up
+        paired({"a": Samples([1.0]), "b": Samples([1.0, 2.0])}, "a", "b", lambda s, b: s - b)
+    case = Case("2 reqs", samples, derived={"own (us)": own})
+    r = Result("demo", "Demo", "us/step", 1e6, [case], [ratio("2 reqs", samples, "kvcompose", "MultiConnector")])
+    data = json.loads(r.write(tmp_path).read_text())
+    assert data["cases"][0]["derived"]["own (us)"]["values"] == pytest.approx([0.25, 0.0, 0.05])
+    assert data["ratios"]  # CI's check of every benchmark's JSON
+    table = r.table()
+    assert "own (us) med [min, max]" in table and "0.05 [0, 0.25]" in table
 
 
 def test_png_without_matplotlib_fails_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
