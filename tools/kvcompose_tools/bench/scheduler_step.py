@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvcompose_tools.bench.measure import interleave_units, pick, ratio, repeats_for
+from kvcompose_tools.bench.measure import Samples, interleave_units, paired, pick, ratio, repeats_for
 from kvcompose_tools.bench.report import AllTargets, Case, CaseTarget, Result
 
 SIZES = (1, 16, 128, 1024)
@@ -220,6 +220,10 @@ def warmup_steps(quick: bool) -> int:
 SMALL_BATCH = 16
 SMALL_BATCH_RATIO = 1.03
 LARGE_BATCH_RATIO = 1.01
+#: The composite's own cost of a step, per live request, in each repeat (issue 44: at most
+#: :data:`OWN_COST_TARGET_US` at 16-1024 requests, on the median of nine repeats).
+OWN_COST = "(kvcompose-MultiConnector)/request (us)"
+OWN_COST_TARGET_US = 1.0
 
 
 def step_target(sizes: tuple[int, ...]) -> AllTargets:
@@ -253,7 +257,7 @@ def run(
 ) -> Result:
     """Time a step at each size for every side, interleaved; ratio kvcompose / MultiConnector."""
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
-    reps = repeats or repeats_for(quick, full=7)
+    reps = repeats or repeats_for(quick, full=9)
     cases: list[Case] = []
     ratios = []
     for n in sizes:
@@ -265,11 +269,13 @@ def run(
         samples = interleave_units({s: d.step for s, d in drivers.items()}, reps, k)
         label = f"{n} reqs"
         counts = {s: dict(sorted(d.counts.items())) for s, d in drivers.items()}
-        cases.append(Case(label, samples, {"running": n, "steps_per_repeat": k, "work": counts}))
+        derived: dict[str, Samples] = {}
         if "kvcompose" in samples and "MultiConnector" in samples:
             ratios.append(ratio(label, samples, "kvcompose", "MultiConnector"))
+            derived[OWN_COST] = paired(samples, "kvcompose", "MultiConnector", lambda s, b: (s - b) / n * 1e6)
         if "kvcompose" in samples and "nixl" in samples:
             ratios.append(ratio(label, samples, "kvcompose", "nixl"))
+        cases.append(Case(label, samples, {"running": n, "steps_per_repeat": k, "work": counts}, derived))
     notes = [
         "a step = schedule() + update_from_output() of vLLM's real Scheduler; mix: 1/3 remote prefills "
         "(NIXL loads), 1/3 fresh prompts (the CPU tier stores), 1/3 repeated old prompts (the CPU tier loads)",
@@ -278,6 +284,8 @@ def run(
         "MultiConnector asks every child for matched tokens; kvcompose's first-wins stops at the winner "
         "(the CPU tier is not probed for a remote prefill), so its ratio can be below 1",
         "'work' in the JSON counts loads per tier and scheduled tokens: equal for the two composites",
+        f"{OWN_COST}: kvcompose's step less MultiConnector's of the same repeat, per live request "
+        f"(issue 44's target: <= {OWN_COST_TARGET_US:g} us at 16-1024 requests on the median)",
     ]
     return Result(
         "scheduler_step",

@@ -10,14 +10,17 @@ stats, events, worker metadata, clear. Only the composite differs.
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any
 
-from kvcompose_tools.bench.measure import interleave_units, repeats_for
+from kvcompose_tools.bench.measure import interleave_units, paired, ratio, repeats_for
 from kvcompose_tools.bench.report import Case, Result, Target
 
 LAYERS = 32
 BLOCK = 32  # NIXL's worker checks the CPU attention backend's block size (a multiple of 32)
+#: kvcompose/MultiConnector of each repeat's two samples: the spread of the targeted ratio.
+PER_REPEAT = "kvcompose/MultiConnector per repeat"
 
 COMPOSITION = """
 version: 1
@@ -72,15 +75,20 @@ def run(quick: bool = False, repeats: int | None = None, layers: int = LAYERS) -
     finally:
         for h in harnesses.values():
             h.shutdown()
-    from kvcompose_tools.bench.measure import ratio
-
     label = f"{layers} layers"
     return Result(
         "worker_hooks",
         "Worker step: the connector hooks of one model-runner step",
         "us/step",
         1e6,
-        [Case(label, samples, {"steps_per_repeat": per_repeat})],
+        [
+            Case(
+                label,
+                samples,
+                {"steps_per_repeat": per_repeat},
+                {PER_REPEAT: paired(samples, "kvcompose", "MultiConnector", operator.truediv)},
+            )
+        ],
         [ratio(label, samples, "kvcompose", "MultiConnector")],
         Target("<=", 0.9, "kvcompose", "MultiConnector"),
         reps,
