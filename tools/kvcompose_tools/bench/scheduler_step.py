@@ -65,7 +65,8 @@ def arrivals(seed: int, repeat_gap: int) -> Iterator[Arrival]:
                 prompt = old[rng.randrange(len(old))]
         elif kind == "plain":
             plain.append((k, prompt))
-            del plain[:-64]  # a bounded window of candidates is enough
+            # A bounded window of candidates: the newest plain prompts, reaching 64 past the gap.
+            del plain[: -(repeat_gap // len(MIX) + 64)]
         yield Arrival(f"{kind}-{k}", kind, prompt, rng.randint(8, 40))
         k += 1
 

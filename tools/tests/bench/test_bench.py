@@ -155,6 +155,19 @@ def test_both_composites_do_the_same_scheduler_work() -> None:
     assert composed["loaded:nixl"] > 0 and composed["loaded:cpu"] > 0 and composed["finished"] > 0
 
 
+def test_a_repeat_reuses_a_prompt_at_least_the_gap_old_at_the_largest_size() -> None:
+    """At 1024 requests the gap is thousands of arrivals: the CPU tier must still get repeats to load."""
+    from itertools import islice
+
+    from kvcompose.bench.scheduler_step import arrivals
+
+    gap = 2568  # Driver's at 1024 requests
+    stream = list(islice(arrivals(0, repeat_gap=gap), 2 * gap))
+    first = {a.prompt: k for k, a in reversed(list(enumerate(stream))) if a.kind == "plain"}
+    late = [(k, a) for k, a in enumerate(stream) if a.kind == "repeat" and k > gap + 200]
+    assert late and all(a.prompt in first and first[a.prompt] <= k - gap for k, a in late)
+
+
 def test_cpu_copy_benchmark_checks_what_it_copied() -> None:
     import os
 
