@@ -159,7 +159,7 @@ def test_a_repeat_reuses_a_prompt_at_least_the_gap_old_at_the_largest_size() -> 
     """At 1024 requests the gap is thousands of arrivals: the CPU tier must still get repeats to load."""
     from itertools import islice
 
-    from kvcompose.bench.scheduler_step import arrivals
+    from kvcompose_tools.bench.scheduler_step import arrivals
 
     gap = 2568  # Driver's at 1024 requests
     stream = list(islice(arrivals(0, repeat_gap=gap), 2 * gap))
