@@ -96,7 +96,7 @@ def test_png_without_matplotlib_fails_with_the_fix(monkeypatch: pytest.MonkeyPat
     from kvcompose_tools.bench.plot import PlotUnavailable, require_matplotlib
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an absent package looks like to import
-    with pytest.raises(PlotUnavailable, match=r"kvcompose\[bench\]"):
+    with pytest.raises(PlotUnavailable, match=r"kvcompose-tools\[bench\]"):
         require_matplotlib()
 
 
