@@ -28,13 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 # ------------------------------------------------------------------ plain data
 
 
-@dataclass(frozen=True, slots=True)
-class Contribution:
+# Contribution and Selection are made per request: immutable NamedTuples, since a frozen
+# dataclass costs four times as much to make (docs/performance.md: scheduler step, issue 44).
+
+
+class Contribution(NamedTuple):
     """One child's part of a request's external load.
 
     The child loads ``tokens`` tokens starting ``start`` tokens after the request's local prefix
@@ -47,8 +50,7 @@ class Contribution:
     is_async: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Selection:
+class Selection(NamedTuple):
     """A load rule's answer to vLLM's ``get_num_new_matched_tokens``.
 
     ``tokens`` is what vLLM sees: ``None`` asks vLLM to look the request up again next step,
@@ -166,7 +168,7 @@ class LoadRule(Protocol):
         vLLM sees one load per request: it leaves ``WAITING_FOR_REMOTE_KVS`` when each of these
         children reported (the completion rule keeps that barrier). Empty for a synchronous load.
         """
-        return tuple(c.child for c in contributions if c.is_async and c.tokens > 0)
+        return tuple([c.child for c in contributions if c.is_async and c.tokens > 0])  # a list: no generator
 
     def deferred(self, contributions: tuple[Contribution, ...]) -> tuple[Contribution, ...]:
         """Of :meth:`allocate`'s contributions, those whose ``update_state_after_alloc`` waits
@@ -182,8 +184,11 @@ class LoadRule(Protocol):
         forward pass that reads their KV. The default defers the synchronous contributions of
         a load that also has an asynchronous one; nothing otherwise.
         """
-        if any(c.is_async and c.tokens > 0 for c in contributions):
-            return tuple(c for c in contributions if not c.is_async and c.tokens > 0)
+        if len(contributions) < 2:  # one child: nothing to hold for a schedule of its own
+            return ()
+        for c in contributions:
+            if c.is_async and c.tokens > 0:
+                return tuple([c for c in contributions if not c.is_async and c.tokens > 0])
         return ()
 
     def resume(self, deferred: tuple[Contribution, ...], kept: int) -> tuple[Contribution, ...]:

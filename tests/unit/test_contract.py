@@ -6,7 +6,6 @@ No vLLM: the rule layer must be importable and testable without it (checked in a
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -80,9 +79,9 @@ def test_contribution_and_selection_are_frozen_values() -> None:
     c = Contribution(1, 0, 16, True)
     assert c == Contribution(1, 0, 16, True) and hash(c) == hash(Contribution(1, 0, 16, True))
     sel = Selection(16, True, (c,))
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         c.tokens = 8  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         sel.tokens = 8  # type: ignore[misc]
 
 
