@@ -1,22 +1,23 @@
 """A burst into a busy decode (marker ``engine``): issue 43's reproduction, shortened.
 
-The same burst (:data:`kvcompose_tools.bench.overload.SHORT`: a 6 s lease on both servers, a decode of
-48 device blocks, 24 requests of 64 prompt tokens and 300 tokens out at once, sent the way vLLM's
-disaggregated proxy sends them) goes into two pairs, one after the other: vLLM's NixlConnector as
-shipped on both servers, then the shipped examples. The decode queues requests past the lease;
-vLLM's heartbeats from the waiting decode keep their blocks on the prefill. The examples must
-answer at least as many requests as vLLM's own connector, every read the prefill saw after a
-lease (``Potentially invalid KV blocks``) must be one the decode refused or never made (no read
-of released blocks used), and the decode must refuse no read whose blocks the prefill never
-released (the examples recompute a refused read, so the count alone would not show it). About
-three and a half minutes here, both pairs' starts included.
+The burst (:data:`kvcompose_tools.bench.overload.SHORT`: a 6 s lease on both servers, a decode of 48
+device blocks, 24 requests of 64 prompt tokens and 300 tokens out at once, sent the way vLLM's
+disaggregated proxy sends them) goes into a pair of the shipped examples. The decode queues
+requests past the lease; its heartbeats and lease questions keep their blocks on the prefill. The
+examples must answer every request of the burst (vLLM's NixlConnector as shipped answers all 24
+of this burst: docs/performance.md 5i; the side-by-side comparison with it is
+``kvcompose bench --quick --only overload``, which runs the same burst on both), every read the
+prefill saw after a lease (``Potentially invalid KV blocks``) must be one the decode refused or
+never made (no read of released blocks used), and the decode must refuse no read whose blocks the
+prefill never released (the examples recompute a refused read, so the count alone would not show
+it).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kvcompose_tools.bench.overload import BASELINE, SHORT, SUBJECT, SideRun, row_text, side_run
+from kvcompose_tools.bench.overload import SHORT, SUBJECT, SideRun, row_text, side_run
 from kvcompose_tools.e2e.model import make_model
 
 pytestmark = pytest.mark.engine
@@ -25,17 +26,15 @@ pytestmark = pytest.mark.engine
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SideRun]:
     model, logs = str(make_model(0)), tmp_path_factory.mktemp("overload")
-    return {side: side_run(side, model, SHORT, logs) for side in (BASELINE, SUBJECT)}
+    return {SUBJECT: side_run(SUBJECT, model, SHORT, logs)}
 
 
-def test_the_examples_answer_as_many_as_vllms_own_nixl_connector(runs: dict[str, SideRun]) -> None:
-    vllm, examples = runs[BASELINE], runs[SUBJECT]
-    theirs, ours = vllm.burst.answered, examples.burst.answered  # counts, so that a failure prints them alone
-    assert theirs > 0, f"vLLM's NixlConnector answered nothing: {row_text(vllm.figures())}"
-    assert ours >= theirs, (
-        f"the examples: {row_text(examples.figures())}; vLLM's NixlConnector: {row_text(vllm.figures())}; "
-        f"logs: {examples.logs}"
-    )
+def test_the_examples_answer_every_request_of_the_burst(runs: dict[str, SideRun]) -> None:
+    """As many as vLLM's own NixlConnector answers (all of them); an answer held past the lease
+    and then refused would be recomputed, not failed (``load_failure: recompute``)."""
+    examples = runs[SUBJECT]
+    ours = examples.burst.answered  # a count, so that a failure prints it alone
+    assert ours == SHORT.requests, f"the examples: {row_text(examples.figures())}; logs: {examples.logs}"
 
 
 def test_every_read_after_a_lease_was_refused_by_the_decode(runs: dict[str, SideRun]) -> None:
