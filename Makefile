@@ -1,7 +1,7 @@
 # The two commands of the README. Each creates or reuses .venv itself.
 PY := .venv/bin/python
 
-.PHONY: demo test lint setup bench setup-next test-vllm-next
+.PHONY: demo test test-long lint setup bench setup-next test-vllm-next
 setup:
 	@scripts/setup.sh
 
@@ -28,7 +28,12 @@ demo: setup
 # cores are named (VLLM_CPU_OMP_THREADS_BIND) (docs/e2e.md, cold start).
 test: setup lint
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
-	KVCOMPOSE_SPREAD_ENGINE_THREADS=1 $(ENGINE_LOCK) $(PY) -m pytest -q -m engine -p no:cacheprovider tools/tests/engine plugins $(PYTEST_ARGS)
+	KVCOMPOSE_SPREAD_ENGINE_THREADS=1 $(ENGINE_LOCK) $(PY) -m pytest -q -m "engine and not long" -p no:cacheprovider tools/tests/engine plugins $(PYTEST_ARGS)
+
+# The long engine scenarios, kept out of `make test` (and CI) for its time: the short soak across
+# hosts, the link cut under ucx_error_handling: peer, pd-load's and the burst's controls.
+test-long: setup
+	KVCOMPOSE_SPREAD_ENGINE_THREADS=1 $(ENGINE_LOCK) $(PY) -m pytest -q -m long -p no:cacheprovider tools/tests/engine plugins $(PYTEST_ARGS)
 
 # ruff's linter and formatter, and the layer contracts (lint-imports: an import the wrong way
 # fails), all configured in pyproject.toml; `make test` runs this first.

@@ -65,7 +65,8 @@ class Stack(Nodes):
         self.router.wait_ready()
 
 
-@pytest.fixture(params=["none", "peer"], ids=lambda v: f"ucx_error_handling-{v}")
+# The examples' own setting in `make test`; the other, a second pair of servers, in `make test-long`.
+@pytest.fixture(params=["none", pytest.param("peer", marks=pytest.mark.long)], ids=lambda v: f"ucx_error_handling-{v}")
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     assert kit_namespaces(os.getpid()) == []
     with Hosts(["prefill", "decode"], link=DEFAULT_LINK) as hosts:

@@ -1,7 +1,8 @@
 """P/D under concurrent load (marker ``engine``): issue 38's reproduction, with its controls.
 
-One prefill server and three decode servers behind a router each (kvcompose's example, vLLM's
-MultiConnector over the same children, the NIXL child alone: :class:`kvcompose_tools.bench.pd_load.Stack`),
+One prefill server and a decode server behind a router (kvcompose's example; with the controls,
+marked ``long``, three: vLLM's MultiConnector over the same children and the NIXL child alone too:
+:class:`kvcompose_tools.bench.pd_load.Stack`),
 both workloads of :mod:`kvcompose_tools.e2e.load` through each: multi-turn chats (20 conversations, 8
 clients, streamed) and vLLM's own ``prefix_repetition`` benchmark client. On every side no
 request waits more than 5 s for its first token (medians here 0.1-0.6 s), none fails, the
@@ -27,10 +28,19 @@ pytestmark = pytest.mark.engine
 SAMPLE = 4
 
 
+#: `make test` runs the examples' side alone; the controls (vLLM's MultiConnector over the same
+#: children, the NIXL child alone: three more decode servers and routers) are `make test-long`.
+@pytest.fixture(
+    scope="module", params=[(SUBJECT,), pytest.param(SIDES, marks=pytest.mark.long)], ids=["examples", "controls"]
+)
+def sides(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, sides: tuple[str, ...]) -> Iterator[Stack]:
     started = Stack.start(
-        str(make_model(0)), tmp_path_factory.mktemp("pd-load"), SIDES
+        str(make_model(0)), tmp_path_factory.mktemp("pd-load"), sides
     )  # stops what it started on failure
     try:
         yield started
@@ -39,24 +49,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def runs(stack: Stack) -> dict[tuple[str, str], Run]:
+def runs(stack: Stack, sides: tuple[str, ...]) -> dict[tuple[str, str], Run]:
     tokenizer = load_tokenizer(stack.model)
     out = {}
     for workload in WORKLOADS:
-        for side in SIDES:
+        for side in sides:
             out[workload, side] = load_once(stack, side, workload, seed=0, tokenizer=tokenizer)
     return out
 
 
-@pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("workload", WORKLOADS)
-def test_no_request_stalls_and_no_kv_is_read_after_its_lease(
-    runs: dict[tuple[str, str], Run], workload: str, side: str
-) -> None:
-    run = runs[workload, side]
-    assert run.load.served, f"{workload} through {side}: nothing served"
-    assert run.problems() == [], f"{workload} through {side}: {run.figures()}"
-    assert max(run.load.served) <= BOUND_S
+def test_no_request_stalls_and_no_kv_is_read_after_its_lease(runs: dict[tuple[str, str], Run]) -> None:
+    for (workload, side), run in runs.items():
+        assert run.load.served, f"{workload} through {side}: nothing served"
+        assert run.problems() == [], f"{workload} through {side}: {run.figures()}"
+        assert max(run.load.served) <= BOUND_S, f"{workload} through {side}: {run.figures()}"
 
 
 def test_sampled_chat_answers_equal_the_single_engine_baseline(

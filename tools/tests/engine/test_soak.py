@@ -1,4 +1,4 @@
-"""``kvcompose soak``'s short variant (marker ``engine``; CI runs it under the engine lock): real
+"""``kvcompose soak``'s short variant (markers ``engine`` and ``long``: ``make test-long``): real
 prefill and decode servers behind vLLM's router under load, the prefill and then the decode
 SIGKILLed and restarted, each paused (SIGSTOP on its process group) for longer than the
 prefill's lease and resumed, clients hanging up (through the router, and on decode mid NIXL
@@ -24,7 +24,8 @@ from kvcompose_tools.e2e.node import EngineNode
 from kvcompose_tools.soak.plan import QUICK
 from kvcompose_tools.soak.run import run
 
-pytestmark = pytest.mark.engine
+# A long scenario: `make test-long` (and `kvcompose soak --quick --hosts` itself), not in `make test`.
+pytestmark = [pytest.mark.engine, pytest.mark.long]
 
 
 def test_the_short_soak_passes_every_check(tmp_path: Path, baseline: EngineNode) -> None:
