@@ -15,8 +15,10 @@ so they are found by the import name they provide.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -101,24 +103,31 @@ def outside(runtime: Supported, providers: dict[str, list[str]]) -> list[str]:
     return warnings
 
 
+@functools.cache
+def providers() -> Mapping[str, list[str]]:
+    """Import name -> the distributions that provide it (``packages_distributions``, which walks
+    every installed distribution's files: read once per process)."""
+    return metadata.packages_distributions()
+
+
 def version_lines() -> list[str]:
     """``kvcompose --version``'s lines: kvcompose, its plugins, the tools where installed, each
     runtime found, and the ranges kvcompose supports."""
-    providers = metadata.packages_distributions()
+    found = providers()
     # kvcompose's own: the code running now, even from a checkout that pip never installed.
     lines = [f"kvcompose {__version__}"] + [f"{name} {distribution_version(name)}" for name in PLUGINS]
     tools = distribution_version(TOOLS)
     if tools != MISSING:
         lines.append(f"{TOOLS} {tools}")
-    lines += [f"{r.label} {runtime_version(r.import_name, providers)}" for r in RUNTIMES]
+    lines += [f"{r.label} {runtime_version(r.import_name, found)}" for r in RUNTIMES]
     lines.append("supported: " + ", ".join(f"{r.label} {r.specifier}" for r in RUNTIMES) + " (docs/versions.md)")
     return lines
 
 
 def version_warnings() -> list[str]:
     """What ``kvcompose --version`` warns of on stderr: runtimes outside the supported ranges."""
-    providers = metadata.packages_distributions()
-    return [w for r in RUNTIMES for w in outside(r, providers)]
+    found = providers()
+    return [w for r in RUNTIMES for w in outside(r, found)]
 
 
 # ------------------------------------------------------------------ vLLM's connector API, parsed

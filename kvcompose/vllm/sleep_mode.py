@@ -18,10 +18,9 @@ import json
 import subprocess
 import sys
 from collections.abc import Mapping
-from importlib import metadata
 
 from kvcompose.catalog import Plan
-from kvcompose.versions import VLLM, connector_api, installed_base_py, runtime_version
+from kvcompose.versions import VLLM, connector_api, installed_base_py, providers, runtime_version
 
 #: How long asking the classes may take (a cold vLLM import on a loaded 2-core host: ~20 s).
 ASK_TIMEOUT_S = 120
@@ -70,7 +69,7 @@ def sleep_mode_line(plan: Plan) -> str:
     if api is None:
         return "sleep mode: unknown (vLLM is not installed)"
     if not api:
-        version = runtime_version(VLLM.import_name, metadata.packages_distributions())
+        version = runtime_version(VLLM.import_name, providers())
         return (
             f"sleep mode: not in the connector API of vLLM {version} (0.33 added it); "
             "the composite forwards unregister/restore_kv_caches to the children that have them"
