@@ -111,8 +111,12 @@ def composite_of(
 
 def composite_of_config(vllm_config: VllmConfig) -> Composite:
     """:func:`composite_of` the composite's ``KVTransferConfig`` in ``vllm_config``."""
-    ktc = vllm_config.kv_transfer_config
-    assert ktc is not None
+    assert vllm_config.kv_transfer_config is not None
+    return composite_of_transfer(vllm_config.kv_transfer_config)
+
+
+def composite_of_transfer(ktc: KVTransferConfig) -> Composite:
+    """:func:`composite_of` a composite's ``KVTransferConfig``."""
     return composite_of(ktc.kv_connector_extra_config, ktc.kv_role, ktc.engine_id)
 
 
@@ -163,7 +167,7 @@ class ClassLevelAnswers:
 def sleep_mode_support(ktc: KVTransferConfig) -> dict[str, bool]:
     """Per child name, whether its connector class supports sleep mode (vLLM 0.33's
     ``supports_sleep_mode``, asked with the child's own config; no such classmethod: no)."""
-    composite = composite_of(ktc.kv_connector_extra_config, ktc.kv_role, ktc.engine_id)
+    composite = composite_of_transfer(ktc)
     return {
         name: sleep_mode(KVConnectorFactory.get_connector_class(cktc), cktc)
         for name, cktc in zip(composite.plan.names, composite.configs, strict=True)
@@ -172,7 +176,6 @@ def sleep_mode_support(ktc: KVTransferConfig) -> dict[str, bool]:
 
 def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
     """The one layout the children need (None: any); raises when they disagree."""
-    assert vllm_config.kv_transfer_config is not None
     composite = composite_of_config(vllm_config)
     layouts = {
         name: cls.get_required_kvcache_layout(cfg)
@@ -205,7 +208,6 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        assert vllm_config.kv_transfer_config is not None
         by_class: dict[type[KVConnectorBase_V1], KVConnectorPromMetrics | None] = {}
         self._by_name: dict[str, KVConnectorPromMetrics] = {}
         composite = composite_of_config(vllm_config)

@@ -139,8 +139,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     set_host_xfer_buffer_ops = each(to="host-buffer-owner")
     get_mem_pool_context = combined("one")
     start_load_kv = each(to="pd-first")
-    wait_for_layer_load = each(per_layer=True, args=1)  # (layer_name)
-    save_kv_layer = each(to="store-targets", per_layer=True, args=3)  # (layer_name, kv_layer, attn_metadata)
+    wait_for_layer_load = each(per_layer=True)
+    save_kv_layer = each(to="store-targets", per_layer=True)
     wait_for_save = each(to="store-targets")
     finish_forward = each()
     reset_capture_state = each()
@@ -162,9 +162,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, children: ByChild, connector_metadata: KVConnectorMetadata) -> None:
         metas = self._metas(connector_metadata)
         assert isinstance(connector_metadata, ComposedMetadata)
-        if self.fanout.monitor.watched:  # a child with failures: a bypassed one may come back now
-            if self.fanout.step():  # called again from now on
-                children = self.fanout.resolve(KVComposeConnector.bind_connector_metadata)
+        children = self.fanout.at_step(KVComposeConnector.bind_connector_metadata, children)
         m = connector_metadata
         if m.loads_awaited or m.loads_abandoned or m.saves_owed:  # most steps start and end nothing
             self._abandoned |= self._completion.told(
@@ -297,9 +295,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     @by_child()
     def build_connector_meta(self, children: ByChild, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        if self.fanout.monitor.watched:  # a child with failures: a bypassed one may come back now
-            if self.fanout.step():  # called again from now on
-                children = self.fanout.resolve(KVComposeConnector.build_connector_meta)
+        children = self.fanout.at_step(KVComposeConnector.build_connector_meta, children)
         loads = self.loads
         if loads.held or loads.sync_load_now:
             loads.start_step(scheduler_output, self._kv_cache_manager)

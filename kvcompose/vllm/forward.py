@@ -75,9 +75,6 @@ class Call:
     to: To = "all"
     #: vLLM makes the call once per layer per step.
     per_layer: bool = False
-    #: How many positional arguments vLLM passes, where the loop over the children is shaped for
-    #: them (the per-layer calls: no argument tuple per child call).
-    args: int | None = None
     #: vLLM's base class answers ``neutral``: a child that inherits it is not called.
     base_neutral: bool = False
     #: A rule asks the children it chooses, by index: every child that has the call is in the map.
@@ -120,9 +117,9 @@ class Read(Call):
         raise AttributeError(f"{self.name} is read from the children")
 
 
-def each(to: To = "all", per_layer: bool = False, args: int | None = None) -> Call:
+def each(to: To = "all", per_layer: bool = False) -> Call:
     """Every child that gets the call is called with vLLM's arguments; the answer is ``None``."""
-    return Call("each", to=to, per_layer=per_layer, args=args)
+    return Call("each", to=to, per_layer=per_layer)
 
 
 def combined(how: How, neutral: Any = None, base_neutral: bool = False) -> Call:
@@ -240,9 +237,7 @@ class Fanout:
         entries = self.entries(call)
         if call.how == "by-child":
             return entries
-        if call.how == "each" and call.args is not None and len(entries) > 1:
-            return _each_of(call.args, tuple(entries.values()))
-        return _COMBINE[call.how](tuple(entries.values()), tuple(self.names[i] for i in entries), call.name)
+        return self._combined(call, entries)
 
     def reader(self, call: Read) -> Fn:
         """The combined reader of a property (kept until :meth:`rebuild`)."""
@@ -254,8 +249,19 @@ class Fanout:
     def _make_reader(self, call: Read) -> Fn:
         entries = self.entries(call)
         if self._trace or any(self._faults.contains(i) for i in entries):
-            return _COMBINE[call.how](tuple(entries.values()), tuple(self.names[i] for i in entries), call.name)
+            return self._combined(call, entries)
         return _read(call.how, call.name, tuple(self._children[i] for i in entries))
+
+    def _combined(self, call: Call, entries: Mapping[int, Fn]) -> Fn:
+        """One callable that asks ``entries`` and combines their answers by ``call.how``."""
+        return _COMBINE[call.how](tuple(entries.values()), tuple(self.names[i] for i in entries), call.name)
+
+    def at_step(self, call: Call, children: ByChild) -> ByChild:
+        """A step starts (``call`` is its first call): while a child has failures, tell the
+        monitor; the children of ``call`` again when it lets a bypassed child back."""
+        if self.monitor.watched and self.step():
+            return self.resolve(call)
+        return children
 
     def entries(self, call: Call) -> dict[int, Fn]:
         """The active children that get ``call``, each bound to its callable, in call order."""
@@ -343,30 +349,6 @@ def _each(fns: tuple[Fn, ...], names: tuple[str, ...], method: str) -> Fn:
                 fn(*args)
 
     return each_
-
-
-def _each_of(args: int, fns: tuple[Fn, ...]) -> Fn:
-    """``each`` for a call vLLM makes with ``args`` positional arguments (the per-layer calls):
-    each child called with them as they came, no argument tuple in between."""
-    if args == 1:
-
-        def each_1(a: Any) -> None:
-            for fn in fns:
-                fn(a)
-
-        return each_1
-
-    def each_3(a: Any, b: Any, c: Any, **kwargs: Any) -> None:
-        if kwargs:
-            for fn in fns:
-                fn(a, b, c, **kwargs)
-        else:
-            for fn in fns:
-                fn(a, b, c)
-
-    if args != 3:
-        raise ValueError(f"no per-layer loop for {args} arguments")
-    return each_3
 
 
 def _any(fns: tuple[Fn, ...], names: tuple[str, ...], method: str) -> Fn:

@@ -150,7 +150,7 @@ connectors:
 def test_child_may_carry_its_own_engine_id() -> None:
     from vllm.config import KVTransferConfig
 
-    from kvcompose.vllm.children import composite_of
+    from kvcompose.vllm.children import composite_of_transfer
 
     ktc = KVTransferConfig(
         kv_connector="MultiConnector",
@@ -163,7 +163,7 @@ def test_child_may_carry_its_own_engine_id() -> None:
             ]
         },
     )
-    configs = composite_of(ktc.kv_connector_extra_config, ktc.kv_role, ktc.engine_id).configs
+    configs = composite_of_transfer(ktc).configs
     assert [c.engine_id for c in configs] == ["mine", "top"]
 
 
