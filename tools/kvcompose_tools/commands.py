@@ -13,6 +13,14 @@ from pathlib import Path
 
 from kvcompose.cli import command
 
+#: The models ``--model`` takes (kvcompose_tools.e2e.model.MODELS, named here so that building the
+#: parser imports nothing heavy; a test pins the two).
+MODEL_NAMES = ("tiny", "medium")
+MODEL_HELP = (
+    "tiny: 2 layers, 1 KiB of KV a token, what the tests run; medium: 8 layers, 16 KiB of KV a token, "
+    "a 4,096-token context, where a token's compute outweighs a request's fixed costs"
+)
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvcompose_tools.bench.plot import PlotUnavailable
@@ -31,6 +39,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 png=args.png,
                 out=Path(args.out),
                 link=(args.link or DEFAULT_LINK) if args.hosts else None,
+                model=args.model,
             )
     except (PlotUnavailable, ValueError) as exc:
         print(f"kvcompose bench: {exc}", file=sys.stderr)
@@ -44,7 +53,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvcompose_tools.e2e.processes import stopped_on_interrupt
 
     with stopped_on_interrupt():
-        return run(http=args.http, decodes=args.decodes, link=(args.link or DEFAULT_LINK) if args.hosts else None)
+        return run(
+            http=args.http,
+            decodes=args.decodes,
+            link=(args.link or DEFAULT_LINK) if args.hosts else None,
+            model=args.model,
+        )
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
@@ -150,6 +164,7 @@ def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
         help="with --hosts: the links' rate in tc's units (default 800mbit: the tiny model's KV scaled to "
         "Llama-3-8B's on 100 Gbit/s)",
     )
+    s.add_argument("--model", choices=MODEL_NAMES, default="tiny", help=MODEL_HELP)
     s.set_defaults(func=cmd_demo)
     return s
 
@@ -179,6 +194,11 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpa
         help="prefill and decode each in a host of their own (network namespaces, needs root): cold-start only",
     )
     s.add_argument("--link", metavar="RATE", help="with --hosts: the links' rate in tc's units (default 800mbit)")
+    s.add_argument(
+        "--model",
+        choices=MODEL_NAMES,
+        help="pd-load and multi-turn only: the model their engines run (default tiny; " + MODEL_HELP + ")",
+    )
     s.set_defaults(func=cmd_bench)
     return s
 

@@ -1,27 +1,35 @@
-"""Benchmark 5h: multi-turn conversations across a link, in time saved (issue 37).
+"""Benchmark 5h: multi-turn conversations across a link, in time saved (issues 37 and 45).
 
 Two hosts on this machine (:mod:`kvcompose_tools.e2e.hosts`): the prefill server on one, the decode
 server on the other, vLLM's router in the root namespace (P/D mode, ``consistent_hash`` on
 ``X-Session-ID``, so a conversation stays on its decode). The link between the hosts is shaped to
-:data:`LINKS` (scaled to the tiny model's KV: module :func:`scaled_rate`). Per side, the same
-seeded conversations (:func:`kvcompose_tools.e2e.load.chat_load`): streamed chat completions, each turn
-the whole history + the previous answer + a new message, a system prompt shared by groups of
-conversations, :data:`CLIENTS` at once; then vLLM's own ``vllm bench serve --dataset-name
-prefix_repetition`` client (:func:`kvcompose_tools.e2e.load.prefix_load`). Sides, one at a time on the
-same two hosts, their order flipping every run:
+:data:`REAL_LINKS` scaled by the model's KV bytes per token (:func:`scaled_rate`). Per side, the
+same seeded conversations (:func:`kvcompose_tools.e2e.load.chat_load`): streamed chat completions,
+each turn the whole history + the previous answer + a new message, a system prompt shared by
+groups of conversations, a few clients at once; with the tiny model then vLLM's own ``vllm bench
+serve --dataset-name prefix_repetition`` client (:func:`kvcompose_tools.e2e.load.prefix_load`).
+Sides, one at a time on the same two hosts, their order flipping every run:
 
-* ``bare``: vLLM's NixlConnector alone on both instances (vLLM's own prefix cache only);
+* ``bare``: vLLM's NixlConnector as shipped, the class vLLM registers (no kvcompose class; its
+  side channel through vLLM's ``VLLM_NIXL_SIDE_CHANNEL_*``; NIXL's default progress thread);
+* ``nixl-plugin``: the nixl plugin's class alone, the examples' NIXL child (the fair baseline for
+  the composite's own cost: the same NIXL settings as the composed sides);
 * ``MultiConnector``: vLLM's MultiConnector over the examples' children on both (first-wins);
 * ``kvcompose``: the shipped examples (host tier on both, ``load: ranges`` on the decode);
 * ``kvcompose-first-wins``: the examples with ``load: first-wins`` on the decode.
 
 A single engine without P/D answers the same conversations first (the baseline the answers are
-compared with, token ids). The conversations' KV outgrows both instances' device KV
-(:data:`DEVICE_BLOCKS` blocks) and fits the host tiers (256 MiB each).
+compared with, token ids). :data:`WORKLOADS` sizes everything by model: the conversations' KV
+outgrows both instances' device KV and fits their host tiers. Per side run, before the
+conversations, :data:`FIXED_PROBES` one-token prompts through the same stack measure the fixed
+cost of a request (router, two engines, streaming), which a model's per-token costs must outweigh
+for time saved to show; vLLM's own histograms say where each side's time goes (:data:`PHASES`).
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import statistics
 import tempfile
 import time
@@ -29,96 +37,161 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from kvcompose_tools.bench.measure import Samples, ratio
+from kvcompose_tools.bench.measure import Samples, paired, ratio
 from kvcompose_tools.bench.pd_ttft import engine_lock
 from kvcompose_tools.bench.report import AllTargets, Case, CaseTarget, Result
 from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES, delta
 from kvcompose_tools.e2e.load import Load, Turn, chat_load, prefix_load
+from kvcompose_tools.e2e.router import SESSION_HEADER
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose_tools.e2e.stats import quantile
 
 SUBJECT = "kvcompose"
-SIDES = ("bare", "MultiConnector", SUBJECT, "kvcompose-first-wins")
-#: Bytes of KV per token: the tiny model's (32 KiB a block of 32 tokens) and
-#: Llama-3-8B's (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), which the links are scaled by.
+BARE = "bare"
+SIDES = (BARE, "nixl-plugin", "MultiConnector", SUBJECT, "kvcompose-first-wins")
+#: The sides kvcompose's figures are divided by.
+BASELINES = (BARE, "nixl-plugin", "MultiConnector")
+#: Bytes of KV per token of the tiny model (32 KiB a block of 32 tokens) and Llama-3-8B's
+#: (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), which the links are scaled by.
 TINY_KV_PER_TOKEN = 1024
 LLAMA_8B_KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2
 #: The links, as the 8B model would see them: a fast (100 GbE) and a slow (25 GbE) datacenter link.
 REAL_LINKS = {"fast": 100e9, "slow": 25e9}
-#: Conversations and clients: chat users keep a few conversations going per instance; the first
-#: message carries a document or question (250-350 tokens), later ones are short follow-ups.
-CONVERSATIONS = 24
-TURNS = 4  # a fifth turn's history passed the demo model's 1,024-token context (HTTP 400) in 8 of 24
-CLIENTS = 8
-SYSTEM_TOKENS = 150
-GROUP = 6
-#: Device blocks of each instance: 4,096 tokens, less than the conversations' history.
-DEVICE_BLOCKS = 128
-RUNS = 1
-#: vLLM's histograms of where a request's time goes, per instance (mean seconds per observation).
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The conversations and the engines' sizes for one model of
+    :data:`~kvcompose_tools.e2e.model.MODELS`: chat users keep a few conversations going per
+    instance; the first message carries a document or question (250-350 tokens), later ones are
+    short follow-ups (:mod:`kvcompose_tools.e2e.load`)."""
+
+    conversations: int
+    turns: int
+    clients: int
+    #: Device blocks of each instance: less than the conversations' history.
+    device_blocks: int
+    #: Each host tier's ``cpu_bytes``: the conversations' history fits.
+    host_bytes: str
+    max_model_len: int
+    #: The links the sides run on, and runs per side on each.
+    links: tuple[str, ...]
+    runs: int
+    #: vLLM's prefix_repetition client after the conversations (its prompts are sized for the tiny model).
+    prefix_load: bool
+    system_tokens: int = 150
+    group: int = 6
+
+
+WORKLOADS = {
+    # A fifth turn's history passed the tiny model's 1,024-token context (HTTP 400) in 8 of 24.
+    "tiny": Workload(24, 4, 8, 128, "256MiB", 1024, ("fast", "slow"), 1, True),
+    # 8 turns grow a history to about 1,300 tokens (21 MiB of KV); 12 of them outgrow 256 device
+    # blocks (8,192 tokens) 2x, and fit a 1 GiB host tier 4x.
+    "medium": Workload(12, 8, 6, 256, "1GiB", 4096, ("slow",), 5, False),
+}
+#: One-token prompts per side run that measure a request's fixed cost through the stack.
+FIXED_PROBES = 8
+#: vLLM's histograms of where a request's time goes, per instance (seconds summed over requests).
 PHASES = {
     "queue": "vllm:request_queue_time_seconds",
     "prefill_step": "vllm:request_prefill_time_seconds",
+    "decode_step": "vllm:request_decode_time_seconds",
     "ttft_in_engine": "vllm:time_to_first_token_seconds",
     "nixl_read": "vllm:nixl_xfer_time_seconds",
 }
-#: The issue's targets, turns 2+ TTFT p50 on the slow link.
+#: The time breakdown's parts (ms per request): (label, instance, phase). On the decode vLLM's
+#: "prefill" phase of a remote prefill is its KV's arrival (NIXL read, host-tier load) and the
+#: first token; the NIXL read is shown apart and the rest keeps the host tier's load.
+BREAKDOWN = (
+    ("prefill: queue", "prefill", "queue"),
+    ("prefill: compute", "prefill", "prefill_step"),
+    ("decode: queue", "decode", "queue"),
+    ("decode: NIXL read", "decode", "nixl_read"),
+    ("decode: host-tier load + first token", "decode", "prefill_step"),
+    ("decode: later tokens", "decode", "decode_step"),
+)
+#: The issue's targets, turns 2+ TTFT p50 on the slow link, and requests/s.
 TARGET_BARE = 0.5
 TARGET_MULTI = 0.8
+TARGET_TURN1 = 1.05
+TARGET_RATE = 1.5
 
 
-def scaled_rate(real_bits_per_s: float) -> int:
-    """The link rate at which the tiny model moves as many tokens per second as the 8B model on
-    ``real_bits_per_s``: the real rate divided by the ratio of their KV bytes per token, in whole
-    Mbit/s."""
-    return round(real_bits_per_s * TINY_KV_PER_TOKEN / LLAMA_8B_KV_PER_TOKEN / 1e6) * 10**6
+def scaled_rate(real_bits_per_s: float, kv_per_token: int = TINY_KV_PER_TOKEN) -> int:
+    """The link rate at which a model of ``kv_per_token`` bytes of KV a token moves as many tokens
+    per second as the 8B model on ``real_bits_per_s``, in whole Mbit/s."""
+    return round(real_bits_per_s * kv_per_token / LLAMA_8B_KV_PER_TOKEN / 1e6) * 10**6
 
 
-def specs(
-    side: str, model: str, work: Path, p_port: int, d_port: int, p_host: str = "127.0.0.1", d_host: str = "127.0.0.1"
-) -> tuple[EngineSpec, EngineSpec]:
-    """The prefill and decode servers of ``side``, their NIXL side channels on ``p_host:p_port``
-    and ``d_host:d_port`` (a bare connector's config is not a composition the kit can place)."""
+def compositions(side: str, workload: Workload, work: Path) -> tuple[Path, Path]:
+    """The examples' prefill and decode compositions as ``side`` runs them: the host tiers sized
+    for ``workload``, ``load: first-wins`` on the decode for ``kvcompose-first-wins``."""
     import yaml
 
     from kvcompose.examples import EXAMPLES
+
+    out = []
+    for role in ("prefill", "decode"):
+        data = yaml.safe_load((EXAMPLES / f"pd-{role}.yaml").read_text())
+        for child in data["connectors"]:
+            if child["type"] == "cpu-offload":
+                child["options"]["cpu_bytes"] = workload.host_bytes
+        if role == "decode" and side == "kvcompose-first-wins":
+            data["rules"]["load"] = "first-wins"
+        work.mkdir(parents=True, exist_ok=True)
+        path = work / f"pd-{role}-{side}.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        out.append(path)
+    return out[0], out[1]
+
+
+def specs(
+    side: str,
+    model: str,
+    work: Path,
+    p_port: int,
+    d_port: int,
+    p_host: str = "127.0.0.1",
+    d_host: str = "127.0.0.1",
+    workload: Workload = WORKLOADS["tiny"],
+) -> tuple[tuple[EngineSpec, dict[str, str]], tuple[EngineSpec, dict[str, str]]]:
+    """The prefill and decode servers of ``side`` with the environment each needs, their NIXL side
+    channels on ``p_host:p_port`` and ``d_host:d_port``."""
     from kvcompose.vllm.args import vllm_multiconnector
+    from kvcompose_tools.bench.overload import side_channel_env, vllm_nixl
     from kvcompose_tools.bench.pd_ttft import nixl_alone
     from kvcompose_tools.e2e.spec import composed_kv_transfer_config
 
-    prefill_yaml, decode_yaml = EXAMPLES / "pd-prefill.yaml", EXAMPLES / "pd-decode.yaml"
-    p_opts, d_opts = {"side_channel_host": p_host}, {"side_channel_host": d_host}
-    blocks = {"num_gpu_blocks": DEVICE_BLOCKS}
-    if side in (SUBJECT, "kvcompose-first-wins"):
-        if side != SUBJECT:
-            data = yaml.safe_load(decode_yaml.read_text())
-            data["rules"]["load"] = "first-wins"
-            work.mkdir(parents=True, exist_ok=True)
-            decode_yaml = work / "pd-decode-first-wins.yaml"
-            decode_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
-        return (
-            EngineSpec(f"{side}-prefill", model, str(prefill_yaml), p_port, p_opts, **blocks),
-            EngineSpec(f"{side}-decode", model, str(decode_yaml), d_port, d_opts, **blocks),
-        )
-    if side == "bare":
-        return (
-            EngineSpec(f"{side}-prefill", model, kv_config=nixl_alone(prefill_yaml, p_port, p_opts), **blocks),
-            EngineSpec(f"{side}-decode", model, kv_config=nixl_alone(decode_yaml, d_port, d_opts), **blocks),
-        )
-    if side == "MultiConnector":
-        p_multi = vllm_multiconnector(composed_kv_transfer_config(prefill_yaml, p_port, p_opts))
-        d_multi = vllm_multiconnector(composed_kv_transfer_config(decode_yaml, d_port, d_opts))
-        return (
-            EngineSpec(f"{side}-prefill", model, kv_config=p_multi, **blocks),
-            EngineSpec(f"{side}-decode", model, kv_config=d_multi, **blocks),
-        )
-    raise ValueError(f"unknown side {side!r}; choose from {SIDES}")
+    if side not in SIDES:
+        raise ValueError(f"unknown side {side!r}; choose from {SIDES}")
+    prefill_yaml, decode_yaml = compositions(side, workload, work)
+    sizes = {"num_gpu_blocks": workload.device_blocks, "max_model_len": workload.max_model_len}
+    out = []
+    for role, yaml_path, port, host, kv_role in (
+        ("prefill", prefill_yaml, p_port, p_host, "kv_producer"),
+        ("decode", decode_yaml, d_port, d_host, "kv_consumer"),
+    ):
+        name, opts = f"{side}-{role}", {"side_channel_host": host}
+        if side in (SUBJECT, "kvcompose-first-wins"):
+            out.append((EngineSpec(name, model, str(yaml_path), port, opts, **sizes), {}))
+        elif side == BARE:
+            env = side_channel_env(host, port)
+            out.append((EngineSpec(name, model, kv_config=vllm_nixl(kv_role, None), **sizes), env))
+        elif side == "nixl-plugin":
+            out.append((EngineSpec(name, model, kv_config=nixl_alone(yaml_path, port, opts), **sizes), {}))
+        else:
+            multi = vllm_multiconnector(composed_kv_transfer_config(yaml_path, port, opts))
+            out.append((EngineSpec(name, model, kv_config=multi, **sizes), {}))
+    return out[0], out[1]
 
 
 @dataclass
 class SideRun:
-    """One side's conversations and prefix load on one link, and what the servers counted."""
+    """One side's conversations (and prefix load) on one link, what the servers counted, and the
+    fixed cost of a request through its stack (one-token prompts' TTFT)."""
 
     side: str
     link: str
@@ -127,13 +200,15 @@ class SideRun:
     prefill: dict[str, float] = field(default_factory=dict)
     decode: dict[str, float] = field(default_factory=dict)
     decode_link_rx: int = 0
+    fixed_ttft_s: list[float] = field(default_factory=list)
 
     def later(self) -> list[Turn]:
         return [t for t in self.chat.turns if t.turn >= 1]
 
     def figures(self) -> dict[str, Any]:
         """The table's row: TTFT p50/p90 of turn 1 and turns 2+, TPOT, requests/s, tokens
-        computed per instance, NIXL bytes per request, host-tier hits, failures."""
+        computed per instance, NIXL bytes per request, host-tier hits, failures, the fixed cost
+        and where the time went."""
         first = [t.ttft_s for t in self.chat.turns if t.turn == 0 and t.error is None and t.ttft_s is not None]
         later = [t.ttft_s for t in self.later() if t.error is None and t.ttft_s is not None]
         first, later = first or [float("inf")], later or [float("inf")]  # nothing served: infinitely slow
@@ -145,7 +220,7 @@ class SideRun:
             "later_ttft_p50_s": round(quantile(later, 0.5), 4),
             "later_ttft_p90_s": round(quantile(later, 0.9), 4),
             "tpot_p50_s": round(quantile(tpot, 0.5), 4),
-            "requests_per_s": round(len(self.chat.served) / self.chat.wall_s, 2),
+            "requests_per_s": round(len(self.chat.served) / self.chat.wall_s, 3),
             "failed": len(self.chat.failed) + len(self.prefix.failed),
             "prefill_computed_tokens": int(self.prefill.get(COMPUTED, 0)),
             "decode_computed_tokens": int(self.decode.get(COMPUTED, 0)),
@@ -155,7 +230,9 @@ class SideRun:
                 "decode": int(self.decode.get(f"{CACHED_BY_SOURCE}host}}", 0)),
             },
             "decode_link_rx_bytes": self.decode_link_rx,
-            "phases_ms": {"prefill": phases(self.prefill), "decode": phases(self.decode)},
+            "fixed_ttft_p50_s": round(quantile(self.fixed_ttft_s, 0.5), 4) if self.fixed_ttft_s else None,
+            "phases_ms": {"prefill": phases(self.prefill, requests), "decode": phases(self.decode, requests)},
+            "breakdown_ms": breakdown(self.prefill, self.decode, requests),
             "prefix_load": {k: round(v, 4) if isinstance(v, float) else v for k, v in self.prefix.summary().items()},
         }
 
@@ -171,13 +248,27 @@ class SideRun:
         ]
 
 
-def phases(moved: dict[str, float]) -> dict[str, float]:
-    """Mean milliseconds per observation of each of :data:`PHASES` that moved on an instance."""
+def phases(moved: dict[str, float], requests: int) -> dict[str, float]:
+    """Milliseconds per request of each of :data:`PHASES` that moved on an instance (the
+    histogram's sum over the load's requests)."""
+    return {
+        name: round(moved.get(f"{metric}_sum", 0.0) / requests * 1e3, 2)
+        for name, metric in PHASES.items()
+        if moved.get(f"{metric}_count", 0.0)
+    }
+
+
+def breakdown(prefill: dict[str, float], decode: dict[str, float], requests: int) -> dict[str, float]:
+    """:data:`BREAKDOWN`'s parts in ms per request; the decode's NIXL read is taken out of its
+    "prefill" phase, which holds it (at most that phase)."""
+    moved = {"prefill": phases(prefill, requests), "decode": phases(decode, requests)}
+    nixl = min(moved["decode"].get("nixl_read", 0.0), moved["decode"].get("prefill_step", 0.0))
     out = {}
-    for name, metric in PHASES.items():
-        count = moved.get(f"{metric}_count", 0.0)
-        if count:
-            out[name] = round(moved.get(f"{metric}_sum", 0.0) / count * 1e3, 2)
+    for label, instance, phase in BREAKDOWN:
+        value = nixl if phase == "nixl_read" else moved[instance].get(phase, 0.0)
+        if instance == "decode" and phase == "prefill_step":
+            value -= nixl
+        out[label] = round(value, 2)
     return out
 
 
@@ -193,45 +284,75 @@ def mismatches(run: Load, baseline: Load) -> list[str]:
     ]
 
 
-def chat(url: str, model: str, tokenizer: Any, seed: int) -> Load:
-    """The benchmark's conversations (module constants) through ``url``."""
+def chat(url: str, model: str, tokenizer: Any, seed: int, workload: Workload) -> Load:
+    """The benchmark's conversations (``workload``'s) through ``url``."""
     return chat_load(
         url,
         model,
         tokenizer,
         seed=seed,
-        conversations=CONVERSATIONS,
-        turns=TURNS,
-        clients=CLIENTS,
-        system_tokens=SYSTEM_TOKENS,
-        group=GROUP,
+        conversations=workload.conversations,
+        turns=workload.turns,
+        clients=workload.clients,
+        system_tokens=workload.system_tokens,
+        group=workload.group,
     )
 
 
-def baseline_answers(model: str, tokenizer: Any, logs: Path, seed: int) -> Load:
+def one_token_ttft(url: str, model: str, token: int, session: str, timeout_s: float = 60.0) -> float:
+    """Seconds to the first streamed token of a one-token prompt (a completion of two tokens)
+    through ``url``: what a request costs whatever its length."""
+    parts = urlsplit(url)
+    body = {"model": model, "prompt": [token], "max_tokens": 2, "temperature": 0, "stream": True}
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    t0 = time.perf_counter()
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", SESSION_HEADER: session}
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"one-token prompt through {url}: HTTP {resp.status}: {resp.read()[:200]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                return time.perf_counter() - t0
+    finally:
+        conn.close()
+    raise RuntimeError(f"one-token prompt through {url}: the stream ended without a token")
+
+
+def baseline_answers(model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload) -> Load:
     """The conversations through one engine without P/D (no connector), on this host."""
     from kvcompose_tools.e2e.node import wait_all_ready
     from kvcompose_tools.e2e.server import ServerNode
 
-    node = ServerNode(EngineSpec("baseline", model, num_gpu_blocks=4 * DEVICE_BLOCKS), logs)
+    spec = EngineSpec(
+        "baseline", model, num_gpu_blocks=4 * workload.device_blocks, max_model_len=workload.max_model_len
+    )
+    node = ServerNode(spec, logs)
     try:
         wait_all_ready([node])
-        return chat(node.url, model, tokenizer, seed)
+        return chat(node.url, model, tokenizer, seed, workload)
     finally:
         node.close()
 
 
-def side_run(side: str, link: str, hosts: Any, model: str, tokenizer: Any, logs: Path, seed: int) -> SideRun:
-    """Start ``side``'s servers in the hosts and its router here; warm the pair; the
-    conversations, then the prefix load; stop everything."""
+def side_run(
+    side: str, link: str, hosts: Any, model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload
+) -> SideRun:
+    """Start ``side``'s servers in the hosts and its router here; warm the pair; the fixed-cost
+    probes, the conversations, then (tiny model) the prefix load; stop everything."""
     from kvcompose_tools.e2e.node import wait_all_ready
     from kvcompose_tools.e2e.ports import free_ports
     from kvcompose_tools.e2e.router import RouterNode
     from kvcompose_tools.e2e.server import ServerNode
 
-    p_spec, d_spec = specs(side, model, logs, *free_ports(2), hosts["prefill"].address, hosts["decode"].address)
-    prefill = ServerNode(p_spec, logs, host=hosts["prefill"])
-    decode = ServerNode(d_spec, logs, host=hosts["decode"])
+    (p_spec, p_env), (d_spec, d_env) = specs(
+        side, model, logs, *free_ports(2), hosts["prefill"].address, hosts["decode"].address, workload=workload
+    )
+    prefill = ServerNode(p_spec, logs, extra_env=p_env, host=hosts["prefill"])
+    decode = ServerNode(d_spec, logs, extra_env=d_env, host=hosts["decode"])
     nodes: list[Any] = [prefill, decode]
     try:
         wait_all_ready([prefill, decode])
@@ -240,10 +361,11 @@ def side_run(side: str, link: str, hosts: Any, model: str, tokenizer: Any, logs:
         router.wait_ready()
         # The pair's first use (handshake, first READ) and each engine's first pass: not measured.
         chat_load(router.url, model, tokenizer, seed=seed + 999, conversations=2, turns=2, clients=2)
+        fixed = [one_token_ttft(router.url, model, 10 + k, f"fixed-{k}") for k in range(FIXED_PROBES)]
         before = prefill.metrics(), decode.metrics(), hosts["decode"].link_bytes()
-        conversations = chat(router.url, model, tokenizer, seed)
+        conversations = chat(router.url, model, tokenizer, seed, workload)
         after = prefill.metrics(), decode.metrics(), hosts["decode"].link_bytes()
-        prefix = prefix_load(router.url, model, seed)
+        prefix = prefix_load(router.url, model, seed) if workload.prefix_load else Load("prefix", [], 1.0)
         return SideRun(
             side,
             link,
@@ -252,6 +374,7 @@ def side_run(side: str, link: str, hosts: Any, model: str, tokenizer: Any, logs:
             delta(before[0], after[0]),
             delta(before[1], after[1]),
             (after[2] - before[2]).rx,
+            fixed,
         )
     finally:
         for node in reversed(nodes):
@@ -264,41 +387,59 @@ def run(
     echo: Callable[[str], None] = print,
     work: Path | None = None,
     sides: tuple[str, ...] = SIDES,
-    links: tuple[str, ...] = tuple(REAL_LINKS),
+    links: tuple[str, ...] | None = None,
+    model: str = "tiny",
 ) -> Result:
-    """Every side on every link (module docstring); the table, ratios and targets."""
+    """Every side on every link of ``model``'s workload (module docstring); the table, ratios and
+    targets. ``repeats`` and ``links`` override the workload's."""
     from kvcompose_tools.e2e.chat import load_tokenizer
     from kvcompose_tools.e2e.hosts import Hosts, format_rate
-    from kvcompose_tools.e2e.model import make_model
+    from kvcompose_tools.e2e.model import kv_bytes_per_token, make_model, model_config
 
-    runs = repeats or RUNS
+    path = make_model(0, config=model_config(model))  # a ValueError naming the models for another name
+    workload = WORKLOADS[model]
+    runs = repeats or workload.runs
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-multi-turn-"))
-    model = str(make_model(0))
-    tokenizer = load_tokenizer(model)
-    done: dict[str, dict[str, list[SideRun]]] = {link: {s: [] for s in sides} for link in links}
+    kv_per_token = kv_bytes_per_token(path)
+    model_dir = str(path)
+    tokenizer = load_tokenizer(model_dir)
+    chosen = links or workload.links
+    done: dict[str, dict[str, list[SideRun]]] = {link: {s: [] for s in sides} for link in chosen}
     wrong: dict[str, list[str]] = {}
     t0 = time.monotonic()
     with engine_lock(echo=echo):
-        baseline = baseline_answers(model, tokenizer, logs, seed=0)
+        baseline = baseline_answers(model_dir, tokenizer, logs, 0, workload)
         echo(f"   baseline (one engine, no P/D): {len(baseline.served)} answers, {len(baseline.failed)} failed")
-        for link in links:
-            rate = format_rate(scaled_rate(REAL_LINKS[link]))
+        for link in chosen:
+            rate = format_rate(scaled_rate(REAL_LINKS[link], kv_per_token))
             with Hosts(["prefill", "decode"], link=rate) as hosts:
                 for r in range(runs):
                     for side in sides if r % 2 == 0 else sides[::-1]:
-                        one = side_run(side, link, hosts, model, tokenizer, logs, seed=0)
+                        one = side_run(side, link, hosts, model_dir, tokenizer, logs, 0, workload)
                         done[link][side].append(one)
                         bad = mismatches(one.chat, baseline)
                         if bad:
-                            wrong[f"{link}/{side}"] = bad
+                            wrong.setdefault(f"{link}/{side}", []).extend(bad)
                         f = one.figures()
                         echo(
                             f"   {link} link ({rate}) run {r + 1} {side}: turn 1 TTFT p50 {f['turn1_ttft_p50_s']} s, "
                             f"turns 2+ p50 {f['later_ttft_p50_s']} p90 {f['later_ttft_p90_s']} s, "
-                            f"{f['requests_per_s']} req/s, NIXL {f['nixl_bytes_per_request']} B/req, "
-                            f"failed {f['failed']}, answers unlike the baseline {len(bad)}"
+                            f"{f['requests_per_s']} req/s, one-token TTFT {f['fixed_ttft_p50_s']} s, "
+                            f"NIXL {f['nixl_bytes_per_request']} B/req, failed {f['failed']}, "
+                            f"answers unlike the baseline {len(bad)}"
                         )
-    return summarize(done, runs, quick, logs, wrong, time.monotonic() - t0)
+    info = {"model": model, "kv_bytes_per_token": kv_per_token, "workload": workload}
+    return summarize(done, runs, quick, logs, wrong, time.monotonic() - t0, info)
+
+
+def ordering(per_run: Samples) -> str:
+    """``"<"`` when every run's ratio is under 1, ``">"`` when every one is over, else
+    ``"undecided"``: an ordering is claimed only where no run crosses 1."""
+    if per_run.values and per_run.max < 1:
+        return "<"
+    if per_run.values and per_run.min > 1:
+        return ">"
+    return "undecided"
 
 
 def summarize(
@@ -308,32 +449,74 @@ def summarize(
     logs: Path,
     wrong: dict[str, list[str]],
     wall_s: float,
+    info: dict[str, Any] | None = None,
 ) -> Result:
-    """Cases per link and turn class (turn 1, turns 2+); samples: each run's TTFT p50."""
+    """Cases per link: turn 1 and turns 2+ (samples: each run's TTFT p50) and requests/s; per case
+    the per-run ratios of kvcompose to each baseline (the runs of one round were interleaved) and
+    whether they all lie on one side of 1; the time breakdown per side."""
     from kvcompose_tools.e2e.hosts import format_rate
 
+    info = dict(info or {})
+    workload: Workload = info.pop("workload", WORKLOADS["tiny"])
+    kv_per_token = int(info.get("kv_bytes_per_token", TINY_KV_PER_TOKEN))
     cases, ratios, targets = [], [], []
     by_turn: dict[str, dict[str, list[float]]] = {}
+    orderings: dict[str, dict[str, str]] = {}
+    kinds = (
+        ("turn 1", "turn1_ttft_p50_s", False),
+        ("turns 2+", "later_ttft_p50_s", False),
+        ("requests/s", "requests_per_s", True),
+    )
     for link, by_side in done.items():
-        for kind, key in (("turn 1", "turn1_ttft_p50_s"), ("turns 2+", "later_ttft_p50_s")):
+        for kind, key, higher in kinds:
             label = f"{link} link, {kind}"
             samples = {side: Samples([r.figures()[key] for r in rs]) for side, rs in by_side.items() if rs}
+            derived = {
+                f"{SUBJECT}/{b} per run": paired(samples, SUBJECT, b, lambda s, x: s / x if x else float("inf"))
+                for b in BASELINES
+                if SUBJECT in samples and b in samples
+            }
+            orderings[label] = {name.split("/")[1].removesuffix(" per run"): ordering(v) for name, v in derived.items()}
             extra = (
-                {"runs": {side: [r.figures() for r in rs] for side, rs in by_side.items()}} if kind != "turn 1" else {}
+                {"runs": {side: [r.figures() for r in rs] for side, rs in by_side.items()}}
+                if kind == "turns 2+"
+                else {}
             )
-            cases.append(Case(label, samples, extra))
-            for baseline in ("bare", "MultiConnector"):
-                if SUBJECT in samples and baseline in samples:
-                    ratios.append(ratio(label, samples, SUBJECT, baseline))
+            cases.append(Case(label, samples, extra, derived))
+            for b in BASELINES:
+                # A baseline that served nothing has no rate to divide by (its ordering says so).
+                if SUBJECT in samples and b in samples and samples[b].min > 0:
+                    ratios.append(ratio(label, samples, SUBJECT, b, higher_is_better=higher))
         by_turn[link] = {
             side: [statistics.median(turn) for turn in zip(*(r.ttft_by_turn() for r in rs), strict=False)]
             for side, rs in by_side.items()
             if rs
         }  # per turn index, the median over the runs
         if link == "slow" and SUBJECT in by_side:
-            targets.append(CaseTarget("<=", TARGET_BARE, SUBJECT, "bare", "slow link, turns 2+", "TTFT p50"))
-            targets.append(CaseTarget("<=", TARGET_MULTI, SUBJECT, "MultiConnector", "slow link, turns 2+", "TTFT p50"))
-            targets.append(CaseTarget("<=", 1.05, SUBJECT, "bare", "slow link, turn 1", "TTFT p50"))
+            if BARE in by_side:
+                targets.append(CaseTarget("<=", TARGET_BARE, SUBJECT, BARE, "slow link, turns 2+", "TTFT p50"))
+                targets.append(CaseTarget("<=", TARGET_TURN1, SUBJECT, BARE, "slow link, turn 1", "TTFT p50"))
+                targets.append(CaseTarget(">=", TARGET_RATE, SUBJECT, BARE, "slow link, requests/s", "requests/s"))
+            if "MultiConnector" in by_side:
+                targets.append(
+                    CaseTarget("<=", TARGET_MULTI, SUBJECT, "MultiConnector", "slow link, turns 2+", "TTFT p50")
+                )
+    breakdowns = {
+        link: {side: mean_breakdown(rs) for side, rs in by_side.items() if rs} for link, by_side in done.items()
+    }
+    fixed = {
+        link: {side: median_of(r.figures()["fixed_ttft_p50_s"] for r in rs) for side, rs in by_side.items() if rs}
+        for link, by_side in done.items()
+    }
+    compute = {
+        link: {
+            side: mean_of(r.figures()["phases_ms"]["prefill"].get("prefill_step") for r in rs)
+            for side, rs in by_side.items()
+            if rs
+        }
+        for link, by_side in done.items()
+    }
+    w = workload
     return Result(
         "multi_turn",
         "Multi-turn conversations across a link: TTFT of turn 1 and turns 2+, kvcompose vs bare P/D and MultiConnector",
@@ -341,24 +524,63 @@ def summarize(
         1.0,
         cases,
         ratios,
-        AllTargets("<=", TARGET_BARE, SUBJECT, "bare", tuple(targets)) if targets else None,
+        AllTargets("<=", TARGET_BARE, SUBJECT, BARE, tuple(targets)) if targets else None,
         runs,
         quick,
         [
-            "prefill and decode servers in two network namespaces, the link between them shaped (tbf) to "
+            f"model {info.get('model', 'tiny')} ({kv_per_token} B of KV a token); prefill and decode servers in two "
+            "network namespaces, the link between them shaped (tbf) to "
             + ", ".join(
-                f"{k}: {format_rate(scaled_rate(v))} (= {v / 1e9:g} Gbit/s for Llama-3-8B's KV)"
-                for k, v in REAL_LINKS.items()
+                f"{k}: {format_rate(scaled_rate(REAL_LINKS[k], kv_per_token))} (= {REAL_LINKS[k] / 1e9:g} Gbit/s "
+                "for Llama-3-8B's KV)"
+                for k in done
             )
             + "; vLLM's router in the root namespace, consistent_hash on X-Session-ID",
-            f"{CONVERSATIONS} conversations x {TURNS} turns, {CLIENTS} clients, streamed chat; a {SYSTEM_TOKENS}-token "
-            f"system prompt per group of {GROUP}; first messages 250-350 tokens, later 60-100, answers 16-24; "
-            f"{DEVICE_BLOCKS} device blocks of {BLOCK_SIZE} tokens per instance",
-            "bare: NixlConnector alone on both; MultiConnector: vLLM's over the examples' children; kvcompose: the "
-            "examples; kvcompose-first-wins: the examples with load: first-wins on decode",
-            "a sample: one run's TTFT p50 (client side, first streamed token); ratio = kvcompose / baseline",
+            f"{w.conversations} conversations x {w.turns} turns, {w.clients} clients, streamed chat; a "
+            f"{w.system_tokens}-token system prompt per group of {w.group}; first messages 250-350 tokens, later "
+            f"60-100, answers 16-24; {w.device_blocks} device blocks of {BLOCK_SIZE} tokens and a {w.host_bytes} host "
+            "tier per instance",
+            "bare: vLLM's NixlConnector as shipped on both; nixl-plugin: the examples' NIXL child alone; "
+            "MultiConnector: vLLM's over the examples' children; kvcompose: the examples; kvcompose-first-wins: the "
+            "examples with load: first-wins on decode",
+            "a sample: one run's TTFT p50 (client side, first streamed token) or requests/s; ratio = kvcompose / "
+            "baseline; an ordering is claimed only where every run's ratio lies on the same side of 1: "
+            + "; ".join(f"{case}: " + ", ".join(f"{b} {o}" for b, o in os_.items()) for case, os_ in orderings.items()),
+            "fixed cost (one-token prompt TTFT p50 through the stack, median over runs, ms): "
+            + "; ".join(
+                f"{link}: " + ", ".join(f"{s} {v * 1e3:.0f}" for s, v in sides_.items() if v is not None)
+                for link, sides_ in fixed.items()
+            ),
             "answers compared with one engine without P/D, token ids: "
             + ("all equal" if not wrong else "; ".join(f"{k}: {len(v)} differ, e.g. {v[0]}" for k, v in wrong.items())),
         ],
-        {"ttft_by_turn": by_turn, "engine_logs": str(logs), "wall_s_measured": round(wall_s, 1), "runs": runs},
+        {
+            "ttft_by_turn": by_turn,
+            "breakdown_ms": breakdowns,
+            "fixed_ttft_s": fixed,
+            "prefill_compute_ms_per_request": compute,
+            "orderings": orderings,
+            "engine_logs": str(logs),
+            "wall_s_measured": round(wall_s, 1),
+            "runs": runs,
+            **info,
+        },
     )
+
+
+def median_of(values: Any) -> float | None:
+    """The median of the values that are not None (None when there is none)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def mean_of(values: Any) -> float | None:
+    """The mean of the values that are not None (None when there is none)."""
+    present = [v for v in values if v is not None]
+    return round(statistics.fmean(present), 2) if present else None
+
+
+def mean_breakdown(runs: list[SideRun]) -> dict[str, float]:
+    """:func:`breakdown` averaged over a side's runs, part by part."""
+    parts = [r.figures()["breakdown_ms"] for r in runs]
+    return {label: round(statistics.fmean(p[label] for p in parts), 2) for label, *_ in BREAKDOWN}

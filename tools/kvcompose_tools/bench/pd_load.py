@@ -149,23 +149,25 @@ def run(
     echo: Callable[[str], None] = print,
     work: Path | None = None,
     sides: tuple[str, ...] = SIDES,
+    model: str = "tiny",
 ) -> Result:
     """Each workload ``repeats`` times per side; TTFT p99 per run the samples, kvcompose's ratio to
-    its NIXL child alone and to MultiConnector per workload."""
+    its NIXL child alone and to MultiConnector per workload. ``model``: a name of
+    :data:`~kvcompose_tools.e2e.model.MODELS`."""
     from kvcompose_tools.e2e.chat import load_tokenizer
-    from kvcompose_tools.e2e.model import make_model
+    from kvcompose_tools.e2e.model import make_model, model_config
 
     runs = repeats or (1 if quick else RUNS)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-pd-load-"))
-    model = str(make_model(0))
-    tokenizer = load_tokenizer(model)
+    model_dir = str(make_model(0, config=model_config(model)))
+    tokenizer = load_tokenizer(model_dir)
     done: dict[str, dict[str, list[Run]]] = {w: {s: [] for s in sides} for w in WORKLOADS}
     with engine_lock(echo=echo):
-        stack = Stack.start(model, logs, sides)
+        stack = Stack.start(model_dir, logs, sides)
         try:
             echo(f"   engines up in {stack.started_s:.0f} s; logs in {logs}")
             for side in sides:  # handshakes and first requests, not measured
-                chat_load(stack.routers[side].url, model, tokenizer, seed=99, conversations=2, turns=1, clients=2)
+                chat_load(stack.routers[side].url, model_dir, tokenizer, seed=99, conversations=2, turns=1, clients=2)
             for r in range(runs):
                 for workload in WORKLOADS:
                     for side in sides if r % 2 == 0 else sides[::-1]:

@@ -62,20 +62,42 @@ def draw(result: Result, directory: Path) -> Path:
 
 
 def _draw_turns(result: Result, directory: Path, plt: Any) -> Path:
-    """TTFT p50 by turn index (the median over the runs), one line per side, one panel per link."""
+    """Per link, TTFT p50 by turn index (the median over the runs), one line per side; beside it,
+    where a request's time goes per side (``config["breakdown_ms"]``), a stacked bar each."""
     by_link: dict[str, dict[str, list[float]]] = result.config["ttft_by_turn"]
-    fig, axes = plt.subplots(1, len(by_link), figsize=(5 * len(by_link), 3.6), squeeze=False)
-    for ax, (link, sides) in zip(axes[0], by_link.items(), strict=True):
+    parts: dict[str, dict[str, dict[str, float]]] = result.config.get("breakdown_ms", {})
+    cols = 2 if parts else 1
+    fig, axes = plt.subplots(len(by_link), cols, figsize=(6.5 * cols, 3.8 * len(by_link)), squeeze=False)
+    for row, (link, sides) in zip(axes, by_link.items(), strict=True):
+        ax = row[0]
         for side, ttfts in sides.items():
             ax.plot(range(1, len(ttfts) + 1), [t * 1e3 for t in ttfts], marker="o", label=side)
         ax.set_xticks(range(1, max((len(t) for t in sides.values()), default=0) + 1))
-        ax.set_title(f"{link} link", fontsize=9)
+        ax.set_title(f"{link} link: TTFT p50 by turn", fontsize=9)
         ax.set_xlabel("turn")
         ax.set_ylabel("TTFT p50 (ms)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
-    fig.suptitle("\n".join(textwrap.wrap(result.title, 70)), fontsize=9)
+        if parts:
+            _draw_breakdown(row[1], parts.get(link, {}), f"{link} link: where a request's time goes")
+    fig.suptitle("\n".join(textwrap.wrap(result.title, 90)), fontsize=9)
     return _save(fig, plt, directory, result.name)
+
+
+def _draw_breakdown(ax: Any, by_side: dict[str, dict[str, float]], title: str) -> None:
+    """One horizontal bar per side, its parts (ms per request, from vLLM's histograms) stacked."""
+    sides = list(by_side)
+    labels = list(next(iter(by_side.values()), {}))
+    left = [0.0] * len(sides)
+    for label in labels:
+        widths = [max(0.0, by_side[s].get(label, 0.0)) for s in sides]
+        ax.barh(sides, widths, left=left, label=label)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per request (vLLM's histograms, mean over runs)")
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.legend(fontsize=6, loc="lower right")
 
 
 def _save(fig: Any, plt: Any, directory: Path, name: str) -> Path:

@@ -42,6 +42,8 @@ FULL_ONLY = (
 #: Those that run across hosts with ``--hosts`` (``run(link=...)``: prefill and decode each in a
 #: host of their own, :mod:`kvcompose_tools.e2e.hosts`).
 ACROSS_HOSTS = ("cold-start", "overload")
+#: Those that run another model than the tiny one with ``--model`` (``run(model=...)``).
+TAKE_MODEL = ("pd-load", "multi-turn")
 
 
 def _runner(name: str) -> Callable[..., Result]:
@@ -57,13 +59,15 @@ def run(
     out: Path = RESULTS_DIR,
     echo: Callable[[str], None] = print,
     link: str | None = None,
+    model: str | None = None,
 ) -> list[Result]:
     """Run the chosen benchmarks (all by default; by name or module name) one after another.
 
     Writes ``<out>/<benchmark>.json`` per benchmark and ``<out>/summary.json``; with ``png``
     also ``<out>/<benchmark>.png``. ``link``: the benchmarks of :data:`ACROSS_HOSTS` run with
     prefill and decode in two hosts joined by links at that rate (``--hosts``); only those may
-    be chosen then.
+    be chosen then. ``model``: the benchmarks of :data:`TAKE_MODEL` run that model of
+    :data:`~kvcompose_tools.e2e.model.MODELS` (``--model``); only those may be chosen then.
     """
     # A benchmark answers to its module name too (``cpu_copy``, the name of its JSON file).
     by_module = {module: name for name, module in BENCHMARKS.items()}
@@ -79,6 +83,16 @@ def run(
         if not only or other:
             raise ValueError(
                 f"--hosts runs {', '.join(ACROSS_HOSTS)} only; choose it with --only"
+                + (f" (not {', '.join(other)})" if other else "")
+            )
+    if model is not None:
+        from kvcompose_tools.e2e.model import model_config
+
+        model_config(model)  # a ValueError naming the models
+        other = [n for n in only if n not in TAKE_MODEL]
+        if not only or other:
+            raise ValueError(
+                f"--model runs {', '.join(TAKE_MODEL)} only; choose it with --only"
                 + (f" (not {', '.join(other)})" if other else "")
             )
     if png:
@@ -110,7 +124,8 @@ def run(
         if cores is not None:
             os.sched_setaffinity(0, cores)
         t0 = time.perf_counter()
-        result = _runner(name)(quick=quick, **({"link": link} if link is not None else {}))
+        given = {"link": link, "model": model}
+        result = _runner(name)(quick=quick, **{k: v for k, v in given.items() if v is not None})
         result.config["wall_s"] = round(time.perf_counter() - t0, 1)
         path = result.write(out)
         echo("")

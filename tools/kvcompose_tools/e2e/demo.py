@@ -60,7 +60,7 @@ from kvcompose_tools.e2e.flow import (
     token_prompt,
 )
 from kvcompose_tools.e2e.hosts import Hosts, HostsError, parse_rate
-from kvcompose_tools.e2e.model import make_model
+from kvcompose_tools.e2e.model import TINY_CONFIG, make_model, model_config
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.processes import NodeError
@@ -137,12 +137,19 @@ def run(
     http: bool = False,
     decodes: int = 1,
     link: str | None = None,
+    model: str = "tiny",
 ) -> int:
     """Run the demo; 0 when every decode output equals the baseline, 1 otherwise. ``http``:
     prefill and decode are vLLM API servers behind vLLM's router, else offline engines (the
     baseline is offline). ``decodes`` (with ``http``): that many decode servers behind the
     router, which keeps each conversation on one of them (``consistent_hash``). ``link`` (implies
-    ``http``): the prefill and each decode server in a host of its own, links at that rate."""
+    ``http``): the prefill and each decode server in a host of its own, links at that rate.
+    ``model``: a name of :data:`~kvcompose_tools.e2e.model.MODELS`."""
+    try:
+        config = model_config(model)
+    except ValueError as exc:
+        print(f"demo: --model: {exc}", file=out)
+        return 2
     if link is not None:
         http = True
         try:
@@ -154,11 +161,11 @@ def run(
         print(f"demo: --decodes {decodes}: 1 (offline or --http) or 2 (--http only)", file=out)
         return 2
     if link is None:
-        return _run(work, out, prefill_yaml, decode_yaml, http, decodes, None)
+        return _run(work, out, prefill_yaml, decode_yaml, http, decodes, None, config)
     names = ["prefill"] + (["decode"] if decodes == 1 else [f"decode{i + 1}" for i in range(decodes)])
     try:
         with Hosts(names, link=link) as hosts:
-            return _run(work, out, prefill_yaml, decode_yaml, http, decodes, hosts)
+            return _run(work, out, prefill_yaml, decode_yaml, http, decodes, hosts, config)
     except HostsError as exc:
         print(f"demo: --hosts: {exc}", file=out)
         return 2
@@ -172,10 +179,11 @@ def _run(
     http: bool,
     decodes: int,
     hosts: Hosts | None,
+    config: Path = TINY_CONFIG,
 ) -> int:
     where = (lambda name: hosts[name.replace("-", "")]) if hosts is not None else (lambda name: None)
     started = time.monotonic()
-    model = make_model(0)
+    model = make_model(0, config=config)
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-demo-"))
     print(f"model: {model} (seeded random weights)\nengine logs: {logs}", file=out)
     prompts = {label: token_prompt(seed, n) for label, seed, n in PROMPTS}

@@ -1,5 +1,12 @@
-"""A tiny Llama checkpoint with seeded random weights and a byte-level BPE tokenizer, made locally
-(nothing is downloaded).
+"""Llama checkpoints with seeded random weights and a byte-level BPE tokenizer, made locally
+(nothing is downloaded): :data:`MODELS` names them.
+
+``tiny`` (hidden 128, 2 layers, 1 KiB of KV a token) is what the tests run: an engine starts fast
+and a prompt costs microseconds a token. ``medium`` (hidden 512, 8 layers, 8 heads over 4 KV
+heads, 16 KiB of KV a token, a 4,096-token context) is for the benchmarks that show time saved:
+on this machine a token's prefill costs about 1.2 ms, so a conversation's history outweighs the
+fixed cost of a request through the router and two engines (docs/performance.md, "The medium
+model").
 
 vLLM's ``load_format="dummy"`` fills every tensor with U(-1e-3, 1e-3): the logits come out flat
 and the output does not depend on the KV it attends to, so equal tokens would prove nothing.
@@ -28,6 +35,10 @@ from pathlib import Path
 #: The shipped config (hidden 128, 2 layers, 4 heads, 2 KV heads, vocab 512): the test kit's data,
 #: which stays in kvcompose (found without importing the kit).
 TINY_CONFIG = Path(find_spec("kvcompose.testing").origin).parent / "data" / "tiny-llama" / "config.json"
+#: The medium model's config, kept with the tools (the tests never run it).
+MEDIUM_CONFIG = Path(__file__).parent / "data" / "medium-llama" / "config.json"
+#: The models by the name ``--model`` takes.
+MODELS = {"tiny": TINY_CONFIG, "medium": MEDIUM_CONFIG}
 #: Larger q/k weights make attention peaked rather than a near-uniform average over the prompt.
 ATTN_GAIN = 3.0
 WEIGHTS = "model.safetensors"
@@ -69,9 +80,17 @@ def _recipe(config_text: str, seed: int) -> dict[str, object]:
     return {"config_sha256": digest, "seed": seed, "attn_gain": ATTN_GAIN, "version": VERSION}
 
 
+def model_config(name: str) -> Path:
+    """The config of the model :data:`MODELS` calls ``name``; a clear error for another name."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}") from None
+
+
 def make_model(seed: int = 0, root: Path | None = None, config: Path = TINY_CONFIG) -> Path:
-    """The model directory for ``seed`` (``config.json``, ``model.safetensors`` (~1.7 MB) and the
-    tokenizer files).
+    """The model directory for ``seed`` (``config.json``, ``model.safetensors`` (1.7 MB tiny, 96
+    MB medium) and the tokenizer files), named after the config's folder (``tiny-llama``, ...).
 
     Made once under ``root`` (default :func:`work_dir`) and reused while the config and recipe
     are unchanged; written to a temporary directory and renamed, so concurrent makers never see
@@ -80,7 +99,7 @@ def make_model(seed: int = 0, root: Path | None = None, config: Path = TINY_CONF
     text = config.read_text()
     recipe = _recipe(text, seed)
     base = (root or work_dir()) / "models"
-    path = base / f"tiny-llama-seed{seed}-v{VERSION}-{recipe['config_sha256']}"
+    path = base / f"{config.parent.name}-seed{seed}-v{VERSION}-{recipe['config_sha256']}"
     stamp = path / STAMP
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return path

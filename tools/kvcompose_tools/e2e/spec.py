@@ -59,6 +59,8 @@ class EngineSpec:
     #: Tensor-parallel workers (one process each). On vLLM's CPU platform TP > 1 also needs each
     #: worker's OpenMP threads bound to cores of its own: :meth:`env`.
     tensor_parallel_size: int = 1
+    #: The context vLLM gives the model (the tiny model's tests are sized for 1,024 tokens).
+    max_model_len: int = MAX_MODEL_LEN
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         """The ``KVTransferConfig`` kwargs: ``kv_config``, or the composition's with this spec's
@@ -79,7 +81,7 @@ class EngineSpec:
             "model": self.model,
             "load_format": "safetensors",
             "dtype": "float32",
-            "max_model_len": MAX_MODEL_LEN,
+            "max_model_len": self.max_model_len,
             "enforce_eager": True,
             "block_size": BLOCK_SIZE,
             "seed": self.seed,

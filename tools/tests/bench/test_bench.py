@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -125,6 +126,33 @@ def test_cli_runs_only_cold_start_across_hosts_and_checks_the_rate_first(
     assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
     assert says in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing ran
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--model", "medium"], "choose it with --only"),
+        (["--model", "medium", "--only", "scheduler"], "(not scheduler)"),
+        (["--model", "huge", "--only", "multi-turn"], "invalid choice: 'huge'"),
+    ],
+)
+def test_cli_runs_another_model_only_in_pd_load_and_multi_turn(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], says: str
+) -> None:
+    from kvcompose.cli import main
+
+    with contextlib.suppress(SystemExit):  # argparse's own refusal of a name it does not know
+        assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    assert says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_the_runner_names_the_models_for_another_name() -> None:
+    from kvcompose_tools.bench.runner import TAKE_MODEL, run
+
+    assert TAKE_MODEL == ("pd-load", "multi-turn")
+    with pytest.raises(ValueError, match="unknown model 'huge'; choose from tiny, medium"):
+        run(only=["multi-turn"], model="huge")
 
 
 def test_cold_start_across_hosts_puts_a_bare_nixl_connectors_side_channel_on_its_host() -> None:

@@ -1,5 +1,6 @@
-"""multi-turn's figures from given conversations (no engines): link scaling, sides, per-turn
-TTFT, answers against the baseline, ratios and the issue's targets."""
+"""multi-turn's figures from given conversations (no engines): link scaling, sides, workloads
+per model, per-turn TTFT, answers against the baseline, ratios, orderings, the time breakdown and
+the issues' targets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ from pathlib import Path
 import pytest
 
 from kvcompose_tools.bench import multi_turn
-from kvcompose_tools.bench.multi_turn import SIDES, SideRun, mismatches, scaled_rate, specs, summarize
+from kvcompose_tools.bench.measure import Samples
+from kvcompose_tools.bench.multi_turn import (
+    SIDES,
+    WORKLOADS,
+    SideRun,
+    breakdown,
+    mismatches,
+    ordering,
+    scaled_rate,
+    specs,
+    summarize,
+)
 from kvcompose_tools.bench.runner import BENCHMARKS, FULL_ONLY
 from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES
 from kvcompose_tools.e2e.load import Load, Turn
@@ -28,42 +40,81 @@ def conversations(ttft: dict[int, float], answer: list[int] | None = None, faile
     return Load("chat", turns, wall_s=6.0)
 
 
-def side(name: str, ttft: dict[int, float], nixl: float = 6000.0) -> SideRun:
-    return SideRun(
+def side(name: str, ttft: dict[int, float], nixl: float = 6000.0, wall_s: float = 6.0) -> SideRun:
+    run = SideRun(
         name,
         "slow",
         conversations(ttft),
         Load("prefix", [Turn(0.0, 0.1)], 1.0),
-        {COMPUTED: 900.0, f"{CACHED_BY_SOURCE}host}}": 300.0},
+        {
+            COMPUTED: 900.0,
+            f"{CACHED_BY_SOURCE}host}}": 300.0,
+            "vllm:request_prefill_time_seconds_sum": 1.2,
+            "vllm:request_prefill_time_seconds_count": 6.0,
+        },
         {
             COMPUTED: 6.0,
             NIXL_BYTES: nixl,
             "vllm:nixl_xfer_time_seconds_sum": 0.03,
             "vllm:nixl_xfer_time_seconds_count": 6.0,
+            "vllm:request_prefill_time_seconds_sum": 0.06,
+            "vllm:request_prefill_time_seconds_count": 6.0,
         },
         8000,
+        [0.1, 0.12, 0.11],
     )
+    run.chat.wall_s = wall_s
+    return run
 
 
 def test_links_are_scaled_by_kv_bytes_per_token() -> None:
     # Llama-3-8B's 128 KiB a token against the tiny model's 1 KiB: 128x fewer bits per second.
     assert multi_turn.LLAMA_8B_KV_PER_TOKEN == 128 * 1024
     assert scaled_rate(100e9) == 781_000_000 and scaled_rate(25e9) == 195_000_000
+    # The medium model's 16 KiB a token: 8x fewer than the 8B model's.
+    assert scaled_rate(25e9, 16 * 1024) == 3_125_000_000
+
+
+def test_every_model_has_a_workload_that_outgrows_the_device_and_fits_the_host_tier() -> None:
+    from kvcompose.units import ByteSize
+    from kvcompose_tools.commands import MODEL_NAMES
+    from kvcompose_tools.e2e.model import MODELS
+
+    assert set(WORKLOADS) == set(MODELS) == set(MODEL_NAMES)
+    medium = WORKLOADS["medium"]
+    assert medium.turns >= 8 and medium.max_model_len >= 4096 and medium.runs >= 5 and medium.links == ("slow",)
+    # A conversation's last turn: system prompt, first message, then follow-ups and answers.
+    longest = medium.system_tokens + 350 + (medium.turns - 1) * (100 + 24) + 24
+    assert longest < medium.max_model_len
+    history = medium.conversations * longest
+    assert history > medium.device_blocks * 32  # outgrows the device KV
+    assert history * 16 * 1024 < ByteSize.parse(medium.host_bytes)  # fits the host tier
 
 
 def test_each_side_has_its_prefill_and_decode(tmp_path: Path) -> None:
     for name in SIDES:
-        p, d = specs(name, "m", tmp_path, 5601, 5602, "10.0.0.2", "10.0.0.3")
-        assert p.num_gpu_blocks == d.num_gpu_blocks == multi_turn.DEVICE_BLOCKS
-        # Every side's side channels on its hosts' addresses, bare connectors' too.
+        (p, p_env), (d, d_env) = specs(name, "m", tmp_path, 5601, 5602, "10.0.0.2", "10.0.0.3")
+        assert p.num_gpu_blocks == d.num_gpu_blocks == WORKLOADS["tiny"].device_blocks
+        assert p.max_model_len == d.max_model_len == 1024
+        if name == "bare":  # vLLM's own class places its side channel from the environment
+            assert p_env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+            assert d_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.3"
+            continue
+        assert p_env == d_env == {}
         assert '"kvcompose_side_channel_host": "10.0.0.2"' in json.dumps(p.kv_transfer_config())
         assert '"kvcompose_side_channel_host": "10.0.0.3"' in json.dumps(d.kv_transfer_config())
-    bare_p, bare_d = specs("bare", "m", tmp_path, 5601, 5602)
-    assert bare_d.kv_transfer_config()["kv_connector"] == "NixlConnector"
-    multi = specs("MultiConnector", "m", tmp_path, 5601, 5602)[1].kv_transfer_config()
+    (bare_p, _), (bare_d, _) = specs("bare", "m", tmp_path, 5601, 5602)
+    # vLLM's NixlConnector as shipped: the name vLLM registers, no module path (no kvcompose class).
+    assert bare_d.kv_transfer_config() == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    assert bare_p.kv_transfer_config()["kv_role"] == "kv_producer"
+    plugin = specs("nixl-plugin", "m", tmp_path, 5601, 5602)[1][0].kv_transfer_config()
+    assert (plugin["kv_connector"], plugin["kv_connector_module_path"]) == ("NixlConnector", "kvcompose_nixl.connector")
+    multi = specs("MultiConnector", "m", tmp_path, 5601, 5602)[1][0].kv_transfer_config()
     assert multi["kv_connector"] == "MultiConnector"
-    first_wins = specs("kvcompose-first-wins", "m", tmp_path, 5601, 5602)[1]
+    first_wins = specs("kvcompose-first-wins", "m", tmp_path, 5601, 5602)[1][0]
     assert "load: first-wins" in Path(str(first_wins.composition)).read_text()
+    medium = specs("kvcompose", "m", tmp_path, 5601, 5602, workload=WORKLOADS["medium"])[1][0]
+    assert medium.max_model_len == 4096 and "cpu_bytes: 1GiB" in Path(str(medium.composition)).read_text()
     with pytest.raises(ValueError, match="unknown side"):
         specs("nope", "m", tmp_path, 1, 2)
 
@@ -84,9 +135,13 @@ def test_figures_split_turn_1_from_later_turns_and_count_failures() -> None:
     assert f["tpot_p50_s"] == pytest.approx(0.1)  # 0.2 s after the first of three tokens
     assert f["nixl_bytes_per_request"] == 1000 and f["host_hit_tokens"] == {"prefill": 300, "decode": 0}
     assert run.ttft_by_turn() == [0.5, 0.1, 0.2]
-    assert f["phases_ms"] == {"prefill": {}, "decode": {"nixl_read": 5.0}}  # where the time went, per instance
+    # Where the time went, per instance, in ms per request (the histograms' sums over 6 requests).
+    assert f["phases_ms"] == {"prefill": {"prefill_step": 200.0}, "decode": {"prefill_step": 10.0, "nixl_read": 5.0}}
+    assert f["breakdown_ms"]["decode: NIXL read"] == 5.0
+    assert f["breakdown_ms"]["decode: host-tier load + first token"] == 5.0  # the decode's first step less the read
+    assert f["fixed_ttft_p50_s"] == 0.11
     broken = SideRun("bare", "slow", conversations({0: 1.0, 1: 1.0, 2: 1.0}, failed=1), Load("prefix", [], 1.0))
-    assert broken.figures()["failed"] == 1 and broken.figures()["requests_per_s"] == 0.83  # 5 served in 6 s
+    assert broken.figures()["failed"] == 1 and broken.figures()["requests_per_s"] == 0.833  # 5 served in 6 s
 
 
 def test_answers_are_compared_with_the_baseline_by_conversation_and_turn() -> None:
@@ -96,19 +151,66 @@ def test_answers_are_compared_with_the_baseline_by_conversation_and_turn() -> No
     assert differs == ["conversation 0 turn 1", "conversation 0 turn 2", "conversation 0 turn 3"]
 
 
-def test_targets_are_the_slow_links_later_turns(tmp_path: Path) -> None:
-    ttft = {"bare": 1.0, "MultiConnector": 0.5, "kvcompose": 0.3, "kvcompose-first-wins": 0.6}
-    done = {link: {s: [side(s, {0: 1.0, 1: ttft[s], 2: ttft[s]})] for s in SIDES} for link in ("fast", "slow")}
+def test_targets_are_the_slow_links_later_turns_and_requests_per_second(tmp_path: Path) -> None:
+    ttft = {"bare": 1.0, "nixl-plugin": 0.9, "MultiConnector": 0.5, "kvcompose": 0.3, "kvcompose-first-wins": 0.6}
+    wall = {s: 6.0 if s == "bare" else 3.0 for s in SIDES}
+    done = {
+        link: {s: [side(s, {0: 1.0, 1: ttft[s], 2: ttft[s]}, wall_s=wall[s])] for s in SIDES}
+        for link in ("fast", "slow")
+    }
     r = summarize(done, 1, False, tmp_path, {}, 60.0)
-    assert r.target_met is True  # 0.3 <= 0.5 x bare, <= 0.8 x MultiConnector, turn 1 equal
+    assert r.target_met is True  # 0.3 <= 0.5 x bare, <= 0.8 x MultiConnector, turn 1 equal, 2x the requests/s
     later = [x for x in r.ratios if x.case == "slow link, turns 2+"]
-    assert [(x.baseline, round(x.by_median, 2)) for x in later] == [("bare", 0.3), ("MultiConnector", 0.6)]
+    assert [(x.baseline, round(x.by_median, 2)) for x in later] == [
+        ("bare", 0.3),
+        ("nixl-plugin", 0.33),
+        ("MultiConnector", 0.6),
+    ]
     assert r.config["ttft_by_turn"]["slow"]["kvcompose"] == [1.0, 0.3, 0.3]
     assert "answers compared with one engine without P/D, token ids: all equal" in r.table()
     slow = {**ttft, "kvcompose": 0.45}
-    done["slow"] = {s: [side(s, {0: 1.0, 1: slow[s], 2: slow[s]})] for s in SIDES}
+    done["slow"] = {s: [side(s, {0: 1.0, 1: slow[s], 2: slow[s]}, wall_s=wall[s])] for s in SIDES}
     assert summarize(done, 1, False, tmp_path, {"slow/kvcompose": ["conversation 0 turn 2"]}, 60.0).target_met is False
+    done["slow"] = {s: [side(s, {0: 1.0, 1: ttft[s], 2: ttft[s]}, wall_s=6.0)] for s in SIDES}
+    assert summarize(done, 1, False, tmp_path, {}, 60.0).target_met is False  # requests/s only equal to bare's
     assert BENCHMARKS["multi-turn"] == "multi_turn" and "multi-turn" in FULL_ONLY
+
+
+def test_an_ordering_is_claimed_only_where_every_run_lies_on_one_side_of_1(tmp_path: Path) -> None:
+    assert ordering(Samples([0.4, 0.6, 0.9])) == "<" and ordering(Samples([1.1, 1.3])) == ">"
+    assert ordering(Samples([0.8, 1.02])) == "undecided" and ordering(Samples([])) == "undecided"
+    runs = {"kvcompose": [0.3, 0.5], "MultiConnector": [0.5, 0.45]}  # run 2: kvcompose slower
+    done = {"slow": {s: [side(s, {0: 1.0, 1: t, 2: t}) for t in ts] for s, ts in runs.items()}}
+    r = summarize(done, 2, False, tmp_path, {}, 1.0)
+    assert r.config["orderings"]["slow link, turns 2+"] == {"MultiConnector": "undecided"}
+    later = next(c for c in r.cases if c.label == "slow link, turns 2+")
+    assert [round(v, 2) for v in later.derived["kvcompose/MultiConnector per run"].values] == [0.6, 1.11]
+    assert "slow link, turns 2+: MultiConnector undecided" in r.table()
+
+
+def test_the_breakdown_takes_the_nixl_read_out_of_the_decodes_first_step() -> None:
+    decode = {
+        "vllm:request_prefill_time_seconds_sum": 0.004,
+        "vllm:request_prefill_time_seconds_count": 2.0,
+        "vllm:nixl_xfer_time_seconds_sum": 0.01,  # more than the phase (a read before the step began)
+        "vllm:nixl_xfer_time_seconds_count": 2.0,
+        "vllm:request_decode_time_seconds_sum": 0.2,
+        "vllm:request_decode_time_seconds_count": 2.0,
+    }
+    # One-token answers on the prefill: the decode phase's count moves, its sum stays 0.
+    prefill = {"vllm:request_queue_time_seconds_sum": 0.02, "vllm:request_queue_time_seconds_count": 2}
+    prefill["vllm:request_decode_time_seconds_count"] = 2.0
+    parts = breakdown(
+        {"vllm:request_queue_time_seconds_sum": 0.02, "vllm:request_queue_time_seconds_count": 2}, decode, 2
+    )
+    assert parts == {
+        "prefill: queue": 10.0,
+        "prefill: compute": 0.0,
+        "decode: queue": 0.0,
+        "decode: NIXL read": 2.0,
+        "decode: host-tier load + first token": 0.0,
+        "decode: later tokens": 100.0,
+    }
 
 
 def test_the_png_is_ttft_by_turn_one_line_per_side(tmp_path: Path) -> None:
@@ -116,5 +218,7 @@ def test_the_png_is_ttft_by_turn_one_line_per_side(tmp_path: Path) -> None:
     from kvcompose_tools.bench.plot import draw
 
     done = {"slow": {s: [side(s, {0: 1.0, 1: 0.5, 2: 0.4})] for s in SIDES}}
-    path = draw(summarize(done, 1, False, tmp_path, {}, 1.0), tmp_path)
+    result = summarize(done, 1, False, tmp_path, {}, 1.0)
+    assert set(result.config["breakdown_ms"]["slow"]) == set(SIDES)  # a stacked bar per side beside the lines
+    path = draw(result, tmp_path)
     assert path.name == "multi_turn.png" and path.stat().st_size > 10_000
