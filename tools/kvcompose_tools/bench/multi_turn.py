@@ -88,9 +88,9 @@ class Workload:
 WORKLOADS = {
     # A fifth turn's history passed the tiny model's 1,024-token context (HTTP 400) in 8 of 24.
     "tiny": Workload(24, 4, 8, 128, "256MiB", 1024, ("fast", "slow"), 1, True),
-    # 8 turns grow a history to about 1,300 tokens (21 MiB of KV); 12 of them outgrow 256 device
-    # blocks (8,192 tokens) 2x, and fit a 1 GiB host tier 4x.
-    "medium": Workload(12, 8, 6, 256, "1GiB", 4096, ("slow",), 5, False),
+    # 8 turns grow a history to about 1,300 tokens (21 MiB of KV); 10 of them outgrow 192 device
+    # blocks (6,144 tokens) 2x, and fit a 1 GiB host tier 4x.
+    "medium": Workload(10, 8, 5, 192, "1GiB", 4096, ("slow",), 5, False),
 }
 #: One-token prompts per side run that measure a request's fixed cost through the stack.
 FIXED_PROBES = 8
