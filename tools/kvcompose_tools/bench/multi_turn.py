@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -272,16 +272,58 @@ def breakdown(prefill: dict[str, float], decode: dict[str, float], requests: int
     return out
 
 
-def mismatches(run: Load, baseline: Load) -> list[str]:
-    """The (conversation, turn) whose answer's token ids differ from the baseline's."""
-    expected = {(t.conversation, t.turn): t.token_ids for t in baseline.turns if t.error is None}
-    return [
-        f"conversation {t.conversation} turn {t.turn + 1}"
-        for t in run.turns
-        if t.error is None
-        and (t.conversation, t.turn) in expected
-        and t.token_ids != expected[(t.conversation, t.turn)]
-    ]
+#: Two tokens whose logprobs are this close (nats) are a tie within float32 rounding: a prompt's
+#: KV computed in other batches (P/D, a host tier, chunked prefill) may pick either.
+NEAR_TIE = 1e-3
+
+
+@dataclass
+class Answers:
+    """How one side's answers compare with the baseline's, turn by turn (token ids)."""
+
+    #: (conversation, turn) answered exactly as the baseline did
+    equal: int = 0
+    #: where the answer parted from the baseline's at a token the baseline had within
+    #: :data:`NEAR_TIE` of its own choice (and its conversation's later turns, whose prompts
+    #: then differ, are not compared)
+    near_ties: list[str] = field(default_factory=list)
+    #: differing answers not explained by a near tie: wrong
+    wrong: list[str] = field(default_factory=list)
+    #: later turns of a conversation that parted at a near tie: another prompt than the baseline's
+    not_compared: int = 0
+
+    def summary(self) -> str:
+        """``N equal, M parted at a near tie (K later turns not compared), W wrong``."""
+        return (
+            f"{self.equal} equal, {len(self.near_ties)} parted at a near tie ({self.not_compared} later turns "
+            f"not compared), {len(self.wrong)} wrong"
+        )
+
+
+def mismatches(run: Load, baseline: Load) -> Answers:
+    """``run``'s answers against ``baseline``'s, by (conversation, turn): equal, parted at a near
+    tie, or wrong (:class:`Answers`). A turn is compared only when its prompt is the baseline's."""
+    expected = {(t.conversation, t.turn): t for t in baseline.turns if t.error is None}
+    out = Answers()
+    for t in sorted(run.turns, key=lambda t: (t.conversation, t.turn)):
+        want = expected.get((t.conversation, t.turn))
+        if t.error is not None or want is None:
+            continue
+        if t.messages != want.messages:  # an earlier answer of the conversation parted at a near tie
+            out.not_compared += 1
+            continue
+        where = f"conversation {t.conversation} turn {t.turn + 1}"
+        if t.token_ids == want.token_ids:
+            out.equal += 1
+            continue
+        i = next((k for k, (a, b) in enumerate(zip(t.token_ids, want.token_ids)) if a != b), None)
+        tops = want.top[i] if i is not None and i < len(want.top) else {}
+        got, chosen = (t.token_ids[i], want.token_ids[i]) if i is not None else (None, None)
+        if got in tops and chosen in tops and abs(tops[got] - tops[chosen]) <= NEAR_TIE:
+            out.near_ties.append(f"{where} token {i + 1} ({tops[chosen] - tops[got]:.1e} nats)")
+        else:
+            out.wrong.append(where)
+    return out
 
 
 def chat(url: str, model: str, tokenizer: Any, seed: int, workload: Workload) -> Load:
@@ -405,7 +447,7 @@ def run(
     tokenizer = load_tokenizer(model_dir)
     chosen = links or workload.links
     done: dict[str, dict[str, list[SideRun]]] = {link: {s: [] for s in sides} for link in chosen}
-    wrong: dict[str, list[str]] = {}
+    answers: dict[str, list[Answers]] = {f"{link}/{side}": [] for link in chosen for side in sides}
     t0 = time.monotonic()
     with engine_lock(echo=echo):
         baseline = baseline_answers(model_dir, tokenizer, logs, 0, workload)
@@ -417,19 +459,17 @@ def run(
                     for side in sides if r % 2 == 0 else sides[::-1]:
                         one = side_run(side, link, hosts, model_dir, tokenizer, logs, 0, workload)
                         done[link][side].append(one)
-                        bad = mismatches(one.chat, baseline)
-                        if bad:
-                            wrong.setdefault(f"{link}/{side}", []).extend(bad)
+                        answers[f"{link}/{side}"].append(mismatches(one.chat, baseline))
                         f = one.figures()
                         echo(
                             f"   {link} link ({rate}) run {r + 1} {side}: turn 1 TTFT p50 {f['turn1_ttft_p50_s']} s, "
                             f"turns 2+ p50 {f['later_ttft_p50_s']} p90 {f['later_ttft_p90_s']} s, "
                             f"{f['requests_per_s']} req/s, one-token TTFT {f['fixed_ttft_p50_s']} s, "
                             f"NIXL {f['nixl_bytes_per_request']} B/req, failed {f['failed']}, "
-                            f"answers unlike the baseline {len(bad)}"
+                            f"answers: {answers[f'{link}/{side}'][-1].summary()}"
                         )
     info = {"model": model, "kv_bytes_per_token": kv_per_token, "workload": workload}
-    return summarize(done, runs, quick, logs, wrong, time.monotonic() - t0, info)
+    return summarize(done, runs, quick, logs, answers, time.monotonic() - t0, info)
 
 
 def ordering(per_run: Samples) -> str:
@@ -447,7 +487,7 @@ def summarize(
     runs: int,
     quick: bool,
     logs: Path,
-    wrong: dict[str, list[str]],
+    answers: dict[str, list[Answers]],
     wall_s: float,
     info: dict[str, Any] | None = None,
 ) -> Result:
@@ -551,8 +591,8 @@ def summarize(
                 f"{link}: " + ", ".join(f"{s} {v * 1e3:.0f}" for s, v in sides_.items() if v is not None)
                 for link, sides_ in fixed.items()
             ),
-            "answers compared with one engine without P/D, token ids: "
-            + ("all equal" if not wrong else "; ".join(f"{k}: {len(v)} differ, e.g. {v[0]}" for k, v in wrong.items())),
+            "answers compared with one engine without P/D, token ids (a turn whose prompt is the baseline's): "
+            + answers_note(answers),
         ],
         {
             "ttft_by_turn": by_turn,
@@ -560,6 +600,7 @@ def summarize(
             "fixed_ttft_s": fixed,
             "prefill_compute_ms_per_request": compute,
             "orderings": orderings,
+            "answers": {k: [asdict(a) for a in v] for k, v in answers.items()},
             "engine_logs": str(logs),
             "wall_s_measured": round(wall_s, 1),
             "runs": runs,
@@ -584,3 +625,18 @@ def mean_breakdown(runs: list[SideRun]) -> dict[str, float]:
     """:func:`breakdown` averaged over a side's runs, part by part."""
     parts = [r.figures()["breakdown_ms"] for r in runs]
     return {label: round(statistics.fmean(p[label] for p in parts), 2) for label, *_ in BREAKDOWN}
+
+
+def answers_note(answers: dict[str, list[Answers]]) -> str:
+    """The note on the answers: all equal, or per side what parted at near ties and what is wrong."""
+    parted = {k: v for k, v in answers.items() if any(a.near_ties or a.wrong or a.not_compared for a in v)}
+    if not parted:
+        return "all equal"
+    return "; ".join(
+        f"{k}: " + ", ".join(a.summary() for a in v) + (f", e.g. {first}" if (first := _first(v)) else "")
+        for k, v in parted.items()
+    )
+
+
+def _first(runs: list[Answers]) -> str:
+    return next((w for a in runs for w in a.wrong), "") or next((n for a in runs for n in a.near_ties), "")

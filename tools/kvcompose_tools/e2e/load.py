@@ -45,6 +45,9 @@ CLIENTS = 8
 FIRST_TOKENS = (250, 350)
 LATER_TOKENS = (60, 100)
 ANSWER_TOKENS = (16, 24)
+#: Top logprobs per answer token: whether two answers parted at a near tie (two tokens as likely
+#: within float rounding) or one is wrong.
+TOP_LOGPROBS = 2
 #: vLLM's prefix_repetition dataset as the issue ran it.
 PREFIX_ARGS = {
     "prefix_repetition_prefix_len": 400,
@@ -90,6 +93,8 @@ class Turn:
     token_ids: list[int] = field(default_factory=list)
     #: seconds from sending to the answer's last token (chat); 0 when not measured
     total_s: float = 0.0
+    #: per answer token, the engine's top logprobs there (token id -> logprob; chat)
+    top: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float | None:
@@ -145,12 +150,12 @@ def words(rng: random.Random, tokens: int, count: Callable[[str], int]) -> str:
 
 
 def stream_chat(
-    url: str, body: dict[str, Any], session: str, timeout_s: float = 120.0
+    url: str, body: dict[str, Any], session: str, timeout_s: float = 120.0, top: list[dict[int, float]] | None = None
 ) -> tuple[float | None, str, list[int], str | None]:
     """One streamed chat completion: (time to first token, the answer's text, its token ids,
     an error or ``None``). An error event in the stream, a choice finished for ``error``, no
     token, or a stream that ends before ``data: [DONE]`` is an error: such a turn is failed,
-    never served."""
+    never served. ``top`` (with ``top_logprobs`` in ``body``) gets each token's top logprobs."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     t0 = time.perf_counter()
@@ -183,6 +188,10 @@ def stream_chat(
                 content = (choice.get("delta") or {}).get("content")
                 for lp in (choice.get("logprobs") or {}).get("content") or []:
                     ids.append(int(lp["token"].split(":", 1)[1]))
+                    if top is not None:
+                        top.append(
+                            {int(t["token"].split(":", 1)[1]): t["logprob"] for t in lp.get("top_logprobs") or []}
+                        )
                 if content:
                     if ttft is None:
                         ttft = time.perf_counter() - t0
@@ -253,11 +262,13 @@ def chat_load(
                 "ignore_eos": True,
                 "stream": True,
                 "logprobs": True,
+                "top_logprobs": TOP_LOGPROBS,
                 "return_tokens_as_token_ids": True,
             }
             sent = time.perf_counter() - start
-            ttft, text, ids, error = stream_chat(url, body, f"conversation-{seed}-{c}")
-            turn = Turn(sent, ttft, error, c, t, messages, ids, time.perf_counter() - start - sent)
+            top: list[dict[int, float]] = []
+            ttft, text, ids, error = stream_chat(url, body, f"conversation-{seed}-{c}", top=top)
+            turn = Turn(sent, ttft, error, c, t, messages, ids, time.perf_counter() - start - sent, top)
             with lock:
                 done.append(turn)
                 history[c] = [*messages, {"role": "assistant", "content": text}]
