@@ -19,6 +19,15 @@ def test_a_link_that_is_no_rate_is_refused_before_anything_starts(monkeypatch: p
     assert "--link" in out.getvalue() and "tc's units" in out.getvalue()
 
 
+def test_a_model_that_is_not_one_of_the_kits_is_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(demo, "make_model", lambda *a, **k: pytest.fail("a model made for a bad name"))
+    out = io.StringIO()
+    assert demo.run(out=out, model="huge") == 2
+    assert "demo: --model: unknown model 'huge'; choose from tiny, medium" in out.getvalue()
+
+
 def test_the_hosts_are_the_prefill_and_each_decode_and_imply_http(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[tuple[list[str], str]] = []
 
