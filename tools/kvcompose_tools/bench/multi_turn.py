@@ -103,14 +103,15 @@ PHASES = {
     "nixl_read": "vllm:nixl_xfer_time_seconds",
 }
 #: The time breakdown's parts (ms per request): (label, instance, phase). On the decode vLLM's
-#: "prefill" phase of a remote prefill is its KV's arrival (NIXL read, host-tier load) and the
-#: first token; the NIXL read is shown apart and the rest keeps the host tier's load.
+#: "prefill" phase of a remote prefill is its KV's arrival (NIXL read, host-tier load), what the
+#: decode computes (first-wins: the tokens past the host tier's prefix) and the first token; the
+#: NIXL read is shown apart. On the prefill the "prefill" phase holds its host tier's load too.
 BREAKDOWN = (
     ("prefill: queue", "prefill", "queue"),
     ("prefill: compute", "prefill", "prefill_step"),
     ("decode: queue", "decode", "queue"),
     ("decode: NIXL read", "decode", "nixl_read"),
-    ("decode: host-tier load + first token", "decode", "prefill_step"),
+    ("decode: first step less the read (host-tier load, compute)", "decode", "prefill_step"),
     ("decode: later tokens", "decode", "decode_step"),
 )
 #: The issue's targets, turns 2+ TTFT p50 on the slow link, and requests/s.

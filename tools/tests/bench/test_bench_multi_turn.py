@@ -139,7 +139,9 @@ def test_figures_split_turn_1_from_later_turns_and_count_failures() -> None:
     # Where the time went, per instance, in ms per request (the histograms' sums over 6 requests).
     assert f["phases_ms"] == {"prefill": {"prefill_step": 200.0}, "decode": {"prefill_step": 10.0, "nixl_read": 5.0}}
     assert f["breakdown_ms"]["decode: NIXL read"] == 5.0
-    assert f["breakdown_ms"]["decode: host-tier load + first token"] == 5.0  # the decode's first step less the read
+    assert (
+        f["breakdown_ms"]["decode: first step less the read (host-tier load, compute)"] == 5.0
+    )  # the decode's first step less the read
     assert f["fixed_ttft_p50_s"] == 0.11
     broken = SideRun("bare", "slow", conversations({0: 1.0, 1: 1.0, 2: 1.0}, failed=1), Load("prefix", [], 1.0))
     assert broken.figures()["failed"] == 1 and broken.figures()["requests_per_s"] == 0.833  # 5 served in 6 s
@@ -235,7 +237,7 @@ def test_the_breakdown_takes_the_nixl_read_out_of_the_decodes_first_step() -> No
         "prefill: compute": 0.0,
         "decode: queue": 0.0,
         "decode: NIXL read": 2.0,
-        "decode: host-tier load + first token": 0.0,
+        "decode: first step less the read (host-tier load, compute)": 0.0,
         "decode: later tokens": 100.0,
     }
 
