@@ -5,8 +5,7 @@
 and a prompt costs microseconds a token. ``medium`` (hidden 512, 8 layers, 8 heads over 4 KV
 heads, 16 KiB of KV a token, a 4,096-token context) is for the benchmarks that show time saved:
 on this machine a token's prefill costs about 1.2 ms, so a conversation's history outweighs the
-fixed cost of a request through the router and two engines (docs/performance.md, "The medium
-model").
+fixed cost of a request through the router and two engines (docs/e2e.md, "Two models").
 
 vLLM's ``load_format="dummy"`` fills every tensor with U(-1e-3, 1e-3): the logits come out flat
 and the output does not depend on the KV it attends to, so equal tokens would prove nothing.
