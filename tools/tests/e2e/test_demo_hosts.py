@@ -83,3 +83,21 @@ def test_each_row_gives_the_requests_nixl_pull_time_across_hosts_only() -> None:
     assert "12.3 ms" in row and row.endswith("equal")
     assert "12.3 ms" not in demo._row(_served(622_592, 0.0123), True)
     assert demo._row(_served(0, 0.0), True, pull=True).count(" ms") == 1  # the TTFT's only: nothing pulled
+
+
+def test_an_answer_agrees_bit_for_bit_or_within_the_models_tolerance() -> None:
+    """The tiny model's answers over P/D are the baseline's bit for bit; the medium model's
+    logprobs move in float32's last bits (its KV computed in other batches), token ids equal."""
+    from dataclasses import replace
+
+    from kvcompose_tools.e2e.model import LOGPROB_TOLERANCE, MODELS
+
+    assert set(LOGPROB_TOLERANCE) == set(MODELS) and LOGPROB_TOLERANCE["tiny"] == 0.0
+    s = replace(_served(1000, 0.01), token_ids=[4, 5, 6], logprobs=[-0.5, -1.25, -2.0])
+    want = {"token_ids": [4, 5, 6], "logprobs": [-0.5, -1.25, -2.0]}
+    assert demo.verdict(s, want) == (True, "")
+    moved = {**want, "logprobs": [-0.5, -1.25003, -2.0]}
+    assert demo.verdict(s, moved) == (False, " (token ids equal, logprobs within 3.0e-05)")
+    assert demo.verdict(s, moved, LOGPROB_TOLERANCE["medium"]) == (True, " (token ids equal, logprobs within 3.0e-05)")
+    other = {**want, "token_ids": [4, 9, 6]}
+    assert demo.verdict(s, other, 1.0) == (False, " (token ids differ from token 2)")
