@@ -23,13 +23,16 @@ compared with, token ids). :data:`WORKLOADS` sizes everything by model: the conv
 outgrows both instances' device KV and fits their host tiers. Per side run, before the
 conversations, :data:`FIXED_PROBES` one-token prompts through the same stack measure the fixed
 cost of a request (router, two engines, streaming), which a model's per-token costs must outweigh
-for time saved to show; vLLM's own histograms say where each side's time goes (:data:`PHASES`).
+for time saved to show; after everything measured, :data:`LONG_PROBES` fresh prompts one at a time
+say by how much (their compute over the fixed cost). vLLM's own histograms say where each side's
+time goes (:data:`PHASES`).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -94,6 +97,10 @@ WORKLOADS = {
 }
 #: One-token prompts per side run that measure a request's fixed cost through the stack.
 FIXED_PROBES = 8
+#: After the conversations, prompts of :data:`LONG_PROBE_TOKENS` fresh tokens one at a time: their
+#: TTFT less the fixed cost is what computing a history of that length costs on the same stack.
+LONG_PROBES = 3
+LONG_PROBE_TOKENS = 700
 #: vLLM's histograms of where a request's time goes, per instance (seconds summed over requests).
 PHASES = {
     "queue": "vllm:request_queue_time_seconds",
@@ -202,6 +209,7 @@ class SideRun:
     decode: dict[str, float] = field(default_factory=dict)
     decode_link_rx: int = 0
     fixed_ttft_s: list[float] = field(default_factory=list)
+    long_ttft_s: list[float] = field(default_factory=list)
 
     def later(self) -> list[Turn]:
         return [t for t in self.chat.turns if t.turn >= 1]
@@ -232,10 +240,19 @@ class SideRun:
             },
             "decode_link_rx_bytes": self.decode_link_rx,
             "fixed_ttft_p50_s": round(quantile(self.fixed_ttft_s, 0.5), 4) if self.fixed_ttft_s else None,
+            "compute_over_fixed": self.compute_over_fixed(),
             "phases_ms": {"prefill": phases(self.prefill, requests), "decode": phases(self.decode, requests)},
             "breakdown_ms": breakdown(self.prefill, self.decode, requests),
             "prefix_load": {k: round(v, 4) if isinstance(v, float) else v for k, v in self.prefix.summary().items()},
         }
+
+    def compute_over_fixed(self) -> float | None:
+        """A :data:`LONG_PROBE_TOKENS`-token prompt's compute (its TTFT less a one-token prompt's,
+        medians) over the fixed cost: how far per-token costs outweigh a request's fixed ones."""
+        if not self.fixed_ttft_s or not self.long_ttft_s:
+            return None
+        fixed = quantile(self.fixed_ttft_s, 0.5)
+        return round((quantile(self.long_ttft_s, 0.5) - fixed) / fixed, 2)
 
     def ttft_by_turn(self) -> list[float]:
         """Median TTFT per turn index."""
@@ -342,11 +359,11 @@ def chat(url: str, model: str, tokenizer: Any, seed: int, workload: Workload) ->
     )
 
 
-def one_token_ttft(url: str, model: str, token: int, session: str, timeout_s: float = 60.0) -> float:
-    """Seconds to the first streamed token of a one-token prompt (a completion of two tokens)
-    through ``url``: what a request costs whatever its length."""
+def prompt_ttft(url: str, model: str, prompt: list[int], session: str, timeout_s: float = 120.0) -> float:
+    """Seconds to the first streamed token of ``prompt`` (token ids; a completion of two tokens)
+    through ``url``. A one-token prompt's is what a request costs whatever its length."""
     parts = urlsplit(url)
-    body = {"model": model, "prompt": [token], "max_tokens": 2, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     t0 = time.perf_counter()
     try:
@@ -355,14 +372,14 @@ def one_token_ttft(url: str, model: str, token: int, session: str, timeout_s: fl
         )
         resp = conn.getresponse()
         if resp.status != 200:
-            raise RuntimeError(f"one-token prompt through {url}: HTTP {resp.status}: {resp.read()[:200]!r}")
+            raise RuntimeError(f"a probe prompt through {url}: HTTP {resp.status}: {resp.read()[:200]!r}")
         for raw in resp:
             line = raw.decode().strip()
             if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
                 return time.perf_counter() - t0
     finally:
         conn.close()
-    raise RuntimeError(f"one-token prompt through {url}: the stream ended without a token")
+    raise RuntimeError(f"a probe prompt through {url}: the stream ended without a token")
 
 
 def baseline_answers(model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload) -> Load:
@@ -385,7 +402,8 @@ def side_run(
     side: str, link: str, hosts: Any, model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload
 ) -> SideRun:
     """Start ``side``'s servers in the hosts and its router here; warm the pair; the fixed-cost
-    probes, the conversations, then (tiny model) the prefix load; stop everything."""
+    probes, the conversations, then (tiny model) the prefix load, then the long probes; stop
+    everything."""
     from kvcompose_tools.e2e.node import wait_all_ready
     from kvcompose_tools.e2e.ports import free_ports
     from kvcompose_tools.e2e.router import RouterNode
@@ -404,11 +422,17 @@ def side_run(
         router.wait_ready()
         # The pair's first use (handshake, first READ) and each engine's first pass: not measured.
         chat_load(router.url, model, tokenizer, seed=seed + 999, conversations=2, turns=2, clients=2)
-        fixed = [one_token_ttft(router.url, model, 10 + k, f"fixed-{k}") for k in range(FIXED_PROBES)]
+        fixed = [prompt_ttft(router.url, model, [10 + k], f"fixed-{k}") for k in range(FIXED_PROBES)]
         before = prefill.metrics(), decode.metrics(), hosts["decode"].link_bytes()
         conversations = chat(router.url, model, tokenizer, seed, workload)
         after = prefill.metrics(), decode.metrics(), hosts["decode"].link_bytes()
         prefix = prefix_load(router.url, model, seed) if workload.prefix_load else Load("prefix", [], 1.0)
+        # After everything measured: fresh prompts (no prefix anywhere), one at a time.
+        rng = random.Random(f"{seed}-long")
+        long = [
+            prompt_ttft(router.url, model, [rng.randrange(5, 500) for _ in range(LONG_PROBE_TOKENS)], f"long-{k}")
+            for k in range(LONG_PROBES)
+        ]
         return SideRun(
             side,
             link,
@@ -418,6 +442,7 @@ def side_run(
             delta(before[1], after[1]),
             (after[2] - before[2]).rx,
             fixed,
+            long,
         )
     finally:
         for node in reversed(nodes):
@@ -549,6 +574,10 @@ def summarize(
         link: {side: median_of(r.figures()["fixed_ttft_p50_s"] for r in rs) for side, rs in by_side.items() if rs}
         for link, by_side in done.items()
     }
+    over = {
+        link: {side: median_of(r.compute_over_fixed() for r in rs) for side, rs in by_side.items() if rs}
+        for link, by_side in done.items()
+    }
     compute = {
         link: {
             side: mean_of(r.figures()["phases_ms"]["prefill"].get("prefill_step") for r in rs)
@@ -592,6 +621,11 @@ def summarize(
                 f"{link}: " + ", ".join(f"{s} {v * 1e3:.0f}" for s, v in sides_.items() if v is not None)
                 for link, sides_ in fixed.items()
             ),
+            f"a {LONG_PROBE_TOKENS}-token prompt's compute over the fixed cost (one at a time, after the load): "
+            + "; ".join(
+                f"{link}: " + ", ".join(f"{s} {v:g}x" for s, v in sides_.items() if v is not None)
+                for link, sides_ in over.items()
+            ),
             "answers compared with one engine without P/D, token ids (a turn whose prompt is the baseline's): "
             + answers_note(answers),
         ],
@@ -599,6 +633,7 @@ def summarize(
             "ttft_by_turn": by_turn,
             "breakdown_ms": breakdowns,
             "fixed_ttft_s": fixed,
+            "compute_over_fixed": over,
             "prefill_compute_ms_per_request": compute,
             "orderings": orderings,
             "answers": {k: [asdict(a) for a in v] for k, v in answers.items()},

@@ -63,6 +63,7 @@ def side(name: str, ttft: dict[int, float], nixl: float = 6000.0, wall_s: float 
         },
         8000,
         [0.1, 0.12, 0.11],
+        [0.65, 0.71, 0.68],
     )
     run.chat.wall_s = wall_s
     return run
@@ -143,6 +144,8 @@ def test_figures_split_turn_1_from_later_turns_and_count_failures() -> None:
         f["breakdown_ms"]["decode: first step less the read (host-tier load, compute)"] == 5.0
     )  # the decode's first step less the read
     assert f["fixed_ttft_p50_s"] == 0.11
+    assert f["compute_over_fixed"] == 5.18  # (0.68 - 0.11) / 0.11: a long prompt's compute over the fixed cost
+    assert SideRun("bare", "slow", run.chat, run.prefix).compute_over_fixed() is None  # not probed
     broken = SideRun("bare", "slow", conversations({0: 1.0, 1: 1.0, 2: 1.0}, failed=1), Load("prefix", [], 1.0))
     assert broken.figures()["failed"] == 1 and broken.figures()["requests_per_s"] == 0.833  # 5 served in 6 s
 
@@ -249,5 +252,7 @@ def test_the_png_is_ttft_by_turn_one_line_per_side(tmp_path: Path) -> None:
     done = {"slow": {s: [side(s, {0: 1.0, 1: 0.5, 2: 0.4})] for s in SIDES}}
     result = summarize(done, 1, False, tmp_path, {}, 1.0)
     assert set(result.config["breakdown_ms"]["slow"]) == set(SIDES)  # a stacked bar per side beside the lines
+    assert result.config["compute_over_fixed"]["slow"]["bare"] == 5.18
+    assert "a 700-token prompt's compute over the fixed cost" in result.table()
     path = draw(result, tmp_path)
     assert path.name == "multi_turn.png" and path.stat().st_size > 10_000
