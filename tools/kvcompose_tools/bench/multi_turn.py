@@ -494,8 +494,7 @@ def run(
                             f"NIXL {f['nixl_bytes_per_request']} B/req, failed {f['failed']}, "
                             f"answers: {answers[f'{link}/{side}'][-1].summary()}"
                         )
-    info = {"model": model, "kv_bytes_per_token": kv_per_token, "workload": workload}
-    return summarize(done, runs, quick, logs, answers, time.monotonic() - t0, info)
+    return summarize(done, runs, quick, logs, answers, time.monotonic() - t0, model, kv_per_token)
 
 
 def ordering(per_run: Samples) -> str:
@@ -515,16 +514,19 @@ def summarize(
     logs: Path,
     answers: dict[str, list[Answers]],
     wall_s: float,
-    info: dict[str, Any] | None = None,
+    model: str = "tiny",
+    kv_per_token: int = TINY_KV_PER_TOKEN,
 ) -> Result:
     """Cases per link: turn 1 and turns 2+ (samples: each run's TTFT p50) and requests/s; per case
     the per-run ratios of kvcompose to each baseline (the runs of one round were interleaved) and
     whether they all lie on one side of 1; the time breakdown per side."""
     from kvcompose_tools.e2e.hosts import format_rate
 
-    info = dict(info or {})
-    workload: Workload = info.pop("workload", WORKLOADS["tiny"])
-    kv_per_token = int(info.get("kv_bytes_per_token", TINY_KV_PER_TOKEN))
+    workload = WORKLOADS[model]
+    # Each run's figures, computed once: every case, the breakdown and the notes read them.
+    figs = {
+        link: {side: [r.figures() for r in rs] for side, rs in by_side.items() if rs} for link, by_side in done.items()
+    }
     cases, ratios, targets = [], [], []
     by_turn: dict[str, dict[str, list[float]]] = {}
     orderings: dict[str, dict[str, str]] = {}
@@ -536,18 +538,14 @@ def summarize(
     for link, by_side in done.items():
         for kind, key, higher in kinds:
             label = f"{link} link, {kind}"
-            samples = {side: Samples([r.figures()[key] for r in rs]) for side, rs in by_side.items() if rs}
+            samples = {side: Samples([f[key] for f in fs]) for side, fs in figs[link].items()}
             derived = {
                 f"{SUBJECT}/{b} per run": paired(samples, SUBJECT, b, lambda s, x: s / x if x else float("inf"))
                 for b in BASELINES
                 if SUBJECT in samples and b in samples
             }
             orderings[label] = {name.split("/")[1].removesuffix(" per run"): ordering(v) for name, v in derived.items()}
-            extra = (
-                {"runs": {side: [r.figures() for r in rs] for side, rs in by_side.items()}}
-                if kind == "turns 2+"
-                else {}
-            )
+            extra = {"runs": figs[link]} if kind == "turns 2+" else {}
             cases.append(Case(label, samples, extra, derived))
             for b in BASELINES:
                 # A baseline that served nothing has no rate to divide by (its ordering says so).
@@ -567,24 +565,18 @@ def summarize(
                 targets.append(
                     CaseTarget("<=", TARGET_MULTI, SUBJECT, "MultiConnector", "slow link, turns 2+", "TTFT p50")
                 )
-    breakdowns = {
-        link: {side: mean_breakdown(rs) for side, rs in by_side.items() if rs} for link, by_side in done.items()
-    }
+    breakdowns = {link: {side: mean_breakdown(fs) for side, fs in by_side.items()} for link, by_side in figs.items()}
     fixed = {
-        link: {side: median_of(r.figures()["fixed_ttft_p50_s"] for r in rs) for side, rs in by_side.items() if rs}
-        for link, by_side in done.items()
+        link: {side: median_of(f["fixed_ttft_p50_s"] for f in fs) for side, fs in by_side.items()}
+        for link, by_side in figs.items()
     }
     over = {
-        link: {side: median_of(r.compute_over_fixed() for r in rs) for side, rs in by_side.items() if rs}
-        for link, by_side in done.items()
+        link: {side: median_of(f["compute_over_fixed"] for f in fs) for side, fs in by_side.items()}
+        for link, by_side in figs.items()
     }
     compute = {
-        link: {
-            side: mean_of(r.figures()["phases_ms"]["prefill"].get("prefill_step") for r in rs)
-            for side, rs in by_side.items()
-            if rs
-        }
-        for link, by_side in done.items()
+        link: {side: mean_of(f["phases_ms"]["prefill"].get("prefill_step") for f in fs) for side, fs in by_side.items()}
+        for link, by_side in figs.items()
     }
     w = workload
     return Result(
@@ -598,7 +590,7 @@ def summarize(
         runs,
         quick,
         [
-            f"model {info.get('model', 'tiny')} ({kv_per_token} B of KV a token); prefill and decode servers in two "
+            f"model {model} ({kv_per_token} B of KV a token); prefill and decode servers in two "
             "network namespaces, the link between them shaped (tbf) to "
             + ", ".join(
                 f"{k}: {format_rate(scaled_rate(REAL_LINKS[k], kv_per_token))} (= {REAL_LINKS[k] / 1e9:g} Gbit/s "
@@ -640,7 +632,8 @@ def summarize(
             "engine_logs": str(logs),
             "wall_s_measured": round(wall_s, 1),
             "runs": runs,
-            **info,
+            "model": model,
+            "kv_bytes_per_token": kv_per_token,
         },
     )
 
@@ -657,9 +650,9 @@ def mean_of(values: Any) -> float | None:
     return round(statistics.fmean(present), 2) if present else None
 
 
-def mean_breakdown(runs: list[SideRun]) -> dict[str, float]:
-    """:func:`breakdown` averaged over a side's runs, part by part."""
-    parts = [r.figures()["breakdown_ms"] for r in runs]
+def mean_breakdown(figures: list[dict[str, Any]]) -> dict[str, float]:
+    """:func:`breakdown` averaged over a side's runs (their :meth:`SideRun.figures`), part by part."""
+    parts = [f["breakdown_ms"] for f in figures]
     return {label: round(statistics.fmean(p[label] for p in parts), 2) for label, *_ in BREAKDOWN}
 
 
