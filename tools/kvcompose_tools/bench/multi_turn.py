@@ -30,8 +30,6 @@ time goes (:data:`PHASES`).
 
 from __future__ import annotations
 
-import http.client
-import json
 import random
 import statistics
 import tempfile
@@ -50,6 +48,7 @@ from kvcompose_tools.e2e.load import Load, Turn, chat_load, prefix_load
 from kvcompose_tools.e2e.router import SESSION_HEADER
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose_tools.e2e.stats import quantile
+from kvcompose_tools.e2e.stream import send
 
 SUBJECT = "kvcompose"
 BARE = "bare"
@@ -364,22 +363,10 @@ def prompt_ttft(url: str, model: str, prompt: list[int], session: str, timeout_s
     through ``url``. A one-token prompt's is what a request costs whatever its length."""
     parts = urlsplit(url)
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
-    t0 = time.perf_counter()
-    try:
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", SESSION_HEADER: session}
-        )
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"a probe prompt through {url}: HTTP {resp.status}: {resp.read()[:200]!r}")
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-                return time.perf_counter() - t0
-    finally:
-        conn.close()
-    raise RuntimeError(f"a probe prompt through {url}: the stream ended without a token")
+    reply = send((parts.hostname or "", parts.port or 80), body, headers={SESSION_HEADER: session}, timeout_s=timeout_s)
+    if reply.kind != "answered" or reply.ttft_s is None:
+        raise RuntimeError(f"a probe prompt through {url}: {reply.kind}: {reply.detail}")
+    return reply.ttft_s
 
 
 def baseline_answers(model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload) -> Load:

@@ -28,8 +28,6 @@ reported beside the median, with kvcompose's p99 against each other side's.
 
 from __future__ import annotations
 
-import http.client
-import json
 import random
 import tempfile
 import time
@@ -44,9 +42,10 @@ from kvcompose_tools.bench.measure import Samples, ratio, repeats_for
 from kvcompose_tools.bench.pd_ttft import engine_lock, nixl_alone
 from kvcompose_tools.bench.report import Case, Result, Target
 from kvcompose_tools.e2e.flow import delta
-from kvcompose_tools.e2e.server import HOST, stream_failure
+from kvcompose_tools.e2e.server import HOST
 from kvcompose_tools.e2e.spec import EngineSpec, composed_kv_transfer_config
 from kvcompose_tools.e2e.stats import quantile
+from kvcompose_tools.e2e.stream import send
 
 #: The baseline first (every side's requests/s ratio is to it); :data:`SUBJECT` is the one whose
 #: TTFT p99 is set against every other side's.
@@ -82,37 +81,14 @@ class Tally:
 
 def stream_completion(host: str, port: int, model: str, prompt: list[int], timeout: float = 120.0) -> float:
     """One streamed greedy ``/v1/completions`` request; seconds until its first token. Raises
-    on an HTTP error, an error event or a choice finished for ``error`` in the stream, an answer
-    without tokens, or a stream that ends before ``data: [DONE]``."""
+    :class:`RuntimeError` with what went wrong for every reply but an answer
+    (:func:`~kvcompose_tools.e2e.stream.send`: an HTTP error, an error event or a choice finished
+    for ``error`` in the stream, an answer without tokens, a stream that ends before ``data: [DONE]``)."""
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read(300).decode(errors='replace')}")
-        first: float | None = None
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            choices = chunk.get("choices") or []  # the usage chunk has none
-            if stream_failure(chunk) is not None:
-                raise RuntimeError(f"an error in the stream: {data[:300].decode(errors='replace')}")
-            if first is None and any(c.get("text") is not None for c in choices):
-                first = time.perf_counter() - t0
-        else:  # no [DONE]: the server died mid-answer
-            raise RuntimeError("the stream ended before data: [DONE]")
-        if first is None:
-            raise RuntimeError("the stream ended without a token")
-        return first
-    finally:
-        conn.close()
+    reply = send((host, port), body, timeout_s=timeout)
+    if reply.kind != "answered" or reply.ttft_s is None:
+        raise RuntimeError(f"{reply.kind}: {reply.detail}")
+    return reply.ttft_s
 
 
 class Workload:

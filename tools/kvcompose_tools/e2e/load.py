@@ -35,8 +35,8 @@ from urllib.parse import urlsplit
 
 from kvcompose_tools.e2e.model import CORPUS
 from kvcompose_tools.e2e.router import SESSION_HEADER
-from kvcompose_tools.e2e.server import stream_failure
 from kvcompose_tools.e2e.stats import quantile
+from kvcompose_tools.e2e.stream import stream_failure
 
 #: Conversations, turns per conversation and clients of :func:`chat_load`.
 CONVERSATIONS = 20

@@ -162,16 +162,6 @@ def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> di
     }
 
 
-def stream_failure(chunk: dict[str, Any]) -> str | None:
-    """How a streamed chunk of vLLM's server says the request failed, or ``None``: an error event
-    (both of its shapes: an ``error`` key, or ``object: error``) or a choice finished for ``error``."""
-    if "error" in chunk or chunk.get("object") == "error":
-        return "an error event"
-    if any(c.get("finish_reason") == "error" for c in chunk.get("choices") or []):
-        return "finished for error"
-    return None
-
-
 def parse_completion(answer: dict[str, Any], wall_s: float) -> dict[str, Any]:
     """A ``/v1/completions`` answer to :func:`completion_body` -> the offline node's result dict
     (``ttft_s`` None: the flow reads it from ``/metrics``)."""

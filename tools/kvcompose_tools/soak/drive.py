@@ -19,33 +19,25 @@ lines, then ``data: [DONE]``), so it sees its first token's time (:attr:`Outcome
 user does, and keeps the token ids and logprobs of every chunk for the baseline comparison. The
 direct hang-up's prefill leg is not streamed: its answer's ``kv_transfer_params`` are needed.
 
-Every attempt's outcome is one of :data:`OUTCOMES`; nothing a server does stops the run.
+Every attempt's outcome is one of :data:`~kvcompose_tools.e2e.stream.OUTCOMES` (the request and its
+reading: :func:`~kvcompose_tools.e2e.stream.send`); nothing a server does stops the run.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
-import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
-from kvcompose_tools.e2e.server import completion_body, parse_completion, stream_failure
+from kvcompose_tools.e2e.server import completion_body, parse_completion
+from kvcompose_tools.e2e.stream import Reply, send
 from kvcompose_tools.soak.plan import Request
 
-#: answered: 200 with tokens (streamed: through ``data: [DONE]``). http-error: an error status,
-#: or an error event or no token in the stream (a clean failure). dropped: the connection failed
-#: without an HTTP answer. cut-off: the stream began (HTTP 200) and ended before ``[DONE]``: the
-#: router has nothing else to tell a client whose server died mid-answer. hung: no answer within
-#: the timeout. hung-up: the client closed the connection on purpose (the request is aborted).
-OUTCOMES = ("answered", "http-error", "dropped", "cut-off", "hung", "hung-up")
+#: The outcomes (:data:`~kvcompose_tools.e2e.stream.OUTCOMES`) a request ends with; the others are tried again.
 FINAL = ("answered", "hung-up")
-#: A hang guard: every request here is answered in seconds when the stack is healthy.
-REQUEST_TIMEOUT_S = 120.0
 MAX_BACKOFF_S = 8.0
 #: About four minutes of retrying at the longest pause: longer than a server's restart.
 MAX_ATTEMPTS = 32
@@ -72,99 +64,6 @@ class Urls(Protocol):
     """Where the requests go (:class:`~kvcompose_tools.soak.stack.Stack`)."""
 
     def address(self, role: str) -> tuple[str, int]: ...
-
-
-class Reply(NamedTuple):
-    """What one request got back: its outcome (one of :data:`OUTCOMES`), what went wrong, the
-    answer (a ``/v1/completions`` body; a stream's chunks joined into one) and, streamed, the
-    seconds until its first token."""
-
-    kind: str
-    detail: str
-    answer: dict[str, Any] | None
-    ttft_s: float | None = None
-
-
-def send(address: tuple[str, int], body: dict[str, Any], hang_up_after: float | None = None) -> Reply:
-    """POST ``body`` to ``/v1/completions`` at ``address`` (host, port); streamed when
-    ``body["stream"]`` is true (:func:`read_stream`). With ``hang_up_after``, the client closes
-    the connection that many seconds after sending."""
-    conn = http.client.HTTPConnection(*address, timeout=REQUEST_TIMEOUT_S)
-    try:
-        t0 = time.monotonic()
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        if hang_up_after is not None:
-            time.sleep(hang_up_after)
-            conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-            return Reply("hung-up", f"after {hang_up_after * 1e3:.0f} ms", None)
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raw = resp.read()
-            return Reply("http-error", f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}", None)
-        if body.get("stream"):
-            return read_stream(resp, t0)
-        return Reply("answered", "", json.loads(resp.read()))
-    except TimeoutError:
-        return Reply("hung", f"no answer in {REQUEST_TIMEOUT_S:.0f} s", None)
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        return Reply("dropped", f"{type(exc).__name__}: {exc}"[:200], None)
-    finally:
-        conn.close()
-
-
-#: A streamed answer's fields that are joined over its chunks; the others are kept from the last.
-JOINED = ("text", "token_ids", "logprobs")
-
-
-def read_stream(lines: Iterable[bytes], t0: float, timeout_s: float = REQUEST_TIMEOUT_S) -> Reply:
-    """A streamed ``/v1/completions`` answer (server-sent events: ``data: {json}`` lines, then
-    ``data: [DONE]``) read from ``lines``, ``t0`` the ``time.monotonic()`` it was sent at.
-
-    The chunks' token ids and logprobs are joined into one answer shaped like a non-streamed one
-    (what :func:`~kvcompose_tools.e2e.server.parse_completion` reads); ``ttft_s`` is the time of the
-    first chunk that carries a token. An error event, a choice finished for ``error``, or a
-    ``[DONE]`` with no token before it is an ``http-error`` (the server failed the request cleanly,
-    as a non-streamed request gets an error status), never an answer; a stream that ends or breaks
-    before ``[DONE]`` is ``cut-off``; one still going ``timeout_s`` after ``t0``, or silent for the
-    socket's timeout, is ``hung``.
-    """
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    text: list[str] = []
-    choice: dict[str, Any] = {}
-    first: float | None = None
-    try:
-        for raw in lines:
-            line = raw.strip()
-            if time.monotonic() - t0 > timeout_s:
-                return Reply("hung", f"the stream still going after {timeout_s:.0f} s ({len(token_ids)} tokens)", None)
-            if not line.startswith(b"data:"):
-                continue  # the blank line after each event, SSE comments
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                if not token_ids and not "".join(text):
-                    return Reply("http-error", "HTTP 200, then [DONE] without a token: nothing was answered", None)
-                joined = {"text": "".join(text), "token_ids": token_ids, "logprobs": {"token_logprobs": logprobs}}
-                return Reply("answered", "", {"choices": [{**choice, **joined}]}, first)
-            chunk = json.loads(data)
-            if stream_failure(chunk) is not None:
-                error = data[:200].decode(errors="replace")
-                return Reply("http-error", f"HTTP 200, then an error in the stream: {error}", None)
-            for part in chunk.get("choices") or []:
-                new = list(part.get("token_ids") or [])
-                if first is None and (new or part.get("text")):
-                    first = time.monotonic() - t0
-                token_ids += new
-                logprobs += list((part.get("logprobs") or {}).get("token_logprobs") or [])
-                text.append(part.get("text") or "")
-                # The other fields (finish_reason, prompt_token_ids): the last chunk that has them.
-                choice.update({k: v for k, v in part.items() if v is not None and k not in JOINED})
-    except TimeoutError:
-        return Reply("hung", f"the stream silent for {REQUEST_TIMEOUT_S:.0f} s after {len(token_ids)} tokens", None)
-    except (OSError, http.client.HTTPException) as exc:
-        broke = f"the stream broke off after {len(token_ids)} tokens: {type(exc).__name__}: {exc}"
-        return Reply("cut-off", broke[:200], None)
-    return Reply("cut-off", f"the stream ended before [DONE] after {len(token_ids)} tokens", None)
 
 
 class Load:
@@ -204,7 +103,9 @@ class Load:
         if r.hang_up is None:
             return "router", send(self._urls.address("router"), body)
         if r.hang_up.path == "router":
-            return "router", send(self._urls.address("router"), body, r.hang_up.at * self._typical_latency())
+            return "router", send(
+                self._urls.address("router"), body, hang_up_after=r.hang_up.at * self._typical_latency()
+            )
         # The proxy flow by hand, hanging up on decode while it pulls; the prefill leg's answer
         # carries the kv_transfer_params, so it is not streamed.
         prefill = send(
@@ -214,7 +115,7 @@ class Load:
         if prefill.answer is None:
             return "direct", prefill
         decode_body = {**body, "kv_transfer_params": prefill.answer.get("kv_transfer_params")}
-        return "direct", send(self._urls.address("decode"), decode_body, r.hang_up.at)
+        return "direct", send(self._urls.address("decode"), decode_body, hang_up_after=r.hang_up.at)
 
     def _client(self) -> None:
         while (r := self._take()) is not None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from kvcompose_tools.e2e.load import LATE_READ_REQUEST
 from kvcompose_tools.e2e.stats import quantile
-from kvcompose_tools.soak.drive import FINAL, OUTCOMES, Injector, Outcome
+from kvcompose_tools.e2e.stream import OUTCOMES
+from kvcompose_tools.soak.drive import FINAL, Injector, Outcome
 from kvcompose_tools.soak.plan import HANG_UP_PATHS, Request
 from kvcompose_tools.soak.stack import GAUGES, ROLES, Sample
 

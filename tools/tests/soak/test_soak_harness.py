@@ -21,7 +21,8 @@ from kvcompose.examples import EXAMPLES
 from kvcompose_tools.e2e.load import LATE_READ, LEASE_EXPIRY, REFUSED_READ
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.server import completion_body, parse_completion
-from kvcompose_tools.soak.drive import PAUSED, Injector, Load, Outcome, send
+from kvcompose_tools.e2e.stream import send
+from kvcompose_tools.soak.drive import PAUSED, Injector, Load, Outcome
 from kvcompose_tools.soak.plan import (
     CUT_BEYOND_LEASE_S,
     FLAKY,
@@ -186,6 +187,15 @@ def test_a_streamed_answer_is_joined_and_its_first_token_timed(server: _Server) 
     parsed = parse_completion(answer, wall)
     assert parsed["token_ids"] == [7, 8] and parsed["logprobs"] == [-0.5, -0.25]
     assert parsed["finish_reason"] == "length" and parsed["prompt_token_ids"] == [1]
+
+
+@pytest.mark.parametrize("server", [([200],)], indirect=True)
+def test_a_first_token_is_timed_from_the_t0_given(server: _Server) -> None:
+    # The proxy flow times the decode's first token from the prefill's send.
+    got = send(server.address("router"), {"prompt": [1], "stream": True}, t0=time.monotonic() - 5.0)
+    assert got.kind == "answered" and got.ttft_s is not None and got.ttft_s >= 5.0
+    assert got.token_ids == [7, 8]
+    assert send(server.address("router"), {"prompt": [1]}).token_ids == [7, 8]
 
 
 @pytest.mark.parametrize(

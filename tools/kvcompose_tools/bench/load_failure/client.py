@@ -11,8 +11,6 @@ one retry would, and the retry's first token is recorded too.
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcompose_tools.e2e.flow import token_prompt
-from kvcompose_tools.e2e.server import completion_body, stream_failure
+from kvcompose_tools.e2e.server import completion_body
+from kvcompose_tools.e2e.stream import send
 
 #: A hang guard: longer than any pause the benchmark makes.
 TIMEOUT_S = 180.0
@@ -62,52 +61,24 @@ def request_body(model: str, seed: int, prompt_tokens: int, max_tokens: int) -> 
     return {**completion_body(model, token_prompt(seed, prompt_tokens), max_tokens), "ignore_eos": True}
 
 
-def _post(address: tuple[str, int], body: dict[str, Any], rid: str) -> http.client.HTTPResponse:
-    conn = http.client.HTTPConnection(*address, timeout=TIMEOUT_S)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", "X-Request-Id": rid})
-    return conn.getresponse()
-
-
-def stream_tokens(resp: http.client.HTTPResponse, t0: float) -> tuple[float | None, list[int], str | None]:
-    """A streamed ``/v1/completions`` answer: (seconds from ``t0`` to the first token, the token
-    ids, an error or None). An error event, a choice finished for ``error``, no token, or no
-    ``data: [DONE]`` is an error: vLLM answers a failed KV load with one of those."""
-    if resp.status != 200:
-        return None, [], f"HTTP {resp.status}: {resp.read()[:200].decode(errors='replace')}"
-    first: float | None = None
-    ids: list[int] = []
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return first, ids, None if ids else "[DONE] without a token"
-        chunk = json.loads(data)
-        if stream_failure(chunk) is not None:
-            return first, ids, f"error in the stream: {data[:200].decode(errors='replace')}"
-        for choice in chunk.get("choices") or []:
-            new = list(choice.get("token_ids") or [])
-            if new and first is None:
-                first = time.monotonic() - t0
-            ids += new
-    return first, ids, "the stream ended before [DONE]"
-
-
 def pd_once(
     prefill: tuple[str, int], decode: tuple[str, int], body: dict[str, Any], rid: str, t0: float
 ) -> tuple[float | None, list[int], str | None]:
-    """One request through the proxy flow; times from ``t0`` (``time.monotonic()``)."""
-    try:
-        first = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-        resp = _post(prefill, first, rid)
-        raw = resp.read()
-        if resp.status != 200:
-            return None, [], f"prefill HTTP {resp.status}: {raw[:200].decode(errors='replace')}"
-        params = json.loads(raw).get("kv_transfer_params")
-        return stream_tokens(_post(decode, {**body, "stream": True, "kv_transfer_params": params}, rid), t0)
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        return None, [], f"{type(exc).__name__}: {exc}"[:200]
+    """One request through the proxy flow: (seconds from ``t0``, a ``time.monotonic()``, to the
+    decode's first token, its token ids, an error or None). The decode's reply is read by
+    :func:`~kvcompose_tools.e2e.stream.send`: an HTTP error, an error event, no token or no
+    ``data: [DONE]`` is an error, as vLLM answers a failed KV load with one of those."""
+    headers = {"X-Request-Id": rid}
+    first = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    prefilled = send(prefill, first, headers=headers, timeout_s=TIMEOUT_S)
+    if prefilled.answer is None:
+        return None, [], f"prefill {prefilled.kind}: {prefilled.detail}"
+    params = prefilled.answer.get("kv_transfer_params")
+    decode_body = {**body, "stream": True, "kv_transfer_params": params}
+    reply = send(decode, decode_body, headers=headers, t0=t0, timeout_s=TIMEOUT_S)
+    if reply.kind != "answered":
+        return None, [], f"{reply.kind}: {reply.detail}"
+    return reply.ttft_s, reply.token_ids, None
 
 
 class Clients:
@@ -159,11 +130,10 @@ class Clients:
 
     def _tick(self) -> None:
         body = completion_body(self._model, token_prompt(0, 5), 1)  # under one block: no KV to keep
-        while not self._stop.wait(TICK_S):
-            try:
-                _post(self._prefill, body, f"{self._tag}-tick").read()
-            except (OSError, http.client.HTTPException):
-                pass  # a tick is not measured
+        while not self._stop.wait(TICK_S):  # a tick's reply is not measured
+            send(
+                self._prefill, body, headers={"X-Request-Id": f"{self._tag}-tick"}, timeout_s=TIMEOUT_S
+            )  # not measured
 
     def stop(self, progress: Callable[[], None] | None = None) -> None:
         """Stop sending; returns once every request in flight has its answer."""
