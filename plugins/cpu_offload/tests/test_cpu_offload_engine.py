@@ -19,7 +19,8 @@ SCRIPT = Path(__file__).with_name("cpu_offload_engine_check.py")
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("backend", ["cpu", "disk"])
+# The disk backend as a child of a composition runs in `make test` (tools/tests/engine/test_three_tiers.py).
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("disk", marks=pytest.mark.long)])
 def test_engine_serves_a_prefix_from_the_offload_tier(request: pytest.FixtureRequest, backend: str) -> None:
     selected = "engine" in (request.config.getoption("markexpr", "") or "")
     if not selected and not os.environ.get("KVCOMPOSE_ENGINE_TESTS"):

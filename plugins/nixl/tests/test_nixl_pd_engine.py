@@ -17,7 +17,9 @@ import pytest
 
 CHECK = Path(__file__).with_name("nixl_pd_engine_check.py")
 
-pytestmark = pytest.mark.engine
+# `make test-long`: the same classes serve as the composition's NIXL child in `make test`'s engine
+# tests, the no-remote-blocks request included (tools/tests/engine/test_pd_engines.py).
+pytestmark = [pytest.mark.engine, pytest.mark.long]
 
 
 def run_check(*args: str) -> dict[str, object]:

@@ -35,6 +35,8 @@ PROMPTS = {
     "dead-fail": token_prompt(4, 300),
     "dead-recompute": token_prompt(5, 300),
     "conversation": token_prompt(6, 300),  # turn 1; its 16-token answer ends inside its last block
+    "short": token_prompt(8, 10),  # shorter than one block
+    "after-short": token_prompt(9, 100),
 }
 #: Turn 2 of the conversation: turn 1's prompt, its answer, then a new user message of at least this
 #: many tokens, one past a block boundary in all (see tools/kvcompose_tools/e2e/demo.py, TURN_1).
@@ -148,6 +150,22 @@ def test_pd_pull_equals_single_engine_baseline(cluster: Cluster) -> None:
     assert s.phases_s is not None and set(s.phases_s) == {"waiting", "first_step"}
     assert 0 < s.phases_s["waiting"] and 0 < s.phases_s["first_step"]
     assert s.phases_s["waiting"] + s.phases_s["first_step"] < s.ttft_s
+
+
+def test_a_remote_prefill_without_remote_blocks_is_computed_locally_and_decode_pulls_on(cluster: Cluster) -> None:
+    """vLLM 0.32's defect (plugins/nixl: kvcompose_nixl.connector, 2): a short prompt that a
+    router forwards with ``do_remote_prefill`` and no remote blocks kills vLLM's decode engine;
+    here it is computed locally, and the decode then pulls the next request as before."""
+    prefill, decode = cluster.use()
+    (p,) = prefill.generate([PROMPTS["after-short"]], 1, [{"do_remote_decode": True}])
+    params = p["kv_transfer_params"]
+    empty = {**params, "remote_block_ids": [], "remote_request_id": "never-prefilled"}
+    short = decode_request(decode, PROMPTS["short"], MAX_TOKENS, empty)
+    assert short.children == () and short.computed_tokens == len(PROMPTS["short"]) and short.nixl_bytes == 0
+    assert equal(short, cluster.expected["short"])
+    after = decode_request(decode, PROMPTS["after-short"], MAX_TOKENS, params)
+    assert after.loaded == {"pd": len(PROMPTS["after-short"])} and after.failed_transfers == 0
+    assert equal(after, cluster.expected["after-short"])
 
 
 def test_cpu_tier_serves_a_prompt_pushed_out_of_the_device_cache(cluster: Cluster) -> None:
