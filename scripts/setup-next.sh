@@ -32,6 +32,9 @@ check "import vllm; assert vllm.__version__ == '$VLLM_NEXT'" || pip install --fi
 check "import nixl_cu13" || pip install --no-deps "nixl-cu13==$NIXL_NEXT"
 check "import nixl._api" || pip install --no-deps "nixl==$NIXL_NEXT"
 pip install pluggy msgspec pyyaml "pytest>=8"
+# --deps-only: the third-party packages alone (.ci/run fetches them while the tests run). The
+# editable installs below build the cpu-offload plugin's C helper in place, under the tests' feet.
+[[ "${1:-}" == "--deps-only" ]] && exit 0
 pip install --no-deps -e . -e plugins/nixl -e plugins/cpu_offload -e tools  # tools: the nixl tests import its e2e kit
 check "import vllm, nixl._api, kvcompose.vllm.connector, kvcompose_nixl, kvcompose_cpu_offload" \
   || { echo "setup-next.sh: $VENV does not import; see the messages above" >&2; exit 1; }
