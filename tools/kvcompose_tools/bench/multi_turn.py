@@ -174,7 +174,8 @@ def specs(
 
     if side not in SIDES:
         raise ValueError(f"unknown side {side!r}; choose from {SIDES}")
-    prefill_yaml, decode_yaml = compositions(side, workload, work)
+    # vLLM's own NixlConnector reads no composition.
+    prefill_yaml, decode_yaml = compositions(side, workload, work) if side != BARE else (Path(), Path())
     sizes = {"num_gpu_blocks": workload.device_blocks, "max_model_len": workload.max_model_len}
     out = []
     for role, yaml_path, port, host, kv_role in (
