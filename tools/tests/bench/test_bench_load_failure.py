@@ -3,10 +3,18 @@ client's requests, the groups around the pause, the figures and the table."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from kvcompose_tools.bench.load_failure import POLICIES, summarize
-from kvcompose_tools.bench.load_failure.client import Sent
+from kvcompose_tools.bench.load_failure.client import Sent, pd_once
 from kvcompose_tools.bench.load_failure.findings import Phase, counts_table, policy_counts, refused_rids
 
 LOG = """\
@@ -72,3 +80,60 @@ def test_counts_table_has_a_row_per_phase_and_the_result_a_ratio_per_case() -> N
     result = summarize([phase(p) for p in POLICIES], {"checked": 1, "equal": 1}, 1, True, Path("."))
     assert [r.subject for r in result.ratios] == ["recompute"] * len(result.cases)
     assert "1 of 1 equal" in result.table()
+
+
+class _Pair(BaseHTTPRequestHandler):
+    """A prefill (not streamed: the params) and a decode (streamed, or ``decode_status``) on one port."""
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+    decode_status = 200
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Pair.seen.append((self.headers["X-Request-Id"], body))
+        if not body.get("stream"):
+            self._send(200, {"choices": [{"token_ids": [9]}], "kv_transfer_params": {"remote_block_ids": [[1]]}})
+            return
+        if _Pair.decode_status != 200:
+            self._send(_Pair.decode_status, {"error": "load failed"})
+            return
+        self.send_response(200)
+        self.end_headers()
+        for ids in ([7], [8]):
+            self.wfile.write(b"data: " + json.dumps({"choices": [{"token_ids": ids, "text": "x"}]}).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _send(self, status: int, answer: dict[str, Any]) -> None:
+        raw = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[str, int]]:
+    _Pair.seen, _Pair.decode_status = [], 200
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Pair)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield "127.0.0.1", server.server_address[1]
+    server.shutdown()
+
+
+def test_one_request_goes_through_the_proxy_flow_timed_from_its_first_send(pair: tuple[str, int]) -> None:
+    t0 = time.monotonic() - 2.0  # the clients time a retry from the first send
+    ttft, ids, error = pd_once(pair, pair, {"prompt": [1, 2]}, "lf0f-1", t0)
+    assert error is None and ids == [7, 8] and ttft is not None and ttft >= 2.0
+    (rid_p, prefill), (rid_d, decode) = _Pair.seen
+    assert rid_p == rid_d == "lf0f-1"  # so the decode's log names the client's request
+    assert prefill["max_tokens"] == 1 and prefill["kv_transfer_params"] == {"do_remote_decode": True}
+    assert decode["stream"] is True and decode["kv_transfer_params"] == {"remote_block_ids": [[1]]}
+
+
+def test_a_failed_decode_is_an_error_with_no_tokens(pair: tuple[str, int]) -> None:
+    _Pair.decode_status = 500
+    ttft, ids, error = pd_once(pair, pair, {"prompt": [1, 2]}, "lf0f-2", time.monotonic())
+    assert (ttft, ids) == (None, []) and error is not None and "HTTP 500" in error
