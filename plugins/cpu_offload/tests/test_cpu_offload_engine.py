@@ -1,8 +1,9 @@
 """A real vLLM engine on CPU serves a prefix from the cpu-offload tier (slow: ~30 s per backend).
 
-Skipped unless selected: ``pytest -m engine`` or ``KVCOMPOSE_ENGINE_TESTS=1``. The engine runs in
-a child process (``cpu_offload_engine_check.py``) so its environment variables, OpenMP threads
-and engine-core process stay out of the test session.
+Skipped unless selected: ``pytest -m engine`` (the disk backend: ``-m long``, ``make test-long``)
+or ``KVCOMPOSE_ENGINE_TESTS=1``. The engine runs in a child process
+(``cpu_offload_engine_check.py``) so its environment variables, OpenMP threads and engine-core
+process stay out of the test session.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ SCRIPT = Path(__file__).with_name("cpu_offload_engine_check.py")
 # The disk backend as a child of a composition runs in `make test` (tools/tests/engine/test_three_tiers.py).
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("disk", marks=pytest.mark.long)])
 def test_engine_serves_a_prefix_from_the_offload_tier(request: pytest.FixtureRequest, backend: str) -> None:
-    selected = "engine" in (request.config.getoption("markexpr", "") or "")
+    markexpr = request.config.getoption("markexpr", "") or ""
+    selected = "engine" in markexpr or "long" in markexpr  # make test-long selects -m long
     if not selected and not os.environ.get("KVCOMPOSE_ENGINE_TESTS"):
-        pytest.skip("starts a vLLM engine: run with -m engine or KVCOMPOSE_ENGINE_TESTS=1")
+        pytest.skip("starts a vLLM engine: run with -m engine, -m long or KVCOMPOSE_ENGINE_TESTS=1")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--backend", backend],
         capture_output=True,
