@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvcompose_tools.bench.measure import Samples, paired, ratio
 from kvcompose_tools.bench.pd_ttft import engine_lock
@@ -48,7 +47,7 @@ from kvcompose_tools.e2e.load import Load, Turn, chat_load, prefix_load
 from kvcompose_tools.e2e.router import SESSION_HEADER
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose_tools.e2e.stats import quantile
-from kvcompose_tools.e2e.stream import send
+from kvcompose_tools.e2e.stream import address, send
 
 SUBJECT = "kvcompose"
 BARE = "bare"
@@ -362,9 +361,8 @@ def chat(url: str, model: str, tokenizer: Any, seed: int, workload: Workload) ->
 def prompt_ttft(url: str, model: str, prompt: list[int], session: str, timeout_s: float = 120.0) -> float:
     """Seconds to the first streamed token of ``prompt`` (token ids; a completion of two tokens)
     through ``url``. A one-token prompt's is what a request costs whatever its length."""
-    parts = urlsplit(url)
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
-    reply = send((parts.hostname or "", parts.port or 80), body, headers={SESSION_HEADER: session}, timeout_s=timeout_s)
+    reply = send(address(url), body, headers={SESSION_HEADER: session}, timeout_s=timeout_s)
     if reply.kind != "answered" or reply.ttft_s is None:
         raise RuntimeError(f"a probe prompt through {url}: {reply.kind}: {reply.detail}")
     return reply.ttft_s

@@ -19,15 +19,12 @@ used.
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvcompose_tools.e2e.flow import token_prompt
 from kvcompose_tools.e2e.load import (
@@ -37,6 +34,7 @@ from kvcompose_tools.e2e.load import (
     REFUSED_READ,
     RELEASED_UNREAD,
 )
+from kvcompose_tools.e2e.stream import address, send
 
 #: How long one call of a request may take (a queued decode of the full burst waits ~70 s).
 CALL_TIMEOUT_S = 600.0
@@ -87,18 +85,11 @@ class Burst:
 
 def post(url: str, body: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
     """``POST /v1/completions`` to the server at ``url``; its JSON answer. Raises ``RuntimeError``
-    (``HTTP 500: ...``) on an answer other than 200."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}")
-        return json.loads(raw)  # type: ignore[no-any-return]
-    finally:
-        conn.close()
+    (``HTTP 500: ...``) on an answer other than 200, or none (:func:`~kvcompose_tools.e2e.stream.send`)."""
+    reply = send(address(url), body, timeout_s=timeout_s)
+    if reply.answer is None:
+        raise RuntimeError(reply.detail)
+    return reply.answer
 
 
 def proxy_request(

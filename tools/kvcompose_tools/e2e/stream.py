@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 #: answered: 200 with tokens (streamed: through ``data: [DONE]``). http-error: an error status,
 #: or an error event or no token in the stream (a clean failure). dropped: the connection failed
@@ -44,6 +45,14 @@ class Reply(NamedTuple):
         if self.answer is None:
             return []
         return [int(t) for choice in self.answer.get("choices") or [] for t in choice.get("token_ids") or []]
+
+
+def address(url: str) -> tuple[str, int]:
+    """``(host, port)`` of a server's base URL (``http://127.0.0.1:8000``), what :func:`send` takes."""
+    parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"{url!r}: expected http://host:port")
+    return parts.hostname, parts.port
 
 
 def stream_failure(chunk: dict[str, Any]) -> str | None:

@@ -131,9 +131,7 @@ class Clients:
     def _tick(self) -> None:
         body = completion_body(self._model, token_prompt(0, 5), 1)  # under one block: no KV to keep
         while not self._stop.wait(TICK_S):  # a tick's reply is not measured
-            send(
-                self._prefill, body, headers={"X-Request-Id": f"{self._tag}-tick"}, timeout_s=TIMEOUT_S
-            )  # not measured
+            send(self._prefill, body, headers={"X-Request-Id": f"{self._tag}-tick"}, timeout_s=TIMEOUT_S)
 
     def stop(self, progress: Callable[[], None] | None = None) -> None:
         """Stop sending; returns once every request in flight has its answer."""
