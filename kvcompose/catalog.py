@@ -210,7 +210,8 @@ class ConnectorType:
         return self
 
     def describe(self, child: Child) -> str:
-        """One sentence, in plain words, of what this child does in the composition."""
+        """What this child does in the composition, in plain words: one sentence, or one fact a
+        line (``check`` prints each line under the child)."""
         return self.summary
 
     def check(self, child: Child, plan: Plan) -> Iterable[Problem]:
@@ -349,7 +350,9 @@ class Plan:
         """The plan in plain words: who loads first, who stores, who owns what."""
         lines = ["children, in load priority order:"]
         for c in self.children:
-            lines.append(f"  {c.index + 1}. {c.name} ({c.type.name}, {c.role}): {c.type.describe(c)}")
+            first, *facts = c.type.describe(c).split("\n")
+            lines.append(f"  {c.index + 1}. {c.name} ({c.type.name}, {c.role}): {first}")
+            lines.extend(f"       {fact}" for fact in facts)
         for kind in RULE_KINDS:
             rule = self.rules[kind]
             text = rule.explain(self.children, self.rule_params[kind]) if rule.explain else f"{kind}: {rule.name}"

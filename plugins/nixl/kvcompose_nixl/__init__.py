@@ -31,15 +31,26 @@ HANDSHAKE_TRIES_KEY = "kvcompose_handshake_tries"
 #: (``sock.setsockopt(zmq.RCVTIMEO, 5000)`` in ``NixlBaseConnectorWorker._nixl_handshake``;
 #: pinned by the plugin's tests).
 HANDSHAKE_TRY_S = 5
+#: Trust (kvcompose_nixl.trust): where the deployment key is read from (an environment
+#: variable's name, or a file's path; never the key itself), whether a decode takes params and
+#: agent metadata that no key signed, and the side channels a decode may connect to.
+KEY_ENV_KEY = "kvcompose_key_env"
+KEY_FILE_KEY = "kvcompose_key_file"
+ACCEPT_UNSIGNED_KEY = "kvcompose_accept_unsigned"
+PEERS_KEY = "kvcompose_peers"
 #: The ``kv_transfer_params`` key a prefill instance of this type returns: it answers the lease
 #: questions of decode instances (kvcompose_nixl.lease; the value is the protocol's version).
 LEASE_ANSWERS_KEY = "kvcompose_lease_answers"
 
 __all__ = [
+    "ACCEPT_UNSIGNED_KEY",
     "CONNECTOR_MODULE",
     "HANDSHAKE_TRIES_KEY",
     "HANDSHAKE_TRY_S",
+    "KEY_ENV_KEY",
+    "KEY_FILE_KEY",
     "LEASE_ANSWERS_KEY",
+    "PEERS_KEY",
     "PROGRESS_DELAY_KEY",
     "SIDE_CHANNEL_HOST_KEY",
     "SIDE_CHANNEL_PORT_KEY",

@@ -40,6 +40,15 @@ Both subclass vLLM's connectors and change four things:
    ``kv_transfer_params`` and answers the decode's questions about the leases its heartbeats
    renewed; the decode fails a read that ends after the last end it knows of.
 
+5. **Trust** (pull mode, :mod:`kvcompose_nixl.trust`): a decode checks each request's P/D
+   params on the scheduler before vLLM's code reads them (types, ranges, blocks against the
+   prompt, the peer allowlist and, with a deployment key, the prefill's signature over the
+   prompt); a refused set is dropped and the prompt computed locally, counted by reason. A
+   signing prefill adds the signature in ``request_finished``. Both sides answer the side
+   channel with vLLM's protocol on a listener no frame can stop, seal the NIXL agent metadata
+   they publish with the key, and load no peer metadata the key does not open
+   (:mod:`kvcompose_nixl.side_channel`); no handshake leaves for a side channel off the list.
+
 Before vLLM's worker creates its NIXL agent they also apply the agent settings vLLM has no
 option for (:mod:`kvcompose_nixl.agent`: the progress thread's sleep, UCX error handling), and
 once it exists they let it ask a slow peer's side channel again (:mod:`kvcompose_nixl.handshake`).
@@ -51,6 +60,8 @@ only asks the prefill how long it still holds them.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +74,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 from kvcompose_nixl import (
+    ACCEPT_UNSIGNED_KEY,
     HANDSHAKE_TRIES_KEY,
+    KEY_ENV_KEY,
+    KEY_FILE_KEY,
+    PEERS_KEY,
     PROGRESS_DELAY_KEY,
     SIDE_CHANNEL_HOST_KEY,
     SIDE_CHANNEL_PORT_KEY,
@@ -72,6 +87,19 @@ from kvcompose_nixl import (
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import ask_patiently
 from kvcompose_nixl.lease import ANSWERING_ATTR, answering_engine, stamp, watch_leases
+from kvcompose_nixl.plugin import INTERNAL_PARAM_KEYS, PARAM_KEYS
+from kvcompose_nixl.side_channel import listener, seal_agent_metadata
+from kvcompose_nixl.trust import (
+    EXPIRES_KEY,
+    SIG_KEY,
+    TOKENS_KEY,
+    Facts,
+    Keyring,
+    Peers,
+    Policy,
+    Refused,
+    request_context,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,6 +134,19 @@ def apply_side_channel(scheduler: NixlBaseConnectorScheduler, vllm_config: VllmC
         scheduler.side_channel_port = int(port) + vllm_config.parallel_config.data_parallel_index
 
 
+def trust_policy(ktc: Any) -> Policy:
+    """The trust settings of a nixl child's ``kv_connector_extra_config`` (``ktc``: vLLM's
+    ``KVTransferConfig``); a key the settings name and the process cannot read raises
+    :class:`kvcompose_nixl.trust.TrustConfigError` at engine start."""
+    keys = Keyring.load(ktc.get_from_extra_config(KEY_ENV_KEY, None), ktc.get_from_extra_config(KEY_FILE_KEY, None))
+    peers = ktc.get_from_extra_config(PEERS_KEY, None)
+    return Policy(
+        keys,
+        bool(ktc.get_from_extra_config(ACCEPT_UNSIGNED_KEY, False)),
+        None if peers is None else Peers.parse(peers),
+    )
+
+
 def has_remote_blocks(remote_block_ids: Any) -> bool:
     """Whether a prefill instance's ``remote_block_ids`` names at least one block.
 
@@ -116,6 +157,8 @@ def has_remote_blocks(remote_block_ids: Any) -> bool:
     """
     if not remote_block_ids:
         return False
+    if not isinstance(remote_block_ids, Sequence):
+        return True  # not a list of blocks: the decode's check refuses it
     # A plain loop, lists and tuples first: the scheduler asks this up to four times per request.
     for group in remote_block_ids:
         if isinstance(group, (list, tuple)):
@@ -208,6 +251,8 @@ class _SettingsMixin:
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
+        #: What this child believes and connects to (:mod:`kvcompose_nixl.trust`).
+        self.trust = trust_policy(ktc)
         # Before vLLM's worker creates its NIXL agent.
         delay = ktc.get_from_extra_config(PROGRESS_DELAY_KEY, None)
         if delay is not None:
@@ -218,8 +263,16 @@ class _SettingsMixin:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         if self.connector_scheduler is not None:
             apply_side_channel(self.connector_scheduler, vllm_config)
+            # vLLM starts it as self._nixl_handshake_listener in set_xfer_handshake_metadata.
+            self.connector_scheduler._nixl_handshake_listener = listener
         if self.connector_worker is not None:
-            ask_patiently(self.connector_worker, int(ktc.get_from_extra_config(HANDSHAKE_TRIES_KEY, 1)))
+            worker = self.connector_worker
+            seal_agent_metadata(worker.nixl_wrapper, self.trust.keys, self.trust.accept_unsigned)
+            tries = int(ktc.get_from_extra_config(HANDSHAKE_TRIES_KEY, 1))
+            # The scheduler checked each request's side channel; this holds whatever reaches here.
+            ask_patiently(
+                worker, tries, lambda host, port: self.trust.connectable(host, port, self.trust.keys is not None)
+            )
 
 
 class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
@@ -229,15 +282,33 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self._lease_s = float(ktc.get_from_extra_config("kv_lease_duration", 30))
         #: The lease checks and answers (:mod:`kvcompose_nixl.lease`); None on a scheduler.
-        self.leases = watch_leases(self.connector_worker) if self.connector_worker is not None else None
+        self.leases = (
+            watch_leases(self.connector_worker, self.trust.keys, self._lease_s)
+            if self.connector_worker is not None
+            else None
+        )
         #: Prefill engines that answer lease questions, from their requests' params (scheduler).
         self._answering: set[str] = set()
+        self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        #: Requests whose P/D params this decode refused, by reason (:data:`kvcompose_nixl.trust.REASONS`).
+        self.refused: Counter[str] = Counter()
+        self._told: set[tuple[str, str]] = set()
 
     def on_new_request(self, request: Request) -> None:
         """vLLM starts lease heartbeats to the prefill instance for every remote prefill; there
         is no lease to renew when the prefill instance holds no block. A prefill that answers
         lease questions is noted, for the workers to ask after its heartbeats."""
+        params = request.kv_transfer_params
+        if params:
+            for marker in INTERNAL_PARAM_KEYS:  # vLLM's own bookkeeping, never a client's to set
+                params.pop(marker, None)
+            if params.get("do_remote_prefill") and has_remote_blocks(params.get("remote_block_ids")):
+                self._screen(request, params)
         super().on_new_request(request)
         params = request.kv_transfer_params
         if not params:
@@ -248,6 +319,28 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
             log.debug("%s: remote prefill without remote blocks; computing it locally", request.request_id)
         elif (engine := answering_engine(params)) is not None:
             self._answering.add(engine)
+
+    def _screen(self, request: Request, params: dict[str, Any]) -> None:
+        """Refuse ``params`` unless :class:`~kvcompose_nixl.trust.Policy` takes them for this
+        request: the P/D fields are dropped, and vLLM computes the prompt as a local one."""
+        prompt = request.prompt_token_ids or []
+        facts = Facts(self._block_size, self._groups, self._tp_size, request.num_prompt_tokens)
+        try:
+            self.trust.screen(params, facts, prompt, request_context(request))
+        except Refused as refused:
+            self.refused[refused.reason] += 1
+            source = params.get("remote_host")
+            told = (refused.reason, source if isinstance(source, str) else "?")
+            if told not in self._told and len(self._told) < 1024:  # once per reason and source
+                self._told.add(told)
+                log.warning(
+                    "%s: kv_transfer_params refused (%s), computed here instead: %s",
+                    request.request_id,
+                    refused.reason,
+                    refused.detail,
+                )
+            for key in [k for k in params if k in PARAM_KEYS]:
+                del params[key]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """vLLM's metadata, naming the prefill engines of this step's heartbeats that answer
@@ -289,8 +382,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
             self._forget_unserved_prefill(request)
         delay, params = super().request_finished(request, block_ids)
         if delay:
-            assert self.connector_scheduler is not None
-            stamp(self.connector_scheduler, request.request_id, params)
+            self._stamp_and_sign(request, params)
         return delay, params
 
     def request_finished_all_groups(
@@ -304,9 +396,20 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
             self._forget_unserved_prefill(request)
         delay, params = super().request_finished_all_groups(request, block_ids)
         if delay:
-            assert self.connector_scheduler is not None
-            stamp(self.connector_scheduler, request.request_id, params)
+            self._stamp_and_sign(request, params)
         return delay, params
+
+    def _stamp_and_sign(self, request: Request, params: dict[str, Any] | None) -> None:
+        """On the prefill: the lease's end (:func:`~kvcompose_nixl.lease.stamp`), and with a
+        key, the signature that binds the params to the prompt tokens the blocks hold."""
+        assert self.connector_scheduler is not None
+        stamp(self.connector_scheduler, request.request_id, params)
+        keys = self.trust.keys
+        if keys is None or not params or not params.get("do_remote_prefill"):
+            return
+        params[EXPIRES_KEY] = time.time() + self._lease_s
+        params[TOKENS_KEY] = request.num_prompt_tokens
+        params[SIG_KEY] = keys.sign(params, request.prompt_token_ids or [], request_context(request))
 
     @staticmethod
     def _forget_unserved_prefill(request: Request) -> None:

@@ -33,6 +33,7 @@ import msgspec
 import zmq
 
 from kvcompose_nixl import HANDSHAKE_TRY_S
+from kvcompose_nixl.trust import Refused
 
 log = logging.getLogger("kvcompose.nixl")
 
@@ -140,14 +141,27 @@ def _settle(outer: Future[T], done: Future[T]) -> None:
         outer.set_result(done.result())
 
 
-def ask_patiently(worker: Any, tries: int) -> None:
+def only_peers(handshake: Callable[..., T], allowed: Callable[[str, int], bool]) -> Callable[..., T]:
+    """``handshake`` (taking the peer's ``host`` and ``port`` first), refused before it connects
+    to a side channel that ``allowed`` does not list."""
+
+    def checked(host: str, port: int, *args: Any, **kwargs: Any) -> T:
+        if not allowed(host, port):
+            raise Refused("peer", f"NIXL handshake: the side channel {host}:{port} is not among this engine's peers")
+        return handshake(host, port, *args, **kwargs)
+
+    return checked
+
+
+def ask_patiently(worker: Any, tries: int, allowed: Callable[[str, int], bool] = lambda host, port: True) -> None:
     """Make vLLM's NIXL ``worker`` wait for a peer's side channel, up to ``tries`` requests, off
-    its handshake thread (:class:`WaitingExecutor`), then run vLLM's handshake there.
+    its handshake thread (:class:`WaitingExecutor`), then run vLLM's handshake there; neither
+    connects to a side channel ``allowed`` refuses.
 
     vLLM submits ``self._nixl_handshake`` to ``self._handshake_initiation_executor`` by attribute
     at each new peer (``_ensure_handshake``), so both are replaced on the instance; the class
     stays vLLM's. The handshake itself keeps vLLM's one request, with the clearer error."""
-    worker._nixl_handshake = patient(worker._nixl_handshake, 1)
+    worker._nixl_handshake = only_peers(patient(worker._nixl_handshake, 1), allowed)
     worker._handshake_initiation_executor = WaitingExecutor(
-        worker._handshake_initiation_executor, patient(ask_side_channel, tries)
+        worker._handshake_initiation_executor, only_peers(patient(ask_side_channel, tries), allowed)
     )

@@ -39,12 +39,19 @@ that stamped :data:`~kvcompose_nixl.LEASE_ANSWERS_KEY` (vLLM's own NixlConnector
 unknown request); a prefill that stamps an end but does not answer (an older kvcompose) leaves
 the stamped end, and a prefill with vLLM's own NixlConnector stamps nothing: its reads are taken
 unchecked, as vLLM takes them (``kvcompose check`` says so for a consumer).
+
+The protocol answers only what it can authenticate: with a deployment key
+(:class:`kvcompose_nixl.trust.Keyring`) a hello carries sealed metadata (the prefill loads no
+agent that cannot open it), and every question and answer carries a MAC. With or without a key
+an answer counts only for the requests its question named, for at most the lease's seconds, and
+a question names at most :data:`MAX_IDS` requests.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +61,7 @@ import msgspec
 
 from kvcompose_nixl import LEASE_ANSWERS_KEY
 from kvcompose_nixl.agent import connection_metadata
+from kvcompose_nixl.trust import Keyring
 
 log = logging.getLogger("kvcompose.nixl")
 #: Under vLLM's logger, whose INFO lines reach the server's log.
@@ -84,6 +92,9 @@ ASK = PREFIX + b"lease?"
 ANSWER = PREFIX + b"lease="
 #: A question unanswered this long is forgotten (a late answer is then ignored: the safe side).
 FORGET_S = 300.0
+#: The most request ids one question names, and questions a prefill keeps waiting for its step.
+MAX_IDS = 4096
+MAX_PENDING = 1024
 
 _encode = msgspec.msgpack.Encoder().encode
 _questions = msgspec.msgpack.Decoder(tuple[int, list[str]])
@@ -113,10 +124,26 @@ def _name(agent: str | bytes) -> str:
     return agent.decode() if isinstance(agent, bytes) else agent
 
 
-def watch_leases(worker: Any) -> LeaseWatch:
+class _Messages:
+    """The protocol's notifications, each with a MAC when there is a deployment key."""
+
+    def __init__(self, keys: Keyring | None) -> None:
+        self.keys = keys
+
+    def pack(self, kind: bytes, body: bytes) -> bytes:
+        return kind + (self.keys.tag(body) + body if self.keys is not None else body)
+
+    def unpack(self, msg: bytes) -> bytes | None:
+        body = msg[len(HELLO) :]
+        return body if self.keys is None else self.keys.untag(body)
+
+
+def watch_leases(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0) -> LeaseWatch:
     """Both halves on vLLM's pull-mode NIXL worker (its class stays vLLM's; a worker may serve and
-    read), and the filter that hands them the protocol's notifications before vLLM reads its own."""
-    watch, desk = LeaseWatch(worker), LeaseDesk(worker)
+    read), and the filter that hands them the protocol's notifications before vLLM reads its own.
+    ``keys``: the deployment key, if any; ``lease_s``: the most seconds an answer may grant."""
+    messages = _Messages(keys)
+    watch, desk = LeaseWatch(worker, messages, lease_s), LeaseDesk(worker, messages)
     handlers: dict[bytes, Callable[[str, bytes], None]] = {HELLO: desk.hello, ASK: desk.asked, ANSWER: watch.answered}
     get_new_notifs = worker.nixl_wrapper.get_new_notifs
 
@@ -153,8 +180,9 @@ class LeaseDesk:
     """The prefill's half: loads the address of each decode agent that says hello, and answers
     its lease questions after vLLM's ``_get_new_notifs`` applied the heartbeats before them."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, messages: _Messages) -> None:
         self._worker = worker
+        self._messages = messages
         #: decode agents loaded to answer to
         self._peers: set[str] = set()
         self._questions: list[tuple[str, int, list[str]]] = []
@@ -163,7 +191,7 @@ class LeaseDesk:
     def hello(self, agent: str, msg: bytes) -> None:
         if agent in self._peers:
             return
-        try:
+        try:  # sealed with a deployment key: the agent wrapper opens it, or refuses it
             self._worker.nixl_wrapper.add_remote_agent(msg[len(HELLO) :])
         except Exception as exc:  # its reads then stay checked against the stamped end only
             log.warning("NIXL lease answers: cannot load decode agent %s (%s); it gets none", agent, exc)
@@ -172,10 +200,17 @@ class LeaseDesk:
         log.debug("NIXL lease answers: decode agent %s loaded", agent)
 
     def asked(self, agent: str, msg: bytes) -> None:
+        body = self._messages.unpack(msg)
         try:
-            number, request_ids = _questions.decode(msg[len(ASK) :])
-        except msgspec.DecodeError:
-            log.warning("NIXL lease question from %s does not parse; not answered", agent)
+            if body is None or agent not in self._peers or len(self._questions) >= MAX_PENDING:
+                raise ValueError
+            number, request_ids = _questions.decode(body)
+            if len(request_ids) > MAX_IDS:
+                raise ValueError
+        except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
+            log.warning(
+                "NIXL lease question from %s is not authenticated, does not parse or is too long; dropped", agent
+            )
             return
         self._questions.append((agent, number, request_ids))
 
@@ -196,7 +231,7 @@ class LeaseDesk:
             if agent not in self._peers:
                 continue  # its hello did not load: nothing to answer to
             try:
-                self._worker.nixl_wrapper.send_notif(agent, ANSWER + _encode((number, left)))
+                self._worker.nixl_wrapper.send_notif(agent, self._messages.pack(ANSWER, _encode((number, left))))
             except Exception as exc:  # a decode gone away: its reads, if any, stay checked
                 log.debug("NIXL lease answer to %s not sent: %s", agent, exc)
         self._questions.clear()
@@ -208,13 +243,15 @@ class LeaseWatch:
     ``_send_heartbeats`` asks the prefill how long the beaten leases now run,
     ``_pop_done_transfers`` fails a read that ended after its lease."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, messages: _Messages, lease_s: float) -> None:
         self._worker = worker
+        self._messages = messages
+        self._lease_s = lease_s
         self._leases: dict[str, _Lease] = {}
         #: prefill request id -> prefill agent -> until when (our clock) its answer holds the blocks
         self._held: dict[str, dict[str, float]] = {}
-        #: question number -> (prefill agent, when asked)
-        self._asked: dict[int, tuple[str, float]] = {}
+        #: question number -> (prefill agent, when asked, the request ids asked about)
+        self._asked: dict[int, tuple[str, float, frozenset[str]]] = {}
         self._numbers = itertools.count(1)
         self._greeted: set[str] = set()
         #: Reads reported failed because they ended after their lease.
@@ -247,18 +284,25 @@ class LeaseWatch:
         return None if None in ends else min(ends)  # type: ignore[type-var]
 
     def answered(self, agent: str, msg: bytes) -> None:
+        body = self._messages.unpack(msg)
         try:
-            number, left = _answers.decode(msg[len(ANSWER) :])
-        except msgspec.DecodeError:
-            log.warning("NIXL lease answer from %s does not parse; ignored", agent)
+            if body is None:
+                raise ValueError
+            number, left = _answers.decode(body)
+        except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("NIXL lease answer from %s is not authenticated or does not parse; ignored", agent)
             return
-        asked = self._asked.pop(number, None)
+        asked = self._asked.get(number)
         if asked is None or asked[0] != agent:
             return  # forgotten, or not asked of this agent
-        asked_at = asked[1]
+        del self._asked[number]
+        _, asked_at, question = asked
         for request_id, seconds in left.items():
+            if request_id not in question or not math.isfinite(seconds) or seconds <= 0:
+                continue  # not asked about, or not held: nothing to extend
             per_agent = self._held.setdefault(request_id, {})
-            per_agent[agent] = max(per_agent.get(agent, asked_at), asked_at + seconds)
+            # An answer grants at most one lease from the question: no more than a prefill can hold.
+            per_agent[agent] = max(per_agent.get(agent, asked_at), asked_at + min(seconds, self._lease_s))
 
     def _recording(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
         def recorded(metadata: Any) -> None:
@@ -297,20 +341,22 @@ class LeaseWatch:
                 number = next(self._numbers)
                 try:
                     if agent not in self._greeted:
-                        wrapper.send_notif(agent, HELLO + connection_metadata(wrapper))
+                        hello = connection_metadata(wrapper)
+                        keys = self._messages.keys
+                        wrapper.send_notif(agent, HELLO + (keys.seal(hello) if keys is not None else hello))
                         self._greeted.add(agent)
-                    wrapper.send_notif(agent, ASK + _encode((number, question)))
+                    wrapper.send_notif(agent, self._messages.pack(ASK, _encode((number, question))))
                 except Exception as exc:  # as vLLM's beats: the read stays checked against what is known
                     log.debug("NIXL lease question to %s not sent: %s", agent, exc)
                     continue
-                self._asked[number] = (agent, now)
+                self._asked[number] = (agent, now, frozenset(question))
         self._forget(now)
 
     def _forget(self, now: float) -> None:
         """Drop answers that no longer extend anything and questions too old to trust."""
         for request_id in [r for r, ends in self._held.items() if max(ends.values()) < now]:
             del self._held[request_id]
-        for number in [n for n, (_, at) in self._asked.items() if now - at > FORGET_S]:
+        for number in [n for n, (_, at, _ids) in self._asked.items() if now - at > FORGET_S]:
             del self._asked[number]
 
     def _checking(

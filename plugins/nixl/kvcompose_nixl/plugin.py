@@ -25,16 +25,21 @@ import msgspec
 
 from kvcompose.api import ConnectorType, Options, Problem, hookimpl
 from kvcompose_nixl import (
+    ACCEPT_UNSIGNED_KEY,
     CONNECTOR_MODULE,
     HANDSHAKE_TRIES_KEY,
     HANDSHAKE_TRY_S,
+    KEY_ENV_KEY,
+    KEY_FILE_KEY,
     LEASE_ANSWERS_KEY,
+    PEERS_KEY,
     PROGRESS_DELAY_KEY,
     SIDE_CHANNEL_HOST_KEY,
     SIDE_CHANNEL_PORT_KEY,
     UCX_ERROR_HANDLING_KEY,
 )
 from kvcompose_nixl.backends import NETWORK_BACKENDS, backend_names
+from kvcompose_nixl.trust import SIGNED_KEYS, Peers, TrustConfigError
 
 if TYPE_CHECKING:
     from kvcompose.api import Child, Plan
@@ -78,6 +83,7 @@ PARAM_KEYS: frozenset[str] = frozenset(
         # Read by the worker when a router supplies it (metadata.py, ReqMeta.remote_block_size).
         "remote_block_size",
     }
+    | SIGNED_KEYS  # a signing prefill's (kvcompose_nixl.trust)
 )
 
 #: Markers NixlConnector writes into a request's own ``kv_transfer_params`` and reads back, so
@@ -177,18 +183,99 @@ class NixlOptions(Options):
         _NonEmpty | None,
         msgspec.Meta(description="this child's NIXL engine id; unset: the engine's"),
     ] = None
+    key_env: Annotated[
+        Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None,
+        msgspec.Meta(
+            description="the environment variable that holds the deployment key (one or more, comma-separated: "
+            "the first signs, all verify); the key itself never goes in the file"
+        ),
+    ] = None
+    key_file: Annotated[
+        _NonEmpty | None,
+        msgspec.Meta(description="a file that holds the deployment key (one or more, one a line), instead of key_env"),
+    ] = None
+    accept_unsigned: Annotated[
+        bool | None,
+        msgspec.Meta(
+            description="a decode with a key also takes params and agent metadata no key signed: prefill instances "
+            "that cannot sign (vLLM's own NixlConnector); false"
+        ),
+    ] = None
+    peers: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1)]] | None,
+        msgspec.Meta(
+            description="side channels a decode may connect to: addresses, networks or host names, each with an "
+            "optional port or range (10.0.0.0/8, 10.1.2.3:5600, [fd00::1]:5600-5607); unset: those a valid "
+            "signature names with a key, loopback without"
+        ),
+    ] = None
 
 
-#: What a pull-mode consumer does about the prefill's lease (kvcompose_nixl.lease), and the case
-#: where it cannot: a prefill instance running vLLM's own NixlConnector.
+#: What a pull-mode consumer does about the prefill's lease (kvcompose_nixl.lease).
 LEASE_CHECK = (
-    "a read is refused (recomputed, or failed under load_failure: fail) when it ends after the prefill "
-    "instance's lease on its blocks, as far as that instance answered the questions this decode sends after "
-    "vLLM's heartbeats (the heartbeats renew the lease there; the answers, not the heartbeats, tell this "
-    "decode so), so a request that queues past the lease is read while the prefill still holds its blocks; this "
-    "needs the prefill instance to run this nixl type (it stamps its leases and answers): behind vLLM's own "
-    "NixlConnector the decode sees no lease and takes every read unchecked, as vLLM does"
+    "lease: a read that ends after the prefill's lease on its blocks is refused (recomputed, or failed under "
+    "load_failure: fail)\nlease: behind vLLM's own NixlConnector (no lease stamped) reads are taken unchecked, as vLLM "
+    "does"
 )
+#: What no option here protects (docs/security.md).
+NOT_PROTECTED = (
+    "not protected: NIXL's own traffic (the reads and notifications) is neither authenticated nor encrypted: "
+    "keep it on a network only these engines reach (docs/security.md)"
+)
+
+
+def _key_source(o: NixlOptions) -> str | None:
+    if o.key_env:
+        return f"${o.key_env}"
+    return o.key_file
+
+
+def _trust_lines(o: NixlOptions, role: str | None) -> list[str]:
+    """What this child authenticates and what it does not, one fact a line."""
+    key = _key_source(o)
+    lines = []
+    if role != "producer" and o.mode == "pull":
+        lines.append(
+            "params: checked before vLLM reads them (types, ranges, blocks against the prompt); a malformed set is "
+            "dropped and the prompt computed here"
+        )
+        if key is None:
+            lines.append(
+                "params: not authenticated (no key): a client that reaches this engine's API chooses which blocks of "
+                "a peer it reads"
+            )
+        elif o.accept_unsigned:
+            lines.append(
+                f"params: signed ones must verify with the key in {key}; unsigned ones are taken too "
+                "(accept_unsigned), from the peers below"
+            )
+        else:
+            lines.append(
+                f"params: only those a prefill signed with the key in {key}, for this prompt, unexpired and "
+                "unused; any other set is dropped and the prompt computed here"
+            )
+        if o.peers is not None:
+            lines.append("peers: connects only to side channels in " + ", ".join(o.peers))
+        elif key is not None:
+            lines.append(
+                "peers: connects only to the side channel a valid signature names"
+                + ("; unsigned params: loopback only" if o.accept_unsigned else "")
+            )
+        else:
+            lines.append("peers: connects only to side channels on loopback (no key, no peers)")
+    if role != "consumer" and key is not None:
+        lines.append(f"signs: the P/D params it returns, with the key in {key}, bound to the prompt and the lease")
+    if key is not None:
+        lines.append(
+            f"agent metadata: sealed with the key in {key} on the side channel; peers' metadata loaded only if it "
+            "opens with it" + (" or is unsealed (accept_unsigned)" if o.accept_unsigned else "")
+        )
+    else:
+        lines.append(
+            "agent metadata: in clear on the side channel (no key): whoever reaches it can read this engine's KV"
+        )
+    lines.append(NOT_PROTECTED)
+    return lines
 
 
 def _lease_trade(o: NixlOptions, role: str | None) -> str:
@@ -244,11 +331,8 @@ def _side_channel(o: NixlOptions) -> str:
     port = o.side_channel_port or f"$VLLM_NIXL_SIDE_CHANNEL_PORT ({DEFAULT_SIDE_CHANNEL_PORT})"
     reach = reach_of(o.side_channel_host or env_side_channel_host())
     if o.side_channel_host is not None and reach != LOOPBACK:
-        reach += (
-            ", as side_channel_host asks: any host that reaches the port can read this engine's "
-            "NIXL agent metadata and then its KV blocks"
-        )
-    return f"handshake side channel on {host}:{port} + data-parallel index ({reach})"
+        reach += ", as side_channel_host asks"
+    return f"side channel: {host}:{port} + data-parallel index ({reach})"
 
 
 LOOPBACK = "loopback only"
@@ -311,6 +395,10 @@ class NixlType(ConnectorType):
         "progress_delay_us": PROGRESS_DELAY_KEY,
         "ucx_error_handling": UCX_ERROR_HANDLING_KEY,
         "handshake_tries": HANDSHAKE_TRIES_KEY,
+        "key_env": KEY_ENV_KEY,
+        "key_file": KEY_FILE_KEY,
+        "accept_unsigned": ACCEPT_UNSIGNED_KEY,
+        "peers": PEERS_KEY,
     }
     top_level_keys: ClassVar[Mapping[str, str]] = {"buffer_device": "kv_buffer_device", "engine_id": "engine_id"}
 
@@ -333,7 +421,7 @@ class NixlType(ConnectorType):
         if o.mode == "pull":
             consume = (
                 f"pulls prompt KV from the prefill instance {_transport(o)}, {_into(o)}; "
-                "a request that arrives with no remote blocks is computed locally; "
+                "a request that arrives with no remote blocks is computed locally\n"
                 f"{LEASE_CHECK}"
             )
             produce = (
@@ -363,7 +451,7 @@ class NixlType(ConnectorType):
         tries = ""
         if o.handshake_tries is not None:
             tries = f"; a peer's side channel is asked up to {o.handshake_tries} times, {HANDSHAKE_TRY_S} s each"
-        return f"{text}. {_side_channel(o)[0].upper()}{_side_channel(o)[1:]}{tries}."
+        return "\n".join([text, _side_channel(o) + tries, *_trust_lines(o, child.role)])
 
     def save_hooks_needed(self, child: Child) -> str | None:
         """A producer with a host buffer: NixlConnector copies the served KV there in ``wait_for_save``."""
@@ -427,6 +515,44 @@ class NixlType(ConnectorType):
             )
         yield from self._port_clash(child, plan, at)
         yield from self._exposed_by_default(o, at)
+        yield from self._trust(o, child.role, at)
+
+    def _trust(self, o: NixlOptions, role: str | None, at: tuple[str | int, ...]) -> Iterator[Problem]:
+        """A key named twice, a peer that does not parse, a side channel beyond loopback without
+        a key (it hands out what reads this engine's memory), and unsigned params taken."""
+        if o.key_env and o.key_file:
+            yield Problem("key_env and key_file both name the key", at + ("key_file",), "keep one of them")
+        for i, entry in enumerate(o.peers or ()):
+            try:
+                Peers.parse([entry])
+            except TrustConfigError as exc:
+                yield Problem(str(exc), at + ("peers", i))
+        key = _key_source(o)
+        if key is None and o.side_channel_host is not None and reach_of(o.side_channel_host) != LOOPBACK:
+            yield Problem(
+                f"the side channel on {o.side_channel_host} is reachable from other hosts, and without a key it hands "
+                "this engine's NIXL agent metadata (what reads its KV blocks) to any of them",
+                at + ("side_channel_host",),
+                "name a deployment key (key_env: KVCOMPOSE_PD_KEY, or key_file: PATH) on every nixl child of the "
+                "deployment, or bind 127.0.0.1",
+            )
+        if o.accept_unsigned and key is None:
+            yield Problem(
+                "accept_unsigned without a key changes nothing: without a key every set of params is unsigned",
+                at + ("accept_unsigned",),
+                "remove it, or name a key",
+                warning=True,
+            )
+        elif o.accept_unsigned and role != "producer":
+            yield Problem(
+                "accept_unsigned: this decode also takes params no prefill signed, so a client that reaches its API "
+                "chooses which blocks of a peer it reads ("
+                + ("the peers listed" if o.peers else "loopback only")
+                + ")",
+                at + ("accept_unsigned",),
+                "once every prefill instance signs (this nixl type with the key), remove it",
+                warning=True,
+            )
 
     def _exposed_by_default(self, o: NixlOptions, at: tuple[str | int, ...]) -> Iterator[Problem]:
         """A side channel reachable from other hosts that the composition did not ask for.

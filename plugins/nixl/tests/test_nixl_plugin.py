@@ -16,6 +16,7 @@ from kvcompose.plugins import Plugins
 from kvcompose_nixl import backends as nixl_backends
 from kvcompose_nixl.plugin import (
     INTERNAL_PARAM_KEYS,
+    NOT_PROTECTED,
     PARAM_KEYS,
     NixlOptions,
     NixlType,
@@ -323,9 +324,41 @@ def test_describe_each_role() -> None:
 
 def test_describe_says_a_consumer_checks_reads_only_behind_this_type() -> None:
     consumer = NixlType().describe(child("consumer"))
-    assert "read while the prefill still holds its blocks" in consumer
-    assert "behind vLLM's own NixlConnector the decode sees no lease and takes every read unchecked" in consumer
+    assert "lease: a read that ends after the prefill's lease on its blocks is refused" in consumer
+    assert "behind vLLM's own NixlConnector (no lease stamped) reads are taken unchecked" in consumer
     assert "unchecked" not in NixlType().describe(child("producer"))
+
+
+def test_describe_says_one_fact_a_line_what_is_and_is_not_protected() -> None:
+    bare = NixlType().describe(child("consumer")).split("\n")
+    assert "params: not authenticated (no key)" in "\n".join(bare)
+    assert "peers: connects only to side channels on loopback (no key, no peers)" in bare
+    assert max(len(line) for line in bare[1:]) <= 170  # short lines, one fact each
+    keyed = NixlType().describe(child("consumer", key_env="PD_KEY", peers=["10.0.0.0/8"]))
+    assert "params: only those a prefill signed with the key in $PD_KEY" in keyed
+    assert "peers: connects only to side channels in 10.0.0.0/8" in keyed
+    assert "agent metadata: sealed with the key in $PD_KEY" in keyed
+    assert keyed.endswith(NOT_PROTECTED)
+    producer = NixlType().describe(child("producer", key_file="/etc/pd.key"))
+    assert "signs: the P/D params it returns, with the key in /etc/pd.key" in producer
+    assert "params:" not in producer
+
+
+def test_a_side_channel_beyond_loopback_needs_a_key(plugins: Plugins) -> None:
+    exposed = "  - {name: pd, type: nixl, role: producer, options: {side_channel_host: 10.1.2.3}}\n"
+    with pytest.raises(CompositionError) as refused:
+        compose(plugins, exposed)
+    assert "without a key it hands this engine's NIXL agent metadata" in str(refused.value)
+    keyed = "  - {name: pd, type: nixl, role: producer, options: {side_channel_host: 10.1.2.3, key_env: PD_KEY}}\n"
+    assert compose(plugins, keyed).warnings == ()
+    both = "  - {name: pd, type: nixl, role: consumer, options: {key_env: A, key_file: /k, peers: ['10.0.0.0/8:x']}}\n"
+    with pytest.raises(CompositionError) as refused:
+        compose(plugins, both)
+    assert "key_env and key_file both name the key" in str(refused.value)
+    assert "the port is not a number" in str(refused.value)
+    unsigned = "  - {name: pd, type: nixl, role: consumer, options: {key_env: A, accept_unsigned: true}}\n"
+    (warning,) = compose(plugins, unsigned).warnings
+    assert "also takes params no prefill signed" in warning.message
 
 
 def test_describe_says_what_a_shorter_lease_trades_away() -> None:
@@ -423,11 +456,13 @@ def test_an_explicit_all_interfaces_host_is_explained_not_warned_of(
     plugins: Plugins, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0")
-    plan = compose(plugins, "  - {name: pd, type: nixl, role: producer, options: {side_channel_host: 0.0.0.0}}\n")
+    options = "{side_channel_host: 0.0.0.0, key_env: PD_KEY}"
+    plan = compose(plugins, f"  - {{name: pd, type: nixl, role: producer, options: {options}}}\n")
     assert plan.warnings == ()
     text = NixlType().describe(plan.children[0])
-    assert "side channel on 0.0.0.0:" in text
-    assert "(all interfaces, as side_channel_host asks: any host that reaches the port can read" in text
+    assert "side channel: 0.0.0.0:" in text
+    assert "(all interfaces, as side_channel_host asks)" in text
+    assert "agent metadata: sealed with the key in $PD_KEY" in text
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ composition, rendered the way ``kvcompose vllm-args`` renders it."""
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,9 +25,24 @@ MAX_MODEL_LEN = 1024
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TORCHDYNAMO_DISABLE": "1"}
 
 
+#: The variable the shipped examples' nixl children read their deployment key from (``key_env``).
+PD_KEY_ENV = "KVCOMPOSE_PD_KEY"
+
+
+def deployment_key() -> str:
+    """The deployment key of the engines this process starts: ``$KVCOMPOSE_PD_KEY``, or else a
+    fresh one, set there so that every engine (and connector) of this process shares it."""
+    key = os.environ.get(PD_KEY_ENV)
+    if not key:
+        key = os.environ[PD_KEY_ENV] = secrets.token_hex(32)
+    return key
+
+
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for an engine process: :data:`ENGINE_ENV` on top, and no
-    inherited NIXL side-channel variables (each engine gets its port from its composition)."""
+    """This process's environment for an engine process: :data:`ENGINE_ENV` on top, the
+    deployment key (:func:`deployment_key`), and no inherited NIXL side-channel variables (each
+    engine gets its port from its composition)."""
+    deployment_key()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_NIXL_SIDE_CHANNEL")}
     env.update(ENGINE_ENV)
     env.update(extra or {})

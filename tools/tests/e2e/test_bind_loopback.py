@@ -23,7 +23,7 @@ def test_shipped_examples_bind_their_side_channel_to_loopback_whatever_the_envir
     plan = load(path)
     assert plan.warnings == ()
     (pd,) = [c for c in plan.children if c.type.name == "nixl"]
-    assert "side channel on 127.0.0.1:" in pd.type.describe(pd) and "(loopback only)" in pd.type.describe(pd)
+    assert "side channel: 127.0.0.1:" in pd.type.describe(pd) and "(loopback only)" in pd.type.describe(pd)
 
 
 def test_engines_started_here_do_not_inherit_a_side_channel_host(monkeypatch: pytest.MonkeyPatch) -> None:

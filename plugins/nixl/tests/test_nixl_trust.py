@@ -1,0 +1,327 @@
+"""Trust (kvcompose_nixl.trust, side_channel): attacks on a decode's params and a prefill's side
+channel, against vLLM's real scheduler and real ZMQ sockets; vLLM's own classes as the control."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
+
+from kvcompose.testing.harness import decode_request, make_request, prefill_request, scheduler_for, step
+from kvcompose_nixl.side_channel import DROPPED, listener, seal_agent_metadata
+from kvcompose_nixl.trust import (
+    EXPIRES_KEY,
+    SIG_KEY,
+    TOKENS_KEY,
+    Facts,
+    Keyring,
+    Peers,
+    Policy,
+    Refused,
+    TrustConfigError,
+)
+
+BLOCK_SIZE = 16
+KEY = "k" * 16 + "0123456789abcdef0123456789abcdef"
+OTHER_KEY = "z" * 48
+OURS = "kvcompose_nixl.connector"
+
+
+@pytest.fixture
+def keyed(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """``keyed(role, key=KEY, module=OURS, **extra)``: a scheduler whose nixl connector reads its
+    key from ``$KVCOMPOSE_TEST_KEY`` (None: no key)."""
+
+    def make(role: str, key: str | None = KEY, module: str | None = OURS, **extra: Any) -> Any:
+        if key is not None:
+            monkeypatch.setenv("KVCOMPOSE_TEST_KEY", key)
+            extra["kvcompose_key_env"] = "KVCOMPOSE_TEST_KEY"
+        ktc: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}
+        if module is not None:
+            ktc["kv_connector_module_path"] = module
+        return scheduler_for(ktc, block_size=BLOCK_SIZE, num_blocks=100)
+
+    return make
+
+
+def prefilled(scheduler: Any, prompt: list[int]) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a prefill instance returns for ``prompt``."""
+    request = prefill_request(len(prompt), block_size=BLOCK_SIZE, prompt=prompt)
+    scheduler.add_request(request)
+    while True:
+        _, eco = step(scheduler)
+        for params in (o.kv_transfer_params for e in eco.values() for o in e.outputs):
+            if params:
+                assert params["do_remote_prefill"]
+                return dict(params)
+
+
+def pulled(scheduler: Any, prompt: list[int], params: dict[str, Any]) -> bool:
+    """Whether the decode ``scheduler`` queues a NIXL read for ``prompt`` with ``params``
+    (else it schedules the whole prompt for local compute)."""
+    request = make_request(len(prompt), block_size=BLOCK_SIZE, prompt=prompt, max_tokens=2, kv_transfer_params=params)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    read = request.request_id in out.kv_connector_metadata.reqs_to_recv
+    if not read:  # computed here (after what the decode's own prefix cache holds), now
+        assert out.num_scheduled_tokens[request.request_id] > 0
+    return read
+
+
+PROMPT_A = [5 + (i * 11) % 400 for i in range(70)]
+PROMPT_B = [7 + (i * 13) % 400 for i in range(70)]
+
+
+# ---------------------------------------------------------------------------- signed params
+
+
+def test_a_signed_prefill_and_a_keyed_decode_pull_only_what_was_signed_for_the_prompt(keyed: Any) -> None:
+    prefill, decode = keyed("kv_producer"), keyed("kv_consumer")
+    params = prefilled(prefill, PROMPT_A)
+    assert {SIG_KEY, EXPIRES_KEY, TOKENS_KEY} <= params.keys() and params[TOKENS_KEY] == len(PROMPT_A)
+    assert pulled(decode, PROMPT_A, dict(params))
+    # The attacks of issue 51's table: A's params with prompt B; made-up blocks; a host of the
+    # client's choosing; the same params again (replay).
+    assert not pulled(decode, PROMPT_B, dict(params))
+    assert not pulled(decode, PROMPT_A, {**params, "remote_block_ids": [[40, 41, 42, 43, 44]]})
+    assert not pulled(decode, PROMPT_A, {**params, "remote_host": "10.9.9.9"})
+    assert not pulled(decode, PROMPT_A, dict(params))  # already read once here
+    refused = decode.connector.refused
+    assert refused == {"signature": 3, "replayed": 1}
+
+
+def test_a_keyed_decode_refuses_unsigned_and_foreign_keys_unless_told(keyed: Any) -> None:
+    unsigned = prefilled(keyed("kv_producer", key=None), PROMPT_A)
+    assert SIG_KEY not in unsigned
+    assert not pulled(keyed("kv_consumer"), PROMPT_A, dict(unsigned))
+    foreign = prefilled(keyed("kv_producer", key=OTHER_KEY), PROMPT_A)
+    assert not pulled(keyed("kv_consumer"), PROMPT_A, dict(foreign))
+    # accept_unsigned: a prefill that cannot sign (vLLM's own NixlConnector), on loopback.
+    assert pulled(keyed("kv_consumer", kvcompose_accept_unsigned=True), PROMPT_A, dict(unsigned))
+    # Rotation: a decode holding the new key and the old one takes both.
+    assert pulled(keyed("kv_consumer", key=f"{OTHER_KEY},{KEY}"), PROMPT_A, dict(foreign))
+
+
+def test_a_decode_without_a_key_connects_only_to_loopback_or_its_peers(keyed: Any) -> None:
+    decode = keyed("kv_consumer", key=None)
+    assert not pulled(decode, PROMPT_A, decode_params(PROMPT_A, remote_host="10.9.9.9"))
+    assert pulled(decode, PROMPT_A, decode_params(PROMPT_A))
+    listed = keyed("kv_consumer", key=None, kvcompose_peers=["10.9.0.0/16:5600-5601"])
+    assert pulled(listed, PROMPT_A, decode_params(PROMPT_A, remote_host="10.9.9.9"))
+    assert not pulled(listed, PROMPT_A, decode_params(PROMPT_A, remote_host="10.9.9.9", remote_port=5700))
+    assert decode.connector.refused == {"peer": 1}
+
+
+def decode_params(prompt: list[int], **fields: Any) -> dict[str, Any]:
+    params = decode_request(len(prompt), block_size=BLOCK_SIZE).kv_transfer_params
+    assert params is not None
+    return {**params, **fields}
+
+
+#: The fields issue 51 found to kill a decode engine (the first five) and more: each is dropped on
+#: the scheduler, and the prompt is computed locally.
+MALFORMED: dict[str, dict[str, Any]] = {
+    "block ids a string": {"remote_block_ids": "0,1,2"},
+    "block ids strings": {"remote_block_ids": ["0", "1"]},
+    "negative block ids": {"remote_block_ids": [-1, -2]},
+    "block ids past 2^62": {"remote_block_ids": [2**62 + 1]},
+    "engine id a mapping": {"remote_engine_id": {"a": 1}},
+    "block ids an int": {"remote_block_ids": 7},
+    "more blocks than the prompt": {"remote_block_ids": list(range(50))},
+    "a float block id": {"remote_block_ids": [0.5]},
+    "three groups for one": {"remote_block_ids": [[0], [1], [2]]},
+    "port a string": {"remote_port": "5600"},
+    "port out of range": {"remote_port": 70000},
+    "host with a path": {"remote_host": "evil/../x"},
+    "host missing": {"remote_host": None},
+    "huge remote_num_tokens": {"remote_num_tokens": 10**12},
+    "negative tp_size": {"tp_size": -1},
+    "tp_size zero": {"tp_size": 0},
+    "expiry not a number": {"remote_blocks_expiry_time": "soon"},
+    "do_remote_prefill a string": {"do_remote_prefill": "yes"},
+    "request id empty": {"remote_request_id": ""},
+    "transfer mode push": {"transfer_mode": "push"},
+}
+
+
+@pytest.mark.parametrize("fields", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_params_never_reach_vllm_and_the_prompt_is_computed(keyed: Any, fields: dict[str, Any]) -> None:
+    decode = keyed("kv_consumer", key=None)
+    params = decode_params(PROMPT_A, **fields)
+    assert not pulled(decode, PROMPT_A, params)
+    assert decode.connector.refused == {"malformed": 1}
+    assert "remote_block_ids" not in params and "remote_host" not in params
+    # The next legitimate request is read as before.
+    assert pulled(decode, PROMPT_B, decode_params(PROMPT_B))
+
+
+@pytest.mark.parametrize("fields", [MALFORMED[k] for k in list(MALFORMED)[:5]], ids=list(MALFORMED)[:5])
+def test_vllms_own_decode_hands_the_malformed_fields_to_its_worker(keyed: Any, fields: dict[str, Any]) -> None:
+    """The control: vLLM's own NixlConnector queues the read with the field as sent, and its
+    worker's ``start_load_kv`` then asserts (issue 51: ``EngineDeadError``)."""
+    decode = keyed("kv_consumer", key=None, module=None)
+    params = decode_params(PROMPT_A, **fields)
+    request = make_request(70, block_size=BLOCK_SIZE, prompt=PROMPT_A, kv_transfer_params=params)
+    try:
+        decode.add_request(request)
+    except TypeError:  # an engine id vLLM cannot hash: its scheduler raises on arrival
+        assert not isinstance(params["remote_engine_id"], str)
+        return
+    out = decode.schedule()
+    queued = out.kv_connector_metadata.reqs_to_recv[request.request_id]
+    assert queued.remote is not None
+
+
+def test_client_markers_of_vllms_bookkeeping_are_dropped(keyed: Any) -> None:
+    decode = keyed("kv_consumer", key=None)
+    params = decode_params(PROMPT_A, _remote_blocks_processed=True)
+    assert pulled(decode, PROMPT_A, params)  # vLLM would have skipped the read and computed nothing
+
+
+# ---------------------------------------------------------------------------- the policy alone
+
+
+def test_expired_signatures_are_refused_and_skew_is_allowed() -> None:
+    keys = Keyring.parse(KEY, "test")
+    params = decode_params(PROMPT_A)
+    params[EXPIRES_KEY] = 1000.0
+    params[TOKENS_KEY] = len(PROMPT_A)
+    params[SIG_KEY] = keys.sign(params, PROMPT_A)
+    facts = Facts(BLOCK_SIZE, 1, 1, len(PROMPT_A))
+    Policy(keys, False, None).screen(params, facts, PROMPT_A, now=1005.0)
+    with pytest.raises(Refused) as refused:
+        Policy(keys, False, None).screen(params, facts, PROMPT_A, now=1011.0)
+    assert refused.value.reason == "expired"
+
+
+def test_keys_and_peers_refuse_what_does_not_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    with pytest.raises(TrustConfigError, match=r"\$NOPE, which is not set"):
+        Keyring.load(env="NOPE")
+    with pytest.raises(TrustConfigError, match="fewer than 32 characters"):
+        Keyring.parse("short", "x")
+    key_file = tmp_path / "key"
+    key_file.write_text(f"{KEY}\n{OTHER_KEY}\n")
+    assert len(Keyring.load(file=str(key_file)).keys) == 2  # type: ignore[union-attr]
+    for bad in ["10.0.0.0/8:0", "[::1", "a b", "10.0.0.1:x"]:
+        with pytest.raises(TrustConfigError):
+            Peers.parse([bad])
+    peers = Peers.parse(["[fd00::1]:5600-5607", "prefill-0.svc", "10.0.0.0/8:5600"])
+    assert peers.allows("fd00::1", 5607) and not peers.allows("fd00::1", 5608)
+    assert peers.allows("prefill-0.svc", 1) and not peers.allows("prefill-1.svc", 1)
+    assert peers.allows("10.2.3.4", 5600) and not peers.allows("11.2.3.4", 5600)
+
+
+def test_sealed_metadata_opens_only_with_the_key() -> None:
+    keys = Keyring.parse(KEY, "test")
+    sealed = keys.seal(b"agent metadata")
+    assert b"agent metadata" not in sealed
+    assert keys.open(sealed) == b"agent metadata"
+    with pytest.raises(Refused):
+        Keyring.parse(OTHER_KEY, "other").open(sealed)
+    with pytest.raises(Refused):
+        keys.open(sealed[:-1] + bytes([sealed[-1] ^ 1]))
+
+    class Agent:
+        def __init__(self) -> None:
+            self.loaded: list[bytes] = []
+
+        def get_agent_metadata(self) -> bytes:
+            return b"mine"
+
+        def add_remote_agent(self, metadata: bytes) -> str:
+            self.loaded.append(metadata)
+            return "peer"
+
+    prefill, decode, plain = Agent(), Agent(), Agent()
+    seal_agent_metadata(prefill, keys, False)
+    seal_agent_metadata(decode, keys, False)
+    seal_agent_metadata(plain, None, False)
+    published = prefill.get_agent_metadata()
+    decode.add_remote_agent(published)
+    assert decode.loaded == [b"mine"]
+    for refuser, blob in ((plain, published), (decode, b"unsealed")):
+        with pytest.raises(Refused):
+            refuser.add_remote_agent(blob)
+
+
+# ---------------------------------------------------------------------------- the side channel
+
+
+def ask(port: int, frames: list[bytes], wait_s: float = 2.0) -> list[bytes] | None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart([b"", *frames])
+        if not sock.poll(int(wait_s * 1000)):
+            return None
+        return sock.recv_multipart()[1:]
+    finally:
+        sock.close()
+
+
+GOOD = msgspec.msgpack.encode((b"get_meta_msg", 0, 0))
+GARBAGE: dict[str, list[bytes]] = {
+    "msgpack that does not parse": [b"\xc1\x00\x00"],
+    "a tuple of the wrong shape": [msgspec.msgpack.encode((b"get_meta_msg", 0))],
+    "an unknown message": [msgspec.msgpack.encode((b"give me everything", 0, 0))],
+    "a rank not served": [msgspec.msgpack.encode((b"get_meta_msg", 3, 9))],
+    "two frames": [GOOD, GOOD],
+    "an oversized frame": [b"\x00" * 100_000],
+}
+
+
+def serve(listen: Callable[..., None], port: int) -> tuple[threading.Thread, threading.Event]:
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=listen, args=({(0, 0): b"payload"}, ready, stop, "127.0.0.1", port), daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    return thread, stop
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_the_side_channel_drops_garbage_and_keeps_answering() -> None:
+    port = free_port()
+    thread, stop = serve(listener, port)
+    try:
+        before = sum(DROPPED.values())
+        for frames in GARBAGE.values():
+            ask(port, frames, wait_s=0.3)
+        reply = ask(port, [GOOD])
+        assert reply is not None and reply[0] == b"payload"
+        assert sum(DROPPED.values()) - before >= len(GARBAGE) - 1  # ZMQ cuts the oversized frame itself
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_vllms_own_side_channel_dies_on_one_garbage_frame() -> None:
+    """The control (vLLM #54757): vLLM's listener thread ends on the first malformed frame."""
+    port = free_port()
+    thread, stop = serve(NixlBaseConnectorScheduler._nixl_handshake_listener, port)
+    try:
+        ask(port, GARBAGE["msgpack that does not parse"], wait_s=0.3)
+        thread.join(5)
+        assert not thread.is_alive()
+        assert ask(port, [GOOD], wait_s=1.0) is None
+    finally:
+        stop.set()
+
+
+def test_the_connector_serves_its_side_channel_with_the_guarded_listener(keyed: Any) -> None:
+    scheduler = keyed("kv_producer")
+    assert scheduler.connector.connector_scheduler._nixl_handshake_listener is listener
+    time.sleep(0)  # the listener thread starts with the workers' metadata (engine start)
