@@ -31,7 +31,7 @@ compgen -G "$VENV/wheels/vllm-$VLLM_NEXT-*.whl" >/dev/null || pip download --no-
 check "import vllm; assert vllm.__version__ == '$VLLM_NEXT'" || pip install --find-links "$VENV/wheels" "vllm==$VLLM_NEXT"
 check "import nixl_cu13" || pip install --no-deps "nixl-cu13==$NIXL_NEXT"
 check "import nixl._api" || pip install --no-deps "nixl==$NIXL_NEXT"
-pip install pluggy msgspec pyyaml "pytest>=8"
+pip install pluggy msgspec pyyaml "cryptography>=42" "pytest>=8"
 # --deps-only: the third-party packages alone (.ci/run fetches them while the tests run). The
 # editable installs below build the cpu-offload plugin's C helper in place, under the tests' feet.
 [[ "${1:-}" == "--deps-only" ]] && exit 0

@@ -9,7 +9,9 @@ each call 120 s) and every engine process group is killed on teardown. Run under
 
 from __future__ import annotations
 
+import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,10 @@ PROMPTS = {
     "conversation": token_prompt(6, 300),  # turn 1; its 16-token answer ends inside its last block
     "short": token_prompt(8, 10),  # shorter than one block
     "after-short": token_prompt(9, 100),
+    # The attacks (docs/security.md): A's params are offered with B's and C's prompts.
+    "attack-a": token_prompt(10, 200),
+    "attack-b": token_prompt(11, 200),
+    "attack-c": token_prompt(12, 200),
 }
 #: Turn 2 of the conversation: turn 1's prompt, its answer, then a new user message of at least this
 #: many tokens, one past a block boundary in all (see tools/kvcompose_tools/e2e/demo.py, TURN_1).
@@ -166,6 +172,73 @@ def test_a_remote_prefill_without_remote_blocks_is_computed_locally_and_decode_p
     after = decode_request(decode, PROMPTS["after-short"], MAX_TOKENS, params)
     assert after.loaded == {"pd": len(PROMPTS["after-short"])} and after.failed_transfers == 0
     assert equal(after, cluster.expected["after-short"])
+
+
+class Listener:
+    """A port on 127.0.0.1 that a client names as a prefill's side channel: counts connections."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+#: Fields issue 51 found to kill vLLM's decode engine, each sent with a prefill's real params.
+DEADLY = {
+    "remote_block_ids": ["abc", ["0", "1"], [-1, -2], [2**62 + 1]],
+    "remote_engine_id": [{"engine": 1}],
+}
+
+
+def test_attacks_on_the_decode_are_refused_and_it_answers_every_prompt_from_its_own_kv(cluster: Cluster) -> None:
+    """docs/security.md: a client that reaches the decode's API steers neither what it reads nor
+    where it connects, and no field kills its engine; every answer is the prompt's own."""
+    prefill, decode = cluster.use()
+    (p,) = prefill.generate([PROMPTS["attack-a"]], 1, [{"do_remote_decode": True}])
+    params = p["kv_transfer_params"]
+    assert params["kvcompose_sig"]  # the shipped prefill signs
+    listener = Listener()
+    try:
+        attacks = [
+            ("attack-b", params),  # A's params, B's prompt
+            ("attack-c", {**params, "remote_block_ids": [[b + 1 for b in params["remote_block_ids"][0]]]}),
+            ("attack-b", {**params, "remote_port": listener.port, "remote_engine_id": "client"}),
+            ("attack-c", {k: v for k, v in params.items() if not k.startswith("kvcompose_")}),  # unsigned
+        ]
+        attacks += [("attack-b", {**params, field: value}) for field, values in DEADLY.items() for value in values]
+        for prompt, attack in attacks:
+            s = decode_request(decode, PROMPTS[prompt], MAX_TOKENS, attack)
+            assert "pd" not in s.loaded and s.nixl_bytes == 0, (prompt, s.loaded)
+            assert equal(s, cluster.expected[prompt]), prompt
+        assert listener.connections == 0
+    finally:
+        listener.close()
+    # The engine serves on: A with its own params is pulled, and a replay of them is not.
+    a = decode_request(decode, PROMPTS["attack-a"], MAX_TOKENS, params)
+    assert a.loaded == {"pd": len(PROMPTS["attack-a"])} and equal(a, cluster.expected["attack-a"])
+    drop_prefix_cache(decode)
+    again = decode_request(decode, PROMPTS["attack-a"], MAX_TOKENS, params)
+    assert "pd" not in again.loaded and equal(again, cluster.expected["attack-a"])
 
 
 def test_cpu_tier_serves_a_prompt_pushed_out_of_the_device_cache(cluster: Cluster) -> None:
