@@ -219,6 +219,11 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     @combined("named")
     def get_kv_connector_stats(self, children: Fn) -> KVConnectorStats | None:
         data: dict[str, KVConnectorStats] = children()
+        for name, child in zip(self.names, self._connectors, strict=True):
+            refused = getattr(child, "refused_params", None)  # a child that checks params (loadstats.py)
+            if refused:
+                self.loads.counts().refused(name, dict(refused))
+                refused.clear()
         loads = self.loads.take_stats()
         if loads is not None:
             data[STATS_KEY] = loads

@@ -12,6 +12,8 @@ end and become Prometheus counters::
     vllm:kvcompose_loaded_bytes{child="pd"}   bytes of KV it wrote into the engine's blocks
     vllm:kvcompose_withheld_reports           load reports vLLM no longer waited for, withheld
     vllm:kvcompose_aborted_loads              requests that finished while their load was in flight
+    vllm:kvcompose_refused_params{child="pd",reason="signature"}
+                                              requests whose kv_transfer_params that child refused
 
 A withheld report is one for a request vLLM's scheduler no longer waits for: a second worker's
 duplicate, or a child's late report after the request's load was settled (an abort mid-pull
@@ -19,6 +21,10 @@ followed by the transfer's own completion). vLLM asserts on such a report
 (``assert req_id in self.requests``) and its engine dies; the composite counts it instead. An
 aborted load is a request that finished (vLLM aborts it: its client went away) while vLLM still
 waited for its external KV; vLLM frees its blocks when the load reports.
+
+A child that checks the ``kv_transfer_params`` it is handed (the nixl type: docs/security.md)
+counts the sets it refused by reason in a ``refused_params`` attribute (a ``Counter``); the
+composite's scheduler half takes those counts each step.
 
 Under ``load: ranges`` one request counts as a load of each child that served a range of it.
 Bytes are the whole blocks of the child's range times the bytes of one block over every layer
@@ -58,6 +64,12 @@ class ChildLoadStats(KVConnectorStats):
             self.data.setdefault(key, 0)
         for key in _PER_CHILD:
             self.data.setdefault(key, {})
+        self.data.setdefault("refused", {})
+
+    def refused(self, child: str, reasons: dict[str, int]) -> None:
+        mine = self.data["refused"].setdefault(child, {})
+        for reason, n in reasons.items():
+            mine[reason] = mine.get(reason, 0) + n
 
     def lookup(self) -> None:
         self.data["lookups"] += 1
@@ -77,7 +89,7 @@ class ChildLoadStats(KVConnectorStats):
         counted_bytes[child] = counted_bytes.get(child, 0) + nbytes
 
     def reset(self) -> None:
-        self.data = {**{key: 0 for key in _TOTALS}, **{key: {} for key in _PER_CHILD}}
+        self.data = {**{key: 0 for key in _TOTALS}, **{key: {} for key in _PER_CHILD}, "refused": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in _TOTALS:
@@ -85,6 +97,8 @@ class ChildLoadStats(KVConnectorStats):
         for key in _PER_CHILD:
             for child, n in other.data.get(key, {}).items():
                 self.data[key][child] = self.data[key].get(child, 0) + n
+        for child, reasons in other.data.get("refused", {}).items():
+            self.refused(child, reasons)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -93,10 +107,13 @@ class ChildLoadStats(KVConnectorStats):
             out[f"{child}.loads"] = n
             out[f"{child}.loaded_tokens"] = self.data["tokens"].get(child, 0)
             out[f"{child}.loaded_bytes"] = self.data["bytes"].get(child, 0)
+        for child, reasons in self.data.get("refused", {}).items():
+            for reason, n in reasons.items():
+                out[f"{child}.refused_params.{reason}"] = n
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in _TOTALS) and not self.data["loads"]
+        return not any(self.data[key] for key in _TOTALS) and not self.data["loads"] and not self.data.get("refused")
 
 
 class ChildLoadPromMetrics(KVConnectorPromMetrics):
@@ -137,6 +154,12 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
             labelnames=child_labels,
             documentation="Tokens of external KV the named child loaded.",
         )
+        self._refused = self._counter_cls(
+            name="vllm:kvcompose_refused_params",
+            labelnames=[*child_labels, "reason"],
+            documentation="Requests whose kv_transfer_params the named child refused, by reason (docs/security.md); "
+            "each was computed locally.",
+        )
         self._bytes = self._counter_cls(
             name="vllm:kvcompose_loaded_bytes",
             labelnames=child_labels,
@@ -154,3 +177,6 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
         for key, counter in (("loads", self._loads), ("tokens", self._tokens), ("bytes", self._bytes)):
             for child, n in transfer_stats_data.get(key, {}).items():
                 counter.labels(*labels, child).inc(n)
+        for child, reasons in transfer_stats_data.get("refused", {}).items():
+            for reason, n in reasons.items():
+                self._refused.labels(*labels, child, reason).inc(n)

@@ -296,7 +296,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         #: Requests whose P/D params this decode refused, by reason (:data:`kvcompose_nixl.trust.REASONS`).
-        self.refused: Counter[str] = Counter()
+        self.refused_params: Counter[str] = Counter()
         self._told: set[tuple[str, str]] = set()
 
     def on_new_request(self, request: Request) -> None:
@@ -328,7 +328,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         try:
             self.trust.screen(params, facts, prompt, request_context(request))
         except Refused as refused:
-            self.refused[refused.reason] += 1
+            self.refused_params[refused.reason] += 1
             source = params.get("remote_host")
             told = (refused.reason, source if isinstance(source, str) else "?")
             if told not in self._told and len(self._told) < 1024:  # once per reason and source

@@ -79,8 +79,7 @@ REASONS = (
     "malformed",  # a field of the wrong type or out of range
     "peer",  # a side channel the allowlist does not list
     "unsigned",  # no signature, and the YAML does not accept unsigned prefills
-    "signature",  # a signature that does not verify (another key, a changed field)
-    "prompt",  # signed for other prompt tokens than this request's
+    "signature",  # a signature that does not verify: another key, a changed field, another prompt
     "expired",  # signed longer ago than the prefill's lease
     "replayed",  # params this decode already took
 )

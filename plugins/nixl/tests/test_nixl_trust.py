@@ -93,7 +93,7 @@ def test_a_signed_prefill_and_a_keyed_decode_pull_only_what_was_signed_for_the_p
     assert not pulled(decode, PROMPT_A, {**params, "remote_block_ids": [[40, 41, 42, 43, 44]]})
     assert not pulled(decode, PROMPT_A, {**params, "remote_host": "10.9.9.9"})
     assert not pulled(decode, PROMPT_A, dict(params))  # already read once here
-    refused = decode.connector.refused
+    refused = decode.connector.refused_params
     assert refused == {"signature": 3, "replayed": 1}
 
 
@@ -116,7 +116,7 @@ def test_a_decode_without_a_key_connects_only_to_loopback_or_its_peers(keyed: An
     listed = keyed("kv_consumer", key=None, kvcompose_peers=["10.9.0.0/16:5600-5601"])
     assert pulled(listed, PROMPT_A, decode_params(PROMPT_A, remote_host="10.9.9.9"))
     assert not pulled(listed, PROMPT_A, decode_params(PROMPT_A, remote_host="10.9.9.9", remote_port=5700))
-    assert decode.connector.refused == {"peer": 1}
+    assert decode.connector.refused_params == {"peer": 1}
 
 
 def decode_params(prompt: list[int], **fields: Any) -> dict[str, Any]:
@@ -156,7 +156,7 @@ def test_malformed_params_never_reach_vllm_and_the_prompt_is_computed(keyed: Any
     decode = keyed("kv_consumer", key=None)
     params = decode_params(PROMPT_A, **fields)
     assert not pulled(decode, PROMPT_A, params)
-    assert decode.connector.refused == {"malformed": 1}
+    assert decode.connector.refused_params == {"malformed": 1}
     assert "remote_block_ids" not in params and "remote_host" not in params
     # The next legitimate request is read as before.
     assert pulled(decode, PROMPT_B, decode_params(PROMPT_B))

@@ -230,6 +230,8 @@ def test_attacks_on_the_decode_are_refused_and_it_answers_every_prompt_from_its_
             s = decode_request(decode, PROMPTS[prompt], MAX_TOKENS, attack)
             assert "pd" not in s.loaded and s.nixl_bytes == 0, (prompt, s.loaded)
             assert equal(s, cluster.expected[prompt]), prompt
+            refused = {k: n for k, n in s.counters.items() if k.startswith("vllm:kvcompose_refused_params")}
+            assert sum(refused.values()) == 1, refused
         assert listener.connections == 0
     finally:
         listener.close()
