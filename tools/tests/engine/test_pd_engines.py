@@ -9,15 +9,14 @@ each call 120 s) and every engine process group is killed on teardown. Run under
 
 from __future__ import annotations
 
-import socket
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from engine.stack import Listener
 from kvcompose.examples import EXAMPLES
 from kvcompose_tools.e2e.demo import one_past_a_block
 from kvcompose_tools.e2e.flow import EXTERNAL, decode_request, drop_prefix_cache, next_turn, pd_request, token_prompt
@@ -172,35 +171,6 @@ def test_a_remote_prefill_without_remote_blocks_is_computed_locally_and_decode_p
     after = decode_request(decode, PROMPTS["after-short"], MAX_TOKENS, params)
     assert after.loaded == {"pd": len(PROMPTS["after-short"])} and after.failed_transfers == 0
     assert equal(after, cluster.expected["after-short"])
-
-
-class Listener:
-    """A port on 127.0.0.1 that a client names as a prefill's side channel: counts connections."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
 
 
 #: Fields issue 51 found to kill vLLM's decode engine, each sent with a prefill's real params.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.stack import Nodes, module_stack
+from engine.stack import Listener, Nodes, module_stack
 from kvcompose.cli import main
 from kvcompose.examples import EXAMPLES
 from kvcompose_tools.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
@@ -122,6 +122,28 @@ def test_three_turn_chat_later_turns_loaded_by_host_and_nixl_equal_the_baseline(
         pd_blocks = -(-(s.prompt_tokens - shared) // BLOCK_SIZE)
         assert s.nixl_bytes == pd_blocks * BLOCK_SIZE * kv_bytes_per_token(stack.model)
         assert s.cached_by_source() == {"host": shared, "p2p": s.prompt_tokens - shared}
+
+
+def test_a_clients_own_kv_transfer_params_do_not_reach_the_decode_through_the_router(stack: Stack) -> None:
+    """docs/security.md, through vLLM's router: a client that names its own side channel in the
+    body gets the prefill's params instead (the decode connects nowhere else), and its answer."""
+    listener = Listener()
+    try:
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "client",
+            "remote_request_id": "client-0",
+            "remote_host": "127.0.0.1",
+            "remote_port": listener.port,
+            "remote_block_ids": [[0, 1, 2]],
+            "tp_size": 1,
+        }
+        (answer,) = stack.router.generate([PROMPT], MAX_TOKENS, [params])
+        stack.decode.answered_elsewhere()
+        assert same_output(answer["token_ids"], answer["logprobs"], stack.expected["ids"])
+        assert listener.connections == 0
+    finally:
+        listener.close()
 
 
 def test_a_prompt_the_servers_refuse_is_a_clear_error_and_the_stack_stays_up(stack: Stack) -> None:
