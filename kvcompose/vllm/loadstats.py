@@ -64,10 +64,9 @@ class ChildLoadStats(KVConnectorStats):
             self.data.setdefault(key, 0)
         for key in _PER_CHILD:
             self.data.setdefault(key, {})
-        self.data.setdefault("refused", {})
 
     def refused(self, child: str, reasons: dict[str, int]) -> None:
-        mine = self.data["refused"].setdefault(child, {})
+        mine = self.data.setdefault("refused", {}).setdefault(child, {})
         for reason, n in reasons.items():
             mine[reason] = mine.get(reason, 0) + n
 
@@ -89,7 +88,7 @@ class ChildLoadStats(KVConnectorStats):
         counted_bytes[child] = counted_bytes.get(child, 0) + nbytes
 
     def reset(self) -> None:
-        self.data = {**{key: 0 for key in _TOTALS}, **{key: {} for key in _PER_CHILD}, "refused": {}}
+        self.data = {**{key: 0 for key in _TOTALS}, **{key: {} for key in _PER_CHILD}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in _TOTALS:

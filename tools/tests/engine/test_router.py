@@ -24,7 +24,7 @@ from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.processes import NodeError
 from kvcompose_tools.e2e.router import RouterNode
-from kvcompose_tools.e2e.server import ServerNode
+from kvcompose_tools.e2e.server import ServerClient, ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 from kvcompose_tools.e2e.warmup import WARMUP_TOKENS
 
@@ -138,7 +138,8 @@ def test_a_clients_own_kv_transfer_params_do_not_reach_the_decode_through_the_ro
             "remote_block_ids": [[0, 1, 2]],
             "tp_size": 1,
         }
-        (answer,) = stack.router.generate([PROMPT], MAX_TOKENS, [params])
+        client = ServerClient("client", stack.router.url, stack.router.model)  # the body as the client writes it
+        (answer,) = client.generate([PROMPT], MAX_TOKENS, [params])
         stack.decode.answered_elsewhere()
         assert same_output(answer["token_ids"], answer["logprobs"], stack.expected["ids"])
         assert listener.connections == 0
