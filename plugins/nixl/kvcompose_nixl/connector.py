@@ -270,9 +270,7 @@ class _SettingsMixin:
             seal_agent_metadata(worker.nixl_wrapper, self.trust.keys, self.trust.accept_unsigned)
             tries = int(ktc.get_from_extra_config(HANDSHAKE_TRIES_KEY, 1))
             # The scheduler checked each request's side channel; this holds whatever reaches here.
-            ask_patiently(
-                worker, tries, lambda host, port: self.trust.connectable(host, port, self.trust.keys is not None)
-            )
+            ask_patiently(worker, tries, self.trust.handshake_allowed)
 
 
 class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):

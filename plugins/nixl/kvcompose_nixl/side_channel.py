@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from vllm.utils.network_utils import make_zmq_path
 
 from kvcompose_nixl.trust import Keyring, Refused, is_sealed
 
@@ -61,7 +62,7 @@ def listener(
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         sock.setsockopt(zmq.RCVTIMEO, 1000)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"tcp://{_zmq_host(host)}:{port}")
+        sock.bind(make_zmq_path("tcp", host, port))
         ready_event.set()
         while not stop_event.is_set():
             try:
@@ -78,10 +79,6 @@ def listener(
         ready_event.set()  # a bind that failed must not leave vLLM waiting forever
         sock.close(0)
         ctx.term()
-
-
-def _zmq_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _answer(frames: list[bytes], encoded_data: dict[tuple[int, int], Any]) -> list[bytes] | None:

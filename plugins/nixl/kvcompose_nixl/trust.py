@@ -106,7 +106,7 @@ class Refused(Exception):
 
 
 def _derive(key: bytes, purpose: bytes, size: int = 32) -> bytes:
-    return hashlib.blake2b(purpose, key=key[:64] if len(key) > 64 else key, digest_size=size).digest()
+    return hashlib.blake2b(purpose, key=key, digest_size=size).digest()
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class _Key:
 
     @classmethod
     def of(cls, secret: bytes) -> _Key:
-        material = hashlib.sha512(secret).digest() if len(secret) > 64 else secret
+        material = hashlib.sha512(secret).digest() if len(secret) > 64 else secret  # BLAKE2b keys: 64 bytes at most
         return cls(
             _derive(material, b"kvcompose key id", 8),
             _derive(material, b"kvcompose pd params"),
@@ -278,15 +278,10 @@ class Peers:
     matched against addresses and networks, never resolved."""
 
     entries: tuple[_Peer, ...] = field(default_factory=tuple)
-    text: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, entries: Iterable[str]) -> Peers:
-        parsed, text = [], []
-        for entry in entries:
-            parsed.append(_parse_peer(entry))
-            text.append(entry)
-        return cls(tuple(parsed), tuple(text))
+        return cls(tuple(_parse_peer(entry) for entry in entries))
 
     def allows(self, host: str, port: int) -> bool:
         address = _address(host)
@@ -370,8 +365,8 @@ class Replays:
         self.seen[(engine, request)] = expires
 
 
-def _int(params: Mapping[str, Any], key: str, low: int, high: int, default: int | None = None) -> int | None:
-    value = params.get(key, default)
+def _int(params: Mapping[str, Any], key: str, low: int, high: int) -> int | None:
+    value = params.get(key)
     if value is None:
         return None
     if type(value) is not int or not low <= value <= high:

@@ -325,3 +325,35 @@ def test_the_connector_serves_its_side_channel_with_the_guarded_listener(keyed: 
     scheduler = keyed("kv_producer")
     assert scheduler.connector.connector_scheduler._nixl_handshake_listener is listener
     time.sleep(0)  # the listener thread starts with the workers' metadata (engine start)
+
+
+def test_the_worker_opens_no_handshake_to_a_side_channel_off_the_list() -> None:
+    """The worker's check behind the scheduler's: vLLM's handshake and the side channel's pre-wait
+    both refuse before they connect."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcompose_nixl.handshake import ask_patiently
+
+    class Worker:
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, int]] = []
+            self._handshake_initiation_executor = ThreadPoolExecutor(1)
+
+        def _nixl_handshake(self, host: str, port: int, *args: Any) -> str:
+            self.asked.append((host, port))
+            return "agents"
+
+    without_key = Policy(None, False, None)
+    worker = Worker()
+    ask_patiently(worker, 1, without_key.handshake_allowed)
+    assert worker._nixl_handshake("127.0.0.1", 5600) == "agents"
+    with pytest.raises(Refused, match="10.9.9.9:5600 is not among this engine's peers"):
+        worker._nixl_handshake("10.9.9.9", 5600)
+    with pytest.raises(Refused):
+        worker._handshake_initiation_executor.submit(worker._nixl_handshake, "10.9.9.9", 5600).result(5)
+    assert worker.asked == [("127.0.0.1", 5600)]
+    worker._handshake_initiation_executor.shutdown()
+    keyed = Policy(Keyring.parse(KEY, "t"), False, None)
+    assert keyed.handshake_allowed("10.9.9.9", 5600)  # the scheduler took only what a signature names
+    listed = Policy(Keyring.parse(KEY, "t"), False, Peers.parse(["10.9.0.0/16"]))
+    assert not listed.handshake_allowed("10.8.9.9", 5600)
