@@ -305,7 +305,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         if params:
             for marker in INTERNAL_PARAM_KEYS:  # vLLM's own bookkeeping, never a client's to set
                 params.pop(marker, None)
-            if params.get("do_remote_prefill") and has_remote_blocks(params.get("remote_block_ids")):
+            if params.get("do_remote_prefill"):  # vLLM reads the fields here already, blocks or none
                 self._screen(request, params)
         super().on_new_request(request)
         params = request.kv_transfer_params

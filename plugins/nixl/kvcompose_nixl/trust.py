@@ -386,9 +386,12 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def block_groups(value: Any, groups: int, limit: int) -> list[list[int]]:
+def block_groups(value: Any, groups: int, limit: int) -> Sequence[Sequence[int]]:
     """``remote_block_ids`` as one list per KV-cache group; :class:`Refused` unless it is a list of
-    ``groups`` lists (or, for one group, a flat list) of at most ``limit`` block ids each."""
+    ``groups`` lists (or, for one group, a flat list) of at most ``limit`` block ids each. Missing
+    (None) is no block."""
+    if value is None:
+        return []
     if not isinstance(value, (list, tuple)):
         raise Refused("malformed", f"remote_block_ids must be a list, not {_show(value)}")
     lists = value if value and isinstance(value[0], (list, tuple)) else [value]
@@ -407,9 +410,10 @@ def block_groups(value: Any, groups: int, limit: int) -> list[list[int]]:
     return lists
 
 
-def check_fields(params: Mapping[str, Any], facts: Facts) -> None:
+def check_fields(params: Mapping[str, Any], facts: Facts) -> Sequence[Sequence[int]]:
     """The types and ranges of a remote prefill's params (pull mode); :class:`Refused` if one
-    would make vLLM's decode assert, read past the prompt, or connect somewhere it cannot."""
+    would make vLLM's decode assert, read past the prompt, or connect somewhere it cannot.
+    Returns the remote block ids, one list per KV-cache group."""
     if params.get("do_remote_prefill") is not True:
         raise Refused("malformed", f"do_remote_prefill must be true, not {_show(params.get('do_remote_prefill'))}")
     _str(params, "remote_engine_id", MAX_ID_CHARS)
@@ -422,7 +426,7 @@ def check_fields(params: Mapping[str, Any], facts: Facts) -> None:
         raise Refused("malformed", "remote_port is missing")
     remote_block_size = _int(params, "remote_block_size", 1, 1 << 16)
     limit = -(-facts.num_prompt_tokens // (remote_block_size or facts.block_size))
-    block_groups(params.get("remote_block_ids"), facts.groups, limit)
+    groups = block_groups(params.get("remote_block_ids"), facts.groups, limit)
     _int(params, "remote_num_tokens", 0, facts.num_prompt_tokens)
     for key in ("tp_size", "dcp_size", "pp_size"):
         size = _int(params, key, 1, MAX_PARALLEL)
@@ -434,6 +438,7 @@ def check_fields(params: Mapping[str, Any], facts: Facts) -> None:
     if params.get("transfer_mode", "pull") != "pull":
         raise Refused("malformed", f"transfer_mode must be 'pull' here, not {_show(params.get('transfer_mode'))}")
     _int(params, "remote_registration_generation", 0, 2**62)
+    return groups
 
 
 @dataclass
@@ -466,8 +471,11 @@ class Policy:
         context: Sequence[Any] = (),
         now: float | None = None,
     ) -> None:
-        """Raise :class:`Refused` unless the decode may act on ``params`` for this prompt."""
-        check_fields(params, facts)
+        """Raise :class:`Refused` unless the decode may act on ``params`` for this prompt. Params
+        that name no block are checked field by field only: nothing is read and no connection
+        opened for them (the connector computes the prompt locally)."""
+        if not any(check_fields(params, facts)):
+            return
         signed = self.keys is not None and not (self.accept_unsigned and params.get(SIG_KEY) is None)
         if signed:
             self._verify(params, facts, prompt, context, time.time() if now is None else now)

@@ -179,6 +179,19 @@ def test_vllms_own_decode_hands_the_malformed_fields_to_its_worker(keyed: Any, f
     assert queued.remote is not None
 
 
+@pytest.mark.parametrize("remote_block_ids", [[], [[]], None], ids=["empty-list", "empty-groups", "missing"])
+def test_malformed_params_without_blocks_are_refused_too(keyed: Any, remote_block_ids: Any) -> None:
+    """vLLM's scheduler reads the engine id on arrival, blocks or none: an unhashable one raised
+    ``TypeError`` there. A set naming no block is checked field by field (nothing is read)."""
+    decode = keyed("kv_consumer")
+    params = decode_params(PROMPT_A, remote_block_ids=remote_block_ids, remote_engine_id={"a": 1})
+    assert not pulled(decode, PROMPT_A, params)
+    assert decode.connector.refused_params == {"malformed": 1}
+    # Well-formed and naming no block: no signature asked for, computed locally as before.
+    assert not pulled(decode, PROMPT_B, decode_params(PROMPT_B, remote_block_ids=remote_block_ids))
+    assert decode.connector.refused_params == {"malformed": 1}
+
+
 def test_client_markers_of_vllms_bookkeeping_are_dropped(keyed: Any) -> None:
     decode = keyed("kv_consumer", key=None)
     params = decode_params(PROMPT_A, _remote_blocks_processed=True)
