@@ -350,16 +350,23 @@ class Facts:
     num_prompt_tokens: int
 
 
+#: Seconds between two purges of the params a decode took.
+PURGE_S = 10.0
+
+
 @dataclass
 class Replays:
     """Params this decode took, by (prefill engine, prefill request), until they expire."""
 
     seen: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: When expired entries are next dropped: every :data:`PURGE_S`, so that a take stays O(1)
+    #: however many requests a lease holds.
+    purge_at: float = 0.0
 
     def take(self, engine: str, request: str, expires: float, now: float) -> None:
-        if len(self.seen) > 4096:
-            for k in [k for k, t in self.seen.items() if t < now]:
-                del self.seen[k]
+        if now >= self.purge_at:
+            self.seen = {k: t for k, t in self.seen.items() if t >= now}
+            self.purge_at = now + PURGE_S
         if self.seen.get((engine, request), -math.inf) >= now:
             raise Refused("replayed", f"prefill request {request!r} of engine {engine!r} was already read here")
         self.seen[(engine, request)] = expires

@@ -25,6 +25,7 @@ from kvcompose_nixl.trust import (
     Peers,
     Policy,
     Refused,
+    Replays,
     TrustConfigError,
 )
 
@@ -212,6 +213,17 @@ def test_expired_signatures_are_refused_and_skew_is_allowed() -> None:
     with pytest.raises(Refused) as refused:
         Policy(keys, False, None).screen(params, facts, PROMPT_A, now=1011.0)
     assert refused.value.reason == "expired"
+
+
+def test_taken_params_are_kept_until_they_expire_and_then_dropped() -> None:
+    replays = Replays()
+    replays.take("e", "r1", expires=50.0, now=0.0)
+    with pytest.raises(Refused, match="already read here"):
+        replays.take("e", "r1", expires=50.0, now=49.0)
+    replays.take("e", "r2", expires=60.0, now=49.0)
+    replays.take("e", "r1", expires=100.0, now=51.0)  # r1's first use expired: a new read
+    replays.take("e", "r3", expires=200.0, now=150.0)  # a purge: r1 and r2 expired
+    assert set(replays.seen) == {("e", "r3")}
 
 
 def test_keys_and_peers_refuse_what_does_not_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
