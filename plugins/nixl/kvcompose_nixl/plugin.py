@@ -514,12 +514,11 @@ class NixlType(ConnectorType):
                 warning=True,
             )
         yield from self._port_clash(child, plan, at)
-        yield from self._exposed_by_default(o, at)
+        yield from self._exposed(o, at)
         yield from self._trust(o, child.role, at)
 
     def _trust(self, o: NixlOptions, role: str | None, at: tuple[str | int, ...]) -> Iterator[Problem]:
-        """A key named twice, a peer that does not parse, a side channel beyond loopback without
-        a key (it hands out what reads this engine's memory), and unsigned params taken."""
+        """A key named twice, a peer that does not parse, and unsigned params taken."""
         if o.key_env and o.key_file:
             yield Problem("key_env and key_file both name the key", at + ("key_file",), "keep one of them")
         for i, entry in enumerate(o.peers or ()):
@@ -528,14 +527,6 @@ class NixlType(ConnectorType):
             except TrustConfigError as exc:
                 yield Problem(str(exc), at + ("peers", i))
         key = _key_source(o)
-        if key is None and o.side_channel_host is not None and reach_of(o.side_channel_host) != LOOPBACK:
-            yield Problem(
-                f"the side channel on {o.side_channel_host} is reachable from other hosts, and without a key it hands "
-                "this engine's NIXL agent metadata (what reads its KV blocks) to any of them",
-                at + ("side_channel_host",),
-                "name a deployment key (key_env: KVCOMPOSE_PD_KEY, or key_file: PATH) on every nixl child of the "
-                "deployment, or bind 127.0.0.1",
-            )
         if o.accept_unsigned and key is None:
             yield Problem(
                 "accept_unsigned without a key changes nothing: without a key every set of params is unsigned",
@@ -554,26 +545,40 @@ class NixlType(ConnectorType):
                 warning=True,
             )
 
-    def _exposed_by_default(self, o: NixlOptions, at: tuple[str | int, ...]) -> Iterator[Problem]:
-        """A side channel reachable from other hosts that the composition did not ask for.
+    def _exposed(self, o: NixlOptions, at: tuple[str | int, ...]) -> Iterator[Problem]:
+        """A side channel reachable from other hosts, which without a key hands out what reads
+        this engine's memory.
 
         Writing ``side_channel_host`` is asking for it (P/D across hosts needs a routable
-        address; ``describe`` says who can reach it). Leaving it unset takes the environment's
-        ``VLLM_NIXL_SIDE_CHANNEL_HOST``: set to a non-loopback address, that exposes the
-        handshake listener, and through it the NIXL agent metadata, without the file saying so.
+        address): refused without a key, since its NIXL agent metadata would go out in clear.
+        Leaving it unset takes the environment's ``VLLM_NIXL_SIDE_CHANNEL_HOST``, which exposes the
+        listener without the file saying so: a warning (the engine's environment may differ).
         """
-        if o.side_channel_host is not None:
-            return
-        host = env_side_channel_host()
+        key = _key_source(o)
+        host = o.side_channel_host or env_side_channel_host()
         reach = reach_of(host)
-        if reach != LOOPBACK:
+        if reach == LOOPBACK:
+            return
+        if o.side_channel_host is None:
+            gives = (
+                f"its NIXL agent metadata is sealed with the key in {key}"
+                if key is not None
+                else "any host that reaches the port can read this engine's NIXL agent metadata and then its KV blocks"
+            )
             yield Problem(
                 f"side_channel_host is unset, so the engine binds ${ENV_SIDE_CHANNEL_HOST}, which is {host!r} "
-                f"in this environment: {reach}; any host that reaches the port can read this engine's NIXL "
-                "agent metadata and then its KV blocks",
+                f"in this environment: {reach}; {gives}",
                 at + ("side_channel_host",),  # not in the file: located at its options
                 "write side_channel_host: 127.0.0.1 for one host, or the address you mean to expose",
                 warning=True,
+            )
+        elif key is None:
+            yield Problem(
+                f"the side channel on {o.side_channel_host} is reachable from other hosts, and without a key it hands "
+                "this engine's NIXL agent metadata (what reads its KV blocks) to any of them",
+                at + ("side_channel_host",),
+                "name a deployment key (key_env: KVCOMPOSE_PD_KEY, or key_file: PATH) on every nixl child of the "
+                "deployment, or bind 127.0.0.1",
             )
 
     def _port_clash(self, child: Child, plan: Plan, at: tuple[str | int, ...]) -> Iterator[Problem]:

@@ -440,6 +440,9 @@ def test_an_unset_host_that_the_environment_opens_to_all_interfaces_is_warned_of
     assert "$VLLM_NIXL_SIDE_CHANNEL_HOST, which is '0.0.0.0' in this environment: all interfaces" in warning.message
     assert "side_channel_host: 127.0.0.1" in (warning.hint or "")
     assert "(all interfaces)" in NixlType().describe(plan.children[0])
+    keyed = compose(plugins, "  - {name: pd, type: nixl, role: producer, options: {key_env: PD_KEY}}\n")
+    (warning,) = keyed.warnings  # still exposed, but what it hands out is sealed
+    assert "all interfaces; its NIXL agent metadata is sealed with the key in $PD_KEY" in warning.message
 
 
 def test_the_default_side_channel_is_loopback_and_not_warned_of(
