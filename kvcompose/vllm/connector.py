@@ -92,6 +92,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             cls(cfg, role, kv_cache_config) for cls, cfg in composite.child_classes(vllm_config)
         ]
         self.names: tuple[str, ...] = plan.names
+        #: The counts of children that check the kv_transfer_params they are handed (loadstats.py).
+        self._refusals: list[tuple[str, dict[str, int]]] = [
+            (n, c.refused_params)
+            for n, c in zip(self.names, self._connectors, strict=True)
+            if hasattr(c, "refused_params")
+        ]
         self._not_hma = [n for n, c in zip(self.names, self._connectors, strict=True) if not supports_hma(c)]
         self._instance = instance_name(role == KVConnectorRole.SCHEDULER)
         #: How the declared calls reach the children, and which children are bypassed.
@@ -219,8 +225,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     @combined("named")
     def get_kv_connector_stats(self, children: Fn) -> KVConnectorStats | None:
         data: dict[str, KVConnectorStats] = children()
-        for name, child in zip(self.names, self._connectors, strict=True):
-            refused = getattr(child, "refused_params", None)  # a child that checks params (loadstats.py)
+        for name, refused in self._refusals:
             if refused:
                 self.loads.counts().refused(name, dict(refused))
                 refused.clear()

@@ -382,3 +382,23 @@ def test_the_worker_opens_no_handshake_to_a_side_channel_off_the_list() -> None:
     assert keyed.handshake_allowed("10.9.9.9", 5600)  # the scheduler took only what a signature names
     listed = Policy(Keyring.parse(KEY, "t"), False, Peers.parse(["10.9.0.0/16"]))
     assert not listed.handshake_allowed("10.8.9.9", 5600)
+
+
+def test_the_shipped_decode_counts_refusals_in_its_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The composite takes the nixl child's refusals into ``vllm:kvcompose_refused_params``."""
+    from kvcompose.examples import EXAMPLES
+    from kvcompose.testing.harness import scheduler_from_yaml
+
+    monkeypatch.setenv("KVCOMPOSE_PD_KEY", KEY)
+    decode = scheduler_from_yaml(EXAMPLES / "pd-decode.yaml", block_size=BLOCK_SIZE)
+    for fields in ({"remote_block_ids": "abc"}, {}):  # malformed; unsigned
+        decode.add_request(
+            make_request(
+                70, block_size=BLOCK_SIZE, prompt=PROMPT_A, kv_transfer_params=decode_params(PROMPT_A, **fields)
+            )
+        )
+    stats = decode.connector.get_kv_connector_stats()
+    assert stats is not None
+    refused = {k.rsplit(".", 1)[1]: n for k, n in stats.reduce().items() if ".pd.refused_params." in k}
+    assert refused == {"malformed": 1, "unsigned": 1}
+    assert decode.connector.get_kv_connector_stats() is None  # taken once
