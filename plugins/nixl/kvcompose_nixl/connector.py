@@ -87,7 +87,7 @@ from kvcompose_nixl import (
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import ask_patiently
 from kvcompose_nixl.lease import ANSWERING_ATTR, answering_engine, stamp, watch_leases
-from kvcompose_nixl.plugin import INTERNAL_PARAM_KEYS, PARAM_KEYS
+from kvcompose_nixl.plugin import DEFAULT_LEASE_SECONDS, INTERNAL_PARAM_KEYS, PARAM_KEYS
 from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
     EXPIRES_KEY,
@@ -282,7 +282,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        self._lease_s = float(ktc.get_from_extra_config("kv_lease_duration", 30))
+        self._lease_s = float(ktc.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_SECONDS))
         #: The lease checks and answers (:mod:`kvcompose_nixl.lease`); None on a scheduler.
         self.leases = (
             watch_leases(self.connector_worker, self.trust.keys, self._lease_s)
