@@ -19,6 +19,8 @@ setup-next:
 ENGINE_LOCK := flock /tmp/kvcompose-engines.lock
 
 # The main job: P/D over NIXL plus the CPU tier between real vLLM engines, checked.
+# The shipped examples read their deployment key from $KVCOMPOSE_PD_KEY: a fresh one unless set.
+demo: export KVCOMPOSE_PD_KEY ?= $(shell python3 -c "import secrets; print(secrets.token_hex(32))")
 demo: setup
 	$(PY) -m kvcompose.cli check examples/pd-prefill.yaml
 	$(PY) -m kvcompose.cli check examples/pd-decode.yaml

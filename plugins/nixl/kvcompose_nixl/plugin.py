@@ -39,7 +39,7 @@ from kvcompose_nixl import (
     UCX_ERROR_HANDLING_KEY,
 )
 from kvcompose_nixl.backends import NETWORK_BACKENDS, backend_names
-from kvcompose_nixl.trust import SIGNED_KEYS, Peers, TrustConfigError
+from kvcompose_nixl.trust import SIGNED_KEYS, Keyring, Peers, TrustConfigError
 
 if TYPE_CHECKING:
     from kvcompose.api import Child, Plan
@@ -518,7 +518,8 @@ class NixlType(ConnectorType):
         yield from self._trust(o, child.role, at)
 
     def _trust(self, o: NixlOptions, role: str | None, at: tuple[str | int, ...]) -> Iterator[Problem]:
-        """A key named twice, a peer that does not parse, and unsigned params taken."""
+        """A key named twice or that cannot be read here, a peer that does not parse, and
+        unsigned params taken."""
         if o.key_env and o.key_file:
             yield Problem("key_env and key_file both name the key", at + ("key_file",), "keep one of them")
         for i, entry in enumerate(o.peers or ()):
@@ -527,6 +528,17 @@ class NixlType(ConnectorType):
             except TrustConfigError as exc:
                 yield Problem(str(exc), at + ("peers", i))
         key = _key_source(o)
+        if key is not None and not (o.key_env and o.key_file):
+            try:
+                Keyring.load(o.key_env, o.key_file)
+            except TrustConfigError as exc:
+                yield Problem(
+                    f"{exc}: an engine started in this environment stops at start",
+                    at + ("key_env" if o.key_env else "key_file",),
+                    "give every engine of the deployment the same key (`openssl rand -hex 32`), e.g. from a "
+                    "Kubernetes Secret",
+                    warning=True,
+                )
         if o.accept_unsigned and key is None:
             yield Problem(
                 "accept_unsigned without a key changes nothing: without a key every set of params is unsigned",

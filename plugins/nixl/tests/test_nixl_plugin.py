@@ -24,6 +24,12 @@ from kvcompose_nixl.plugin import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _deployment_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key the compositions here name (``key_env: PD_KEY``), set as on an engine's host."""
+    monkeypatch.setenv("PD_KEY", "k" * 64)
+
+
 @pytest.fixture(scope="module")
 def plugins() -> Plugins:
     """The plugin manager with installed entry points, as ``kvcompose check`` builds it."""
@@ -356,7 +362,7 @@ def test_a_side_channel_beyond_loopback_needs_a_key(plugins: Plugins) -> None:
         compose(plugins, both)
     assert "key_env and key_file both name the key" in str(refused.value)
     assert "the port is not a number" in str(refused.value)
-    unsigned = "  - {name: pd, type: nixl, role: consumer, options: {key_env: A, accept_unsigned: true}}\n"
+    unsigned = "  - {name: pd, type: nixl, role: consumer, options: {key_env: PD_KEY, accept_unsigned: true}}\n"
     (warning,) = compose(plugins, unsigned).warnings
     assert "also takes params no prefill signed" in warning.message
 

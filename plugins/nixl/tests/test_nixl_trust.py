@@ -402,3 +402,43 @@ def test_the_shipped_decode_counts_refusals_in_its_stats(monkeypatch: pytest.Mon
     refused = {k.rsplit(".", 1)[1]: n for k, n in stats.reduce().items() if ".pd.refused_params." in k}
     assert refused == {"malformed": 1, "unsigned": 1}
     assert decode.connector.get_kv_connector_stats() is None  # taken once
+
+
+def test_check_says_where_a_named_key_is_missing_and_the_engine_says_it_at_start(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], keyed: Any
+) -> None:
+    from kvcompose.cli import main
+
+    monkeypatch.delenv("PD_KEY", raising=False)
+    f = tmp_path / "decode.yaml"
+    f.write_text(
+        "version: 1\nconnectors:\n  - name: pd\n    type: nixl\n    role: consumer\n    options:\n"
+        "      key_file: /nonexistent/pd.key\n"
+    )
+    assert main(["check", str(f)]) == 0  # a warning: the engine's environment may hold it
+    err = capsys.readouterr().err
+    assert err.startswith(f"{f}:7:17: connectors[0].options.key_file: warning: the nixl option key_file: cannot read")
+    assert "an engine started in this environment stops at start" in err and "Traceback" not in err
+    f.write_text(f.read_text().replace("key_file: /nonexistent/pd.key", "peers: ['10.0.0.0/8:99999']"))
+    assert main(["check", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:7:15: connectors[0].options.peers[0]: peers: '10.0.0.0/8:99999': ports run from 1 to 65535" in err
+    assert "Traceback" not in err
+    # At engine start the connector stops with the same words.
+    with pytest.raises(TrustConfigError, match=r"key_env names \$PD_KEY, which is not set"):
+        scheduler_for(
+            {
+                "kv_connector": "NixlConnector",
+                "kv_connector_module_path": OURS,
+                "kv_role": "kv_consumer",
+                "kv_connector_extra_config": {"kvcompose_key_env": "PD_KEY"},
+            }
+        )
+
+
+def test_a_key_file_signs_and_verifies_like_a_key_variable(keyed: Any, tmp_path: Any) -> None:
+    key_file = tmp_path / "pd.key"
+    key_file.write_text(KEY + "\n")
+    params = prefilled(keyed("kv_producer", key=None, kvcompose_key_file=str(key_file)), PROMPT_A)
+    assert SIG_KEY in params
+    assert pulled(keyed("kv_consumer"), PROMPT_A, params)  # the same key from $KVCOMPOSE_TEST_KEY

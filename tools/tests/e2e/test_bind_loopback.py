@@ -20,6 +20,7 @@ def test_shipped_examples_bind_their_side_channel_to_loopback_whatever_the_envir
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0")
+    monkeypatch.setenv("KVCOMPOSE_PD_KEY", "k" * 64)  # the key the examples name, where the engine runs
     plan = load(path)
     assert plan.warnings == ()
     (pd,) = [c for c in plan.children if c.type.name == "nixl"]
