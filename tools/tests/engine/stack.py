@@ -80,3 +80,20 @@ class Listener:
         self._stop.set()
         self._thread.join(5)
         self.sock.close()
+
+
+def side_channel_answer(port: int, frame: bytes, wait_s: float) -> bytes | None:
+    """The first part of what the NIXL side channel on 127.0.0.1:``port`` answers to ``frame``
+    (vLLM's protocol: a ROUTER answering ``[payload, perf_counter]``), or None in ``wait_s``."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart([b"", frame])
+        if not sock.poll(int(wait_s * 1000)):
+            return None
+        return bytes(sock.recv_multipart()[1])
+    finally:
+        sock.close()
