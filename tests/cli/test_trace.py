@@ -26,6 +26,7 @@ HOOK_CALLS = [
 
 def check(trace: str | None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("KVCOMPOSE_PLUGINS", "KVCOMPOSE_TRACE")}
+    env["KVCOMPOSE_PD_KEY"] = "k" * 64  # the key the example names, as on its engine's host
     if trace is not None:
         env["KVCOMPOSE_TRACE"] = trace
     return subprocess.run(
