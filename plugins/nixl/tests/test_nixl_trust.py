@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -348,8 +347,8 @@ def test_vllms_own_side_channel_dies_on_one_garbage_frame() -> None:
 
 def test_the_connector_serves_its_side_channel_with_the_guarded_listener(keyed: Any) -> None:
     scheduler = keyed("kv_producer")
+    # vLLM starts the thread at engine start, with the workers' metadata (the engine test runs it).
     assert scheduler.connector.connector_scheduler._nixl_handshake_listener is listener
-    time.sleep(0)  # the listener thread starts with the workers' metadata (engine start)
 
 
 def test_the_worker_opens_no_handshake_to_a_side_channel_off_the_list() -> None:
