@@ -60,6 +60,7 @@ only asks the prefill how long it still holds them.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -405,7 +406,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         keys = self.trust.keys
         if keys is None or not params or not params.get("do_remote_prefill"):
             return
-        params[EXPIRES_KEY] = time.time() + self._lease_s
+        params[EXPIRES_KEY] = math.ceil(time.time() + self._lease_s)  # whole seconds: exact through JSON
         params[TOKENS_KEY] = request.num_prompt_tokens
         params[SIG_KEY] = keys.sign(params, request.prompt_token_ids or [], request_context(request))
 

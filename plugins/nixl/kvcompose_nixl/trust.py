@@ -247,8 +247,14 @@ def is_sealed(blob: bytes) -> bool:
     return isinstance(blob, bytes) and blob.startswith(SEALED)
 
 
+def _bound(value: Any) -> Any:
+    """A float bound in whole milliseconds: vLLM's router re-encodes the params' JSON, which can
+    move a double by one ULP (``remote_blocks_expiry_time``)."""
+    return round(value * 1000) if type(value) is float else value
+
+
 def _mac(key: _Key, params: Mapping[str, Any], prompt: Sequence[int], context: Sequence[Any]) -> bytes:
-    bound = [params.get(k) for k in BOUND_KEYS]
+    bound = [_bound(params.get(k)) for k in BOUND_KEYS]
     message = _encode([b"kvcompose-pd-v1", bound, list(context), prompt])
     return hashlib.blake2b(message, key=key.mac, digest_size=32).digest()
 

@@ -225,6 +225,23 @@ def test_taken_params_are_kept_until_they_expire_and_then_dropped() -> None:
     assert set(replays.seen) == {("e", "r3")}
 
 
+def test_a_signature_survives_a_json_re_encoding_that_moves_a_double_by_one_ulp() -> None:
+    """vLLM's router re-encodes the prefill's params on their way to the decode; with the doubles
+    bound exactly, the multi-turn benchmark's decodes refused some (``signature``)."""
+    import json
+    import math
+
+    keys = Keyring.parse(KEY, "test")
+    params = {**decode_params(PROMPT_A), "remote_blocks_expiry_time": 12345.678901234567}
+    params[EXPIRES_KEY], params[TOKENS_KEY] = 2_000_000_000, len(PROMPT_A)
+    params[SIG_KEY] = keys.sign(params, PROMPT_A)
+    routed = json.loads(json.dumps(params))
+    routed["remote_blocks_expiry_time"] = math.nextafter(params["remote_blocks_expiry_time"], math.inf)
+    keys.verify(routed, PROMPT_A)
+    with pytest.raises(Refused):  # a lease moved by more than a millisecond is another lease
+        keys.verify({**routed, "remote_blocks_expiry_time": params["remote_blocks_expiry_time"] + 0.01}, PROMPT_A)
+
+
 def test_keys_and_peers_refuse_what_does_not_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     with pytest.raises(TrustConfigError, match=r"\$NOPE, which is not set"):
         Keyring.load(env="NOPE")
