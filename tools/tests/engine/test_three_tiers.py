@@ -23,12 +23,12 @@ import yaml
 
 from kvcompose.examples import EXAMPLES
 from kvcompose.testing.harness import connector_entry, multiconnector_config
-from kvcompose_nixl import UCX_ERROR_HANDLING_KEY
+from kvcompose_nixl import KEY_ENV_KEY, UCX_ERROR_HANDLING_KEY
 from kvcompose_tools.e2e.flow import Served, decode_request, drop_prefix_cache, pd_request, token_prompt
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
-from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
+from kvcompose_tools.e2e.spec import BLOCK_SIZE, PD_KEY_ENV, EngineSpec
 
 pytestmark = pytest.mark.engine
 
@@ -68,8 +68,9 @@ def dropin(disk: Path) -> dict[str, Any]:
     on this machine at engine start (SimpleCPUOffloadConnector's worker needs CUDA); the drop-in
     puts kvcompose's cpu-offload type, whose worker runs here, in its place."""
     # vLLM's NixlConnector ignores the first key; kvcompose's sets NIXL's UCX error handling with it
-    # (one host: shared memory, not tcp; docs/e2e.md, cold start).
-    nixl = {UCX_ERROR_HANDLING_KEY: "none", "enforce_handshake_compat": False}
+    # (one host: shared memory, not tcp; docs/e2e.md, cold start). The shipped prefill seals its
+    # agent metadata with the deployment key: the decode names it too (docs/security.md).
+    nixl = {UCX_ERROR_HANDLING_KEY: "none", "enforce_handshake_compat": False, KEY_ENV_KEY: PD_KEY_ENV}
     return multiconnector_config(
         connector_entry("SimpleCPUOffloadConnector", cpu_bytes_to_use=256 << 20),
         connector_entry("ExampleConnector", shared_storage_path=str(disk)),
