@@ -52,6 +52,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ import msgspec
 
 from kvcompose_nixl import LEASE_ANSWERS_KEY
 from kvcompose_nixl.agent import connection_metadata
-from kvcompose_nixl.trust import Keyring
+from kvcompose_nixl.trust import MAX_ID_CHARS, Keyring, drop
 
 log = logging.getLogger("kvcompose.nixl")
 #: Under vLLM's logger, whose INFO lines reach the server's log.
@@ -96,9 +97,30 @@ FORGET_S = 300.0
 MAX_IDS = 4096
 MAX_PENDING = 1024
 
+#: The longest notification of vLLM's taken (a heartbeat names every request waiting on one
+#: prefill: thousands of ids fit).
+MAX_NOTIF = 1 << 20
+_ID = f"[^,]{{1,{MAX_ID_CHARS}}}"
+_VLLMS_NOTIF = re.compile(rf"HB:{_ID}(?:,{_ID})*|.{{1,{MAX_ID_CHARS}}}:[1-9][0-9]{{0,3}}", re.S)
+
 _encode = msgspec.msgpack.Encoder().encode
 _questions = msgspec.msgpack.Decoder(tuple[int, list[str]])
 _answers = msgspec.msgpack.Decoder(tuple[int, dict[str, float]])
+
+
+def vllms_own(msg: bytes) -> bool:
+    """Whether ``msg`` is one of vLLM's own notifications as vLLM's worker parses them
+    (``nixl/pull_worker.py`` ``_get_new_notifs``): a heartbeat, ``HB:`` and request ids joined
+    by commas, or a finished read, a request id, ``:`` and how many readers to wait for. vLLM
+    parses them unguarded: one that is not UTF-8, or has no colon or no count, raises in the
+    worker's step and the engine dies."""
+    if len(msg) > MAX_NOTIF:
+        return False
+    try:
+        text = msg.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return _VLLMS_NOTIF.fullmatch(text) is not None
 
 
 def stamp(scheduler: Any, request_id: str, params: dict[str, Any] | None) -> None:
@@ -157,11 +179,13 @@ def watch_leases(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0
                 if msg.startswith(PREFIX):
                     handler = handlers.get(msg[: len(HELLO)])
                     if handler is None:
-                        log.warning("NIXL notification of an unknown kvcompose kind from %s: %r", agent, msg[:40])
+                        drop("NIXL notification of an unknown kvcompose kind", f"from {_name(agent)}: {msg[:40]!r}")
                     else:
                         handler(_name(agent), msg)
-                else:
+                elif vllms_own(msg):
                     kept.setdefault(agent, []).append(msg)
+                else:
+                    drop("NIXL notification vLLM cannot parse", f"from {_name(agent)}: {msg[:40]!r}")
         return kept
 
     worker.nixl_wrapper.get_new_notifs = vllms_notifs
@@ -194,7 +218,7 @@ class LeaseDesk:
         try:  # sealed with a deployment key: the agent wrapper opens it, or refuses it
             self._worker.nixl_wrapper.add_remote_agent(msg[len(HELLO) :])
         except Exception as exc:  # its reads then stay checked against the stamped end only
-            log.warning("NIXL lease answers: cannot load decode agent %s (%s); it gets none", agent, exc)
+            drop("NIXL lease hello whose agent does not load (it gets no answers)", f"from {agent}: {exc}")
             return
         self._peers.add(agent)
         log.debug("NIXL lease answers: decode agent %s loaded", agent)
@@ -208,9 +232,7 @@ class LeaseDesk:
             if len(request_ids) > MAX_IDS:
                 raise ValueError
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
-            log.warning(
-                "NIXL lease question from %s is not authenticated, does not parse or is too long; dropped", agent
-            )
+            drop("NIXL lease question that is not authenticated, does not parse or is too long", f"from {agent}")
             return
         self._questions.append((agent, number, request_ids))
 
@@ -290,7 +312,7 @@ class LeaseWatch:
                 raise ValueError
             number, left = _answers.decode(body)
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
-            log.warning("NIXL lease answer from %s is not authenticated or does not parse; ignored", agent)
+            drop("NIXL lease answer that is not authenticated or does not parse", f"from {agent}")
             return
         asked = self._asked.get(number)
         if asked is None or asked[0] != agent:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from typing import Any
 
 import msgspec
 import zmq
 from vllm.utils.network_utils import make_zmq_path
 
-from kvcompose_nixl.trust import Keyring, Refused, is_sealed
+from kvcompose_nixl.trust import Keyring, Refused, drop, is_sealed
 
 log = logging.getLogger("kvcompose.nixl")
 
@@ -37,15 +36,6 @@ GET_META_MSG = b"get_meta_msg"
 #: The largest frame the listener reads: a request is about 20 bytes.
 MAX_FRAME = 1024
 _request = msgspec.msgpack.Decoder(tuple[bytes, int, int])
-
-#: Frames each listener in this process dropped, by kind (a test and ``kvcompose`` logs read it).
-DROPPED: Counter[str] = Counter()
-
-
-def _drop(kind: str, detail: str) -> None:
-    if DROPPED[kind] == 0:
-        log.warning("NIXL side channel: dropped a %s (%s); further ones are counted, not logged", kind, detail)
-    DROPPED[kind] += 1
 
 
 def listener(
@@ -74,7 +64,7 @@ def listener(
                 try:
                     sock.send_multipart(reply, flags=zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # the asker went away
-                    _drop("reply", str(exc))
+                    drop("side-channel reply", str(exc))
     finally:
         ready_event.set()  # a bind that failed must not leave vLLM waiting forever
         sock.close(0)
@@ -85,20 +75,20 @@ def _answer(frames: list[bytes], encoded_data: dict[tuple[int, int], Any]) -> li
     """The reply to one request, or None (dropped) for anything but vLLM's request for a rank
     this engine serves."""
     if len(frames) != 3 or frames[1] != b"":
-        _drop("frame of the wrong shape", f"{len(frames)} parts")
+        drop("side-channel frame of the wrong shape", f"{len(frames)} parts")
         return None
     identity, _, msg = frames
     try:
         kind, pp_rank, tp_rank = _request.decode(msg)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        _drop("frame that does not parse", str(exc)[:80])
+        drop("side-channel frame that does not parse", str(exc)[:80])
         return None
     if kind != GET_META_MSG:
-        _drop("message of an unknown kind", repr(kind[:20]))
+        drop("side-channel message of an unknown kind", repr(kind[:20]))
         return None
     payload = encoded_data.get((pp_rank, tp_rank))
     if payload is None:
-        _drop("request for a rank this engine does not serve", f"pp {pp_rank}, tp {tp_rank}")
+        drop("side-channel request for a rank this engine does not serve", f"pp {pp_rank}, tp {tp_rank}")
         return None
     # vLLM's decode estimates the clock offset from this perf_counter (same process as the leases).
     return [identity, b"", payload, msgspec.msgpack.encode(time.perf_counter())]

@@ -26,10 +26,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import math
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +88,20 @@ REASONS = (
 
 _encode = msgspec.msgpack.Encoder().encode
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?$")
+
+
+#: Untrusted input each engine process dropped, by kind: side-channel frames
+#: (:mod:`kvcompose_nixl.side_channel`) and NIXL notifications (:mod:`kvcompose_nixl.lease`).
+DROPPED: Counter[str] = Counter()
+_log = logging.getLogger("kvcompose.nixl")
+
+
+def drop(kind: str, detail: str) -> None:
+    """Count one dropped frame or notification of ``kind``; the first of each kind is logged
+    (an attacker repeating one must not flood the log)."""
+    if DROPPED[kind] == 0:
+        _log.warning("NIXL: dropped a %s (%s); further ones are counted, not logged", kind, detail)
+    DROPPED[kind] += 1
 
 
 class TrustConfigError(ValueError):

@@ -14,8 +14,9 @@ import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
 
 from kvcompose.testing.harness import decode_request, make_request, prefill_request, scheduler_for, step
-from kvcompose_nixl.side_channel import DROPPED, listener, seal_agent_metadata
+from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
+    DROPPED,
     EXPIRES_KEY,
     SIG_KEY,
     TOKENS_KEY,
@@ -458,3 +459,68 @@ def test_a_key_file_signs_and_verifies_like_a_key_variable(keyed: Any, tmp_path:
     params = prefilled(keyed("kv_producer", key=None, kvcompose_key_file=str(key_file)), PROMPT_A)
     assert SIG_KEY in params
     assert pulled(keyed("kv_consumer"), PROMPT_A, params)  # the same key from $KVCOMPOSE_TEST_KEY
+
+
+#: NIXL notifications a peer that loaded the prefill's agent can send it: vLLM's worker parses
+#: them unguarded (``pull_worker.py`` ``_get_new_notifs``).
+BAD_NOTIFS = {
+    "not utf-8": b"\xff\xfe:1",
+    "no colon": b"no-colon-here",
+    "no count": b"cmpl-1:x",
+    "zero readers": b"cmpl-1:0",
+    "an unknown kvcompose kind": b"kvcompose:steal!:",
+    "a lease question without a MAC": b"kvcompose:lease?" + msgspec.msgpack.encode((1, ["cmpl-1"])),
+    "a hello with metadata in clear": b"kvcompose:hello:" + b"\x00" * 64,
+}
+
+
+def _fake_pair(fake_nixl: Any, producer: Any) -> tuple[Any, Any]:
+    from kvcompose_nixl.testing.fake_nixl import CONSUMER
+
+    return fake_nixl.pair(producer, CONSUMER)
+
+
+def _pd_round(p: Any, d: Any) -> str:
+    """One prompt prefilled on ``p``, read by ``d``, and released on ``p`` by the read's notification."""
+    req = prefill_request(3 * 32, block_size=32)
+    p.scheduler.add_request(req)
+    _, eco = p.engine_step()
+    (out,) = [o for e in eco.values() for o in e.outputs]
+    dreq = make_request(3 * 32, block_size=32, prompt=req.prompt_token_ids, kv_transfer_params=out.kv_transfer_params)
+    d.scheduler.add_request(dreq)
+    d.step_until(lambda _o: dreq.request_id in (getattr(d.last_output, "finished_recving", None) or ()), "no read")
+    p.step_until(lambda _o: req.request_id in (getattr(p.last_output, "finished_sending", None) or ()), "blocks kept")
+    return req.request_id
+
+
+@pytest.mark.parametrize("msg", BAD_NOTIFS.values(), ids=BAD_NOTIFS.keys())
+def test_a_bad_notification_to_the_prefill_is_dropped_and_it_serves_on(fake_nixl: Any, msg: bytes) -> None:
+    from kvcompose_nixl.testing.fake_nixl import nixl_worker
+
+    p, d = _fake_pair(fake_nixl, {**PRODUCER_PLUGIN})
+    before = sum(DROPPED.values())
+    fake_nixl.deliver(nixl_worker(p).nixl_wrapper, "attacker", msg)
+    p.engine_step()
+    assert sum(DROPPED.values()) == before + 1
+    _pd_round(p, d)
+
+
+@pytest.mark.parametrize("msg", [BAD_NOTIFS[k] for k in ("not utf-8", "no colon")])
+def test_vllms_own_prefill_dies_on_one_bad_notification(fake_nixl: Any, msg: bytes) -> None:
+    """The control: vLLM's own NixlConnector raises in its worker's step (in an engine:
+    ``EngineDeadError``, every later request fails)."""
+    from kvcompose_nixl.testing.fake_nixl import PRODUCER, nixl_worker
+
+    p, _ = _fake_pair(fake_nixl, PRODUCER)
+    fake_nixl.deliver(nixl_worker(p).nixl_wrapper, "attacker", msg)
+    with pytest.raises((UnicodeDecodeError, ValueError)):
+        p.engine_step()
+
+
+#: The nixl plugin's class as a prefill, with vLLM's settings otherwise (the fake pair's producer).
+PRODUCER_PLUGIN = {
+    "kv_connector": "NixlConnector",
+    "kv_connector_module_path": "kvcompose_nixl.connector",
+    "kv_role": "kv_producer",
+    "engine_id": "prefill-engine",
+}
