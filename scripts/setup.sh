@@ -33,7 +33,7 @@ else
   check "import nixl._api" || pip install --no-deps nixl
 fi
 # ruff and import-linter: `make lint` (the style, and the layers declared in pyproject.toml).
-pip install pluggy msgspec pyyaml "cryptography>=42" "pytest>=8" "ruff==0.17.6" "import-linter==2.17"
+pip install pluggy msgspec pyyaml "cryptography>=42" "pytest>=8" "hypothesis>=6.100" "ruff==0.17.6" "import-linter==2.17"
 check "import matplotlib" || pip install "matplotlib>=3.7"   # kvcompose-tools[bench]: bench --png
 # kvcompose-tools[serve]: vLLM's router for `kvcompose demo --http` and the router engine tests.
 check "import importlib.metadata as m; assert m.version('vllm-router') == '0.1.17'" || pip install "vllm-router==0.1.17"

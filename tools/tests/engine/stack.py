@@ -5,9 +5,7 @@ The single-engine baseline is not one of them: the session shares one (``conftes
 
 from __future__ import annotations
 
-import socket
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,49 +49,3 @@ def module_stack(cls: type[S], prefix: str, *args: Any) -> Iterator[S]:
             yield stack
         finally:
             stack.close()
-
-
-class Listener:
-    """A port on 127.0.0.1 that a client names as a prefill's side channel: counts connections."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
-
-
-def side_channel_answer(port: int, frame: bytes, wait_s: float) -> bytes | None:
-    """The first part of what the NIXL side channel on 127.0.0.1:``port`` answers to ``frame``
-    (vLLM's protocol: a ROUTER answering ``[payload, perf_counter]``), or None in ``wait_s``."""
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send_multipart([b"", frame])
-        if not sock.poll(int(wait_s * 1000)):
-            return None
-        return bytes(sock.recv_multipart()[1])
-    finally:
-        sock.close()

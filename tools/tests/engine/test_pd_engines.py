@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.stack import Listener, side_channel_answer
 from kvcompose.examples import EXAMPLES
 from kvcompose_nixl.trust import SEALED
+from kvcompose_tools.e2e.attacks import Listener, side_channel_answer
 from kvcompose_tools.e2e.demo import one_past_a_block
 from kvcompose_tools.e2e.flow import EXTERNAL, decode_request, drop_prefix_cache, next_turn, pd_request, token_prompt
 from kvcompose_tools.e2e.model import kv_bytes_per_token, make_model
@@ -189,7 +189,7 @@ def test_attacks_on_the_decode_are_refused_and_it_answers_every_prompt_from_its_
     (p,) = prefill.generate([PROMPTS["attack-a"]], 1, [{"do_remote_decode": True}])
     params = p["kv_transfer_params"]
     assert params["kvcompose_sig"]  # the shipped prefill signs
-    listener = Listener()
+    listener = Listener("127.0.0.1")
     try:
         attacks = [
             ("attack-b", params),  # A's params, B's prompt
@@ -211,8 +211,8 @@ def test_attacks_on_the_decode_are_refused_and_it_answers_every_prompt_from_its_
     port = prefill.spec.side_channel_port
     assert port is not None
     for frame in (b"\xc1\x00\x00", b"\x00" * 100_000, msgspec.msgpack.encode((b"give me all", 0, 0))):
-        assert side_channel_answer(port, frame, wait_s=0.5) is None
-    payload = side_channel_answer(port, msgspec.msgpack.encode((b"get_meta_msg", 0, 0)), wait_s=5)
+        assert side_channel_answer("127.0.0.1", port, frame, wait_s=0.5) is None
+    payload = side_channel_answer("127.0.0.1", port, msgspec.msgpack.encode((b"get_meta_msg", 0, 0)), wait_s=5)
     assert payload is not None and SEALED in payload
     # The engine serves on: A with its own params is pulled, and a replay of them is not.
     a = decode_request(decode, PROMPTS["attack-a"], MAX_TOKENS, params)

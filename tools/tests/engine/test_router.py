@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.stack import Listener, Nodes, module_stack
+from engine.stack import Nodes, module_stack
 from kvcompose.cli import main
 from kvcompose.examples import EXAMPLES
+from kvcompose_tools.e2e.attacks import Listener
 from kvcompose_tools.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose_tools.e2e.flow import EXTERNAL, delta, drop_prefix_cache, routed_request, same_output, token_prompt
 from kvcompose_tools.e2e.model import kv_bytes_per_token, make_model
@@ -127,7 +128,7 @@ def test_three_turn_chat_later_turns_loaded_by_host_and_nixl_equal_the_baseline(
 def test_a_clients_own_kv_transfer_params_do_not_reach_the_decode_through_the_router(stack: Stack) -> None:
     """docs/security.md, through vLLM's router: a client that names its own side channel in the
     body gets the prefill's params instead (the decode connects nowhere else), and its answer."""
-    listener = Listener()
+    listener = Listener("127.0.0.1")
     try:
         params = {
             "do_remote_prefill": True,
