@@ -40,8 +40,8 @@ def test_the_repository_examples_are_the_packaged_files() -> None:
 def test_examples_lists_prints_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["examples"]) == 0
     listing = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in listing] == ["pd-decode", "pd-prefill"]
-    assert "The decode instance of P/D over NIXL, with a host-memory prefix tier" in listing[0]
+    assert [line.split()[0] for line in listing] == ["native-decode", "native-prefill", "pd-decode", "pd-prefill"]
+    assert "The decode instance of P/D over NIXL, with a host-memory prefix tier" in listing[2]
 
     assert main(["examples", "pd-decode"]) == 0
     assert capsys.readouterr().out == (EXAMPLES / "pd-decode.yaml").read_text()
@@ -59,7 +59,8 @@ def test_examples_lists_prints_and_writes(tmp_path: Path, capsys: pytest.Capture
 def test_examples_refuses_unknown_names_and_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["examples", "pd-decod"]) == 2
     assert capsys.readouterr().err == (
-        "kvcompose examples: no example named 'pd-decod' (did you mean pd-decode?); there are: pd-decode, pd-prefill\n"
+        "kvcompose examples: no example named 'pd-decod' (did you mean pd-decode?); there are: native-decode, "
+        "native-prefill, pd-decode, pd-prefill\n"
     )
     edited = tmp_path / "pd-decode.yaml"
     edited.write_text("# mine\n")

@@ -58,6 +58,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             decodes=args.decodes,
             link=(args.link or DEFAULT_LINK) if args.hosts else None,
             model=args.model,
+            host_tier=args.host_tier,
         )
 
 
@@ -135,7 +136,8 @@ def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
         "kvcompose demo                      # offline engines\n"
         "kvcompose demo --http               # vLLM's router and HTTP servers\n"
         "kvcompose demo --http --decodes 2  # 1P2D: one conversation per decode\n"
-        "kvcompose demo --hosts              # the --http stack, prefill and decode on two hosts",
+        "kvcompose demo --hosts              # the --http stack, prefill and decode on two hosts\n"
+        "kvcompose demo --host-tier native   # vLLM's OffloadingConnector as the host tier",
     )
     s.add_argument(
         "--http",
@@ -165,6 +167,13 @@ def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
         "Llama-3-8B's on 100 Gbit/s)",
     )
     s.add_argument("--model", choices=MODEL_NAMES, default="tiny", help=MODEL_HELP)
+    s.add_argument(
+        "--host-tier",
+        choices=["simple", "native"],
+        default="simple",
+        help="the host-memory tier beside NIXL: simple (cpu-offload, vLLM's SimpleCPUOffloadConnector: "
+        "pd-*.yaml) or native (native-offload, vLLM's OffloadingConnector: native-*.yaml)",
+    )
     s.set_defaults(func=cmd_demo)
     return s
 

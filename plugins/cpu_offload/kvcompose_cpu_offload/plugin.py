@@ -248,5 +248,7 @@ def _host_size(opts: CpuOffloadOptions) -> str:
 
 @hookimpl
 def kvcompose_connector_types() -> list[ConnectorType]:
-    """Contribute the ``cpu-offload`` type."""
-    return [CpuOffloadType()]
+    """Contribute the ``cpu-offload`` type and the ``native-offload`` type (vLLM's OffloadingConnector)."""
+    from kvcompose_cpu_offload.offloading_type import NativeOffloadType
+
+    return [CpuOffloadType(), NativeOffloadType()]

@@ -108,6 +108,8 @@ def _moved(s: Served) -> str:
     parts = []
     if s.host_blocks:
         parts.append(f"{s.host_blocks} blocks from host")
+    if s.host_bytes:
+        parts.append(f"{s.host_bytes:,} B from host")
     if s.nixl_bytes:
         parts.append(f"{s.nixl_bytes:,} B over NIXL")
     return " + ".join(parts) or "-"
@@ -129,22 +131,34 @@ def _row(s: Served, ok: bool, pull: bool = False) -> str:
     )
 
 
+#: ``--host-tier`` -> the shipped examples' prefix (``pd-decode.yaml``, ``native-decode.yaml``):
+#: vLLM's SimpleCPUOffloadConnector (``cpu-offload``) or its OffloadingConnector (``native-offload``).
+HOST_TIERS = {"simple": "pd", "native": "native"}
+
+
 def run(
     work: Path | None = None,
     out: TextIO = sys.stdout,
-    prefill_yaml: Path = EXAMPLES / "pd-prefill.yaml",
-    decode_yaml: Path = EXAMPLES / "pd-decode.yaml",
+    prefill_yaml: Path | None = None,
+    decode_yaml: Path | None = None,
     http: bool = False,
     decodes: int = 1,
     link: str | None = None,
     model: str = "tiny",
+    host_tier: str = "simple",
 ) -> int:
     """Run the demo; 0 when every decode output equals the baseline, 1 otherwise. ``http``:
     prefill and decode are vLLM API servers behind vLLM's router, else offline engines (the
     baseline is offline). ``decodes`` (with ``http``): that many decode servers behind the
     router, which keeps each conversation on one of them (``consistent_hash``). ``link`` (implies
     ``http``): the prefill and each decode server in a host of its own, links at that rate.
-    ``model``: a name of :data:`~kvcompose_tools.e2e.model.MODELS`."""
+    ``model``: a name of :data:`~kvcompose_tools.e2e.model.MODELS`. ``host_tier``: a name of
+    :data:`HOST_TIERS`, the shipped examples run (unless ``prefill_yaml``/``decode_yaml`` say)."""
+    if host_tier not in HOST_TIERS:
+        print(f"demo: --host-tier {host_tier}: choose from {', '.join(HOST_TIERS)}", file=out)
+        return 2
+    prefill_yaml = prefill_yaml or EXAMPLES / f"{HOST_TIERS[host_tier]}-prefill.yaml"
+    decode_yaml = decode_yaml or EXAMPLES / f"{HOST_TIERS[host_tier]}-decode.yaml"
     try:
         model_config(model)
     except ValueError as exc:
@@ -338,10 +352,11 @@ def _run(
     print(f"  served by more than one child (load: ranges): {both} of {len(served)} requests", file=out)
     nixl = sum(s.nixl_bytes for s, _ in served)
     host = sum(s.host_blocks for s, _ in served)
+    host_bytes = sum(s.host_bytes for s, _ in served)
     computed = sum(s.computed_tokens for s, _ in served)
+    from_host = f"{host} blocks ({BLOCK_SIZE} tokens each)" if host or not host_bytes else f"{host_bytes:,} B"
     print(
-        f"  moved: {nixl:,} B over NIXL, {host} blocks ({BLOCK_SIZE} tokens each) from host memory; "
-        f"{computed:,} prompt tokens computed on decode",
+        f"  moved: {nixl:,} B over NIXL, {from_host} from host memory; {computed:,} prompt tokens computed on decode",
         file=out,
     )
     within = f"logprobs within {tolerance:g} ({model_name} model)" if tolerance else "logprobs bit for bit"

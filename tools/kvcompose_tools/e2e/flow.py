@@ -30,6 +30,8 @@ NIXL_FAILED = "vllm:nixl_num_failed_transfers"
 COMPUTED = "vllm:prompt_tokens_by_source{source=local_compute}"
 EXTERNAL = "vllm:prompt_tokens_by_source{source=external_kv_transfer}"
 HOST_LOADED_BLOCKS = "vllm:simple_kv_offload_load_blocks"
+#: Bytes vLLM's OffloadingConnector loaded (a ``native-offload`` child), per transfer type.
+NATIVE_LOADED_BYTES = "vllm:kv_offload_load_bytes"
 #: vLLM's own split of connector-loaded prompt tokens by tier (each child's
 #: ``get_external_cache_hit_sources``: ``host`` from the CPU tier, ``p2p`` from NIXL).
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source{source="
@@ -151,6 +153,12 @@ class Served:
     def children(self) -> tuple[str, ...]:
         """The children that loaded part of the prompt, in composition order (empty: none)."""
         return tuple(self.loaded)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes a ``native-offload`` child (vLLM's OffloadingConnector) loaded for the request."""
+        name = NATIVE_LOADED_BYTES
+        return int(sum(n for k, n in self.counters.items() if k == name or k.startswith(name + "{")))
 
     @property
     def loaded_tokens(self) -> int:
