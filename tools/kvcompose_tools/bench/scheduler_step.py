@@ -16,18 +16,30 @@ stores of that step (the portable worker's report, in each composite's own metad
 Sides: ``nixl`` (vLLM's bare NixlConnector), ``MultiConnector`` (vLLM's, over vLLM's
 NixlConnector and SimpleCPUOffloadConnector), ``kvcompose`` (the same two composed from YAML,
 i.e. the plugins' subclasses: vLLM's scheduler code plus the plugins' small overrides).
+
+A second case per size weighs the P/D trust checks (issue 51, docs/security.md): ``trust-on``
+is the kvcompose side with a deployment key, its ``remote`` arrivals carrying the params a
+prefill scheduler with the same key returned for the prompt (signed by the nixl plugin, through
+JSON as a proxy passes them), the decode verifying each; ``trust-off`` is the same without a key
+on either instance (the field checks run either way). The decode checks a request's params when
+vLLM adds it (``add_request`` -> ``on_new_request``), so these two sides time ``add_request``
+too, and the case reports what ``add_request`` costs per P/D request on each.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import random
+import secrets
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvcompose_tools.bench.measure import Samples, interleave_units, paired, pick, ratio, repeats_for
+from kvcompose_tools.bench.measure import Ratio, Samples, interleave_units, paired, pick, ratio, repeats_for
 from kvcompose_tools.bench.report import AllTargets, Case, CaseTarget, Result
 
 SIZES = (1, 16, 128, 1024)
@@ -35,6 +47,21 @@ QUICK_SIZES = (1, 16, 128)
 BLOCK = 16
 PROMPT_TOKENS = 128
 MIX = ("remote", "plain", "repeat")
+#: The trust case's sides: the kvcompose side with the deployment key (prefill signs, decode
+#: verifies) and without it.
+TRUST_ON, TRUST_OFF = "trust-on", "trust-off"
+TRUST_SIDES = (TRUST_OFF, TRUST_ON)
+#: The environment variable the keyed compositions name (a fresh key is put there when it is unset).
+KEY_ENV = "KVCOMPOSE_BENCH_PD_KEY"
+#: Issue 51's target for the decode's check, as decided (a check that binds the prompt cannot be
+#: constant): at most this much per P/D request on the scheduler, per prompt token plus a fixed part.
+TRUST_NS_PER_TOKEN = 10
+TRUST_US_PER_REQUEST = 10
+TRUST_BUDGET_US = TRUST_US_PER_REQUEST + TRUST_NS_PER_TOKEN * PROMPT_TOKENS / 1000
+#: The target's baseline: trust-off's ``add_request`` per P/D request plus the budget.
+TRUST_BUDGET = f"trust-off+{TRUST_BUDGET_US:g}us"
+TRUST_COST = "(trust-on - trust-off) add_request/P/D request (us)"
+TRUST_STEP_COST = "(trust-on - trust-off) step/P/D request (us)"
 
 
 @dataclass(frozen=True)
@@ -87,12 +114,21 @@ def kv_config(side: str, cpu_bytes: int) -> dict[str, Any]:
             "kv_role": "kv_consumer",
             "kv_connector_extra_config": {"connectors": [nixl, cpu]},
         }
-    if side == "kvcompose":
+    if side in COMPOSED:
         from kvcompose.compose import loads
         from kvcompose.vllm.args import kv_transfer_config
 
-        return kv_transfer_config(loads(COMPOSITION.format(cpu_bytes=cpu_bytes), filename="<bench>"))
+        text = COMPOSITION.format(cpu_bytes=cpu_bytes, key=key_option(side == TRUST_ON))
+        return kv_transfer_config(loads(text, filename="<bench>"))
     raise ValueError(f"unknown side {side!r}")
+
+
+def key_option(keyed: bool) -> str:
+    """The nixl child's ``key_env`` option (in a flow mapping), a fresh key in :data:`KEY_ENV` if unset."""
+    if not keyed:
+        return ""
+    os.environ.setdefault(KEY_ENV, secrets.token_hex(32))
+    return f", key_env: {KEY_ENV}"
 
 
 COMPOSITION = """
@@ -101,12 +137,55 @@ connectors:
   - name: pd
     type: nixl
     role: consumer
-    options: {{side_channel_host: 127.0.0.1, side_channel_port: 5699}}
+    options: {{side_channel_host: 127.0.0.1, side_channel_port: 5699{key}}}
   - name: host
     type: cpu-offload
     options: {{cpu_bytes: {cpu_bytes}}}
 rules: {{load: first-wins, store: all, metadata: merge}}
 """
+#: The sides whose decode is kvcompose's composite of :data:`COMPOSITION`.
+COMPOSED = ("kvcompose", *TRUST_SIDES)
+#: The trust sides' prefill instance: the nixl child alone, signing with the key when it has one.
+PREFILL = """
+version: 1
+connectors:
+  - name: pd
+    type: nixl
+    role: producer
+    options: {{side_channel_host: 127.0.0.1, side_channel_port: 5698{key}}}
+"""
+
+
+class Prefill:
+    """The prefill instance's scheduler: a ``remote`` arrival's params are what it returns for the
+    prompt (the nixl plugin stamps and, with a key, signs them), through JSON as a proxy passes
+    them. Each prompt's blocks are released (the decode's read reported) at the next one."""
+
+    def __init__(self, keyed: bool) -> None:
+        from kvcompose.compose import loads
+        from kvcompose.testing.harness import make_kv_cache_config, make_scheduler, make_vllm_config
+        from kvcompose.vllm.args import kv_transfer_config
+
+        text = PREFILL.format(key=key_option(keyed))
+        cfg = make_vllm_config(
+            kv_transfer_config(loads(text, filename="<bench prefill>")),
+            block_size=BLOCK,
+            max_num_seqs=4,
+            max_num_batched_tokens=2048,
+            max_model_len=1024,
+        )
+        self.sched = make_scheduler(cfg, make_kv_cache_config(64, block_size=BLOCK))
+        self.read: set[str] = set()
+
+    def params(self, rid: str, prompt: tuple[int, ...]) -> dict[str, Any]:
+        """The ``kv_transfer_params`` the prefill returns for ``prompt`` as request ``rid``."""
+        from kvcompose.testing.harness import prefill_request, step
+
+        self.sched.add_request(prefill_request(len(prompt), block_size=BLOCK, request_id=rid, prompt=prompt))
+        _, eco = step(self.sched, finished_sending=self.read or None)
+        self.read = {rid}
+        (params,) = [o.kv_transfer_params for e in eco.values() for o in e.outputs if o.request_id == rid]
+        return json.loads(json.dumps(params))  # type: ignore[no-any-return]
 
 
 def _store_ack(side: str, meta: Any) -> Any:
@@ -118,17 +197,20 @@ def _store_ack(side: str, meta: Any) -> Any:
 
     if side == "nixl":
         return None
-    cpu = meta.children["host"] if side == "kvcompose" else meta.metadata[1]
+    cpu = meta.children["host"] if side in COMPOSED else meta.metadata[1]
     if cpu is None or cpu.store_event < 0:
         return None
     done = SimpleCPUOffloadWorkerMetadata({cpu.store_event: 1})
-    if side == "kvcompose":
+    if side in COMPOSED:
         return ComposedWorkerMetadata({"pd": None, "host": done})
     return MultiKVConnectorWorkerMetadata((None, done))
 
 
 class Driver:
-    """One side's scheduler, kept at ``n`` live requests; :meth:`step` returns the timed seconds."""
+    """One side's scheduler, kept at ``n`` live requests; :meth:`step` returns the timed seconds.
+
+    The trust sides' ``remote`` arrivals carry their :class:`Prefill`'s params, and their steps
+    count the ``add_request`` calls before them (where the decode checks the params)."""
 
     def __init__(self, side: str, n: int, seed: int = 0) -> None:
         from kvcompose.testing.harness import make_kv_cache_config, make_scheduler, make_vllm_config
@@ -151,11 +233,26 @@ class Driver:
         self.kinds: dict[str, str] = {}
         self.reported: set[str] = set()
         self.counts: Counter[str] = Counter()
+        self.prefill = Prefill(side == TRUST_ON) if side in TRUST_SIDES else None
+        self.steps = 0
+        #: Seconds in ``add_request`` this step, and for P/D arrivals since :meth:`take_pd_adds`.
+        self.add_s = 0.0
+        self.pd_add_s, self.pd_adds = 0.0, 0
 
     def _add(self, a: Arrival) -> None:
         from kvcompose.testing.harness import decode_request, make_request
 
-        if a.kind == "remote":
+        if a.kind == "remote" and self.prefill is not None:
+            params = self.prefill.params(f"prefill-{a.rid}", a.prompt)
+            req = make_request(
+                len(a.prompt),
+                block_size=BLOCK,
+                request_id=a.rid,
+                prompt=a.prompt,
+                max_tokens=a.max_tokens,
+                kv_transfer_params=params,
+            )
+        elif a.kind == "remote":
             req = decode_request(
                 len(a.prompt), block_size=BLOCK, request_id=a.rid, prompt=a.prompt, max_tokens=a.max_tokens
             )
@@ -165,15 +262,30 @@ class Driver:
             )
         self.kinds[a.rid] = a.kind
         self.counts["arrived:" + a.kind] += 1
+        t0 = time.perf_counter()
         self.sched.add_request(req)
+        took = time.perf_counter() - t0
+        self.add_s += took
+        if a.kind == "remote":
+            self.pd_add_s += took
+            self.pd_adds += 1
+
+    def take_pd_adds(self) -> float:
+        """Mean seconds of ``add_request`` per P/D arrival since the last call (nan: none arrived)."""
+        mean = self.pd_add_s / self.pd_adds if self.pd_adds else math.nan
+        self.pd_add_s, self.pd_adds = 0.0, 0
+        return mean
 
     def step(self) -> float:
-        """One engine step; returns the seconds spent in ``schedule()`` + ``update_from_output()``."""
+        """One engine step; returns the seconds spent in ``schedule()`` + ``update_from_output()``
+        (the trust sides: and in the ``add_request`` calls before them)."""
         from vllm.v1.request import RequestStatus
 
         from kvcompose.testing.harness import model_runner_output
 
         sched = self.sched
+        self.steps += 1
+        self.add_s = 0.0
         while len(sched.requests) < self.n:
             self._add(next(self.stream))
         t0 = time.perf_counter()
@@ -201,7 +313,16 @@ class Driver:
                 if o.finish_reason is not None:
                     self.counts["finished"] += 1
                     self.reported.discard(o.request_id)
-        return (t1 - t0) + (t3 - t2)
+            self._count_refusals(e.scheduler_stats)
+        return (t1 - t0) + (t3 - t2) + (self.add_s if self.prefill is not None else 0.0)
+
+    def _count_refusals(self, stats: Any) -> None:
+        """The P/D params the decode's nixl child refused, by reason, from the composite's
+        stats (what vLLM's ``vllm:kvcompose_refused_params`` counts)."""
+        data = ((getattr(stats, "kv_connector_stats", None) or {}).get("kvcompose:loads") or {}).get("data") or {}
+        for reasons in data.get("refused", {}).values():
+            for reason, count in reasons.items():
+                self.counts["refused:" + reason] += count
 
 
 def steps_per_repeat(n: int, quick: bool) -> int:
@@ -227,8 +348,10 @@ OWN_COST = "(kvcompose-MultiConnector)/request (us)"
 OWN_COST_TARGET_US = 1.0
 
 
-def step_target(sizes: tuple[int, ...]) -> AllTargets:
-    """kvcompose/MultiConnector at or under 1.03 up to 16 requests, 1.01 from 128, per size run."""
+def step_target(sizes: tuple[int, ...], trust: bool = False) -> AllTargets:
+    """kvcompose/MultiConnector at or under 1.03 up to 16 requests, 1.01 from 128, per size run;
+    with ``trust``, per size also trust-on's ``add_request`` per P/D request at most trust-off's
+    plus :data:`TRUST_BUDGET_US`."""
     items = tuple(
         CaseTarget(
             "<=",
@@ -239,6 +362,8 @@ def step_target(sizes: tuple[int, ...]) -> AllTargets:
         )
         for n in sizes
     )
+    if trust:
+        items += tuple(CaseTarget("<=", 1.0, TRUST_ON, TRUST_BUDGET, trust_label(n)) for n in sizes)
     return AllTargets(
         "<=",
         SMALL_BATCH_RATIO,
@@ -246,8 +371,70 @@ def step_target(sizes: tuple[int, ...]) -> AllTargets:
         "MultiConnector",
         items=items,
         summary=f"kvcompose/MultiConnector <= {SMALL_BATCH_RATIO:g} at 1-{SMALL_BATCH} requests, "
-        f"<= {LARGE_BATCH_RATIO:g} from 128",
+        f"<= {LARGE_BATCH_RATIO:g} from 128"
+        + (
+            f"; trust-on's add_request per P/D request <= trust-off's + {TRUST_BUDGET_US:g} us "
+            f"({TRUST_NS_PER_TOKEN} ns x {PROMPT_TOKENS} tokens + {TRUST_US_PER_REQUEST} us)"
+            if trust
+            else ""
+        ),
     )
+
+
+def trust_label(n: int) -> str:
+    return f"trust, {n} reqs"
+
+
+def trust_case(n: int, quick: bool, reps: int) -> tuple[Case, list[Ratio]]:
+    """The trust sides at ``n`` live requests, interleaved per step: their steps (``add_request``
+    included), and ``add_request`` per P/D arrival in each repeat. The keyed side must have
+    verified every arrival: a refused set would be cheaper, and wrong."""
+    drivers = {s: Driver(s, n) for s in TRUST_SIDES}
+    for d in drivers.values():
+        for _ in range(warmup_steps(quick)):
+            d.step()
+        d.take_pd_adds()
+    k = steps_per_repeat(n, quick)
+    per_request = {s: Samples() for s in drivers}
+
+    def unit(side: str, d: Driver) -> Callable[[], float]:
+        calls = 0
+
+        def one() -> float:
+            nonlocal calls
+            took = d.step()
+            calls += 1
+            if calls % k == 0:  # a repeat's last step
+                per_request[side].values.append(d.take_pd_adds())
+            return took
+
+        return one
+
+    samples = interleave_units({s: unit(s, d) for s, d in drivers.items()}, reps, k)
+    counts = {s: dict(sorted(d.counts.items())) for s, d in drivers.items()}
+    refused = {s: {r: v for r, v in c.items() if r.startswith("refused:")} for s, c in counts.items()}
+    if any(refused.values()):
+        raise RuntimeError(f"the trust case's decode refused P/D params: {refused}")
+    label = trust_label(n)
+    on, off = per_request[TRUST_ON], per_request[TRUST_OFF]
+    budget = TRUST_BUDGET_US * 1e-6
+    ratios = [
+        ratio(label, samples, TRUST_ON, TRUST_OFF),
+        Ratio(label, TRUST_ON, TRUST_BUDGET, on.min / (off.min + budget), on.median / (off.median + budget), False),
+    ]
+    remote_per_step = drivers[TRUST_ON].counts["arrived:remote"] / drivers[TRUST_ON].steps
+    derived = {
+        TRUST_COST: paired(per_request, TRUST_ON, TRUST_OFF, lambda s, b: (s - b) * 1e6),
+        TRUST_STEP_COST: paired(samples, TRUST_ON, TRUST_OFF, lambda s, b: (s - b) / remote_per_step * 1e6),
+    }
+    extra = {
+        "running": n,
+        "steps_per_repeat": k,
+        "work": counts,
+        "add_request_per_pd_request_us": {s: [v * 1e6 for v in x.values] for s, x in per_request.items()},
+        "pd_requests_per_step": remote_per_step,
+    }
+    return Case(label, samples, extra, derived), ratios
 
 
 def run(
@@ -255,8 +442,10 @@ def run(
     sizes: tuple[int, ...] | None = None,
     repeats: int | None = None,
     sides: tuple[str, ...] = ("nixl", "MultiConnector", "kvcompose"),
+    trust: bool = True,
 ) -> Result:
-    """Time a step at each size for every side, interleaved; ratio kvcompose / MultiConnector."""
+    """Time a step at each size for every side, interleaved; ratio kvcompose / MultiConnector.
+    With ``trust``, then the trust case at the same size (:func:`trust_case`)."""
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
     reps = repeats or repeats_for(quick, full=9)
     cases: list[Case] = []
@@ -277,6 +466,10 @@ def run(
         if "kvcompose" in samples and "nixl" in samples:
             ratios.append(ratio(label, samples, "kvcompose", "nixl"))
         cases.append(Case(label, samples, {"running": n, "steps_per_repeat": k, "work": counts}, derived))
+        if trust:
+            case, trust_ratios = trust_case(n, quick, reps)
+            cases.append(case)
+            ratios += trust_ratios
     notes = [
         "a step = schedule() + update_from_output() of vLLM's real Scheduler; mix: 1/3 remote prefills "
         "(NIXL loads), 1/3 fresh prompts (the CPU tier stores), 1/3 repeated old prompts (the CPU tier loads)",
@@ -288,6 +481,16 @@ def run(
         f"{OWN_COST}: kvcompose's step less MultiConnector's of the same repeat, per live request "
         f"(issue 44's target: <= {OWN_COST_TARGET_US:g} us at 16-1024 requests on the median)",
     ]
+    if trust:
+        notes += [
+            "trust cases: the kvcompose side with a deployment key (trust-on: each remote arrival carries the params "
+            "a keyed prefill scheduler signed for its prompt, the decode verifies them) and without one (trust-off); "
+            "their steps include the add_request calls before them, where the decode checks the params",
+            f"{TRUST_COST}: per repeat, the mean add_request of a P/D arrival, trust-on less trust-off; "
+            f"{TRUST_STEP_COST}: the steps' difference over the P/D arrivals per step (noisier); "
+            f"target (issue 51): trust-on <= {TRUST_BUDGET} per P/D request, i.e. the check's cost at most "
+            f"{TRUST_NS_PER_TOKEN} ns x {PROMPT_TOKENS} prompt tokens + {TRUST_US_PER_REQUEST} us",
+        ]
     return Result(
         "scheduler_step",
         "Scheduler step (schedule + update_from_output), decode instance",
@@ -295,7 +498,7 @@ def run(
         1e6,
         cases,
         ratios,
-        step_target(sizes),
+        step_target(sizes, trust),
         reps,
         quick,
         notes,

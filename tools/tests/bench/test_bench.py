@@ -183,6 +183,80 @@ def test_both_composites_do_the_same_scheduler_work() -> None:
     assert composed["loaded:nixl"] > 0 and composed["loaded:cpu"] > 0 and composed["finished"] > 0
 
 
+def test_the_trust_sides_do_the_same_work_and_the_keyed_decode_verifies_every_arrival() -> None:
+    """trust-on's remote arrivals carry a keyed prefill's signed params and the decode takes every
+    one (a refused set would be cheaper, and wrong); trust-off's prefill signs nothing."""
+    from kvcompose_tools.bench.scheduler_step import TRUST_OFF, TRUST_ON, TRUST_SIDES, Driver
+
+    drivers = {s: Driver(s, 8) for s in TRUST_SIDES}
+    for d in drivers.values():
+        for _ in range(120):
+            d.step()
+    on, off = (drivers[s].counts for s in (TRUST_ON, TRUST_OFF))
+    assert on == off and not [k for k in on if k.startswith("refused:")]
+    assert on["loaded:nixl"] == on["arrived:remote"] > 0
+    assert drivers[TRUST_ON].pd_adds == on["arrived:remote"] and drivers[TRUST_ON].pd_add_s > 0
+    signed = drivers[TRUST_ON].prefill.params("p-1", tuple(range(3, 131)))  # type: ignore[union-attr]
+    unsigned = drivers[TRUST_OFF].prefill.params("p-1", tuple(range(3, 131)))  # type: ignore[union-attr]
+    assert signed["kvcompose_sig"] and signed["kvcompose_tokens"] == 128 and "kvcompose_sig" not in unsigned
+    blocks = signed["remote_block_ids"]  # as JSON carries them: a list of the prompt's 8 blocks per group
+    assert isinstance(blocks, list) and [len(g) for g in blocks] == [8]
+
+
+def test_the_trust_case_stops_on_a_refused_arrival(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Params the keyed decode refuses are counted from its stats, and the case refuses to report."""
+    from kvcompose_tools.bench import scheduler_step
+    from kvcompose_tools.bench.scheduler_step import TRUST_ON, Driver, Prefill
+
+    real = Prefill.params
+
+    def forged(self: Prefill, rid: str, prompt: tuple[int, ...]) -> dict[str, object]:
+        params = real(self, rid, prompt)
+        if "kvcompose_sig" in params:
+            params["kvcompose_sig"] = params["kvcompose_sig"][:-4] + "0000"
+        return params
+
+    monkeypatch.setattr(Prefill, "params", forged)
+    d = Driver(TRUST_ON, 4)
+    for _ in range(60):
+        d.step()
+    assert d.counts["refused:signature"] == d.counts["arrived:remote"] > 0
+    assert d.counts["loaded:nixl"] == 0  # computed on the decode instead
+    monkeypatch.setattr(scheduler_step, "warmup_steps", lambda quick: 8)
+    monkeypatch.setattr(scheduler_step, "steps_per_repeat", lambda n, quick: 16)
+    with pytest.raises(RuntimeError, match="refused P/D params"):
+        scheduler_step.trust_case(4, True, 5)
+
+
+def test_the_trust_case_reports_add_request_per_pd_request_against_its_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcompose_tools.bench import scheduler_step
+    from kvcompose_tools.bench.measure import Ratio
+    from kvcompose_tools.bench.scheduler_step import TRUST_BUDGET, TRUST_BUDGET_US, TRUST_COST, TRUST_ON, step_target
+
+    assert TRUST_BUDGET_US == 10 + 128 * 10 / 1000  # 10 ns a prompt token + 10 us a request
+    monkeypatch.setattr(scheduler_step, "warmup_steps", lambda quick: 8)
+    monkeypatch.setattr(scheduler_step, "steps_per_repeat", lambda n, quick: 16)
+    case, ratios = scheduler_step.trust_case(8, True, 5)
+    assert case.label == "trust, 8 reqs" and len(case.derived[TRUST_COST].values) == 5
+    assert [(r.subject, r.baseline) for r in ratios] == [(TRUST_ON, "trust-off"), (TRUST_ON, TRUST_BUDGET)]
+    per = case.extra["add_request_per_pd_request_us"]
+    assert ratios[1].by_median == pytest.approx(
+        sorted(per[TRUST_ON])[2] / (sorted(per["trust-off"])[2] + TRUST_BUDGET_US)
+    )
+
+    def within(ratio: float) -> list[Ratio]:
+        return [Ratio(f"{n} reqs", "kvcompose", "MultiConnector", 1.0, 1.0, False) for n in (1, 16)] + [
+            Ratio(f"trust, {n} reqs", TRUST_ON, TRUST_BUDGET, ratio, ratio, False) for n in (1, 16)
+        ]
+
+    target = step_target((1, 16), trust=True)
+    assert target.verdict(within(0.9)) is True and target.verdict(within(1.1)) is False
+    assert "trust-on's add_request per P/D request <= trust-off's + 11.28 us" in str(target)
+    assert step_target((1, 16)).verdict(within(1.1)) is True  # without the trust case, no trust target
+
+
 def test_a_repeat_reuses_a_prompt_at_least_the_gap_old_at_the_largest_size() -> None:
     """At 1024 requests the gap is thousands of arrivals: the CPU tier must still get repeats to load."""
     from itertools import islice
