@@ -16,7 +16,13 @@ Sides, one at a time on the same two hosts, their order flipping every run:
   the composite's own cost: the same NIXL settings as the composed sides);
 * ``MultiConnector``: vLLM's MultiConnector over the examples' children on both (first-wins);
 * ``kvcompose``: the shipped examples (host tier on both, ``load: ranges`` on the decode);
-* ``kvcompose-first-wins``: the examples with ``load: first-wins`` on the decode.
+* ``kvcompose-first-wins``: the examples with ``load: first-wins`` on the decode;
+* ``kvcompose-trust-off`` (not run unless chosen, :data:`SIDES_ENV`): the examples without the
+  deployment key on either instance (no signature, no sealed agent metadata, no MAC on lease
+  messages; the decode's field checks run either way), for the cost of trust on TTFT (issue 51).
+  Without a key the nixl type refuses a side channel the file binds beyond loopback, so vLLM's
+  ``VLLM_NIXL_SIDE_CHANNEL_HOST`` places both (as for ``bare``), and the decode's ``peers`` names
+  the prefill's host (without a key it connects to loopback only, else).
 
 A single engine without P/D answers the same conversations first (the baseline the answers are
 compared with, token ids). :data:`WORKLOADS` sizes everything by model: the conversations' KV
@@ -30,11 +36,12 @@ time goes (:data:`PHASES`).
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,9 +58,15 @@ from kvcompose_tools.e2e.stream import address, send
 
 SUBJECT = "kvcompose"
 BARE = "bare"
+TRUST_OFF = "kvcompose-trust-off"
+#: The sides run unless :data:`SIDES_ENV` names others.
 SIDES = (BARE, "nixl-plugin", "MultiConnector", SUBJECT, "kvcompose-first-wins")
+ALL_SIDES = (*SIDES, TRUST_OFF)
+#: Comma-separated sides to run instead of :data:`SIDES`, e.g. ``kvcompose,kvcompose-trust-off``
+#: (``KVCOMPOSE_BENCH_SIDES=kvcompose,kvcompose-trust-off kvcompose bench --only multi-turn``).
+SIDES_ENV = "KVCOMPOSE_BENCH_SIDES"
 #: The sides kvcompose's figures are divided by.
-BASELINES = (BARE, "nixl-plugin", "MultiConnector")
+BASELINES = (BARE, "nixl-plugin", "MultiConnector", TRUST_OFF)
 #: Bytes of KV per token of the tiny model (32 KiB a block of 32 tokens) and Llama-3-8B's
 #: (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), which the links are scaled by.
 TINY_KV_PER_TOKEN = 1024
@@ -134,7 +147,8 @@ def scaled_rate(real_bits_per_s: float, kv_per_token: int = TINY_KV_PER_TOKEN) -
 
 def compositions(side: str, workload: Workload, work: Path) -> tuple[Path, Path]:
     """The examples' prefill and decode compositions as ``side`` runs them: the host tiers sized
-    for ``workload``, ``load: first-wins`` on the decode for ``kvcompose-first-wins``."""
+    for ``workload``, ``load: first-wins`` on the decode for ``kvcompose-first-wins``, no key and
+    no side-channel host (vLLM's environment places it) for :data:`TRUST_OFF`."""
     import yaml
 
     from kvcompose.examples import EXAMPLES
@@ -145,6 +159,9 @@ def compositions(side: str, workload: Workload, work: Path) -> tuple[Path, Path]
         for child in data["connectors"]:
             if child["type"] == "cpu-offload":
                 child["options"]["cpu_bytes"] = workload.host_bytes
+            if child["type"] == "nixl" and side == TRUST_OFF:
+                for option in ("key_env", "key_file", "side_channel_host"):
+                    child["options"].pop(option, None)
         if role == "decode" and side == "kvcompose-first-wins":
             data["rules"]["load"] = "first-wins"
         work.mkdir(parents=True, exist_ok=True)
@@ -171,8 +188,8 @@ def specs(
     from kvcompose_tools.bench.pd_ttft import nixl_alone
     from kvcompose_tools.e2e.spec import composed_kv_transfer_config
 
-    if side not in SIDES:
-        raise ValueError(f"unknown side {side!r}; choose from {SIDES}")
+    if side not in ALL_SIDES:
+        raise ValueError(f"unknown side {side!r}; choose from {ALL_SIDES}")
     # vLLM's own NixlConnector reads no composition.
     prefill_yaml, decode_yaml = compositions(side, workload, work) if side != BARE else (Path(), Path())
     sizes = {"num_gpu_blocks": workload.device_blocks, "max_model_len": workload.max_model_len}
@@ -184,6 +201,13 @@ def specs(
         name, opts = f"{side}-{role}", {"side_channel_host": host}
         if side in (SUBJECT, "kvcompose-first-wins"):
             out.append((EngineSpec(name, model, str(yaml_path), port, opts, **sizes), {}))
+        elif side == TRUST_OFF:
+            # No side_channel_host (not even the host's: the spec's None wins over it), vLLM's
+            # environment instead; the decode connects to the prefill's host by peers.
+            keyless: dict[str, Any] = {"side_channel_host": None}
+            if role == "decode":
+                keyless["peers"] = [p_host]
+            out.append((EngineSpec(name, model, str(yaml_path), port, keyless, **sizes), side_channel_env(host, port)))
         elif side == BARE:
             env = side_channel_env(host, port)
             out.append((EngineSpec(name, model, kv_config=vllm_nixl(kv_role, None), **sizes), env))
@@ -440,16 +464,18 @@ def run(
     repeats: int | None = None,
     echo: Callable[[str], None] = print,
     work: Path | None = None,
-    sides: tuple[str, ...] = SIDES,
+    sides: tuple[str, ...] | None = None,
     links: tuple[str, ...] | None = None,
     model: str = "tiny",
 ) -> Result:
     """Every side on every link of ``model``'s workload (module docstring); the table, ratios and
-    targets. ``repeats`` and ``links`` override the workload's."""
+    targets. ``repeats`` and ``links`` override the workload's; ``sides`` (else
+    :func:`chosen_sides`) :data:`SIDES`."""
     from kvcompose_tools.e2e.chat import load_tokenizer
     from kvcompose_tools.e2e.hosts import Hosts, format_rate
     from kvcompose_tools.e2e.model import kv_bytes_per_token, make_model, model_config
 
+    sides = sides or chosen_sides()
     path = make_model(0, config=model_config(model))  # a ValueError naming the models for another name
     workload = WORKLOADS[model]
     runs = repeats or workload.runs
@@ -481,6 +507,17 @@ def run(
                             f"answers: {answers[f'{link}/{side}'][-1].summary()}"
                         )
     return summarize(done, runs, quick, logs, answers, time.monotonic() - t0, model, kv_per_token)
+
+
+def chosen_sides(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The sides :data:`SIDES_ENV` names (comma-separated), else :data:`SIDES`; a ValueError
+    naming the sides for an unknown one."""
+    text = (os.environ if environ is None else environ).get(SIDES_ENV, "")
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in ALL_SIDES]
+    if unknown:
+        raise ValueError(f"${SIDES_ENV}: unknown side(s) {unknown}; choose from {', '.join(ALL_SIDES)}")
+    return names or SIDES
 
 
 def ordering(per_run: Samples) -> str:
@@ -590,7 +627,14 @@ def summarize(
             "tier per instance",
             "bare: vLLM's NixlConnector as shipped on both; nixl-plugin: the examples' NIXL child alone; "
             "MultiConnector: vLLM's over the examples' children; kvcompose: the examples; kvcompose-first-wins: the "
-            "examples with load: first-wins on decode",
+            "examples with load: first-wins on decode"
+            + (
+                f"; {TRUST_OFF}: the examples without the key (nothing signed, sealed or MACed; side channels placed "
+                "by VLLM_NIXL_SIDE_CHANNEL_HOST, the decode's peers the prefill's host): "
+                f"kvcompose/{TRUST_OFF} is what trust costs"
+                if any(TRUST_OFF in by_side for by_side in done.values())
+                else ""
+            ),
             "a sample: one run's TTFT p50 (client side, first streamed token) or requests/s; ratio = kvcompose / "
             "baseline; an ordering is claimed only where every run's ratio lies on the same side of 1: "
             + "; ".join(f"{case}: " + ", ".join(f"{b} {o}" for b, o in os_.items()) for case, os_ in orderings.items()),

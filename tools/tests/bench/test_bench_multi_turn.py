@@ -12,11 +12,16 @@ import pytest
 from kvcompose_tools.bench import multi_turn
 from kvcompose_tools.bench.measure import Samples
 from kvcompose_tools.bench.multi_turn import (
+    BASELINES,
     SIDES,
+    SIDES_ENV,
+    SUBJECT,
+    TRUST_OFF,
     WORKLOADS,
     Answers,
     SideRun,
     breakdown,
+    chosen_sides,
     mismatches,
     ordering,
     scaled_rate,
@@ -119,6 +124,56 @@ def test_each_side_has_its_prefill_and_decode(tmp_path: Path) -> None:
     assert medium.max_model_len == 4096 and "cpu_bytes: 1GiB" in Path(str(medium.composition)).read_text()
     with pytest.raises(ValueError, match="unknown side"):
         specs("nope", "m", tmp_path, 1, 2)
+
+
+def test_trust_off_is_the_examples_without_a_key_placed_by_vllms_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No key on either instance; the side channels from VLLM_NIXL_SIDE_CHANNEL_HOST (a host the
+    file binds beyond loopback is refused without a key), the decode's peers the prefill's host."""
+    from kvcompose_tools.e2e.hosts import Host
+    from kvcompose_tools.e2e.spec import placed
+
+    (p, p_env), (d, d_env) = specs(TRUST_OFF, "m", tmp_path, 5601, 5602, "10.0.0.2", "10.0.0.3")
+    assert p_env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+    assert d_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.3"
+    for spec, env, address in ((p, p_env, "10.0.0.2"), (d, d_env, "10.0.0.3")):
+        text = Path(str(spec.composition)).read_text()
+        assert "key_env" not in text and "side_channel_host" not in text
+        assert ("load: ranges" in text) is (spec is d)  # the examples' rules otherwise
+        monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", env["VLLM_NIXL_SIDE_CHANNEL_HOST"])
+        # As ServerNode places it in its host: the spec's unset host wins over the host's address.
+        config = placed(spec, Host(spec.name, "ns", address)).kv_transfer_config()
+        assert config is not None
+        (nixl,) = [c for c in config["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "NixlConnector"]
+        extra = nixl["kv_connector_extra_config"]
+        assert "kvcompose_key_env" not in extra and "kvcompose_side_channel_host" not in extra
+        assert extra.get("kvcompose_peers") == (["10.0.0.2"] if spec is d else None)
+    # The shipped examples, keyed, on the kvcompose side.
+    assert "key_env: KVCOMPOSE_PD_KEY" in Path(str(specs(SUBJECT, "m", tmp_path, 1, 2)[1][0].composition)).read_text()
+    assert TRUST_OFF not in SIDES and TRUST_OFF in BASELINES
+
+
+def test_the_sides_run_are_chosen_by_the_environment() -> None:
+    assert chosen_sides({}) == SIDES and chosen_sides({SIDES_ENV: ""}) == SIDES
+    assert chosen_sides({SIDES_ENV: "kvcompose, kvcompose-trust-off"}) == (SUBJECT, TRUST_OFF)
+    with pytest.raises(ValueError, match="unknown side.*'trust'.*choose from bare"):
+        chosen_sides({SIDES_ENV: "kvcompose,trust"})
+
+
+def test_trust_on_over_trust_off_is_a_ratio_of_every_case(tmp_path: Path) -> None:
+    done = {
+        "slow": {
+            SUBJECT: [side(SUBJECT, {0: 1.0, 1: 0.22, 2: 0.22})],
+            TRUST_OFF: [side(TRUST_OFF, {0: 1.0, 1: 0.2, 2: 0.2})],
+        }
+    }
+    r = summarize(done, 1, False, tmp_path, {}, 1.0)
+    trust = {x.case: round(x.by_median, 3) for x in r.ratios if x.baseline == TRUST_OFF}
+    assert trust == {"slow link, turn 1": 1.0, "slow link, turns 2+": 1.1, "slow link, requests/s": 1.0}
+    assert r.target is None  # no target without bare or MultiConnector
+    assert f"kvcompose/{TRUST_OFF} is what trust costs" in r.table()
+    assert r.config["orderings"]["slow link, turns 2+"] == {TRUST_OFF: ">"}
 
 
 def test_a_side_that_served_nothing_is_infinitely_slow(tmp_path: Path) -> None:
