@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from engine.stack import Nodes, module_stack
 from kvcompose.examples import EXAMPLES
 from kvcompose_tools.e2e.flow import Served, decode_request, drop_prefix_cache, next_turn, pd_request, token_prompt
 from kvcompose_tools.e2e.model import make_model
@@ -54,23 +55,21 @@ def decode_yaml(load: str, disk: Path | None = None) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-class Engines:
+class Engines(Nodes):
     """The baseline's answers, one native prefill, and one native decode at a time."""
 
     def __init__(self, tmp: Path, baseline: EngineNode) -> None:
+        super().__init__()
         self.tmp = tmp
         self.model = str(make_model(0))
         self.baseline = baseline
+        self.decode: EngineNode | None = None
         self.prefill = EngineNode(
             EngineSpec("prefill", self.model, str(EXAMPLES / "native-prefill.yaml"), free_ports(1)[0]), tmp
         )
-        self.decode: EngineNode | None = None
-        try:
-            self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
-            wait_all_ready([self.prefill])
-        except BaseException:
-            self.prefill.close()
-            raise
+        self.nodes.append(self.prefill)
+        self.expected = {k: baseline.generate([ids], MAX_TOKENS)[0] for k, ids in PROMPTS.items()}
+        wait_all_ready([self.prefill])
 
     def expect(self, name: str, prompt: list[int]) -> dict[str, Any]:
         if name not in self.expected:
@@ -81,23 +80,18 @@ class Engines:
         """A decode engine of composition ``text``, the running one stopped first."""
         if self.decode is not None:
             self.decode.close()
+            self.nodes.remove(self.decode)
         path = self.tmp / f"{name}.yaml"
         path.write_text(text)
         self.decode = EngineNode(EngineSpec(name, self.model, str(path), free_ports(1)[0]), self.tmp)
+        self.nodes.append(self.decode)
         wait_all_ready([self.decode])
         return self.decode
 
-    def close(self) -> None:
-        for node in (self.decode, self.prefill):
-            if node is not None:
-                node.close()
-
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory, baseline: EngineNode) -> Iterator[Engines]:
-    e = Engines(tmp_path_factory.mktemp("native"), baseline)
-    yield e
-    e.close()
+def engines(baseline: EngineNode) -> Iterator[Engines]:
+    yield from module_stack(Engines, "kvcompose-e2e-native-", baseline)
 
 
 def full(prompt: list[int]) -> int:
