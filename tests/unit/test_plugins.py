@@ -30,7 +30,8 @@ def test_env_blocks_a_plugin() -> None:
 
 def test_env_selects_plugins() -> None:
     types = Plugins(env={"KVCOMPOSE_PLUGINS": "cpu-offload"}).connector_types
-    assert set(types) == {"cpu-offload", "vllm"}  # built-ins (the generic vllm type) always load
+    # the plugin's two types; built-ins (the generic vllm type) always load
+    assert set(types) == {"cpu-offload", "native-offload", "vllm"}
 
 
 def test_env_selecting_a_missing_plugin_is_a_clear_error() -> None:

@@ -116,14 +116,9 @@ class NativeOffloadType(ConnectorType):
         return cfg
 
     def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
-        """A MultiConnector config's ``OffloadingConnector`` entry with vLLM's CPU spec (named or
-        by default) and keys this type renders; None for anything else (it stays ``type: vllm``)."""
-        if config.get("kv_connector") != self.vllm_connector:
-            return None
-        extra = dict(config.get("kv_connector_extra_config") or {})
-        if extra.pop("spec_name", "CPUOffloadingSpec") != "CPUOffloadingSpec" or "spec_module_path" in extra:
-            return None
-        return self.options_from_keys({**config, "kv_connector_extra_config": extra})
+        """None: an ``OffloadingConnector`` entry of an existing MultiConnector config stays
+        ``type: vllm``, rendered as written (this type would add the plugin's spec to it)."""
+        return None
 
     def describe(self, child: Child) -> str:
         """What the child does, one fact a line (``kvcompose check`` / ``explain``)."""

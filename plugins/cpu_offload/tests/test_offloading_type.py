@@ -99,14 +99,10 @@ def test_describe_says_one_fact_a_line() -> None:
     assert "fs tier at /mnt/kv" in lines
 
 
-def test_vllms_own_multiconnector_entry_reads_back_as_native_offload() -> None:
-    t = NativeOffloadType()
-    ours = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": MiB}}
-    assert t.options_from_vllm(ours) == {"cpu_bytes": MiB}
-    named = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec"}}
-    assert t.options_from_vllm(named) == {}
-    other = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec"}}
-    assert t.options_from_vllm(other) is None  # a tiering config stays an opaque vllm child
+def test_an_existing_offloadingconnector_entry_is_not_taken_as_this_type() -> None:
+    """``kvcompose import`` keeps it ``type: vllm``: rendered as written, with vLLM's spec."""
+    entry = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": MiB}}
+    assert NativeOffloadType().options_from_vllm(entry) is None
 
 
 @pytest.mark.parametrize("name", ["native-decode.yaml", "native-prefill.yaml"])
