@@ -70,10 +70,21 @@ class Composite:
             announce_dropin(to_builtins(self.plan.composition), vllm_log)
 
     def child_classes(self, vllm_config: VllmConfig) -> list[tuple[type[KVConnectorBase_V1], VllmConfig]]:
-        """Each child's connector class, with a copy of ``vllm_config`` holding the child's config."""
+        """Each child's connector class, with a copy of ``vllm_config`` holding the child's config.
+
+        The child's config carries the engine's ``kv_load_failure_policy`` (the composition's
+        ``load_failure``): vLLM's scheduler applies only the engine's, and a child that acts on
+        it (the nixl type ends a refused request with an error under ``fail``) must see that one,
+        not the default a child entry gets (vLLM's MultiConnector hands its children the default).
+        """
+        ktc = vllm_config.kv_transfer_config
+        policy = ktc.kv_load_failure_policy if ktc is not None else None
         out = []
         for cktc in self.configs:
             cfg = copy.copy(vllm_config)
+            if policy is not None and cktc.kv_load_failure_policy != policy:
+                cktc = copy.copy(cktc)  # the cached configs are shared by every composite of this plan
+                cktc.kv_load_failure_policy = policy
             cfg.kv_transfer_config = cktc
             out.append((KVConnectorFactory.get_connector_class(cktc), cfg))
         return out

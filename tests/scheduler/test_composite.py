@@ -167,6 +167,30 @@ def test_child_may_carry_its_own_engine_id() -> None:
     assert [c.engine_id for c in configs] == ["mine", "top"]
 
 
+def test_each_child_is_handed_the_engines_load_failure_policy() -> None:
+    """vLLM's scheduler applies the engine's ``kv_load_failure_policy`` only; a child acting on it
+    (the nixl type fails a refused request under ``fail``) sees that one, not an entry's default."""
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvcompose.vllm.children import composite_of_transfer
+
+    entries = [{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}] * 2
+    for policy in ("recompute", "fail"):
+        ktc = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={"connectors": entries},
+        )
+        composite = composite_of_transfer(ktc)
+        vllm_config = VllmConfig.__new__(VllmConfig)  # only its kv_transfer_config is read
+        vllm_config.kv_transfer_config = ktc
+        handed = [cfg.kv_transfer_config.kv_load_failure_policy for _, cfg in composite.child_classes(vllm_config)]
+        assert handed == [policy, policy]
+        # The configs it caches (shared by every composite of this plan) keep the entries' own.
+        assert [c.kv_load_failure_policy for c in composite.configs] == ["fail", "fail"]
+
+
 def test_stats_per_child_name_and_rebuilt_from_plain_data(kvcompose_worker: Factory) -> None:
     worker = kvcompose_worker(TWO.format(a=0, b=0), register=False).connector
     inspector.child(worker, "a").get_kv_connector_stats = lambda: KVConnectorStats(data={"n": 1})  # type: ignore[method-assign]
