@@ -43,10 +43,15 @@ Both subclass vLLM's connectors and change four things:
 5. **Trust** (pull mode, :mod:`kvcompose_nixl.trust`): a decode checks each request's P/D
    params on the scheduler before vLLM's code reads them (types, ranges, blocks against the
    prompt, the peer allowlist and, with a deployment key, the prefill's signature over the
-   prompt); a refused set is dropped and the prompt computed locally, counted by reason. A
-   signing prefill adds the signature in ``request_finished``. Both sides answer the side
-   channel with vLLM's protocol on a listener no frame can stop, seal the NIXL agent metadata
-   they publish with the key, and load no peer metadata the key does not open
+   prompt); a refused set is dropped before vLLM sees it, counted by reason, and nothing is
+   connected to or read. Under ``kv_load_failure_policy`` ``recompute`` the prompt is computed
+   locally; under ``fail`` (vLLM's default) the request ends with an error, the way vLLM ends a
+   failed NIXL read: the scheduler half parks it as an asynchronous load of the prompt, the
+   step's metadata names it (:data:`REFUSED_ATTR`) instead of queuing a read, and the worker
+   half reports that load finished and failed, so vLLM's scheduler finishes it with
+   ``FINISHED_ERROR``. A signing prefill adds the signature in ``request_finished``. Both sides
+   answer the side channel with vLLM's protocol on a listener no frame can stop, seal the NIXL
+   agent metadata they publish with the key, and load no peer metadata the key does not open
    (:mod:`kvcompose_nixl.side_channel`); no handshake leaves for a side channel off the list.
 
 Before vLLM's worker creates its NIXL agent they also apply the agent settings vLLM has no
@@ -104,7 +109,11 @@ from kvcompose_nixl.trust import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
         NixlBaseConnectorScheduler,
     )
@@ -114,6 +123,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcompose.nixl")
+
+#: The attribute of vLLM's ``NixlConnectorMetadata`` that carries, from the decode's scheduler to
+#: its workers, the requests refused under ``kv_load_failure_policy`` ``fail`` (request id ->
+#: reason): each worker reports their loads failed without reading anything.
+REFUSED_ATTR = "kvcompose_refused"
 
 
 def apply_side_channel(scheduler: NixlBaseConnectorScheduler, vllm_config: VllmConfig) -> None:
@@ -276,8 +290,9 @@ class _SettingsMixin:
 
 class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
     """vLLM's pull-mode NixlConnector, plus side-channel options, local compute when a remote
-    prefill comes with no remote blocks, range loads, and reads checked against the prefill's
-    lease on their blocks (see the module docstring)."""
+    prefill comes with no remote blocks, range loads, reads checked against the prefill's
+    lease on their blocks, and params checked before vLLM reads them (a refused request is
+    computed locally, or fails under ``kv_load_failure_policy: fail``; see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -297,6 +312,15 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         #: Requests whose P/D params this decode refused, by reason (:data:`kvcompose_nixl.trust.REASONS`).
         self.refused_params: Counter[str] = Counter()
         self._told: set[tuple[str, str]] = set()
+        #: Under ``kv_load_failure_policy: fail`` a refused request ends with an error (else it is
+        #: computed here). The composite hands its children the engine's policy.
+        self._fail_refused = ktc.kv_load_failure_policy == "fail"
+        #: Scheduler: refused requests to end with an error, by id (their reason) until allocated...
+        self._refused: dict[str, str] = {}
+        #: ... then until this step's metadata names them to the workers.
+        self._refused_allocated: dict[str, str] = {}
+        #: Worker: refused requests named by the metadata, reported failed by the next results.
+        self._refused_loads: dict[str, str] = {}
 
     def on_new_request(self, request: Request) -> None:
         """vLLM starts lease heartbeats to the prefill instance for every remote prefill; there
@@ -321,7 +345,9 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
 
     def _screen(self, request: Request, params: dict[str, Any]) -> None:
         """Refuse ``params`` unless :class:`~kvcompose_nixl.trust.Policy` takes them for this
-        request: the P/D fields are dropped, and vLLM computes the prompt as a local one."""
+        request: the P/D fields are dropped, and vLLM computes the prompt as a local one, or,
+        under ``kv_load_failure_policy: fail``, the request is kept to end with an error (see
+        :meth:`get_num_new_matched_tokens`)."""
         prompt = request.prompt_token_ids or []
         facts = Facts(self._block_size, self._groups, self._tp_size, request.num_prompt_tokens)
         try:
@@ -330,28 +356,69 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
             self.refused_params[refused.reason] += 1
             source = params.get("remote_host")
             told = (refused.reason, source if isinstance(source, str) else "?")
+            outcome = "the request fails (load_failure: fail)" if self._fail_refused else "computed here instead"
             if told not in self._told and len(self._told) < 1024:  # once per reason and source
                 self._told.add(told)
                 log.warning(
-                    "%s: kv_transfer_params refused (%s), computed here instead: %s",
+                    "%s: kv_transfer_params refused (%s), %s: %s",
                     request.request_id,
                     refused.reason,
+                    outcome,
                     refused.detail,
                 )
+            else:
+                log.debug("%s: kv_transfer_params refused (%s), %s", request.request_id, refused.reason, outcome)
             for key in [k for k in params if k in PARAM_KEYS]:
                 del params[key]
+            if self._fail_refused:
+                self._refused[request.request_id] = refused.reason
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """vLLM's metadata, naming the prefill engines of this step's heartbeats that answer
-        lease questions (most steps send no heartbeat: nothing is added then)."""
+        lease questions (most steps send no heartbeat: nothing is added then), and the refused
+        requests parked this step to end with an error (:data:`REFUSED_ATTR`)."""
         meta = super().build_connector_meta(scheduler_output)
         beats = getattr(meta, "heartbeat_by_engine", None)
         if beats and self._answering:
             setattr(meta, ANSWERING_ATTR, {e for e in beats if e in self._answering})
+        if self._refused_allocated:
+            setattr(meta, REFUSED_ATTR, self._refused_allocated)
+            self._refused_allocated = {}
         return meta
 
+    # ---- worker: a refused request's load, reported failed with nothing read
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """vLLM's reads of this step, and the refused requests the scheduler named: their loads
+        are failed at once (no handshake, no read), in this step's results."""
+        refused = getattr(self._connector_metadata, REFUSED_ATTR, None)
+        if refused:
+            self._refused_loads.update(refused)
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's results, and each refused request's load finished and failed, as vLLM's worker
+        reports a read that failed: the scheduler then ends the request with ``FINISHED_ERROR``
+        (``kv_load_failure_policy: fail``)."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._refused_loads:
+            for req_id, reason in self._refused_loads.items():
+                log.debug("%s: load reported failed: its kv_transfer_params were refused (%s)", req_id, reason)
+            failed = set(self._refused_loads)
+            self._refused_loads = {}
+            results.finished_recving = set(results.finished_recving) | failed
+            results.failed_recving = set(results.failed_recving) | failed
+        return results
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """No external tokens when there is nothing to pull.
+        """No external tokens when there is nothing to pull; for a request refused under
+        ``kv_load_failure_policy: fail``, what vLLM answers for a remote prefill.
+
+        A refused request's answer, the rest of the prompt loaded asynchronously, makes vLLM's
+        scheduler allocate its blocks and park it until its load finishes, as for any read;
+        :meth:`update_state_after_alloc` queues no read for it, and the workers report the load
+        failed (:meth:`get_transfer_results`). Nothing left to load (another child of a
+        composition loads the whole prompt): no tokens, and the request is served without one.
 
         vLLM would answer ``(prompt tokens, True)``. With ``0`` the scheduler allocates and
         schedules the prompt normally, and vLLM's ``update_state_after_alloc`` takes its
@@ -360,6 +427,12 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         ``do_remote_prefill`` must stay set until then: with ``bidirectional_kv_xfer`` vLLM
         tracks a remote-prefill request there for the prefill instance's later readback.
         """
+        if self._refused and request.request_id in self._refused:
+            count = request.num_tokens - num_computed_tokens
+            if count > 0:
+                return count, True
+            del self._refused[request.request_id]
+            return 0, False
         if request.kv_transfer_params and _nothing_to_pull(request):
             return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -370,6 +443,10 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         instance, a handshake with a peer that has nothing to free. Spell it ``[]`` so vLLM
         takes its no-blocks branch. Everything else, including the bidirectional bookkeeping
         of a remote-prefill request, stays vLLM's."""
+        if self._refused:
+            reason = self._refused.pop(request.request_id, None)
+            if reason is not None and num_external_tokens > 0:  # else loaded or computed otherwise
+                self._refused_allocated[request.request_id] = reason
         if request.kv_transfer_params and _nothing_to_pull(request):
             assert request.kv_transfer_params is not None
             request.kv_transfer_params["remote_block_ids"] = []
@@ -377,6 +454,8 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """See :meth:`request_finished_all_groups`."""
+        if self._refused:
+            self._refused.pop(request.request_id, None)
         if request.kv_transfer_params:  # most requests have none: no call then
             self._forget_unserved_prefill(request)
         delay, params = super().request_finished(request, block_ids)
@@ -391,6 +470,8 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         vLLM then queues an empty read so the worker notifies the prefill instance to free its
         blocks, which means a handshake with it. With no remote blocks there is nothing to
         free: clear the flag first so vLLM finishes the request like a local one."""
+        if self._refused:  # refused under fail and aborted before it was allocated
+            self._refused.pop(request.request_id, None)
         if request.kv_transfer_params:  # most requests have none: no call then
             self._forget_unserved_prefill(request)
         delay, params = super().request_finished_all_groups(request, block_ids)
@@ -433,6 +514,7 @@ __all__ = [
     "NixlConnector",
     "NixlPullConnector",
     "NixlPushConnector",
+    "REFUSED_ATTR",
     "apply_side_channel",
     "has_remote_blocks",
     "range_blocks",

@@ -237,7 +237,7 @@ def _trust_lines(o: NixlOptions, role: str | None) -> list[str]:
     if role != "producer" and o.mode == "pull":
         lines.append(
             "params: checked before vLLM reads them (types, ranges, blocks against the prompt); a malformed set is "
-            "dropped and the prompt computed here"
+            "dropped and nothing read"
         )
         if key is None:
             lines.append(
@@ -252,8 +252,12 @@ def _trust_lines(o: NixlOptions, role: str | None) -> list[str]:
         else:
             lines.append(
                 f"params: only those a prefill signed with the key in {key}, for this prompt, unexpired and "
-                "unused; any other set is dropped and the prompt computed here"
+                "unused; any other set is dropped and nothing read"
             )
+        lines.append(
+            "params refused: nothing connected to or read; the prompt is computed here (or the request fails under "
+            "load_failure: fail)"
+        )
         if o.peers is not None:
             lines.append("peers: connects only to side channels in " + ", ".join(o.peers))
         elif key is not None:

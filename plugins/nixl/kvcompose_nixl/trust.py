@@ -9,7 +9,8 @@ This module holds the checks, with no vLLM import:
 - :func:`screen` checks a decode request's P/D params on the scheduler, before vLLM's code
   reads them: types, ranges, block counts against the prompt, the peer allowlist, and, with a
   deployment key, the prefill's signature. A refused set is never handed to vLLM: the request
-  is computed locally.
+  is computed locally, or ends with an error under ``kv_load_failure_policy: fail``
+  (:class:`kvcompose_nixl.connector.NixlConnector`).
 - :class:`Keyring` holds the deployment keys (from an environment variable or a file the YAML
   names, never the YAML): the first signs, every one verifies (a rotation accepts two).
   :meth:`Keyring.sign` binds a prefill's params to the engine, request, blocks, side channel,

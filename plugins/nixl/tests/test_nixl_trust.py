@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
 
 from kvcompose.testing.harness import decode_request, make_request, prefill_request, scheduler_for, step
+from kvcompose_nixl.connector import REFUSED_ATTR
 from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
     DROPPED,
@@ -65,14 +67,18 @@ def prefilled(scheduler: Any, prompt: list[int]) -> dict[str, Any]:
 
 
 def pulled(scheduler: Any, prompt: list[int], params: dict[str, Any]) -> bool:
-    """Whether the decode ``scheduler`` queues a NIXL read for ``prompt`` with ``params``
-    (else it schedules the whole prompt for local compute)."""
+    """Whether the decode ``scheduler`` queues a NIXL read for ``prompt`` with ``params``. Else
+    it schedules the prompt for local compute, or, for refused params under vLLM's default
+    ``kv_load_failure_policy`` ``fail``, names the request to its workers to fail its load
+    (:data:`~kvcompose_nixl.connector.REFUSED_ATTR`; the next test shows the end)."""
     request = make_request(len(prompt), block_size=BLOCK_SIZE, prompt=prompt, max_tokens=2, kv_transfer_params=params)
     scheduler.add_request(request)
     out = scheduler.schedule()
-    read = request.request_id in out.kv_connector_metadata.reqs_to_recv
-    if not read:  # computed here (after what the decode's own prefix cache holds), now
-        assert out.num_scheduled_tokens[request.request_id] > 0
+    meta = out.kv_connector_metadata
+    read = request.request_id in meta.reqs_to_recv
+    failing = request.request_id in getattr(meta, REFUSED_ATTR, {})
+    if not read:  # computed here (after what the decode's own prefix cache holds), now; or failed
+        assert (out.num_scheduled_tokens.get(request.request_id, 0) > 0) != failing
     return read
 
 
@@ -524,3 +530,108 @@ PRODUCER_PLUGIN = {
     "kv_role": "kv_producer",
     "engine_id": "prefill-engine",
 }
+
+
+# ---------------------------------------------------------------------------- refused under each policy
+
+FAKE_BLOCK = 32  # the fake pair's block size (the CPU attention kernel's, which NIXL's worker checks)
+
+
+def keyed_composition(role: str, port: int, top: str = "") -> str:
+    return f"""version: 1
+{top}connectors:
+  - name: pd
+    type: nixl
+    role: {role}
+    options: {{side_channel_host: 127.0.0.1, side_channel_port: {port}, key_env: KVCOMPOSE_TEST_KEY}}
+"""
+
+
+LOADS_KEY = "kvcompose:loads"  # the composite's load counters among its stats (kvcompose.vllm.loadstats)
+
+
+def _served(d: Any, prompt: list[int], params: dict[str, Any], refused: Counter[str]) -> tuple[Any, list[Any], bool]:
+    """``prompt`` with ``params`` on the decode harness ``d``, stepped until it finished; the
+    request, its outputs, and whether the worker reported its load failed. Adds the nixl
+    child's refusals (its stats) to ``refused``."""
+    req = make_request(len(prompt), block_size=FAKE_BLOCK, prompt=prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    outputs: list[Any] = []
+    failed = False
+    for _ in range(20):
+        _, eco = d.engine_step()
+        failed = failed or req.request_id in d.last_output.failed_recving
+        for e in eco.values():
+            outputs += [o for o in e.outputs if o.request_id == req.request_id]
+            stats = e.scheduler_stats.kv_connector_stats if e.scheduler_stats is not None else None
+            loads = (stats or {}).get(LOADS_KEY)
+            if loads:
+                refused.update(loads["data"].get("refused", {}).get("pd", {}))
+        if req.is_finished():
+            return req, outputs, failed
+    raise AssertionError(f"{req.request_id} did not finish: {req.status}")
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_refused_request_fails_under_fail_and_is_computed_under_recompute_with_no_handshake(
+    fake_nixl: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """Issue 51: a refused set connects nowhere and reads nothing under either policy. Under
+    ``load_failure: fail`` the request ends with an error, as vLLM ends a failed read (the
+    worker reports the load failed, the scheduler finishes it with ``FINISHED_ERROR``); under
+    ``recompute`` the prompt is computed on the decode. The composite hands the nixl child the
+    engine's policy. The log names each reason once (vLLM's error carries no text: a 500)."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    from kvcompose.testing.harness import assert_scheduler_empty
+    from kvcompose_nixl.testing.fake_nixl import nixl_worker
+
+    monkeypatch.setenv("KVCOMPOSE_TEST_KEY", KEY)
+    p, d = fake_nixl.pair(
+        keyed_composition("producer", 5861),
+        keyed_composition("consumer", 5862, top=f"load_failure: {policy}\n"),
+        num_blocks=24,
+    )
+    worker = nixl_worker(d)
+    handshakes: list[tuple[Any, ...]] = []
+    real_handshake = worker._nixl_handshake
+    monkeypatch.setattr(worker, "_nixl_handshake", lambda *a, **kw: handshakes.append(a) or real_handshake(*a, **kw))
+    prompt_a, prompt_b = PROMPT_A[:64], PROMPT_B[:64]
+    req = prefill_request(len(prompt_a), block_size=FAKE_BLOCK, prompt=prompt_a)
+    p.scheduler.add_request(req)
+    _, eco = p.engine_step()
+    (params,) = [o.kv_transfer_params for e in eco.values() for o in e.outputs if o.kv_transfer_params]
+    assert SIG_KEY in params
+    attacks = [
+        (prompt_b, dict(params)),  # A's params, B's prompt
+        (prompt_a, {**params, "remote_host": "10.9.9.9", "remote_port": 5600}),  # a host of the client's
+        (prompt_a, {**params, "remote_block_ids": "0,1"}),  # one malformed field
+        (prompt_b, {k: v for k, v in params.items() if k not in (SIG_KEY, EXPIRES_KEY, TOKENS_KEY)}),  # unsigned
+    ]
+    transfers = len(worker.nixl_wrapper.called("transfer"))
+    refused: Counter[str] = Counter()
+    for prompt, attack in attacks:
+        dreq, outputs, failed = _served(d, prompt, attack, refused)
+        if policy == "fail":  # vLLM's scheduler ended it on the worker's report of a failed load
+            assert failed and dreq.status == RequestStatus.FINISHED_ERROR
+            assert [o.finish_reason for o in outputs] == [FinishReason.ERROR] and not dreq.output_token_ids
+        else:  # computed here at once, as a local prompt: no load, nothing failed
+            assert not failed and dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED
+            assert len(dreq.output_token_ids) == 2 and dreq.num_computed_tokens >= len(prompt)
+    assert refused == {"signature": 2, "malformed": 1, "unsigned": 1}
+    outcome = "the request fails (load_failure: fail)" if policy == "fail" else "computed here instead"
+    told = [r.getMessage() for r in caplog.records if "kv_transfer_params refused" in r.getMessage()]
+    # Once per reason and source (the second names the client's host).
+    reasons = ("signature", "signature", "malformed", "unsigned")
+    assert len(told) == len(reasons)
+    for message, reason in zip(told, reasons, strict=True):
+        assert f"kv_transfer_params refused ({reason}), {outcome}: " in message
+    (pd,) = [c for c in d.scheduler.connector.sub_connectors if hasattr(c, "refused_params")]
+    assert handshakes == [] and len(worker.nixl_wrapper.called("transfer")) == transfers == 0
+    assert not pd._refused and not pd._refused_allocated  # nothing left behind
+    # The decode serves on: A with its own params is read from the prefill.
+    dreq, outputs, failed = _served(d, prompt_a, dict(params), refused)
+    assert dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED and not failed
+    assert len(worker.nixl_wrapper.called("transfer")) == 1 and handshakes == []
+    assert_scheduler_empty(d.scheduler)
