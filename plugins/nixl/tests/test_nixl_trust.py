@@ -635,3 +635,35 @@ def test_a_refused_request_fails_under_fail_and_is_computed_under_recompute_with
     assert dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED and not failed
     assert len(worker.nixl_wrapper.called("transfer")) == 1 and handshakes == []
     assert_scheduler_empty(d.scheduler)
+
+
+def test_the_plug_in_connector_alone_fails_a_refused_request_under_vllms_default_policy(
+    fake_nixl: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same without a composition: the nixl type's class as vLLM's only connector, vLLM's
+    default ``kv_load_failure_policy`` (``fail``), no key (loopback peers only)."""
+    from vllm.v1.request import RequestStatus
+
+    from kvcompose.testing.harness import assert_scheduler_empty
+    from kvcompose_nixl.testing.fake_nixl import nixl_worker
+
+    consumer = {**PRODUCER_PLUGIN, "kv_role": "kv_consumer", "engine_id": "decode-engine"}
+    p, d = fake_nixl.pair(PRODUCER_PLUGIN, consumer, num_blocks=24)
+    worker = nixl_worker(d)
+    handshakes: list[tuple[Any, ...]] = []
+    real_handshake = worker._nixl_handshake
+    monkeypatch.setattr(worker, "_nixl_handshake", lambda *a, **kw: handshakes.append(a) or real_handshake(*a, **kw))
+    req = prefill_request(64, block_size=FAKE_BLOCK, prompt=PROMPT_A[:64])
+    p.scheduler.add_request(req)
+    _, eco = p.engine_step()
+    (params,) = [o.kv_transfer_params for e in eco.values() for o in e.outputs if o.kv_transfer_params]
+    ignored: Counter[str] = Counter()
+    for attack in ({**params, "remote_host": "10.9.9.9"}, {**params, "remote_block_ids": [-1, -2]}):
+        dreq, _, failed = _served(d, PROMPT_A[:64], attack, ignored)
+        assert failed and dreq.status == RequestStatus.FINISHED_ERROR
+    assert d.scheduler.connector.refused_params == {"peer": 1, "malformed": 1}
+    assert handshakes == [] and not worker.nixl_wrapper.called("transfer")
+    dreq, _, failed = _served(d, PROMPT_A[:64], dict(params), ignored)  # its own params: read
+    assert dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED and not failed
+    assert len(worker.nixl_wrapper.called("transfer")) == 1
+    assert_scheduler_empty(d.scheduler)
