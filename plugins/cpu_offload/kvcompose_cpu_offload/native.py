@@ -1,126 +1,265 @@
-"""vLLM's native offloading specs with a worker that runs where vLLM's cannot (its CPU platform).
+"""vLLM's native offloading specs, with a worker that copies with host memory copies off CUDA/XPU.
 
-vLLM's ``OffloadingConnector`` takes its spec from ``kv_connector_extra_config``
-(``spec_name`` / ``spec_module_path``, ``vllm/v1/kv_offload/factory.py``). Its CPU spec
-(``CPUOffloadingSpec``, ``vllm/v1/kv_offload/cpu/spec.py``) refuses to build a worker on a
-platform without CUDA or XPU (``get_worker``), and its worker moves blocks with
-``ops.swap_blocks_batch`` on CUDA streams, timed by CUDA events, after asserting that the KV
-tensors are on a GPU (``cpu/gpu_worker.py``, ``SingleDirectionOffloadingHandler``). The tiering
-spec (``TieringOffloadingSpec``, the ``fs`` tier behind host memory) builds that same worker over a
-shared memory region its secondary tiers read.
+vLLM's ``OffloadingConnector`` picks its offloading spec through its own extension point
+(``kv_connector_extra_config``: ``spec_name`` + ``spec_module_path``,
+``vllm/v1/kv_offload/factory.py`` ``OffloadingSpecFactory.get_spec_cls``). The specs here are
+vLLM's (:class:`PortableCPUOffloadingSpec` is a ``CPUOffloadingSpec``,
+:class:`PortableTieringOffloadingSpec` a ``TieringOffloadingSpec``): the scheduler side, the
+manager, the eviction policies and the secondary tiers are vLLM's, unchanged. Only the worker
+differs, and only where vLLM's cannot run:
 
-:class:`PortableCPUOffloadingSpec` and :class:`PortableTieringOffloadingSpec` are those specs
-unchanged (manager, eviction policies, secondary tiers, metrics), except ``get_worker``: with a
-CUDA copy engine it is vLLM's; elsewhere it is :class:`PortableCPUOffloadingWorker`, which lays
-out the host pool as vLLM's worker does (a private tensor, or the tiering spec's shared region),
-maps each transfer's blocks to byte ranges as vLLM's handler does (``compute_sub_block_ptrs``,
-skipping into a partly matching first chunk) and copies those ranges with host memory copies
-(:func:`kvcompose_cpu_offload.block_copy.helper_copy`, the compiled helper the cpu-offload tier
-uses). A transfer is done when ``submit_*`` returns: on the CPU platform the forward pass runs
-in the same thread, so a load submitted at ``start_load_kv`` is in place before it, and a store,
-which vLLM submits a step after the one that computed its blocks, reads finished KV.
+* on CUDA and XPU ``get_worker`` is vLLM's own;
+* elsewhere (vLLM's CPU platform) it is :class:`PortableCPUOffloadingWorker`: vLLM's
+  ``CPUOffloadingWorker`` whose two ``SingleDirectionOffloadingHandler``\\ s are
+  :class:`PortableOffloadingHandler`. vLLM's handler code plans every transfer as it does on
+  CUDA (``transfer_async``: per-group block/chunk/skip mapping, ``_fill_direct_ops`` /
+  ``_fill_canonical_ops`` filling uint64 pointer descriptors) and reports it
+  (``get_finished``: ``TransferResult(job_id, True, bytes, seconds)``), inherited unchanged.
+  What it gets from CUDA is replaced: the stream is a :class:`HostStream` (one copy thread per
+  direction, FIFO like vLLM's chained streams), the events are :class:`HostEvent`\\ s, and
+  ``swap_blocks_batch`` is the plugin's compiled ``copy_pieces`` over the same descriptors.
+
+See docs/native-offload.md for what differs and why.
 """
 
 from __future__ import annotations
 
 import ctypes
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from typing_extensions import override
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_offload.base import (
-    BlockIDsLoadStoreSpec,
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingWorker,
-    TransferResult,
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.cpu.gpu_worker import (
+    CPUOffloadingWorker,
+    SingleDirectionOffloadingHandler,
+    _build_copy_plan,
+    _canonical_block_sizes,
 )
-from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvcompose_cpu_offload.block_copy import helper_built, helper_copy
-from kvcompose_cpu_offload.connector import has_cuda_copy_engine
+from kvcompose_cpu_offload import block_copy
+from kvcompose_cpu_offload.copy_threads import ThreadEvent
 
+# A child of vLLM's logger, so these lines appear in engine logs with vLLM's own.
 logger = init_logger(f"vllm.{__name__}")
 
 
-def copy_ranges(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
-    """Copy ``sizes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every i (uint64 arrays)."""
-    if helper_built():
-        helper_copy(dst, src, sizes)
+def vllm_worker_runs_here() -> bool:
+    """Whether vLLM's own ``CPUOffloadingWorker`` runs on this platform (CUDA-alike or XPU;
+    ``CPUOffloadingSpec.get_worker`` raises elsewhere)."""
+    return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
+
+
+def host_copy(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> str:
+    """Copy ``sizes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for each ``i``: what
+    ``ops.swap_blocks_batch`` does on CUDA, on host memory. Returns the loop that copied."""
+    n = sizes.numel()
+    if n == 0:
+        return "none"
+    s, d, z = src.numpy(), dst.numpy(), sizes.numpy()
+    if block_copy.helper_built():
+        return block_copy.helper_copy(d, s, z)
+    for i in range(n):  # pragma: no cover - a build without a compiler
+        ctypes.memmove(int(d[i]), int(s[i]), int(z[i]))
+    return "memmove"
+
+
+class HostEvent(ThreadEvent):
+    """Stands in for a ``torch.Event(enable_timing=True)``: recorded on a :class:`HostStream`,
+    complete (with a timestamp) once its copy thread reaches it; a copy error queued before it
+    on that stream is raised by ``query``/``synchronize`` (like a CUDA error)."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self) -> None:
+        super().__init__("native offload transfer")
+        self._t = 0.0
+
+    def record(self, stream: HostStream | None = None) -> None:
+        if stream is None:
+            stream = current_platform.current_stream()
+        assert isinstance(stream, HostStream), stream
+        self._done.clear()
+        self._error = None
+        stream.put(("record", self))
+
+    def stamp(self, error: BaseException | None) -> None:
+        self._t = time.perf_counter()
+        self.set_done(error)
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds from this event to ``end`` (as ``torch.Event.elapsed_time``)."""
+        return (end._t - self._t) * 1e3
+
+
+class HostStream:
+    """Stands in for a CUDA stream: work queued on it runs in order on its lane's copy thread.
+
+    ``wait_stream`` (vLLM: wait for the compute stream) has nothing to wait for: on vLLM's CPU
+    platform the forward pass that wrote the KV, and the zeroing of newly allocated blocks, ran
+    on the engine's thread before the connector submits a transfer (``start_load_kv`` runs after
+    ``_update_states``; stores are deferred to the next step's ``start_load_kv``).
+    """
+
+    def __init__(self, lane: _CopyLane) -> None:
+        self._lane = lane
+
+    def put(self, op: tuple[str, Any]) -> None:
+        self._lane.put(op)
+
+    def wait_stream(self, stream: object) -> None:
         return
-    for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
-        ctypes.memmove(d, s, n)
+
+    def wait_event(self, event: HostEvent) -> None:
+        self.put(("wait", event))
 
 
-class _Direction:
-    """One direction's tensors and vLLM's block-to-bytes mapping (``SingleDirectionOffloadingHandler``
-    in ``cpu/gpu_worker.py``, its direct layout): a device block is one page per tensor, a host chunk
-    ``blocks_per_chunk`` pages, and a group's first device block may start inside a chunk."""
+class _CopyLane:
+    """One copy thread and its FIFO: every transfer of one direction, in submission order."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self.loops: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, op: tuple[str, Any]) -> None:
+        self._queue.put(op)
+
+    def _run(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            kind, arg = op
+            if kind == "copy":
+                try:
+                    self.loops.add(host_copy(*arg))
+                except BaseException as exc:  # reported by the transfer's end event
+                    self._error = exc
+            elif kind == "wait":
+                try:
+                    arg.synchronize()
+                except BaseException as exc:
+                    self._error = exc
+            else:  # record
+                error, self._error = self._error, None
+                arg.stamp(error)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+
+class PortableOffloadingHandler(SingleDirectionOffloadingHandler):
+    """vLLM's ``SingleDirectionOffloadingHandler`` on host memory.
+
+    ``transfer_async``, ``get_finished``, ``wait`` and the descriptor fill are vLLM's. Its
+    stream and events come from the handler's pools when they hold one (vLLM's reuse path,
+    ``gpu_worker.py`` ``transfer_async``), so the pools are topped up with :class:`HostStream`
+    and :class:`HostEvent` objects before each transfer; ``self._swap_blocks_batch`` queues
+    the filled descriptors on the current (host) stream.
+
+    ``__init__`` is vLLM's minus one line: vLLM asserts ``gpu_tensor.is_cuda or is_xpu``
+    (``gpu_worker.py:302``), which no CPU tensor satisfies, so the same attributes are set
+    here (pinned by tests/test_native_offload_pins.py).
+    """
 
     def __init__(
         self,
-        device: list[torch.Tensor],
-        host: list[torch.Tensor],
+        gpu_tensors: list[torch.Tensor],
+        cpu_tensors: list[torch.Tensor],
         blocks_per_chunk: int,
-        refs: list[list[CanonicalKVCacheRef]],
-        to_host: bool,
+        layer_refs_per_group: list,
+        gpu_to_cpu: bool,
+        canonical_layout: bool = False,
+        host_memory_is_pinned: bool = False,
+    ):
+        assert len(gpu_tensors) == len(cpu_tensors)
+        assert len(gpu_tensors) > 0
+        canonical_bytes_per_block = (
+            _canonical_block_sizes(layer_refs_per_group, len(gpu_tensors)) if canonical_layout else None
+        )
+        for t_idx, (gpu_tensor, cpu_tensor) in enumerate(zip(gpu_tensors, cpu_tensors, strict=True)):
+            for t in (gpu_tensor, cpu_tensor):
+                assert t.dtype == torch.int8 and t.ndim == 2 and t.device.type == "cpu"
+            gpu_page_size, cpu_page_size = gpu_tensor.shape[1], cpu_tensor.shape[1]
+            if canonical_bytes_per_block is not None:
+                assert cpu_page_size == canonical_bytes_per_block[t_idx] * blocks_per_chunk
+            else:
+                assert cpu_page_size == gpu_page_size * blocks_per_chunk
+
+        self.src_tensors = gpu_tensors if gpu_to_cpu else cpu_tensors
+        self.dst_tensors = cpu_tensors if gpu_to_cpu else gpu_tensors
+        self.gpu_to_cpu = gpu_to_cpu
+        self.layer_refs_per_group = layer_refs_per_group
+        self._swap_blocks_batch = self._queue_copy
+        self.src_blocks_per_chunk = 1 if gpu_to_cpu else blocks_per_chunk
+        self.dst_blocks_per_chunk = blocks_per_chunk if gpu_to_cpu else 1
+        self._canonical_copy_plans = (
+            [[_build_copy_plan(ref, gpu_to_cpu) for ref in refs] for refs in layer_refs_per_group]
+            if canonical_layout
+            else None
+        )
+        self._fill_group_ops = self._fill_canonical_ops if canonical_layout else self._fill_direct_ops
+        num_scratch_blocks = gpu_tensors[0].shape[0] if canonical_layout else 0
+        self._scratch_bases_src = np.empty(num_scratch_blocks, dtype=np.uint64)
+        self._scratch_bases_dst = np.empty(num_scratch_blocks, dtype=np.uint64)
+        self._transfer_events = {}
+        self._transfers = deque()
+        self._stream_pool = []
+        self._event_pool = []
+        self._buffer_pool = []
+        self._lane = _CopyLane("kv-native-offload-" + ("store" if gpu_to_cpu else "load"))
+
+    def _queue_copy(
+        self, src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, is_src_access_order_any: bool = False
     ) -> None:
-        self.src, self.dst = (device, host) if to_host else (host, device)
-        self.to_host = to_host
-        self.refs = refs
-        self.src_per_chunk = 1 if to_host else blocks_per_chunk
-        self.dst_per_chunk = blocks_per_chunk if to_host else 1
+        stream = current_platform.current_stream()
+        assert isinstance(stream, HostStream), stream
+        stream.put(("copy", (src, dst, sizes)))
 
-    def copy(self, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> int:
-        """Copy one transfer's bytes; returns how many."""
-        assert isinstance(src_spec, BlockIDsLoadStoreSpec) and isinstance(dst_spec, BlockIDsLoadStoreSpec)
-        device_spec = src_spec if self.to_host else dst_spec
-        assert isinstance(device_spec, GPULoadStoreSpec)
-        src_blocks, dst_blocks = src_spec.block_ids, dst_spec.block_ids
-        srcs: list[np.ndarray] = []
-        dsts: list[np.ndarray] = []
-        sizes: list[np.ndarray] = []
-        src_at = dst_at = 0
-        for group, (count, index) in enumerate(zip(device_spec.group_sizes, device_spec.block_indices, strict=True)):
-            if count == 0:
-                continue
-            src_skip, dst_skip = index % self.src_per_chunk, index % self.dst_per_chunk
-            src_n = cdiv(count + src_skip, self.src_per_chunk)
-            dst_n = cdiv(count + dst_skip, self.dst_per_chunk)
-            for ref in self.refs[group]:
-                s, d = np.empty(count, np.uint64), np.empty(count, np.uint64)
-                compute_sub_block_ptrs(
-                    src_blocks[src_at : src_at + src_n], self.src_per_chunk, s, self.src[ref.tensor_idx], src_skip
-                )
-                compute_sub_block_ptrs(
-                    dst_blocks[dst_at : dst_at + dst_n], self.dst_per_chunk, d, self.dst[ref.tensor_idx], dst_skip
-                )
-                srcs.append(s)
-                dsts.append(d)
-                sizes.append(np.full(count, ref.page_size_bytes, np.uint64))
-            src_at, dst_at = src_at + src_n, dst_at + dst_n
-        if src_at != len(src_blocks) or dst_at != len(dst_blocks):
-            raise ValueError(f"transfer of {len(src_blocks)} -> {len(dst_blocks)} blocks does not match its groups")
-        if not sizes:
-            return 0
-        all_sizes = np.concatenate(sizes)
-        copy_ranges(np.concatenate(dsts), np.concatenate(srcs), all_sizes)
-        return int(all_sizes.sum())
+    @override
+    def transfer_async(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        if not self._stream_pool:
+            self._stream_pool.append(HostStream(self._lane))
+        while len(self._event_pool) < 2:
+            self._event_pool.append(HostEvent())
+        return super().transfer_async(job_id, src_spec, dst_spec)
+
+    def take_copy_loops(self) -> set[str]:
+        """The copy loops (``block_copy.copy_loop`` names) transfers used since the last call."""
+        loops, self._lane.loops = self._lane.loops, set()
+        return loops
+
+    @override
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self._lane.stop()
 
 
-class PortableCPUOffloadingWorker(OffloadingWorker):
-    """vLLM's ``OffloadingWorker`` for the host tier, with host memory copies: the same
-    constructor as vLLM's ``CPUOffloadingWorker`` and the same reports (``TransferResult`` per
-    job, in submission order)."""
+class PortableCPUOffloadingWorker(CPUOffloadingWorker):
+    """vLLM's ``CPUOffloadingWorker`` with :class:`PortableOffloadingHandler`\\ s.
+
+    ``submit_store``/``submit_load``/``get_finished``/``wait``/``shutdown`` are vLLM's.
+    ``__init__`` is vLLM's without CUDA pinning (``cudaHostRegister``; vLLM's ``PIN_MEMORY`` is
+    false on its CPU platform anyway): host tensors from the shared region when one is given
+    (the tiering spec's, which its secondary tiers read), else ``torch.zeros``.
+    """
 
     def __init__(
         self,
@@ -129,100 +268,122 @@ class PortableCPUOffloadingWorker(OffloadingWorker):
         num_cpu_chunks: int,
         mmap_region: SharedOffloadRegion | None = None,
         canonical_layout: bool = False,
-    ) -> None:
-        if canonical_layout:
-            raise ValueError("canonical_layout is vLLM's CUDA worker's only; remove it from kv_connector_extra_config")
+    ):
+        assert not canonical_layout or mmap_region is not None
         self._mmap_region = mmap_region
-        device: list[torch.Tensor] = []
-        host: list[torch.Tensor] = []
-        for t in kv_caches.tensors:
-            device.append(t.tensor.view(torch.int8).view((-1, t.page_size_bytes)))
-            page = t.page_size_bytes * blocks_per_chunk
-            if mmap_region is not None:
-                host.append(mmap_region.create_next_worker_view(page))
-            else:
-                host.append(torch.zeros((num_cpu_chunks, page), dtype=torch.int8))
-        refs = kv_caches.group_data_refs
-        self._store = _Direction(device, host, blocks_per_chunk, refs, to_host=True)
-        self._load = _Direction(device, host, blocks_per_chunk, refs, to_host=False)
-        self._done: list[TransferResult] = []
-        logger.info("portable offloading worker: %d host tensors, %d chunks", len(host), num_cpu_chunks)
-
-    def _run(self, direction: _Direction, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> bool:
-        t0 = time.perf_counter()
-        try:
-            moved = direction.copy(src, dst)
-        except Exception:  # reported as vLLM reports a failed transfer; the engine goes on
-            logger.exception("offloading job %d failed", job_id)
-            self._done.append(TransferResult(job_id=job_id, success=False))
-            return True
-        self._done.append(TransferResult(job_id, True, moved, time.perf_counter() - t0))
-        return True
-
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        return self._run(self._store, job_id, src_spec, dst_spec)
-
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        return self._run(self._load, job_id, src_spec, dst_spec)
-
-    def get_finished(self) -> list[TransferResult]:
-        done, self._done = self._done, []
-        return done
-
-    def wait(self, job_ids: set[int]) -> None:
-        """Nothing to wait for: a job is copied when it is submitted."""
-
-    def shutdown(self) -> None:
-        if self._mmap_region is not None:
-            self._mmap_region.cleanup()
-            self._mmap_region = None
-
-
-def _portable(spec: Any, kv_caches: CanonicalKVCaches, mmap_region: SharedOffloadRegion | None) -> OffloadingWorker:
-    try:
-        return PortableCPUOffloadingWorker(
-            kv_caches,
-            spec.blocks_per_chunk,
-            spec.num_chunks,
-            mmap_region,
-            bool(getattr(spec.config, "canonical_layout", False)),
+        canonical_bytes_per_block = (
+            _canonical_block_sizes(kv_caches.group_data_refs, len(kv_caches.tensors)) if canonical_layout else None
         )
-    except Exception:
-        if mmap_region is not None:
-            mmap_region.cleanup()
-        raise
+        gpu_tensors: list[torch.Tensor] = []
+        cpu_tensors: list[torch.Tensor] = []
+        for t_idx, kv_cache_tensor in enumerate(kv_caches.tensors):
+            page = kv_cache_tensor.page_size_bytes
+            gpu_tensors.append(kv_cache_tensor.tensor.view(torch.int8).view((-1, page)))
+            if canonical_bytes_per_block is not None:
+                assert mmap_region is not None
+                cpu = mmap_region.create_next_canonical_view(canonical_bytes_per_block[t_idx] * blocks_per_chunk)
+            elif mmap_region is not None:
+                cpu = mmap_region.create_next_worker_view(page * blocks_per_chunk)
+            else:
+                cpu = torch.zeros((num_cpu_chunks, page * blocks_per_chunk), dtype=torch.int8)
+            cpu_tensors.append(cpu)
+        common: dict[str, Any] = {
+            "gpu_tensors": gpu_tensors,
+            "cpu_tensors": cpu_tensors,
+            "blocks_per_chunk": blocks_per_chunk,
+            "layer_refs_per_group": kv_caches.group_data_refs,
+            "canonical_layout": canonical_layout,
+        }
+        self._store_handler = PortableOffloadingHandler(gpu_to_cpu=True, **common)
+        self._load_handler = PortableOffloadingHandler(gpu_to_cpu=False, **common)
+        logger.info(
+            "native offload: portable worker (host memory copies, %s), %d tensors, %d chunks of %d blocks",
+            block_copy.copy_loop(),
+            len(cpu_tensors),
+            num_cpu_chunks,
+            blocks_per_chunk,
+        )
+
+    def take_copy_loops(self) -> set[str]:
+        """The copy loops the transfers used since the last call (both directions)."""
+        assert isinstance(self._store_handler, PortableOffloadingHandler)
+        assert isinstance(self._load_handler, PortableOffloadingHandler)
+        return self._store_handler.take_copy_loops() | self._load_handler.take_copy_loops()
 
 
 class PortableCPUOffloadingSpec(CPUOffloadingSpec):
-    """vLLM's ``CPUOffloadingSpec``; off CUDA its worker is :class:`PortableCPUOffloadingWorker`."""
+    """vLLM's ``CPUOffloadingSpec``; off CUDA/XPU its worker is :class:`PortableCPUOffloadingWorker`.
 
+    Config: ``spec_name: PortableCPUOffloadingSpec``, ``spec_module_path:
+    kvcompose_cpu_offload.native``, and vLLM's keys (``cpu_bytes_to_use``, ...).
+    """
+
+    @override
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
+        if vllm_worker_runs_here():
+            return super().create_worker(kv_caches)
+        # vLLM's create_worker without the shared region (it maps one on CUDA/XPU only).
+        return PortableCPUOffloadingWorker(
+            kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk, num_cpu_chunks=self.num_chunks
+        )
+
+    @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if has_cuda_copy_engine():
+        if vllm_worker_runs_here():
             return super().get_worker(kv_caches)
-        if self._worker is None:
-            self._worker = _portable(self, kv_caches, None)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
+        if not self._worker:
+            self._worker = self.create_worker(kv_caches)
+        return self._worker
 
 
 class PortableTieringOffloadingSpec(TieringOffloadingSpec):
-    """vLLM's ``TieringOffloadingSpec`` (host memory, then secondary tiers such as ``fs``); off
-    CUDA its worker is :class:`PortableCPUOffloadingWorker` over the shared region the secondary
-    tiers read, made as vLLM's ``create_worker`` makes it."""
+    """vLLM's ``TieringOffloadingSpec`` (CPU primary tier + secondary tiers such as ``fs``); off
+    CUDA/XPU its worker is :class:`PortableCPUOffloadingWorker` on vLLM's shared region.
 
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if has_cuda_copy_engine():
-            return super().get_worker(kv_caches)
-        if self._worker is None:
-            rank = 0 if self.replicated_layout else self.config.parallel.rank
-            region = SharedOffloadRegion(
-                engine_id=self._engine_id,
-                num_chunks=self.num_chunks,
-                rank=rank,
-                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker,
+    Config: ``spec_name: PortableTieringOffloadingSpec``, ``spec_module_path:
+    kvcompose_cpu_offload.native``, ``cpu_bytes_to_use``, ``secondary_tiers: [{type: fs,
+    root_dir: ...}]``.
+    """
+
+    @override
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
+        if vllm_worker_runs_here():
+            return super().create_worker(kv_caches)
+        # vLLM's TieringOffloadingSpec.create_worker with the portable worker class.
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        worker_mmap = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            if self.config.canonical_layout:
+                self._validate_canonical_refs(kv_caches)
+            return PortableCPUOffloadingWorker(
+                kv_caches=kv_caches,
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_cpu_chunks=self.num_chunks,
+                mmap_region=worker_mmap,
+                canonical_layout=self.config.canonical_layout,
             )
-            self._worker = _portable(self, kv_caches, region)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
+        except Exception:
+            worker_mmap.cleanup()
+            raise
+
+    @override
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if vllm_worker_runs_here():
+            return super().get_worker(kv_caches)
+        if not self._worker:
+            self._worker = self.create_worker(kv_caches)
+        return self._worker
 
 
-__all__: Sequence[str] = ["PortableCPUOffloadingSpec", "PortableCPUOffloadingWorker", "PortableTieringOffloadingSpec"]
+__all__: Sequence[str] = [
+    "PortableCPUOffloadingSpec",
+    "PortableCPUOffloadingWorker",
+    "PortableOffloadingHandler",
+    "PortableTieringOffloadingSpec",
+]
