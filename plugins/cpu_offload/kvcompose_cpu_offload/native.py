@@ -25,6 +25,7 @@ See docs/native-offload.md for what differs and why.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import queue
 import threading
 import time
@@ -252,6 +253,11 @@ class PortableOffloadingHandler(SingleDirectionOffloadingHandler):
             self._lane.stop()
 
 
+#: Whether vLLM's worker takes ``submit_load(..., expedited=)`` and so keeps a third handler
+#: (``_expedited_load_handler``, vLLM 0.33's ``cpu/gpu_worker.py``), which its other methods use.
+_EXPEDITED_LOADS = "expedited" in inspect.signature(CPUOffloadingWorker.submit_load).parameters
+
+
 class PortableCPUOffloadingWorker(CPUOffloadingWorker):
     """vLLM's ``CPUOffloadingWorker`` with :class:`PortableOffloadingHandler`\\ s.
 
@@ -296,6 +302,8 @@ class PortableCPUOffloadingWorker(CPUOffloadingWorker):
         }
         self._store_handler = PortableOffloadingHandler(gpu_to_cpu=True, **common)
         self._load_handler = PortableOffloadingHandler(gpu_to_cpu=False, **common)
+        if _EXPEDITED_LOADS:  # vLLM 0.33: expedited loads have a handler (a stream) of their own
+            self._expedited_load_handler = PortableOffloadingHandler(gpu_to_cpu=False, **common)
         logger.info(
             "native offload: portable worker (host memory copies, %s), %d tensors, %d chunks of %d blocks",
             block_copy.copy_loop(),
