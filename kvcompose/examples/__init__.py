@@ -15,6 +15,10 @@ from pathlib import Path
 #: The folder holding the example files (inside the installed package).
 EXAMPLES = Path(__file__).resolve().parent
 SUFFIX = ".yaml"
+#: The shipped P/D pairs by host tier (``--host-tier``), each the stem of a ``-prefill.yaml`` and a
+#: ``-decode.yaml``: vLLM's SimpleCPUOffloadConnector (``cpu-offload``) or its OffloadingConnector
+#: (``native-offload``).
+HOST_TIERS = {"simple": "pd", "native": "native"}
 
 
 class ExampleError(ValueError):
@@ -57,6 +61,15 @@ def example(name: str) -> Example:
     raise ExampleError(f"no example named {name!r}{hint}; there are: {', '.join(known)}")
 
 
+def pd_pair(host_tier: str = "simple") -> tuple[Path, Path]:
+    """The shipped prefill and decode files of ``host_tier`` (a name of :data:`HOST_TIERS`); an
+    :class:`ExampleError` names the tiers for another."""
+    if host_tier not in HOST_TIERS:
+        raise ExampleError(f"no host tier named {host_tier!r}; choose from {', '.join(HOST_TIERS)}")
+    stem = HOST_TIERS[host_tier]
+    return EXAMPLES / f"{stem}-prefill{SUFFIX}", EXAMPLES / f"{stem}-decode{SUFFIX}"
+
+
 def write(examples: list[Example], folder: Path, force: bool = False) -> list[Path]:
     """Copy ``examples`` into ``folder`` (created if missing) and return the paths written. A file
     already there with other contents is refused unless ``force``; nothing is written then."""
@@ -71,4 +84,4 @@ def write(examples: list[Example], folder: Path, force: bool = False) -> list[Pa
     return [t for _, t in targets]
 
 
-__all__ = ["EXAMPLES", "Example", "ExampleError", "all_examples", "example", "write"]
+__all__ = ["EXAMPLES", "HOST_TIERS", "Example", "ExampleError", "all_examples", "example", "pd_pair", "write"]

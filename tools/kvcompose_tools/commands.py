@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from kvcompose.cli import command
+from kvcompose.examples import HOST_TIERS
 
 #: The models ``--model`` takes (kvcompose_tools.e2e.model.MODELS, named here so that building the
 #: parser imports nothing heavy; a test pins the two).
@@ -99,7 +100,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from kvcompose_tools.soak.run import run
 
     base = QUICK if args.quick else SoakOptions()
-    given = {k: getattr(args, k) for k in ("requests", "concurrency", "seed", "link") if getattr(args, k) is not None}
+    names = ("requests", "concurrency", "seed", "link", "host_tier")
+    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.link and not args.hosts:
         print("kvcompose soak: --link sets the rate of --hosts' link; add --hosts", file=sys.stderr)
         return 2
@@ -169,7 +171,7 @@ def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
     s.add_argument("--model", choices=MODEL_NAMES, default="tiny", help=MODEL_HELP)
     s.add_argument(
         "--host-tier",
-        choices=["simple", "native"],
+        choices=list(HOST_TIERS),
         default="simple",
         help="the host-memory tier beside NIXL: simple (cpu-offload, vLLM's SimpleCPUOffloadConnector: "
         "pd-*.yaml) or native (native-offload, vLLM's OffloadingConnector: native-*.yaml)",
@@ -253,5 +255,11 @@ def add_soak(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
         "one; the link between the two is cut once, longer than the prefill's lease, and restored",
     )
     s.add_argument("--link", metavar="RATE", help="with --hosts: the link's rate in tc's units (default 800mbit)")
+    s.add_argument(
+        "--host-tier",
+        choices=list(HOST_TIERS),
+        help="the shipped pair the stack runs: simple (pd-*.yaml, the default) or native (native-*.yaml, vLLM's "
+        "OffloadingConnector as the host tier)",
+    )
     s.set_defaults(func=cmd_soak)
     return s

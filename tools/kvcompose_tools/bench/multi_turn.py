@@ -17,6 +17,10 @@ Sides, one at a time on the same two hosts, their order flipping every run:
 * ``MultiConnector``: vLLM's MultiConnector over the examples' children on both (first-wins);
 * ``kvcompose``: the shipped examples (host tier on both, ``load: ranges`` on the decode);
 * ``kvcompose-first-wins``: the examples with ``load: first-wins`` on the decode;
+* ``MultiConnector-native``: vLLM's MultiConnector over the native examples' children (NIXL and
+  vLLM's ``OffloadingConnector`` as the host tier, issue 52);
+* ``kvcompose-native``: the native examples (``native-prefill.yaml``, ``native-decode.yaml``:
+  ``load: ranges`` on the decode);
 * ``kvcompose-trust-off`` (not run unless chosen, :data:`SIDES_ENV`): the examples without the
   deployment key on either instance (no signature, no sealed agent metadata, no MAC on lease
   messages; the decode's field checks run either way), for the cost of trust on TTFT (issue 51).
@@ -42,7 +46,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +62,25 @@ from kvcompose_tools.e2e.stream import address, send
 
 SUBJECT = "kvcompose"
 BARE = "bare"
+MULTI = "MultiConnector"
 TRUST_OFF = "kvcompose-trust-off"
+#: The sides whose host tier is vLLM's OffloadingConnector (the native examples).
+NATIVE = "kvcompose-native"
+MULTI_NATIVE = "MultiConnector-native"
 #: The sides run unless :data:`SIDES_ENV` names others.
-SIDES = (BARE, "nixl-plugin", "MultiConnector", SUBJECT, "kvcompose-first-wins")
+SIDES = (BARE, "nixl-plugin", MULTI, SUBJECT, "kvcompose-first-wins", MULTI_NATIVE, NATIVE)
 ALL_SIDES = (*SIDES, TRUST_OFF)
 #: Comma-separated sides to run instead of :data:`SIDES`, e.g. ``kvcompose,kvcompose-trust-off``
 #: (``KVCOMPOSE_BENCH_SIDES=kvcompose,kvcompose-trust-off kvcompose bench --only multi-turn``).
 SIDES_ENV = "KVCOMPOSE_BENCH_SIDES"
 #: The sides kvcompose's figures are divided by.
-BASELINES = (BARE, "nixl-plugin", "MultiConnector", TRUST_OFF)
+BASELINES = (BARE, "nixl-plugin", MULTI, TRUST_OFF)
+#: The ratios taken, (subject, baseline), where both ran: kvcompose against each baseline, and
+#: each kvcompose composition against vLLM's MultiConnector of the same children.
+PAIRS = (*((SUBJECT, b) for b in BASELINES), (NATIVE, MULTI_NATIVE), (NATIVE, BARE))
+#: Comma-separated client counts to run every side at instead of the workload's (a load sweep),
+#: e.g. ``KVCOMPOSE_BENCH_CLIENTS=1,5,10``.
+LOADS_ENV = "KVCOMPOSE_BENCH_CLIENTS"
 #: Bytes of KV per token of the tiny model (32 KiB a block of 32 tokens) and Llama-3-8B's
 #: (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), which the links are scaled by.
 TINY_KV_PER_TOKEN = 1024
@@ -146,18 +160,20 @@ def scaled_rate(real_bits_per_s: float, kv_per_token: int = TINY_KV_PER_TOKEN) -
 
 
 def compositions(side: str, workload: Workload, work: Path) -> tuple[Path, Path]:
-    """The examples' prefill and decode compositions as ``side`` runs them: the host tiers sized
-    for ``workload``, ``load: first-wins`` on the decode for ``kvcompose-first-wins``, no key and
-    no side-channel host (vLLM's environment places it) for :data:`TRUST_OFF`."""
+    """The examples' prefill and decode compositions as ``side`` runs them (the native examples for
+    :data:`NATIVE` and :data:`MULTI_NATIVE`): the host tiers sized for ``workload``, ``load:
+    first-wins`` on the decode for ``kvcompose-first-wins``, no key and no side-channel host
+    (vLLM's environment places it) for :data:`TRUST_OFF`."""
     import yaml
 
-    from kvcompose.examples import EXAMPLES
+    from kvcompose.examples import pd_pair
 
+    shipped = pd_pair("native" if side in (NATIVE, MULTI_NATIVE) else "simple")
     out = []
-    for role in ("prefill", "decode"):
-        data = yaml.safe_load((EXAMPLES / f"pd-{role}.yaml").read_text())
+    for role, example in zip(("prefill", "decode"), shipped, strict=True):
+        data = yaml.safe_load(example.read_text())
         for child in data["connectors"]:
-            if child["type"] == "cpu-offload":
+            if child["type"] in ("cpu-offload", "native-offload"):
                 child["options"]["cpu_bytes"] = workload.host_bytes
             if child["type"] == "nixl" and side == TRUST_OFF:
                 for option in ("key_env", "key_file", "side_channel_host"):
@@ -199,7 +215,7 @@ def specs(
         ("decode", decode_yaml, d_port, d_host, "kv_consumer"),
     ):
         name, opts = f"{side}-{role}", {"side_channel_host": host}
-        if side in (SUBJECT, "kvcompose-first-wins"):
+        if side in (SUBJECT, "kvcompose-first-wins", NATIVE):
             out.append((EngineSpec(name, model, str(yaml_path), port, opts, **sizes), {}))
         elif side == TRUST_OFF:
             # No side_channel_host (not even the host's: the spec's None wins over it), vLLM's
@@ -467,10 +483,12 @@ def run(
     sides: tuple[str, ...] | None = None,
     links: tuple[str, ...] | None = None,
     model: str = "tiny",
+    loads: tuple[int, ...] | None = None,
 ) -> Result:
-    """Every side on every link of ``model``'s workload (module docstring); the table, ratios and
-    targets. ``repeats`` and ``links`` override the workload's; ``sides`` (else
-    :func:`chosen_sides`) :data:`SIDES`."""
+    """Every side on every link of ``model``'s workload (module docstring) at each client count
+    of ``loads`` (else :func:`chosen_loads`, else the workload's); the table, ratios and targets.
+    ``repeats`` and ``links`` override the workload's; ``sides`` (else :func:`chosen_sides`)
+    :data:`SIDES`."""
     from kvcompose_tools.e2e.chat import load_tokenizer
     from kvcompose_tools.e2e.hosts import Hosts, format_rate
     from kvcompose_tools.e2e.model import kv_bytes_per_token, make_model, model_config
@@ -478,33 +496,37 @@ def run(
     sides = sides or chosen_sides()
     path = make_model(0, config=model_config(model))  # a ValueError naming the models for another name
     workload = WORKLOADS[model]
+    loads = loads or chosen_loads() or (workload.clients,)
     runs = repeats or workload.runs
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-multi-turn-"))
     kv_per_token = kv_bytes_per_token(path)
     model_dir = str(path)
     tokenizer = load_tokenizer(model_dir)
-    chosen = links or workload.links
-    done: dict[str, dict[str, list[SideRun]]] = {link: {s: [] for s in sides} for link in chosen}
-    answers: dict[str, list[Answers]] = {f"{link}/{side}": [] for link in chosen for side in sides}
+    chosen = [point(link, clients, workload) for link in (links or workload.links) for clients in loads]
+    done: dict[str, dict[str, list[SideRun]]] = {p: {s: [] for s in sides} for p in chosen}
+    answers: dict[str, list[Answers]] = {f"{p}/{side}": [] for p in chosen for side in sides}
     t0 = time.monotonic()
     with engine_lock(echo=echo):
         baseline = baseline_answers(model_dir, tokenizer, logs, 0, workload)
         echo(f"   baseline (one engine, no P/D): {len(baseline.served)} answers, {len(baseline.failed)} failed")
-        for link in chosen:
+        for at in chosen:
+            link, clients = parse_point(at, workload)
             rate = format_rate(scaled_rate(REAL_LINKS[link], kv_per_token))
+            load = replace(workload, clients=clients)
             with Hosts(["prefill", "decode"], link=rate) as hosts:
                 for r in range(runs):
                     for side in sides if r % 2 == 0 else sides[::-1]:
-                        one = side_run(side, link, hosts, model_dir, tokenizer, logs, 0, workload)
-                        done[link][side].append(one)
-                        answers[f"{link}/{side}"].append(mismatches(one.chat, baseline))
+                        one = side_run(side, link, hosts, model_dir, tokenizer, logs, 0, load)
+                        done[at][side].append(one)
+                        answers[f"{at}/{side}"].append(mismatches(one.chat, baseline))
                         f = one.figures()
                         echo(
-                            f"   {link} link ({rate}) run {r + 1} {side}: turn 1 TTFT p50 {f['turn1_ttft_p50_s']} s, "
+                            f"   {at} ({rate}, {clients} clients) run {r + 1} {side}: "
+                            f"turn 1 TTFT p50 {f['turn1_ttft_p50_s']} s, "
                             f"turns 2+ p50 {f['later_ttft_p50_s']} p90 {f['later_ttft_p90_s']} s, "
                             f"{f['requests_per_s']} req/s, one-token TTFT {f['fixed_ttft_p50_s']} s, "
                             f"NIXL {f['nixl_bytes_per_request']} B/req, failed {f['failed']}, "
-                            f"answers: {answers[f'{link}/{side}'][-1].summary()}"
+                            f"answers: {answers[f'{at}/{side}'][-1].summary()}"
                         )
     return summarize(done, runs, quick, logs, answers, time.monotonic() - t0, model, kv_per_token)
 
@@ -518,6 +540,34 @@ def chosen_sides(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"${SIDES_ENV}: unknown side(s) {unknown}; choose from {', '.join(ALL_SIDES)}")
     return names or SIDES
+
+
+def chosen_loads(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """The client counts :data:`LOADS_ENV` names (comma-separated), else none (the workload's); a
+    ValueError for one that is not a positive whole number."""
+    text = (os.environ if environ is None else environ).get(LOADS_ENV, "")
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if any(not n.isdigit() or int(n) < 1 for n in names):
+        raise ValueError(f"${LOADS_ENV}: {text!r} is not a comma-separated list of client counts (1 or more)")
+    return tuple(int(n) for n in names)
+
+
+def point(link: str, clients: int, workload: Workload) -> str:
+    """Where a side ran: the link, and the clients where they are not ``workload``'s
+    (``slow``, ``slow, 10 clients``); the cases' labels start with it."""
+    return link if clients == workload.clients else f"{link}, {clients} clients"
+
+
+def parse_point(at: str, workload: Workload) -> tuple[str, int]:
+    """:func:`point`'s (link, clients)."""
+    link, _, clients = at.partition(", ")
+    return link, int(clients.split()[0]) if clients else workload.clients
+
+
+def label(at: str, kind: str) -> str:
+    """A case's label: ``slow link, turns 2+``; ``slow link, 10 clients, turns 2+``."""
+    link, _, clients = at.partition(", ")
+    return ", ".join(x for x in (f"{link} link", clients, kind) if x)
 
 
 def ordering(per_run: Samples) -> str:
@@ -540,9 +590,10 @@ def summarize(
     model: str = "tiny",
     kv_per_token: int = TINY_KV_PER_TOKEN,
 ) -> Result:
-    """Cases per link: turn 1 and turns 2+ (samples: each run's TTFT p50) and requests/s; per case
-    the per-run ratios of kvcompose to each baseline (the runs of one round were interleaved) and
-    whether they all lie on one side of 1; the time breakdown per side."""
+    """Cases per link (and client count, :func:`point`): turn 1 and turns 2+ (samples: each run's
+    TTFT p50) and requests/s; per case the per-run ratios of each of :data:`PAIRS` that ran (the
+    runs of one round were interleaved) and whether they all lie on one side of 1; the time
+    breakdown per side."""
     from kvcompose_tools.e2e.hosts import format_rate
 
     workload = WORKLOADS[model]
@@ -560,20 +611,19 @@ def summarize(
     )
     for link, by_side in done.items():
         for kind, key, higher in kinds:
-            label = f"{link} link, {kind}"
+            case = label(link, kind)
             samples = {side: Samples([f[key] for f in fs]) for side, fs in figs[link].items()}
+            ran = [(s, b) for s, b in PAIRS if s in samples and b in samples]
             derived = {
-                f"{SUBJECT}/{b} per run": paired(samples, SUBJECT, b, lambda s, x: s / x if x else float("inf"))
-                for b in BASELINES
-                if SUBJECT in samples and b in samples
+                f"{s}/{b} per run": paired(samples, s, b, lambda x, y: x / y if y else float("inf")) for s, b in ran
             }
-            orderings[label] = {name.split("/")[1].removesuffix(" per run"): ordering(v) for name, v in derived.items()}
+            orderings[case] = {name.removesuffix(" per run"): ordering(v) for name, v in derived.items()}
             extra = {"runs": figs[link]} if kind == "turns 2+" else {}
-            cases.append(Case(label, samples, extra, derived))
-            for b in BASELINES:
+            cases.append(Case(case, samples, extra, derived))
+            for s, b in ran:
                 # A baseline that served nothing has no rate to divide by (its ordering says so).
-                if SUBJECT in samples and b in samples and samples[b].min > 0:
-                    ratios.append(ratio(label, samples, SUBJECT, b, higher_is_better=higher))
+                if samples[b].min > 0:
+                    ratios.append(ratio(case, samples, s, b, higher_is_better=higher))
         by_turn[link] = {
             side: [statistics.median(turn) for turn in zip(*(r.ttft_by_turn() for r in rs), strict=False)]
             for side, rs in by_side.items()
@@ -584,10 +634,8 @@ def summarize(
                 targets.append(CaseTarget("<=", TARGET_BARE, SUBJECT, BARE, "slow link, turns 2+", "TTFT p50"))
                 targets.append(CaseTarget("<=", TARGET_TURN1, SUBJECT, BARE, "slow link, turn 1", "TTFT p50"))
                 targets.append(CaseTarget(">=", TARGET_RATE, SUBJECT, BARE, "slow link, requests/s", "requests/s"))
-            if "MultiConnector" in by_side:
-                targets.append(
-                    CaseTarget("<=", TARGET_MULTI, SUBJECT, "MultiConnector", "slow link, turns 2+", "TTFT p50")
-                )
+            if MULTI in by_side:
+                targets.append(CaseTarget("<=", TARGET_MULTI, SUBJECT, MULTI, "slow link, turns 2+", "TTFT p50"))
     breakdowns = {link: {side: mean_breakdown(fs) for side, fs in by_side.items()} for link, by_side in figs.items()}
     fixed = {
         link: {side: median_of(f["fixed_ttft_p50_s"] for f in fs) for side, fs in by_side.items()}
@@ -618,16 +666,18 @@ def summarize(
             + ", ".join(
                 f"{k}: {format_rate(scaled_rate(REAL_LINKS[k], kv_per_token))} (= {REAL_LINKS[k] / 1e9:g} Gbit/s "
                 "for Llama-3-8B's KV)"
-                for k in done
+                for k in dict.fromkeys(parse_point(at, w)[0] for at in done)
             )
             + "; vLLM's router in the root namespace, consistent_hash on X-Session-ID",
-            f"{w.conversations} conversations x {w.turns} turns, {w.clients} clients, streamed chat; a "
+            f"{w.conversations} conversations x {w.turns} turns, {w.clients} clients (unless a case names others), "
+            "streamed chat; a "
             f"{w.system_tokens}-token system prompt per group of {w.group}; first messages 250-350 tokens, later "
             f"60-100, answers 16-24; {w.device_blocks} device blocks of {BLOCK_SIZE} tokens and a {w.host_bytes} host "
             "tier per instance",
             "bare: vLLM's NixlConnector as shipped on both; nixl-plugin: the examples' NIXL child alone; "
             "MultiConnector: vLLM's over the examples' children; kvcompose: the examples; kvcompose-first-wins: the "
-            "examples with load: first-wins on decode"
+            "examples with load: first-wins on decode; MultiConnector-native and kvcompose-native: the same over the "
+            "native examples (vLLM's OffloadingConnector as the host tier)"
             + (
                 f"; {TRUST_OFF}: the examples without the key (nothing signed, sealed or MACed; side channels placed "
                 "by VLLM_NIXL_SIDE_CHANNEL_HOST, the decode's peers the prefill's host): "
@@ -635,9 +685,9 @@ def summarize(
                 if any(TRUST_OFF in by_side for by_side in done.values())
                 else ""
             ),
-            "a sample: one run's TTFT p50 (client side, first streamed token) or requests/s; ratio = kvcompose / "
+            "a sample: one run's TTFT p50 (client side, first streamed token) or requests/s; ratio = subject / "
             "baseline; an ordering is claimed only where every run's ratio lies on the same side of 1: "
-            + "; ".join(f"{case}: " + ", ".join(f"{b} {o}" for b, o in os_.items()) for case, os_ in orderings.items()),
+            + "; ".join(f"{case}: " + ", ".join(f"{p} {o}" for p, o in os_.items()) for case, os_ in orderings.items()),
             "fixed cost (one-token prompt TTFT p50 through the stack, median over runs, ms): "
             + "; ".join(
                 f"{link}: " + ", ".join(f"{s} {v * 1e3:.0f}" for s, v in sides_.items() if v is not None)

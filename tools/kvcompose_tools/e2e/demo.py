@@ -47,7 +47,7 @@ from array import array
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvcompose.examples import EXAMPLES
+from kvcompose.examples import ExampleError, pd_pair
 from kvcompose_tools.e2e.chat import OTHER_SYSTEM, SYSTEM, ChatTurn, baseline_chat, chat_through_router, load_tokenizer
 from kvcompose_tools.e2e.flow import (
     Served,
@@ -131,11 +131,6 @@ def _row(s: Served, ok: bool, pull: bool = False) -> str:
     )
 
 
-#: ``--host-tier`` -> the shipped examples' prefix (``pd-decode.yaml``, ``native-decode.yaml``):
-#: vLLM's SimpleCPUOffloadConnector (``cpu-offload``) or its OffloadingConnector (``native-offload``).
-HOST_TIERS = {"simple": "pd", "native": "native"}
-
-
 def run(
     work: Path | None = None,
     out: TextIO = sys.stdout,
@@ -153,12 +148,14 @@ def run(
     router, which keeps each conversation on one of them (``consistent_hash``). ``link`` (implies
     ``http``): the prefill and each decode server in a host of its own, links at that rate.
     ``model``: a name of :data:`~kvcompose_tools.e2e.model.MODELS`. ``host_tier``: a name of
-    :data:`HOST_TIERS`, the shipped examples run (unless ``prefill_yaml``/``decode_yaml`` say)."""
-    if host_tier not in HOST_TIERS:
-        print(f"demo: --host-tier {host_tier}: choose from {', '.join(HOST_TIERS)}", file=out)
+    :data:`~kvcompose.examples.HOST_TIERS`, the shipped pair run (unless ``prefill_yaml``/``decode_yaml`` say)."""
+    try:
+        shipped = pd_pair(host_tier)
+    except ExampleError as exc:
+        print(f"demo: --host-tier: {exc}", file=out)
         return 2
-    prefill_yaml = prefill_yaml or EXAMPLES / f"{HOST_TIERS[host_tier]}-prefill.yaml"
-    decode_yaml = decode_yaml or EXAMPLES / f"{HOST_TIERS[host_tier]}-decode.yaml"
+    prefill_yaml = prefill_yaml or shipped[0]
+    decode_yaml = decode_yaml or shipped[1]
     try:
         model_config(model)
     except ValueError as exc:

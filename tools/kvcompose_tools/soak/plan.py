@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from kvcompose.examples import EXAMPLES
+from kvcompose.examples import HOST_TIERS, pd_pair
 from kvcompose_tools.e2e.flow import token_prompt
 
 #: vLLM's NIXL lease on a prefilled request's blocks when the composition sets none (the nixl
@@ -61,6 +61,9 @@ class SoakOptions:
     link: str | None = None
     #: How much longer than the prefill's lease each paused server stays stopped.
     pause_beyond_lease_s: float = PAUSE_BEYOND_LEASE_S
+    #: The shipped pair the stack runs (a name of :data:`~kvcompose.examples.HOST_TIERS`):
+    #: ``native`` puts vLLM's OffloadingConnector beside NIXL as the host tier.
+    host_tier: str = "simple"
 
     def __post_init__(self) -> None:
         if (
@@ -69,11 +72,12 @@ class SoakOptions:
             or not 0 <= self.hangups < 1
             or self.sample < 1
             or self.pause_beyond_lease_s <= 0
+            or self.host_tier not in HOST_TIERS
         ):
             raise ValueError(
                 "--requests must be >= 20 (faults are placed between 5% and 88% of them), "
                 "--concurrency >= 1, the hang-up share in [0, 1), the sample >= 1, "
-                "the pauses' margin past the lease > 0"
+                "the pauses' margin past the lease > 0, --host-tier one of " + ", ".join(HOST_TIERS)
             )
 
 
@@ -192,26 +196,27 @@ def plan(options: SoakOptions) -> tuple[list[Request], FaultPlan]:
         kill_decode_at=kill_decode_at,
         flaky_faults=faults,
         cut_link_at=cut_link_at,
-        cut_s=prefill_lease_s() + CUT_BEYOND_LEASE_S if options.hosts else 0.0,
+        cut_s=prefill_lease_s(pd_pair(options.host_tier)[0]) + CUT_BEYOND_LEASE_S if options.hosts else 0.0,
         pause_prefill_at=pause_prefill_at,
         pause_decode_at=pause_decode_at,
-        pause_s=prefill_lease_s() + options.pause_beyond_lease_s,
+        pause_s=prefill_lease_s(pd_pair(options.host_tier)[0]) + options.pause_beyond_lease_s,
     )
 
 
-def prefill_lease_s(composition: Path = EXAMPLES / "pd-prefill.yaml") -> float:
-    """How long the prefill composition's NIXL child holds a request's blocks for a decode to read:
-    its ``lease_seconds``, else vLLM's :data:`VLLM_LEASE_S`."""
-    data = yaml.safe_load(composition.read_text())
+def prefill_lease_s(composition: Path | None = None) -> float:
+    """How long the prefill composition's NIXL child (the shipped ``pd-prefill.yaml``'s unless
+    given) holds a request's blocks for a decode to read: its ``lease_seconds``, else vLLM's
+    :data:`VLLM_LEASE_S`."""
+    data = yaml.safe_load((composition or pd_pair()[0]).read_text())
     nixl = [c for c in data["connectors"] if c.get("type") == "nixl"]
     lease = (nixl[0].get("options") or {}).get("lease_seconds") if nixl else None
     return float(lease or VLLM_LEASE_S)
 
 
-def decode_composition(faults: FaultPlan, directory: Path) -> Path:
-    """The shipped ``pd-decode.yaml`` with the flaky child first (every lookup passes through it)
-    and a breaker on it, written under ``directory``."""
-    data = yaml.safe_load((EXAMPLES / "pd-decode.yaml").read_text())
+def decode_composition(faults: FaultPlan, directory: Path, host_tier: str = "simple") -> Path:
+    """The shipped decode file of ``host_tier`` (``pd-decode.yaml``, ``native-decode.yaml``) with the
+    flaky child first (every lookup passes through it) and a breaker on it, written under ``directory``."""
+    data = yaml.safe_load(pd_pair(host_tier)[1].read_text())
     flaky = {"name": FLAKY, "type": "faulty", "options": {"matched_tokens": 0, "faults": list(faults.flaky_faults)}}
     data["connectors"] = [flaky, *data["connectors"]]
     data["rules"]["faults"] = {"use": "breaker", "children": [FLAKY], "failures": 1, "cooldown_s": 3, "successes": 2}

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
+from kvcompose.examples import pd_pair
 from kvcompose.testing.types import registered
 from kvcompose_tools.e2e.flow import same_output
 from kvcompose_tools.e2e.hosts import DEFAULT_LINK, Hosts
@@ -84,12 +85,14 @@ def run(
     logs = work / "logs"
     requests, faults = plan(options)
     model = str(make_model(0))
-    lease_s = prefill_lease_s()
+    prefill_yaml = pd_pair(options.host_tier)[0]
+    lease_s = prefill_lease_s(prefill_yaml)
     t_start = time.monotonic()
     started = datetime.now()  # the year of the servers' log times (they have none)
     with engine_lock(echo=echo), registered(), _hosts(options, echo) as hosts:  # registered: the flaky child's type
         echo(f"starting prefill, decode and the router (logs: {logs}) ...")
-        stack = Stack(model, decode_composition(faults, work), logs, options.concurrency, hosts)
+        decode_yaml = decode_composition(faults, work, options.host_tier)
+        stack = Stack(model, prefill_yaml, decode_yaml, logs, options.concurrency, hosts)
         try:
             echo(f"sending {options.requests} requests, {options.concurrency} at a time; faults:")
             for f in faults.describe():

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcompose.examples import EXAMPLES
 from kvcompose.testing.types import install_entry_point
 from kvcompose_tools.e2e.node import EngineSpec, NodeError, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
@@ -63,11 +62,19 @@ class Sample:
 
 
 class Stack:
-    """Prefill (``pd-prefill.yaml``), decode (``decode_yaml``, the kit's types importable) and the
+    """Prefill (``prefill_yaml``), decode (``decode_yaml``, the kit's types importable) and the
     router; :meth:`kill` and :meth:`restart` replace a server, keeping its HTTP and NIXL ports.
     ``hosts``: a ``prefill`` and a ``decode`` host the servers run in."""
 
-    def __init__(self, model: str, decode_yaml: Path, logs: Path, concurrency: int, hosts: Hosts | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        prefill_yaml: Path,
+        decode_yaml: Path,
+        logs: Path,
+        concurrency: int,
+        hosts: Hosts | None = None,
+    ) -> None:
         self.model = model
         self.logs = logs
         self.hosts = hosts
@@ -75,7 +82,7 @@ class Stack:
         p_side, d_side = free_ports(2)
         blocks = BLOCKS_PER_CLIENT * concurrency + 32
         specs = {  # in ROLES order
-            "prefill": EngineSpec("prefill", model, str(EXAMPLES / "pd-prefill.yaml"), p_side),
+            "prefill": EngineSpec("prefill", model, str(prefill_yaml), p_side),
             "decode": EngineSpec("decode", model, str(decode_yaml), d_side, num_gpu_blocks=blocks),
         }
         self.servers: dict[str, ServerNode] = {}

@@ -13,6 +13,10 @@ from kvcompose_tools.bench import multi_turn
 from kvcompose_tools.bench.measure import Samples
 from kvcompose_tools.bench.multi_turn import (
     BASELINES,
+    LOADS_ENV,
+    MULTI_NATIVE,
+    NATIVE,
+    PAIRS,
     SIDES,
     SIDES_ENV,
     SUBJECT,
@@ -21,13 +25,17 @@ from kvcompose_tools.bench.multi_turn import (
     Answers,
     SideRun,
     breakdown,
+    chosen_loads,
     chosen_sides,
     mismatches,
     ordering,
+    parse_point,
+    point,
     scaled_rate,
     specs,
     summarize,
 )
+from kvcompose_tools.bench.report import AllTargets
 from kvcompose_tools.bench.runner import BENCHMARKS, FULL_ONLY
 from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES
 from kvcompose_tools.e2e.load import Load, Turn
@@ -126,6 +134,49 @@ def test_each_side_has_its_prefill_and_decode(tmp_path: Path) -> None:
         specs("nope", "m", tmp_path, 1, 2)
 
 
+def test_the_native_sides_are_the_native_examples_under_each_composite(tmp_path: Path) -> None:
+    """kvcompose-native runs the native examples (vLLM's OffloadingConnector as the host tier,
+    ranges on the decode); MultiConnector-native the same children under vLLM's MultiConnector."""
+    (p, _), (d, _) = specs(NATIVE, "m", tmp_path, 1, 2, workload=WORKLOADS["medium"])
+    for spec in (p, d):
+        text = Path(str(spec.composition)).read_text()
+        assert "type: native-offload" in text and "cpu_bytes: 1GiB" in text
+    assert "load: ranges" in Path(str(d.composition)).read_text()
+    (_, _), (multi, _) = specs(MULTI_NATIVE, "m", tmp_path, 1, 2)
+    config = multi.kv_transfer_config()
+    assert config["kv_connector"] == "MultiConnector" and "kv_connector_module_path" not in config
+    children = config["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == ["OffloadingConnector", "NixlConnector"]
+    assert "kv_connector_module_path" not in children[0]  # vLLM's own class, the plugin's spec on CPU
+    assert {(s, b) for s, b in PAIRS if s == NATIVE} == {(NATIVE, MULTI_NATIVE), (NATIVE, "bare")}
+
+
+def test_a_load_sweep_runs_every_side_at_each_client_count(tmp_path: Path) -> None:
+    medium = WORKLOADS["medium"]
+    assert chosen_loads({}) == () and chosen_loads({LOADS_ENV: "1, 5,10"}) == (1, 5, 10)
+    for bad in ("0", "five", "2,-1"):
+        with pytest.raises(ValueError, match="KVCOMPOSE_BENCH_CLIENTS"):
+            chosen_loads({LOADS_ENV: bad})
+    assert point("slow", medium.clients, medium) == "slow"
+    assert point("slow", 10, medium) == "slow, 10 clients" and parse_point("slow, 10 clients", medium) == ("slow", 10)
+    assert parse_point("slow", medium) == ("slow", medium.clients)
+    runs = {"kvcompose": 0.5, "MultiConnector": 1.0}
+    done = {
+        at: {s: [side(s, {0: 1.0, 1: t * k, 2: t * k})] for s, t in runs.items()}
+        for at, k in (("slow", 1.0), ("slow, 10 clients", 3.0))
+    }
+    r = summarize(done, 1, False, tmp_path, {}, 1.0, model="medium")
+    assert [c.label for c in r.cases][:4] == [
+        "slow link, turn 1",
+        "slow link, turns 2+",
+        "slow link, requests/s",
+        "slow link, 10 clients, turn 1",
+    ]
+    assert r.config["orderings"]["slow link, 10 clients, turns 2+"] == {"kvcompose/MultiConnector": "<"}
+    # The targets are the workload's own load point's.
+    assert isinstance(r.target, AllTargets) and {t.case for t in r.target.items} == {"slow link, turns 2+"}
+
+
 def test_trust_off_is_the_examples_without_a_key_placed_by_vllms_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -173,7 +224,7 @@ def test_trust_on_over_trust_off_is_a_ratio_of_every_case(tmp_path: Path) -> Non
     assert trust == {"slow link, turn 1": 1.0, "slow link, turns 2+": 1.1, "slow link, requests/s": 1.0}
     assert r.target is None  # no target without bare or MultiConnector
     assert f"kvcompose/{TRUST_OFF} is what trust costs" in r.table()
-    assert r.config["orderings"]["slow link, turns 2+"] == {TRUST_OFF: ">"}
+    assert r.config["orderings"]["slow link, turns 2+"] == {f"kvcompose/{TRUST_OFF}": ">"}
 
 
 def test_a_side_that_served_nothing_is_infinitely_slow(tmp_path: Path) -> None:
@@ -236,7 +287,15 @@ def test_an_answer_that_parts_at_a_near_tie_is_not_wrong_and_its_later_turns_are
 
 
 def test_targets_are_the_slow_links_later_turns_and_requests_per_second(tmp_path: Path) -> None:
-    ttft = {"bare": 1.0, "nixl-plugin": 0.9, "MultiConnector": 0.5, "kvcompose": 0.3, "kvcompose-first-wins": 0.6}
+    ttft = {
+        "bare": 1.0,
+        "nixl-plugin": 0.9,
+        "MultiConnector": 0.5,
+        "kvcompose": 0.3,
+        "kvcompose-first-wins": 0.6,
+        MULTI_NATIVE: 0.5,
+        NATIVE: 0.4,
+    }
     wall = {s: 6.0 if s == "bare" else 3.0 for s in SIDES}
     done = {
         link: {s: [side(s, {0: 1.0, 1: ttft[s], 2: ttft[s]}, wall_s=wall[s])] for s in SIDES}
@@ -249,6 +308,8 @@ def test_targets_are_the_slow_links_later_turns_and_requests_per_second(tmp_path
         ("bare", 0.3),
         ("nixl-plugin", 0.33),
         ("MultiConnector", 0.6),
+        (MULTI_NATIVE, 0.8),
+        ("bare", 0.4),
     ]
     assert r.config["ttft_by_turn"]["slow"]["kvcompose"] == [1.0, 0.3, 0.3]
     assert "token ids (a turn whose prompt is the baseline's): all equal" in r.table()
@@ -269,10 +330,10 @@ def test_an_ordering_is_claimed_only_where_every_run_lies_on_one_side_of_1(tmp_p
     runs = {"kvcompose": [0.3, 0.5], "MultiConnector": [0.5, 0.45]}  # run 2: kvcompose slower
     done = {"slow": {s: [side(s, {0: 1.0, 1: t, 2: t}) for t in ts] for s, ts in runs.items()}}
     r = summarize(done, 2, False, tmp_path, {}, 1.0)
-    assert r.config["orderings"]["slow link, turns 2+"] == {"MultiConnector": "undecided"}
+    assert r.config["orderings"]["slow link, turns 2+"] == {"kvcompose/MultiConnector": "undecided"}
     later = next(c for c in r.cases if c.label == "slow link, turns 2+")
     assert [round(v, 2) for v in later.derived["kvcompose/MultiConnector per run"].values] == [0.6, 1.11]
-    assert "slow link, turns 2+: MultiConnector undecided" in r.table()
+    assert "slow link, turns 2+: kvcompose/MultiConnector undecided" in r.table()
 
 
 def test_the_breakdown_takes_the_nixl_read_out_of_the_decodes_first_step() -> None:

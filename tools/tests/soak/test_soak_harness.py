@@ -76,6 +76,17 @@ def test_the_decode_composition_is_the_shipped_example_with_a_flaky_child_under_
     assert [c.name for c in composed.children] == [FLAKY, "host", "pd"]
     assert "breaker" in "\n".join(composed.explain())
     assert len(faults.describe()) == 2 + len(faults.pauses) + len(faults.flaky_faults)
+    native = load(decode_composition(faults, tmp_path / "native", "native"))
+    assert [(c.name, c.type.name) for c in native.children] == [(FLAKY, "faulty"), ("host", "native-offload"), ("pd", "nixl")]
+
+
+def test_the_host_tier_names_the_shipped_pair_the_soak_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert SoakOptions(host_tier="native").host_tier == "native"
+    with pytest.raises(ValueError, match="--host-tier one of simple, native"):
+        SoakOptions(host_tier="lmcache")
+    with pytest.raises(SystemExit):
+        main(["soak", "--host-tier", "lmcache"])
+    assert "invalid choice: 'lmcache'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--requests", "5"], ["--concurrency", "0"]])
