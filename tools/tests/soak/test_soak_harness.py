@@ -77,7 +77,11 @@ def test_the_decode_composition_is_the_shipped_example_with_a_flaky_child_under_
     assert "breaker" in "\n".join(composed.explain())
     assert len(faults.describe()) == 2 + len(faults.pauses) + len(faults.flaky_faults)
     native = load(decode_composition(faults, tmp_path / "native", "native"))
-    assert [(c.name, c.type.name) for c in native.children] == [(FLAKY, "faulty"), ("host", "native-offload"), ("pd", "nixl")]
+    assert [(c.name, c.type.name) for c in native.children] == [
+        (FLAKY, "faulty"),
+        ("host", "native-offload"),
+        ("pd", "nixl"),
+    ]
 
 
 def test_the_host_tier_names_the_shipped_pair_the_soak_runs(capsys: pytest.CaptureFixture[str]) -> None:
