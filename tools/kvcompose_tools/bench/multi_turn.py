@@ -400,8 +400,16 @@ def chat(url: str, model: str, tokenizer: Any, seed: int, workload: Workload) ->
 
 def prompt_ttft(url: str, model: str, prompt: list[int], session: str, timeout_s: float = 120.0) -> float:
     """Seconds to the first streamed token of ``prompt`` (token ids; a completion of two tokens)
-    through ``url``. A one-token prompt's is what a request costs whatever its length."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+    through ``url``. A one-token prompt's is what a request costs whatever its length. The token
+    ids come back with the text: a seeded model's first token may decode to no text at all."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
     reply = send(address(url), body, headers={SESSION_HEADER: session}, timeout_s=timeout_s)
     if reply.kind != "answered" or reply.ttft_s is None:
         raise RuntimeError(f"a probe prompt through {url}: {reply.kind}: {reply.detail}")

@@ -8,7 +8,9 @@ running the same side:
   ``kv_connector_module_path``, so not the nixl plugin's subclass), its side channel through
   vLLM's ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, the same lease as the other sides;
 * ``MultiConnector``: vLLM's MultiConnector over the examples' children;
-* ``kvcompose``: the shipped examples, ``examples/pd-prefill.yaml`` and ``examples/pd-decode.yaml``.
+* ``kvcompose``: the shipped examples, ``examples/pd-prefill.yaml`` and ``examples/pd-decode.yaml``;
+* ``kvcompose-native``: the native examples, ``native-prefill.yaml`` and ``native-decode.yaml`` (vLLM's
+  OffloadingConnector as the host tier, issue 52).
 
 After one warm-up request, :class:`Size`'s burst goes in at once the way vLLM's disaggregated
 proxy sends it (:func:`kvcompose_tools.e2e.burst.send_burst`). At the issue's size (:data:`FULL`: 96
@@ -43,7 +45,7 @@ from kvcompose_tools.e2e.spec import EngineSpec
 if TYPE_CHECKING:
     from kvcompose_tools.e2e.hosts import Host, Hosts
 
-BASELINE, MULTI, SUBJECT = SIDES = ("vllm-NixlConnector", "MultiConnector", "kvcompose")
+BASELINE, MULTI, SUBJECT, NATIVE = SIDES = ("vllm-NixlConnector", "MultiConnector", "kvcompose", "kvcompose-native")
 RUNS = 1
 #: vLLM's ``kv_lease_duration`` when none is set.
 VLLM_LEASE_S = 30
@@ -82,13 +84,14 @@ def specs(
 ) -> list[tuple[EngineSpec, dict[str, str]]]:
     """The prefill's and the decode's spec and extra environment for ``side``, their NIXL side
     channels on ``addresses`` and ``ports``."""
-    from kvcompose.examples import EXAMPLES
+    from kvcompose.examples import pd_pair
     from kvcompose.vllm.args import vllm_multiconnector
     from kvcompose_tools.e2e.spec import composed_kv_transfer_config
 
     out = []
-    for role, kv_role, port, address, blocks in zip(
+    for role, yaml, kv_role, port, address, blocks in zip(
         ("prefill", "decode"),
+        pd_pair("native" if side == NATIVE else "simple"),
         ("kv_producer", "kv_consumer"),
         ports,
         addresses,
@@ -96,11 +99,10 @@ def specs(
         strict=True,
     ):
         name = f"{side}-{role}"
-        yaml = EXAMPLES / f"pd-{role}.yaml"
         options: dict[str, Any] = {"side_channel_host": address}
         if size.lease_s is not None:
             options["lease_seconds"] = size.lease_s
-        if side == SUBJECT:
+        if side in (SUBJECT, NATIVE):
             spec = EngineSpec(name, model, str(yaml), port, options, num_gpu_blocks=blocks)
             out.append((spec, {}))
         elif side == MULTI:
@@ -311,7 +313,8 @@ def summarize(
         [
             size.describe() + "; one warm-up request first; a fresh pair per side and run",
             'vllm-NixlConnector: {"kv_connector": "NixlConnector"} on both servers (vLLM\'s class); '
-            "MultiConnector: vLLM's over the examples' children; kvcompose: examples/pd-prefill.yaml, pd-decode.yaml",
+            "MultiConnector: vLLM's over the examples' children; kvcompose: examples/pd-prefill.yaml, pd-decode.yaml; "
+            "kvcompose-native: examples/native-prefill.yaml, native-decode.yaml",
             "late reads unaccounted: the prefill's 'Potentially invalid KV blocks' lines no refusal (2 lines) or "
             "release without a read (1) on the decode accounts for: reads of released blocks used",
             *detail(rows),

@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 
 from kvcompose_tools.bench import overload
-from kvcompose_tools.bench.overload import BASELINE, MULTI, SHORT, SIDES, SUBJECT, SideRun, Size, specs, summarize
+from kvcompose_tools.bench.overload import (
+    BASELINE,
+    MULTI,
+    NATIVE,
+    SHORT,
+    SIDES,
+    SUBJECT,
+    SideRun,
+    Size,
+    specs,
+    summarize,
+)
 from kvcompose_tools.bench.runner import ACROSS_HOSTS, BENCHMARKS, FULL_ONLY
 from kvcompose_tools.e2e.burst import Burst, LeaseLines, Outcome, lease_lines
 
@@ -70,6 +81,9 @@ def test_the_other_sides_carry_the_same_lease_to_their_nixl_child() -> None:
     (multi, _), _ = specs(MULTI, "m", (5600, 5601), SHORT)
     assert multi.kv_config is not None and "kv_connector_module_path" not in multi.kv_config
     assert multi.kv_config["kv_connector"] == "MultiConnector"
+    (native_p, _), (native_d, _) = specs(NATIVE, "m", (5600, 5601), SHORT)
+    assert str(native_p.composition).endswith("native-prefill.yaml")
+    assert str(native_d.composition).endswith("native-decode.yaml")
     with pytest.raises(ValueError, match="unknown side 'nope'"):
         specs("nope", "m", (5600, 5601), SHORT)
 
