@@ -337,6 +337,8 @@ class PortableCPUOffloadingSpec(CPUOffloadingSpec):
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        # vLLM's (cpu/spec.py:197) refuses CUDA-less platforms before it makes the worker once;
+        # PortableTieringOffloadingSpec inherits this one, with its own create_worker.
         if vllm_worker_runs_here():
             return super().get_worker(kv_caches)
         if not self._worker:
@@ -344,7 +346,7 @@ class PortableCPUOffloadingSpec(CPUOffloadingSpec):
         return self._worker
 
 
-class PortableTieringOffloadingSpec(TieringOffloadingSpec):
+class PortableTieringOffloadingSpec(TieringOffloadingSpec, PortableCPUOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec`` (CPU primary tier + secondary tiers such as ``fs``); off
     CUDA/XPU its worker is :class:`PortableCPUOffloadingWorker` on vLLM's shared region.
 
@@ -379,14 +381,6 @@ class PortableTieringOffloadingSpec(TieringOffloadingSpec):
         except Exception:
             worker_mmap.cleanup()
             raise
-
-    @override
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if vllm_worker_runs_here():
-            return super().get_worker(kv_caches)
-        if not self._worker:
-            self._worker = self.create_worker(kv_caches)
-        return self._worker
 
 
 __all__: Sequence[str] = [
