@@ -529,7 +529,7 @@ def run(
                         answers[f"{at}/{side}"].append(mismatches(one.chat, baseline))
                         f = one.figures()
                         echo(
-                            f"   {at} ({rate}, {clients} clients) run {r + 1} {side}: "
+                            f"   {label(at, f'{clients} at a time')} ({rate}) run {r + 1} {side}: "
                             f"turn 1 TTFT p50 {f['turn1_ttft_p50_s']} s, "
                             f"turns 2+ p50 {f['later_ttft_p50_s']} p90 {f['later_ttft_p90_s']} s, "
                             f"{f['requests_per_s']} req/s, one-token TTFT {f['fixed_ttft_p50_s']} s, "
@@ -563,7 +563,7 @@ def chosen_loads(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
 def point(link: str, clients: int, workload: Workload) -> str:
     """Where a side ran: the link, and the clients where they are not ``workload``'s
     (``slow``, ``slow, 10 clients``); the cases' labels start with it."""
-    return link if clients == workload.clients else f"{link}, {clients} clients"
+    return link if clients == workload.clients else f"{link}, {clients} client{'s' if clients > 1 else ''}"
 
 
 def parse_point(at: str, workload: Workload) -> tuple[str, int]:

@@ -160,6 +160,7 @@ def test_a_load_sweep_runs_every_side_at_each_client_count(tmp_path: Path) -> No
     assert point("slow", medium.clients, medium) == "slow"
     assert point("slow", 10, medium) == "slow, 10 clients" and parse_point("slow, 10 clients", medium) == ("slow", 10)
     assert parse_point("slow", medium) == ("slow", medium.clients)
+    assert point("slow", 1, medium) == "slow, 1 client" and parse_point("slow, 1 client", medium) == ("slow", 1)
     runs = {"kvcompose": 0.5, "MultiConnector": 1.0}
     done = {
         at: {s: [side(s, {0: 1.0, 1: t * k, 2: t * k})] for s, t in runs.items()}
