@@ -81,6 +81,9 @@ PAIRS = (*((SUBJECT, b) for b in BASELINES), (NATIVE, MULTI_NATIVE), (NATIVE, BA
 #: Comma-separated client counts to run every side at instead of the workload's (a load sweep),
 #: e.g. ``KVCOMPOSE_BENCH_CLIENTS=1,5,10``.
 LOADS_ENV = "KVCOMPOSE_BENCH_CLIENTS"
+#: Comma-separated host-tier sizes (``cpu_bytes`` of every host tier) to run every side at instead
+#: of the workload's, e.g. ``KVCOMPOSE_BENCH_HOST_BYTES=1GiB,256MiB`` (256 MiB: the examples' own).
+HOST_BYTES_ENV = "KVCOMPOSE_BENCH_HOST_BYTES"
 #: Bytes of KV per token of the tiny model (32 KiB a block of 32 tokens) and Llama-3-8B's
 #: (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes), which the links are scaled by.
 TINY_KV_PER_TOKEN = 1024
@@ -492,9 +495,11 @@ def run(
     links: tuple[str, ...] | None = None,
     model: str = "tiny",
     loads: tuple[int, ...] | None = None,
+    host_bytes: tuple[str, ...] | None = None,
 ) -> Result:
     """Every side on every link of ``model``'s workload (module docstring) at each client count
-    of ``loads`` (else :func:`chosen_loads`, else the workload's); the table, ratios and targets.
+    of ``loads`` (else :func:`chosen_loads`, else the workload's) and each host-tier size of
+    ``host_bytes`` (else :func:`chosen_host_bytes`, else the workload's); the table, ratios and targets.
     ``repeats`` and ``links`` override the workload's; ``sides`` (else :func:`chosen_sides`)
     :data:`SIDES`."""
     from kvcompose_tools.e2e.chat import load_tokenizer
@@ -505,12 +510,18 @@ def run(
     path = make_model(0, config=model_config(model))  # a ValueError naming the models for another name
     workload = WORKLOADS[model]
     loads = loads or chosen_loads() or (workload.clients,)
+    sizes = host_bytes or chosen_host_bytes() or (workload.host_bytes,)
     runs = repeats or workload.runs
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-multi-turn-"))
     kv_per_token = kv_bytes_per_token(path)
     model_dir = str(path)
     tokenizer = load_tokenizer(model_dir)
-    chosen = [point(link, clients, workload) for link in (links or workload.links) for clients in loads]
+    chosen = [
+        point(link, clients, workload, size)
+        for link in (links or workload.links)
+        for size in sizes
+        for clients in loads
+    ]
     done: dict[str, dict[str, list[SideRun]]] = {p: {s: [] for s in sides} for p in chosen}
     answers: dict[str, list[Answers]] = {f"{p}/{side}": [] for p in chosen for side in sides}
     t0 = time.monotonic()
@@ -518,9 +529,9 @@ def run(
         baseline = baseline_answers(model_dir, tokenizer, logs, 0, workload)
         echo(f"   baseline (one engine, no P/D): {len(baseline.served)} answers, {len(baseline.failed)} failed")
         for at in chosen:
-            link, clients = parse_point(at, workload)
+            link, clients, size = parse_point(at, workload)
             rate = format_rate(scaled_rate(REAL_LINKS[link], kv_per_token))
-            load = replace(workload, clients=clients)
+            load = replace(workload, clients=clients, host_bytes=size)
             with Hosts(["prefill", "decode"], link=rate) as hosts:
                 for r in range(runs):
                     for side in sides if r % 2 == 0 else sides[::-1]:
@@ -560,16 +571,46 @@ def chosen_loads(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
     return tuple(int(n) for n in names)
 
 
-def point(link: str, clients: int, workload: Workload) -> str:
-    """Where a side ran: the link, and the clients where they are not ``workload``'s
-    (``slow``, ``slow, 10 clients``); the cases' labels start with it."""
-    return link if clients == workload.clients else f"{link}, {clients} client{'s' if clients > 1 else ''}"
+def chosen_host_bytes(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The host-tier sizes :data:`HOST_BYTES_ENV` names (comma-separated), else none (the
+    workload's); a ValueError for one that is not a size."""
+    from kvcompose.units import ByteSize
+
+    text = (os.environ if environ is None else environ).get(HOST_BYTES_ENV, "")
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for n in names:
+        try:
+            ByteSize.parse(n)
+        except ValueError as exc:
+            raise ValueError(f"${HOST_BYTES_ENV}: {exc}") from None
+    return names
 
 
-def parse_point(at: str, workload: Workload) -> tuple[str, int]:
-    """:func:`point`'s (link, clients)."""
-    link, _, clients = at.partition(", ")
-    return link, int(clients.split()[0]) if clients else workload.clients
+HOST_TIERS_SUFFIX = " host tiers"
+
+
+def point(link: str, clients: int, workload: Workload, host_bytes: str | None = None) -> str:
+    """Where a side ran: the link, then the clients and the host tiers' size where they are not
+    ``workload``'s (``slow``, ``slow, 10 clients``, ``slow, 1 client, 256MiB host tiers``); the
+    cases' labels start with it."""
+    parts = [link]
+    if clients != workload.clients:
+        parts.append(f"{clients} client{'s' if clients > 1 else ''}")
+    if host_bytes is not None and host_bytes != workload.host_bytes:
+        parts.append(host_bytes + HOST_TIERS_SUFFIX)
+    return ", ".join(parts)
+
+
+def parse_point(at: str, workload: Workload) -> tuple[str, int, str]:
+    """:func:`point`'s (link, clients, host tiers' size)."""
+    link, *rest = at.split(", ")
+    clients, size = workload.clients, workload.host_bytes
+    for part in rest:
+        if part.endswith(HOST_TIERS_SUFFIX):
+            size = part.removesuffix(HOST_TIERS_SUFFIX)
+        else:
+            clients = int(part.split()[0])
+    return link, clients, size
 
 
 def label(at: str, kind: str) -> str:
@@ -677,7 +718,8 @@ def summarize(
                 for k in dict.fromkeys(parse_point(at, w)[0] for at in done)
             )
             + "; vLLM's router in the root namespace, consistent_hash on X-Session-ID",
-            f"{w.conversations} conversations x {w.turns} turns, {w.clients} clients (unless a case names others), "
+            f"{w.conversations} conversations x {w.turns} turns, {w.clients} clients (clients and host tiers: unless a "
+            "case names others), "
             "streamed chat; a "
             f"{w.system_tokens}-token system prompt per group of {w.group}; first messages 250-350 tokens, later "
             f"60-100, answers 16-24; {w.device_blocks} device blocks of {BLOCK_SIZE} tokens and a {w.host_bytes} host "

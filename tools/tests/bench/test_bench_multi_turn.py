@@ -13,6 +13,7 @@ from kvcompose_tools.bench import multi_turn
 from kvcompose_tools.bench.measure import Samples
 from kvcompose_tools.bench.multi_turn import (
     BASELINES,
+    HOST_BYTES_ENV,
     LOADS_ENV,
     MULTI_NATIVE,
     NATIVE,
@@ -25,6 +26,7 @@ from kvcompose_tools.bench.multi_turn import (
     Answers,
     SideRun,
     breakdown,
+    chosen_host_bytes,
     chosen_loads,
     chosen_sides,
     mismatches,
@@ -157,10 +159,16 @@ def test_a_load_sweep_runs_every_side_at_each_client_count(tmp_path: Path) -> No
     for bad in ("0", "five", "2,-1"):
         with pytest.raises(ValueError, match="KVCOMPOSE_BENCH_CLIENTS"):
             chosen_loads({LOADS_ENV: bad})
-    assert point("slow", medium.clients, medium) == "slow"
-    assert point("slow", 10, medium) == "slow, 10 clients" and parse_point("slow, 10 clients", medium) == ("slow", 10)
-    assert parse_point("slow", medium) == ("slow", medium.clients)
-    assert point("slow", 1, medium) == "slow, 1 client" and parse_point("slow, 1 client", medium) == ("slow", 1)
+    assert point("slow", medium.clients, medium) == "slow" == point("slow", medium.clients, medium, medium.host_bytes)
+    assert point("slow", 10, medium) == "slow, 10 clients"
+    assert parse_point("slow, 10 clients", medium) == ("slow", 10, medium.host_bytes)
+    assert parse_point("slow", medium) == ("slow", medium.clients, medium.host_bytes)
+    assert point("slow", 1, medium, "256MiB") == "slow, 1 client, 256MiB host tiers"
+    assert parse_point("slow, 1 client, 256MiB host tiers", medium) == ("slow", 1, "256MiB")
+    assert parse_point("slow, 256MiB host tiers", medium) == ("slow", medium.clients, "256MiB")
+    assert chosen_host_bytes({}) == () and chosen_host_bytes({HOST_BYTES_ENV: "1GiB, 256MiB"}) == ("1GiB", "256MiB")
+    with pytest.raises(ValueError, match="KVCOMPOSE_BENCH_HOST_BYTES: expected a size"):
+        chosen_host_bytes({HOST_BYTES_ENV: "lots"})
     runs = {"kvcompose": 0.5, "MultiConnector": 1.0}
     done = {
         at: {s: [side(s, {0: 1.0, 1: t * k, 2: t * k})] for s, t in runs.items()}
