@@ -71,13 +71,25 @@ def make_vllm_config(
     disable_hybrid_kv_cache_manager: bool | None = None,
     model: str | Path = TINY_MODEL,
     data_parallel_index: int = 0,
+    kv_events_config: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """A ``VllmConfig`` for the CPU platform around a local model config (no download).
 
     ``data_parallel_index`` is the data-parallel rank this engine is (connectors offset their
     ports by it), set as the engine core sets it before it builds the scheduler.
+    ``kv_events_config``: vLLM's ``KVEventsConfig`` as keywords (the engine publishes KV events;
+    ``{"enable_kv_cache_events": True, "publisher": "null"}`` has the scheduler build them and
+    hand them to a publisher that drops them, which a test can replace).
     """
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     ktc = KVTransferConfig(**kv_transfer_config) if isinstance(kv_transfer_config, dict) else kv_transfer_config
     model_config = ModelConfig(
@@ -103,6 +115,7 @@ def make_vllm_config(
         cache_config=cache_config,
         kv_transfer_config=ktc,
         device_config=DeviceConfig("cpu"),
+        **({"kv_events_config": KVEventsConfig(**kv_events_config)} if kv_events_config is not None else {}),
     )
     config.parallel_config.data_parallel_index = data_parallel_index
     return config

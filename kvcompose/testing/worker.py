@@ -128,7 +128,8 @@ class WorkerHarness:
     stand-in for vLLM's platform, as the nixl plugin's ``host_buffer_setting()`` gives for vLLM's
     NIXL host-buffer path). ``copy_op`` is what :meth:`register` hands over (default vLLM's
     ``copy_kv_blocks``); with a :class:`~kvcompose.testing.copy_op.CopyLog`,
-    :attr:`host_buffer_ops_to` names the connectors it was handed to.
+    :attr:`host_buffer_ops_to` names the connectors it was handed to. ``kv_events_config``: the
+    engine publishes KV events (:func:`~kvcompose.testing.kv.make_vllm_config`).
     """
 
     def __init__(
@@ -146,13 +147,14 @@ class WorkerHarness:
         register: bool = True,
         platform: AbstractContextManager[Any] | None = None,
         copy_op: CopyBlocksOp | None = None,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from kvcompose.testing.harness import make_vllm_config
 
-        vllm_config = make_vllm_config(kv_transfer_config, block_size=block_size)
+        vllm_config = make_vllm_config(kv_transfer_config, block_size=block_size, kv_events_config=kv_events_config)
         assert vllm_config.kv_transfer_config is not None
         #: The engine-shaped KV caches, their config and the ``VllmConfig`` they were made for.
         self.kv: EngineKV = make_engine_kv(

@@ -39,6 +39,7 @@ from kvcompose.versions import version_warnings
 from kvcompose.vllm import children as vllm_children
 from kvcompose.vllm import metadata as vllm_metadata
 from kvcompose.vllm.children import ClassLevelAnswers
+from kvcompose.vllm.events import PER_DEVICE_BLOCK, EventAnchors
 from kvcompose.vllm.forward import ByChild, Fanout, Fn, by_child, combined, each, forward_unknown_calls, read
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
 from kvcompose.vllm.health import ChildStateStats, instance_name
@@ -53,6 +54,9 @@ from kvcompose.vllm.metadata import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -113,6 +117,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             vllm_children.engine_facts(vllm_config, kv_cache_config),
             block_bytes(kv_cache_config),
         )
+        #: Where the engine publishes KV events: each request's blocks, to complete the children's
+        #: stores that lack token ids or a parent (:mod:`kvcompose.vllm.events`).
+        self._anchors = _event_anchors(vllm_config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
 
     def _child_failed(self, child: int, method: str) -> None:
         """A contained child raised: what it owed is reported failed, whether or not it is bypassed
@@ -257,11 +264,18 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     bind_gpu_block_pool = each()
     on_new_request = each()
     register_finished_partial_tail = combined("any", False, base_neutral=True)
-    take_events = combined("concat", (), base_neutral=True)
     has_pending_block_frees = combined("any", False, base_neutral=True)
     has_pending_push_work = combined("any", False, base_neutral=True)
     get_finished_count = combined("agreed")
     reset_cache = combined("all")
+
+    @combined("concat", (), base_neutral=True)
+    def take_events(self, children: Fn) -> Iterable[KVCacheEvent]:
+        """The children's KV events, each store with its block's token ids and after its parent's
+        (:mod:`kvcompose.vllm.events`) where the engine publishes them."""
+        events = children()
+        anchors = self._anchors
+        return anchors.complete(events) if anchors is not None and events else events
 
     @by_child()
     def bind_kv_cache_manager(self, children: ByChild, kv_cache_manager: KVCacheManager) -> None:
@@ -286,6 +300,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         # ``held``: children whose part of a mixed load waits for the request's next schedule
         # (LoadRule.deferred); vLLM's blocks then are the request's whole block list again.
+        if self._anchors is not None:
+            self._anchors.record(request)
         tokens, held = self.loads.after_alloc(request, blocks, num_external_tokens)
         for i, fn in children.items():
             if i not in held:
@@ -334,6 +350,8 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             connector_output.kv_cache_events = composed_events
 
     def _finished(self, request: Request, children: ByChild, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        if self._anchors is not None:  # the blocks a host tier may store once the device frees them
+            self._anchors.record(request)
         results: list[dict[str, Any] | None] = [None] * len(self._connectors)
         delaying: list[int] = []
         for i, fn in children.items():
@@ -370,6 +388,15 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             mine = ComposedHandshakeMetadata.of_child(metadata, self.names[i])
             if mine:
                 fn(mine)
+
+
+def _event_anchors(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EventAnchors | None:
+    """The anchors of the scheduler's composite where the engine publishes KV events, else None."""
+    events = vllm_config.kv_events_config
+    if events is None or not events.enable_kv_cache_events:
+        return None
+    block_size = getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size
+    return EventAnchors(block_size, PER_DEVICE_BLOCK * max(getattr(kv_cache_config, "num_blocks", 0), 1024))
 
 
 #: The name vLLM's config checks look for (``kv_connector: MultiConnector`` + module path).
