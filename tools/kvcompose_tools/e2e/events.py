@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TOPIC = "kv-events"
+#: The topic the servers publish on: vLLM's default, none. vllm-router 0.1.17's static
+#: ``--kv-event-source`` subscribers take in only batches published without a topic: with
+#: ``topic: kv-events`` its ``kv_aware`` received nothing at all (docs/e2e.md, KV events), and
+#: its command line has no option to name one.
+TOPIC = ""
 
 
 def kv_events_config(socket: Path) -> dict[str, Any]:
@@ -62,6 +66,7 @@ class EventListener:
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
         self._events: list[Any] = []
+        self._payloads: list[bytes] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events {endpoint}", daemon=True)
         self._thread.start()
@@ -77,11 +82,18 @@ class EventListener:
             batch = self._decoder.decode(payload)
             with self._lock:
                 self._events.extend(batch.events)
+                self._payloads.append(payload)
 
     def events(self) -> list[Any]:
         """Every event received so far, in order."""
         with self._lock:
             return list(self._events)
+
+    def payloads(self) -> list[bytes]:
+        """Every batch received so far, as published (msgpack), in order: what a recording keeps
+        (:func:`kvcompose_tools.e2e.kv_replay.save_recording`)."""
+        with self._lock:
+            return list(self._payloads)
 
     def stored(self) -> Iterator[Stored]:
         """Each stored block, one per hash (a ``BlockStored`` carries several)."""
