@@ -298,10 +298,10 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, children: ByChild, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        if self._anchors is not None:  # the request's blocks, for the children's KV events
+            self._anchors.record(request)
         # ``held``: children whose part of a mixed load waits for the request's next schedule
         # (LoadRule.deferred); vLLM's blocks then are the request's whole block list again.
-        if self._anchors is not None:
-            self._anchors.record(request)
         tokens, held = self.loads.after_alloc(request, blocks, num_external_tokens)
         for i, fn in children.items():
             if i not in held:
