@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from kvcompose.testing.harness import make_request
 from kvcompose.testing.worker import WorkerHarness
@@ -62,6 +62,24 @@ def test_stores_without_token_ids_are_never_credited(tmp_path: Path) -> None:
         e.token_ids, e.parent_block_hash = [], None
     result = replay([encode(reversed(bare))], [PROMPT], tmp_path, block_size=BS)
     assert result.decisions[0].credited_prefix_tokens == 0
+
+
+def test_a_device_removal_leaves_the_host_tiers_copy_credited(tmp_path: Path) -> None:
+    """Removals are per medium: the device evicting a block the host tier stored leaves the
+    host's entry, credited at the host weight."""
+    device, host = chain(PROMPT), chain(PROMPT, "CPU")
+    removed = BlockRemoved(block_hashes=[e.block_hashes[0] for e in device], medium="GPU")
+    result = replay([encode(device), encode(host), encode([removed])], [PROMPT], tmp_path, block_size=BS)
+    assert result.decisions[0].credited_prefix_tokens == int(0.8 * len(PROMPT))
+
+
+def test_a_device_prefix_cache_reset_makes_the_router_forget_the_host_tier_too(tmp_path: Path) -> None:
+    """vLLM's AllBlocksCleared carries no medium and vllm-router 0.1.17 drops every entry of the
+    worker: after a device reset it no longer credits what the host tier still holds (docs/e2e.md,
+    still open). A router release that keeps them shows up here."""
+    payloads = [encode(chain(PROMPT)), encode(chain(PROMPT, "CPU")), encode([AllBlocksCleared()])]
+    result = replay(payloads, [PROMPT], tmp_path, block_size=BS)
+    assert result.batches_seen == 3 and result.decisions[0].credited_prefix_tokens == 0
 
 
 def harness_events(lazy: bool) -> tuple[list[bytes], list[int]]:
