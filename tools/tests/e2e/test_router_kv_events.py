@@ -144,3 +144,24 @@ def test_a_real_composed_engines_recorded_events_are_credited(tmp_path: Path) ->
     # the same batches on a topic: nothing taken in, nothing credited (the docs' first finding)
     result = replay(payloads, prompts, tmp_path, block_size=about["block_size"], topic="kv-events")
     assert result.batches_seen == 0 and all(d.credited_prefix_tokens == 0 for d in result.decisions)
+
+
+@pytest.mark.skipif(not RECORDING.exists(), reason="no recording of a real engine's events")
+def test_a_cpu_engines_32_token_blocks_are_credited_in_16_token_blocks_through_the_relay(tmp_path: Path) -> None:
+    """vllm-router 0.1.17's P/D ``kv_aware`` indexes 16-token blocks only (a batch of other
+    stores is rejected whole) and vLLM's CPU attention takes multiples of 32: the recording as
+    :func:`kvcompose.relay.split_events` tells it is credited at 16 tokens a block; as published,
+    nothing."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from kvcompose.relay import split_events
+
+    payloads, prompts, about = load_recording(RECORDING)
+    assert about["block_size"] == 32
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    split = [encode(split_events(decoder.decode(p).events, 16, 32)) for p in payloads]
+    (decision,) = replay(split, prompts, tmp_path, block_size=16).decisions
+    assert decision.credited_prefix_tokens > 192, decision  # as many as at 32 (the test above)
+    (decision,) = replay(payloads, prompts, tmp_path, block_size=16).decisions
+    assert decision.credited_prefix_tokens == 0, decision
