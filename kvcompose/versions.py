@@ -4,7 +4,8 @@ This module is the policy (docs/versions.md): the ranges of vLLM and NIXL kvcomp
 (:data:`VLLM`, :data:`NIXL`; ``pyproject.toml``'s extras say the same, a test holds them
 together), the warning for a version outside them, and the connector API of a vLLM read from its
 ``base.py`` without importing it (:func:`connector_api`). How the adapter copes with the API
-differences between supported vLLMs is in one module, :mod:`kvcompose.vllm.surface`.
+differences between supported vLLMs is in one module, :mod:`kvcompose.vllm.surface` (what
+only the test kit needs: :mod:`kvcompose.testing.versions`).
 
 Versions are read from the installed distributions' metadata (``importlib.metadata``), not by
 importing them: importing vLLM takes seconds, and the metadata is what pip installed. vLLM and

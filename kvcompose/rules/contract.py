@@ -3,8 +3,13 @@
 A composition picks one rule per kind. Each kind's Protocol owns everything that kind decides,
 on both halves of vLLM's connector: the scheduler process (one composite per engine core) and
 the worker processes (one composite per worker). The composed connector in
-:mod:`kvcompose.vllm.connector` keeps the per-request state below and calls the rules where
-vLLM calls it; it decides nothing itself.
+:mod:`kvcompose.vllm.connector` calls the rules where vLLM calls it and applies their answers.
+What a rule decided for a request is kept between vLLM's calls by the adapter (a load's:
+:class:`kvcompose.vllm.loads.RequestLoads`) and by the objects the rules make (a completion
+rule's :class:`CompletionTracker`, a faults rule's :class:`FaultMonitor`). The adapter itself
+decides only what no kind below does: how each call's answers combine and which children get
+it (the save hooks: the store rule's targets; :mod:`kvcompose.vllm.forward`), what a contained
+child that raised answers instead, and that what a failed child owed is reported failed.
 
 =============  ====================================================================
 kind           decides

@@ -146,7 +146,7 @@ def make_engine_kv(
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from kvcompose.vllm.surface import kv_cache_config_from_groups
+    from kvcompose.testing.versions import kv_cache_config_from_groups
 
     get_kv_cache_config_from_groups = kv_cache_config_from_groups()
     if num_layers < 1 or num_blocks < 2:

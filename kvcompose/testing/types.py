@@ -40,7 +40,7 @@ def fault_calls() -> frozenset[str]:
     from kvcompose.vllm.connector import KVComposeConnector  # vLLM, only once a fault is declared
     from kvcompose.vllm.forward import declared
 
-    return frozenset(name for name, call in declared(KVComposeConnector).items() if call.forwarded)
+    return frozenset(name for name, call in declared(KVComposeConnector).items() if call.kind == "method")
 
 
 FaultAction = Literal["raise", "none", "stall", "fail-load"]

@@ -152,8 +152,9 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     set_host_xfer_buffer_ops = each(to="host-buffer-owner")
     get_mem_pool_context = combined("one")
     start_load_kv = each(to="pd-first")
-    wait_for_layer_load = each(per_layer=True)
-    save_kv_layer = each(to="store-targets", per_layer=True)
+    # vLLM makes these two once per layer per step: plain forwards, a lone child's own callable.
+    wait_for_layer_load = each()
+    save_kv_layer = each(to="store-targets")
     wait_for_save = each(to="store-targets")
     finish_forward = each()
     reset_capture_state = each()

@@ -4,7 +4,7 @@ The composed connector (:class:`kvcompose.vllm.connector.KVComposeConnector`) de
 of vLLM's connector API once, in its class body, as a :class:`Call`:
 
 - ``each()``: every child that gets the call is called with vLLM's arguments; the answer is
-  ``None``. ``per_layer=True`` marks the calls vLLM makes once per layer per step.
+  ``None``.
 - ``combined(how, neutral)``: every child that gets the call is asked and the answers combined
   by ``how`` (:data:`How`); ``"every"`` also reaches bypassed children, uncontained.
 - ``read(how)``: a property of vLLM's, read from every child and combined.
@@ -73,8 +73,6 @@ class Call:
     #: What a contained child that raised answers instead.
     neutral: Any = None
     to: To = "all"
-    #: vLLM makes the call once per layer per step.
-    per_layer: bool = False
     #: vLLM's base class answers ``neutral``: a child that inherits it is not called.
     base_neutral: bool = False
     #: A rule asks the children it chooses, by index: every child that has the call is in the map.
@@ -99,11 +97,6 @@ class Call:
         obj.__dict__[self.name] = bound  # the next call finds it in the instance
         return bound
 
-    @property
-    def forwarded(self) -> bool:
-        """The composite calls each child's own implementation (what a test double can fail on)."""
-        return self.kind == "method"
-
 
 class Read(Call):
     """A property of vLLM's connector API, read from every child on each access."""
@@ -117,9 +110,9 @@ class Read(Call):
         raise AttributeError(f"{self.name} is read from the children")
 
 
-def each(to: To = "all", per_layer: bool = False) -> Call:
+def each(to: To = "all") -> Call:
     """Every child that gets the call is called with vLLM's arguments; the answer is ``None``."""
-    return Call("each", to=to, per_layer=per_layer)
+    return Call("each", to=to)
 
 
 def combined(how: How, neutral: Any = None, base_neutral: bool = False) -> Call:
@@ -148,16 +141,14 @@ def declared(cls: type) -> dict[str, Call]:
 def forward_unknown_calls(cls: type, base: type = KVConnectorBase_V1) -> type:
     """Class decorator: each instance method of vLLM's base class (or ``base``) that the
     composite does not declare is forwarded to every child that has it, the answers merged by
-    type (``merge``); ``cls.forwarded_generically`` names them. Class methods and properties it
-    does not declare keep vLLM's default (the surface tests name them), since no child instance
-    exists to ask."""
+    type (a :class:`Call` of ``merge``). Class methods and properties it does not declare keep
+    vLLM's default (the surface tests name them), since no child instance exists to ask."""
     kinds = base_calls(base)
     generic = tuple(name for name in unknown_calls(cls, base) if kinds[name] == "method")
     for name in generic:
         call = Call("merge")
         call.__set_name__(cls, name)
         setattr(cls, name, call)
-    cls.forwarded_generically = generic
     return cls
 
 

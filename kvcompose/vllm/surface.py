@@ -1,4 +1,4 @@
-"""The one place where kvcompose copes with the differences between the vLLMs it supports.
+"""The one place where the engine's code copes with the differences between the vLLMs kvcompose supports.
 
 kvcompose supports vLLM 0.32 and 0.33 (:data:`kvcompose.versions.VLLM`, docs/versions.md). Code
 elsewhere asks this module instead of testing vLLM's modules and classes itself, so a new vLLM
@@ -13,22 +13,19 @@ is one module's work:
   combined by :func:`kvcompose.merge.merge_values`
   (:func:`kvcompose.vllm.forward.forward_unknown_calls`), instead of vLLM's do-nothing default
   answering for the children.
-- **Moved helpers of vLLM's.** The test kit's KV layout uses vLLM's KV cache planning, which 0.33
-  moved to another module (:func:`kv_cache_config_from_groups`).
 
 Transfer-result fields kvcompose does not know are carried through by
 :class:`kvcompose.vllm.metadata.ResultsCodec` (it reads the fields of vLLM's class, whatever the
-version).
+version). What only the test kit and the tests need to know of the installed vLLM (whether it
+has sleep mode, where it keeps its KV cache planning) is :mod:`kvcompose.testing.versions`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
@@ -36,15 +33,6 @@ if TYPE_CHECKING:
     from vllm.config.kv_transfer import KVTransferConfig
 
 log = logging.getLogger("kvcompose.vllm")
-
-#: The sleep-mode calls of vLLM 0.33's connector API.
-SLEEP_MODE_CALLS = ("unregister_kv_caches", "restore_kv_caches")
-#: Whether the installed vLLM asks connectors about sleep mode (0.33 and later).
-HAS_SLEEP_MODE = callable(getattr(KVConnectorBase_V1, "supports_sleep_mode", None))
-#: The calls the composite declares that vLLM 0.32's connector API lacks.
-SINCE_0_33 = frozenset({"supports_sleep_mode", *SLEEP_MODE_CALLS})
-#: The calls the composite declares that the installed vLLM does not make (none from 0.33 on).
-INSTALLED_LACKS: frozenset[str] = frozenset() if HAS_SLEEP_MODE else SINCE_0_33
 
 #: Base-class members whose base implementation is right for the composite too (vLLM's own
 #: MultiConnector guard exempts the same two).
@@ -100,16 +88,3 @@ def warn_generic(name: str) -> None:
         "(docs/versions.md)",
         name,
     )
-
-
-def kv_cache_config_from_groups() -> Callable[..., Any]:
-    """vLLM's ``get_kv_cache_config_from_groups(vllm_config, groups, available_memory)``: in
-    ``kv_cache_utils`` up to 0.32, in ``kv_cache_planning`` from 0.33."""
-    for module in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
-        try:
-            fn = getattr(importlib.import_module(module), "get_kv_cache_config_from_groups", None)
-        except ImportError:
-            continue
-        if fn is not None:
-            return fn
-    raise ImportError("this vLLM has no get_kv_cache_config_from_groups (looked in kv_cache_planning, kv_cache_utils)")

@@ -1,5 +1,5 @@
 """The composite declares each call of vLLM's connector API once (``kvcompose/vllm/forward.py``):
-what the kit can fault, what runs per layer and what a contained child answers are read from
+what the kit can fault, how the per-layer calls forward and what a contained child answers are read from
 those declarations (the declarations against vLLM's own class: ``test_vllm_surface.py``)."""
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ def test_every_forwarded_call_can_get_a_fault_and_no_other() -> None:
         Fault(call="get_finished", action="raise")
 
 
-def test_the_per_layer_calls_are_vllms_two() -> None:
-    assert {name for name, c in CALLS.items() if c.per_layer} == {"wait_for_layer_load", "save_kv_layer"}
+def test_vllms_two_per_layer_calls_are_plain_forwards() -> None:
+    """The calls vLLM makes once per layer per step reach the children with no method of the
+    composite's in between (one child: its own callable, ``test_worker_hot_path.py``)."""
+    for name in ("wait_for_layer_load", "save_kv_layer"):
+        assert CALLS[name].how == "each" and CALLS[name].method is None, name
 
 
 def test_a_method_that_decides_gets_the_children_right_after_self() -> None:

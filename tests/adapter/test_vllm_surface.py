@@ -16,10 +16,11 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcompose.testing import inspector
+from kvcompose.testing.versions import INSTALLED_LACKS
 from kvcompose.versions import BASE_PY, ConnectorAPI, connector_api, installed_base_py, parse_connector_api
 from kvcompose.vllm import surface
 from kvcompose.vllm.connector import KVComposeConnector
-from kvcompose.vllm.forward import Call, Read, forward_unknown_calls
+from kvcompose.vllm.forward import Call, Read, declared, forward_unknown_calls
 
 ROOT = Path(__file__).parents[2]
 
@@ -46,6 +47,11 @@ def wheel_api(wheel: Path) -> ConnectorAPI:
     return parse_connector_api(source, f"{wheel.name}:vllm/{BASE_PY}")
 
 
+def forwarded_generically(cls: type) -> tuple[str, ...]:
+    """The calls ``cls`` forwards only by the generic rule (:func:`forward_unknown_calls`)."""
+    return tuple(name for name, call in declared(cls).items() if call.how == "merge")
+
+
 def not_forwarded(api: ConnectorAPI) -> list[str]:
     """Names of ``api`` the composite does not define itself, or defines as another kind."""
     missing = []
@@ -53,7 +59,7 @@ def not_forwarded(api: ConnectorAPI) -> list[str]:
         mine = inspect.getattr_static(KVComposeConnector, name, None)
         if mine is None or mine is inspect.getattr_static(KVConnectorBase_V1, name, None):
             missing.append(f"{name} (not defined)")
-        elif name in KVComposeConnector.forwarded_generically:
+        elif name in forwarded_generically(KVComposeConnector):
             missing.append(f"{name} (only by the generic rule)")
         elif surface_kind(mine) != api.kind(name):
             missing.append(f"{name} (a {surface_kind(mine)}, vLLM's is a {api.kind(name)})")
@@ -87,11 +93,11 @@ def declared_api() -> dict[str, str]:
 def test_the_composite_and_the_installed_vllm_name_the_same_calls() -> None:
     """Each call of vLLM's connector API is defined once, of the kind vLLM's is, and the composite
     defines exactly those (and MultiConnector's ``sub_connectors``)."""
-    mine = {name: kind for name, kind in declared_api().items() if name not in surface.INSTALLED_LACKS}
+    mine = {name: kind for name, kind in declared_api().items() if name not in INSTALLED_LACKS}
     vllm = {name: kind for name, kind in surface.base_calls().items() if name not in surface.NOT_FORWARDED}
     assert mine == vllm | dict.fromkeys(HMA_CALLS, "method")
     assert MULTICONNECTOR_EXTRAS <= set(composite_members())
-    assert KVComposeConnector.forwarded_generically == ()
+    assert forwarded_generically(KVComposeConnector) == ()
 
 
 def test_the_composite_defines_the_next_vllms_connector_api() -> None:
@@ -135,7 +141,7 @@ def test_a_call_kvcompose_does_not_know_reaches_every_child_merged_by_type(kvcom
             return None
 
     composite = forward_unknown_calls(type("Newer", (KVComposeConnector,), {}), base=NewerBase)
-    assert composite.forwarded_generically == ("pinned_blocks",)
+    assert forwarded_generically(composite) == ("pinned_blocks",)
     conn = kvcompose_worker(
         "version: 1\nconnectors: [{name: a, type: record}, {name: b, type: record}, {name: c, type: record}]\n",
         register=False,

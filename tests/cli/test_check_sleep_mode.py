@@ -13,7 +13,7 @@ import pytest
 
 import kvcompose.vllm.sleep_mode
 from kvcompose.cli import main
-from kvcompose.vllm.surface import HAS_SLEEP_MODE
+from kvcompose.testing.versions import HAS_SLEEP_MODE
 
 COMPOSITION = """
 version: 1

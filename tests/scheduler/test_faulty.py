@@ -10,12 +10,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvcompose.errors import CompositionError
-from kvcompose.testing import inspector
+from kvcompose.testing import inspector, versions
 from kvcompose.testing.connectors import FaultInjected, FaultyConnector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, model_runner_output, step
 from kvcompose.testing.types import fault_calls
 from kvcompose.testing.worker import WorkerHarness
-from kvcompose.vllm import surface
 
 FAULTY = """
 version: 1
@@ -32,7 +31,7 @@ connectors:
 def test_every_fault_call_is_a_connector_method() -> None:
     """Pinned to vLLM's class: a call renamed there fails here, not in a user's test."""
     methods = {n for cls in (KVConnectorBase_V1, SupportsHMA) for n, _ in inspect.getmembers(cls, inspect.isfunction)}
-    installed = fault_calls() - surface.INSTALLED_LACKS  # the sleep-mode calls from vLLM 0.33 on
+    installed = fault_calls() - versions.INSTALLED_LACKS  # the sleep-mode calls from vLLM 0.33 on
     assert installed <= methods, sorted(installed - methods)
 
 

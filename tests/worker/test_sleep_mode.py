@@ -17,10 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 from kvcompose.compose import loads
 from kvcompose.testing import inspector
+from kvcompose.testing.versions import HAS_SLEEP_MODE
 from kvcompose.vllm.args import kv_transfer_config
 from kvcompose.vllm.children import sleep_mode_support
 from kvcompose.vllm.connector import KVComposeConnector
-from kvcompose.vllm.surface import HAS_SLEEP_MODE
 
 Factory = Callable[..., Any]
 

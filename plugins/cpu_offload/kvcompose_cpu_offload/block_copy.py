@@ -9,7 +9,8 @@ Copy loops. Transfers of :data:`STREAM_MIN_BYTES` or more go through the compile
 stores, where the CPU has AVX-512F) or ``plain`` (``memmove`` per piece, everywhere else).
 Setting the environment variable ``KVCOMPOSE_COPY_LOOP=plain`` forces the plain loop on any
 CPU (to test it, or to compare the two); ``auto`` (the default) picks ``avx512`` where it
-runs. :func:`copy_loop` says which loop a transfer gets.
+runs. :func:`copy_loop` reads it: each owner of transfers (a host or disk backend, a native
+handler's copy thread) reads it once, when it is made, and passes it to every copy.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def helper_built() -> bool:
 
 
 def copy_loop() -> str:
-    """The loop the compiled helper copies with now: ``"avx512"`` (streamed stores; the CPU has
-    AVX-512F), ``"plain"`` (``memmove`` per piece: no AVX-512F, or ``KVCOMPOSE_COPY_LOOP=plain``),
-    or ``"numpy"`` where the helper is not built. Read at each transfer, so a test can switch it."""
+    """The loop the compiled helper copies with under the environment now: ``"avx512"`` (streamed
+    stores; the CPU has AVX-512F), ``"plain"`` (``memmove`` per piece: no AVX-512F, or
+    ``KVCOMPOSE_COPY_LOOP=plain``), or ``"numpy"`` where the helper is not built. Read once by
+    each owner of transfers, when it is made; a copy is given it (``loop``)."""
     if _streamcopy is None:
         return "numpy"
     if _streamcopy.STREAMS and not _forced_plain(os.environ.get(COPY_LOOP_ENV, "auto").strip().lower()):
@@ -65,10 +67,10 @@ def copy_loop() -> str:
     return "plain"
 
 
-def helper_copy(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> str:
-    """One call of the compiled helper on laid-out pieces; returns the loop that copied them."""
+def helper_copy(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, loop: str) -> str:
+    """One call of the compiled helper on laid-out pieces, with ``loop`` (:func:`copy_loop`, as
+    the caller read it); returns the loop that copied them."""
     # A negative stream_min streams no piece: the plain loop.
-    loop = copy_loop()
     streamed = _streamcopy.copy_pieces(dst, src, sizes, 0 if loop == "avx512" else -1)
     if streamed is None:  # a build from before copy_pieces counted its streamed pieces
         return loop
@@ -120,10 +122,11 @@ def as_array(t: torch.Tensor) -> np.ndarray:
 
 
 def copy_blocks(
-    pairs: Sequence[tuple[np.ndarray, np.ndarray]], src_ids: Sequence[int], dst_ids: Sequence[int]
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], src_ids: Sequence[int], dst_ids: Sequence[int], loop: str
 ) -> set[str]:
     """For each ``(src, dst)`` region pair of one transfer, copy block ``src[src_ids[i]]`` to
-    ``dst[dst_ids[i]]`` for each ``i`` (dim 0 is the block index). Returns the loops that copied
+    ``dst[dst_ids[i]]`` for each ``i`` (dim 0 is the block index). ``loop`` is the compiled
+    helper's loop (:func:`copy_loop`, as the caller read it). Returns the loops that copied
     (:func:`copy_loop`'s names; ``"numpy"`` for numpy).
 
     Every id is checked against its side's blocks first (:func:`check_block_ids`): a bad one
@@ -148,7 +151,7 @@ def copy_blocks(
         if _streamcopy is not None and len(src_ids) * src[0].nbytes >= STREAM_MIN_BYTES:
             plan = pieces(src, dst, src_ids, dst_ids)
             if plan is not None:
-                loops.add(helper_copy(*plan))
+                loops.add(helper_copy(*plan, loop))
                 continue
         if runs is None:
             runs = contiguous_runs(src_ids, dst_ids)

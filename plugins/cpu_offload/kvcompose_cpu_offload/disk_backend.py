@@ -12,7 +12,14 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.simple_kv_offload.disk_backend import _ALIGNMENT, O_DIRECT, DiskBackend
 
-from kvcompose_cpu_offload.block_copy import as_array, check_block_ids, copy_blocks, helper_built, helper_copy
+from kvcompose_cpu_offload.block_copy import (
+    as_array,
+    check_block_ids,
+    copy_blocks,
+    copy_loop,
+    helper_built,
+    helper_copy,
+)
 from kvcompose_cpu_offload.copy_threads import CopyThreads
 from kvcompose_cpu_offload.host_memory import huge_page_buffer
 
@@ -84,6 +91,8 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
         self._num_disk_slots = num_disk_slots
         self._num_buffer_slots = num_buffer_slots
         self._copy_loops = set()
+        #: The compiled helper's copy loop for the staging copies, read once (:func:`copy_loop`).
+        self._loop = copy_loop()
         self._tensor_names = list(device_regions)
         self._regions = [device_regions[n] for n in self._tensor_names]
         self._per_tensor_bpb = [t.stride(0) * t.element_size() for t in self._regions]
@@ -187,14 +196,15 @@ class PortableDiskBackend(CopyThreads, DiskBackend):
                 dst, src, n = slots.ravel()[order], blocks.ravel()[order], n.ravel()[order]
             else:  # the buffer is read forwards as it is
                 dst, src, n = blocks.ravel(), slots.ravel(), n.ravel()
-            self._copy_loops.add(helper_copy(dst.astype(np.uint64), src.astype(np.uint64), np.ascontiguousarray(n)))
+            sizes = np.ascontiguousarray(n)
+            self._copy_loops.add(helper_copy(dst.astype(np.uint64), src.astype(np.uint64), sizes, self._loop))
             return
         staged = [(region, buf[:, column]) for region, column in zip(self._region_arrays, self._columns)]
         slots = range(len(run))
         if to_buffer:
-            self._copy_loops |= copy_blocks(staged, run, slots)
+            self._copy_loops |= copy_blocks(staged, run, slots, self._loop)
         else:
-            self._copy_loops |= copy_blocks([(b, r) for r, b in staged], slots, run)
+            self._copy_loops |= copy_blocks([(b, r) for r, b in staged], slots, run, self._loop)
 
     def _transfer(self, blocks: list[int], slots: list[int], write: bool) -> None:
         if len(blocks) != len(slots):

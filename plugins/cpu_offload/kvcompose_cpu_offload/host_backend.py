@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvcompose_cpu_offload.block_copy import as_array, copy_blocks, stack_regions
+from kvcompose_cpu_offload.block_copy import as_array, copy_blocks, copy_loop, stack_regions
 from kvcompose_cpu_offload.copy_threads import CopyThreads
 
 
@@ -44,6 +44,8 @@ class HostCopyBackend(CopyThreads):
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
         self._block_bytes = 0
         self._copy_loops = set()
+        #: The compiled helper's copy loop, read once (:func:`copy_loop`).
+        self._loop = copy_loop()
         self._store_queue = queue.SimpleQueue()
         self._load_queue = queue.SimpleQueue()
         self._store_thread = None
@@ -77,12 +79,13 @@ class HostCopyBackend(CopyThreads):
     def store(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy device blocks ``src_blocks`` to pool blocks ``dst_blocks`` now, in the caller's thread
         (every id checked first, see :func:`copy_blocks`)."""
-        self._copy_loops |= copy_blocks(self._pairs, src_blocks, dst_blocks)
+        self._copy_loops |= copy_blocks(self._pairs, src_blocks, dst_blocks, self._loop)
 
     def load(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy pool blocks ``src_blocks`` to device blocks ``dst_blocks`` now, in the caller's thread
         (every id checked first, see :func:`copy_blocks`)."""
-        self._copy_loops |= copy_blocks([(host, device) for device, host in self._pairs], src_blocks, dst_blocks)
+        pairs = [(host, device) for device, host in self._pairs]
+        self._copy_loops |= copy_blocks(pairs, src_blocks, dst_blocks, self._loop)
 
     def shutdown(self) -> None:
         """Let the copies already queued finish, then stop the threads (idempotent)."""

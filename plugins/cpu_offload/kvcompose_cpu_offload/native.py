@@ -62,15 +62,16 @@ def vllm_worker_runs_here() -> bool:
     return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
 
 
-def host_copy(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> str:
+def host_copy(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, loop: str) -> str:
     """Copy ``sizes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for each ``i``: what
-    ``ops.swap_blocks_batch`` does on CUDA, on host memory. Returns the loop that copied."""
+    ``ops.swap_blocks_batch`` does on CUDA, on host memory, with the compiled helper's ``loop``
+    (:func:`~kvcompose_cpu_offload.block_copy.copy_loop`). Returns the loop that copied."""
     n = sizes.numel()
     if n == 0:
         return "none"
     s, d, z = src.numpy(), dst.numpy(), sizes.numpy()
     if block_copy.helper_built():
-        return block_copy.helper_copy(d, s, z)
+        return block_copy.helper_copy(d, s, z, loop)
     for i in range(n):  # pragma: no cover - a build without a compiler
         ctypes.memmove(int(d[i]), int(s[i]), int(z[i]))
     return "memmove"
@@ -133,6 +134,8 @@ class _CopyLane:
         self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self.loops: set[str] = set()
+        #: The compiled helper's copy loop for this lane's copies, read once.
+        self.loop = block_copy.copy_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -147,7 +150,7 @@ class _CopyLane:
             kind, arg = op
             if kind == "copy":
                 try:
-                    self.loops.add(host_copy(*arg))
+                    self.loops.add(host_copy(*arg, self.loop))
                 except BaseException as exc:  # reported by the transfer's end event
                     self._error = exc
             elif kind == "wait":

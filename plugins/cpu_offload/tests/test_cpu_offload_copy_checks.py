@@ -95,11 +95,11 @@ def test_copy_blocks_checks_every_id_before_copying_anything(
     ((_, host),) = stack_regions([pool[i] for i in range(4)])
     pairs = [(as_array(dev), as_array(host))]
     with pytest.raises(IndexError, match=error):
-        copy_blocks(pairs, src_ids, dst_ids)
+        copy_blocks(pairs, src_ids, dst_ids, copy_loop())
     assert not pool.any()  # the good id before the bad one was not copied either
     if spy is not None:
         assert spy.calls == 0
-        copy_blocks(pairs, [1, 2], [3, 4])  # the same transfer, good ids: down the helper's path
+        copy_blocks(pairs, [1, 2], [3, 4], copy_loop())  # the same transfer, good ids: down the helper's path
         assert spy.calls == 1
 
 
@@ -248,7 +248,7 @@ def test_the_environment_switch_forces_the_plain_loop_on_any_cpu(
     pool = torch.zeros((4, 24, 4160), dtype=torch.int8)
     ((_, dev),) = stack_regions([engine[i] for i in range(4)])
     ((_, host),) = stack_regions([pool[i] for i in range(4)])
-    assert copy_blocks([(as_array(dev), as_array(host))], [9, 1, 7, 3], [0, 5, 2, 6]) == {want}
+    assert copy_blocks([(as_array(dev), as_array(host))], [9, 1, 7, 3], [0, 5, 2, 6], copy_loop()) == {want}
     assert torch.equal(host[[0, 5, 2, 6]], dev[[9, 1, 7, 3]])
 
 
@@ -256,7 +256,7 @@ def test_without_the_helper_the_loop_is_numpy(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(block_copy, "_streamcopy", None)
     assert copy_loop() == "numpy"
     src, dst = torch.arange(40, dtype=torch.int8).view(4, 10), torch.zeros(4, 10, dtype=torch.int8)
-    assert copy_blocks([(as_array(src), as_array(dst))], [3], [0]) == {"numpy"}
+    assert copy_blocks([(as_array(src), as_array(dst))], [3], [0], copy_loop()) == {"numpy"}
     assert torch.equal(dst[0], src[3])
 
 
@@ -266,6 +266,8 @@ def test_the_worker_reports_the_loops_its_transfers_used(setting: str, monkeypat
     monkeypatch.setenv(COPY_LOOP_ENV, setting)
     monkeypatch.setattr(block_copy, "STREAM_MIN_BYTES", 0)
     worker = _worker()
+    # Read once, when the worker's copies were set up: a later change does not reach them.
+    monkeypatch.setenv(COPY_LOOP_ENV, "auto" if setting == "plain" else "plain")
     assert worker.take_copy_loops() == set()
     worker.bind_connector_metadata(
         SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[1, 2, 5], store_cpu_blocks=[0, 1, 4])

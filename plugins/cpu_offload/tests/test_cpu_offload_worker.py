@@ -21,7 +21,7 @@ from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
 from kvcompose.testing.kv import EngineKV, fill_random, make_engine_kv
 from kvcompose_cpu_offload import _streamcopy, block_copy
-from kvcompose_cpu_offload.block_copy import as_array, contiguous_runs, copy_blocks, pieces, stack_regions
+from kvcompose_cpu_offload.block_copy import as_array, contiguous_runs, copy_blocks, copy_loop, pieces, stack_regions
 from kvcompose_cpu_offload.connector import SimpleCPUOffloadConnector
 from kvcompose_cpu_offload.copy_threads import ThreadEvent
 from kvcompose_cpu_offload.disk_backend import PortableDiskBackend, alloc_staging
@@ -98,7 +98,7 @@ def test_contiguous_runs() -> None:
 def test_copy_blocks(src_ids: list[int], dst_ids: list[int]) -> None:
     src = torch.randint(-128, 128, (10, 96), dtype=torch.int8)
     dst = torch.zeros(8, 96, dtype=torch.int8)
-    copy_blocks([(as_array(src), as_array(dst))], src_ids, dst_ids)
+    copy_blocks([(as_array(src), as_array(dst))], src_ids, dst_ids, copy_loop())
     for s, d in zip(src_ids, dst_ids):
         assert torch.equal(dst[d], src[s])
     untouched = [b for b in range(8) if b not in dst_ids]
@@ -132,7 +132,7 @@ def test_copy_blocks_between_engine_and_pool_layouts_moves_exactly_the_blocks(
     else:
         src, dst, src_ids, dst_ids = dev, host, ids, slots
     before = dst.clone()
-    copy_blocks([(as_array(src), as_array(dst))], src_ids, dst_ids)
+    copy_blocks([(as_array(src), as_array(dst))], src_ids, dst_ids, copy_loop())
     for s, d in zip(src_ids, dst_ids):
         assert torch.equal(dst[d], src[s])
     untouched = [b for b in range(dst.shape[0]) if b not in dst_ids]

@@ -126,12 +126,8 @@ def connection_metadata(agent: Any) -> bytes:
     """``agent``'s connection info without its memory (NIXL's partial metadata): what a peer
     loads to send it notifications, a few hundred bytes where the whole metadata of a decode
     instance's KV is kilobytes."""
-    mems = getattr(agent, "nixl_mems", None)  # the real agent's memory types; the kit's fake has none
-    if mems is None:
-        no_memory: Any = []
-    else:
-        import nixl._api as api
-        import numpy as np
+    import nixl._api as api
+    import numpy as np
 
-        no_memory = api.nixlBind.nixlRegDList(mems["DRAM"], np.zeros((0, 3), dtype=np.uint64))
+    no_memory = api.nixlBind.nixlRegDList(agent.nixl_mems["DRAM"], np.zeros((0, 3), dtype=np.uint64))
     return agent.get_partial_agent_metadata(no_memory, True, [])  # type: ignore[no-any-return]

@@ -6,7 +6,9 @@ vLLM imports ``kv_connector_module_path`` and takes ``getattr(module, kv_connect
 "NixlConnector" with ``KVTransferConfig.has_connector`` in several places, so a different name
 would silently turn those checks off.
 
-Both subclass vLLM's connectors and change four things:
+Both subclass vLLM's connectors. The pull connector changes the five things below; the push
+connector items 1 and 3, and of item 5 the side channel's listener, the sealed agent metadata
+and the peer allowlist of its handshakes (:class:`_SettingsMixin`):
 
 1. **Side channel from the config.** vLLM reads the handshake listener's host and port only from
    ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (``base_scheduler.py``), one

@@ -50,6 +50,12 @@ def test_fake_signatures_match_the_real_agent() -> None:
         assert [(p.name, p.default) for p in fake_params] == [(p.name, p.default) for p in real_params], name
 
 
+def test_fake_has_the_real_agents_memory_types() -> None:
+    nixl_api = pytest.importorskip("nixl._api")
+    real = nixl_api.nixl_agent("kit-memory-types", nixl_api.nixl_agent_config(backends=[]))
+    assert FakeNixl().agent_class()("fake").nixl_mems == real.nixl_mems
+
+
 def test_patch_target_is_what_vllm_instantiates() -> None:
     import importlib
 

@@ -343,6 +343,22 @@ class FakeNixlAgent:
         self._rec("release_dlist_handle", handle)
         self._dlists.pop(handle, None)
 
+    @property
+    def nixl_mems(self) -> dict[str, Any]:
+        """The real agent's memory types by name, NIXL's own (the installed NIXL's, read when
+        asked): what a caller builds a descriptor list of its own with."""
+        from nixl._api import nixlBind
+
+        return {
+            "DRAM": nixlBind.DRAM_SEG,
+            "VRAM": nixlBind.VRAM_SEG,
+            "FILE": nixlBind.FILE_SEG,
+            "BLOCK": nixlBind.BLK_SEG,
+            "OBJ": nixlBind.OBJ_SEG,
+            "cpu": nixlBind.DRAM_SEG,
+            "cuda": nixlBind.VRAM_SEG,
+        }
+
     # ------------------------------------------------------------------ peers
 
     def get_agent_metadata(self) -> bytes:
