@@ -8,6 +8,7 @@ Also the class-level answers vLLM asks of a connector class before any instance 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -90,34 +91,62 @@ class Composite:
         return out
 
 
+#: The first composite of each plan (:func:`_plan_key`), and every composite by plan and engine id.
+_plans: dict[tuple[Any, ...], Composite] = {}
 _composites: dict[tuple[Any, ...], Composite] = {}
+
+
+def _plan_key(extra: dict[str, Any], kv_role: str | None) -> tuple[Any, ...]:
+    """What a plan depends on: the config, the composite's ``kv_role`` only for a drop-in (whose
+    entries may leave theirs out; kvcompose's own entry carries every child's), the plugin set
+    and ``KVCOMPOSE_TRACE``. Never the engine id: only the children's configs carry it."""
+    role = kv_role if is_dropin(extra) else None
+    return (json.dumps(extra, sort_keys=True, default=repr), role, get_plugins(), tracing_enabled())
 
 
 def composite_of(
     extra_config: dict[str, Any] | None, kv_role: str | None = None, engine_id: str | None = None
 ) -> Composite:
     """The plan of the composition embedded in vLLM's ``kv_connector_extra_config`` (or made of a
-    MultiConnector ``connectors`` list taken as it is), built on first use per process, per
-    config, plugin set and ``KVCOMPOSE_TRACE``.
+    MultiConnector ``connectors`` list taken as it is), built on first use per process and plan
+    (:func:`_plan_key`); a composite of another engine id shares it.
 
     The checks import the modules the children name: the engine imports them next anyway, and a
     module that fails to import is then a located error instead of vLLM's traceback. The listed
     entries must be those the composition renders (:func:`~kvcompose.vllm.dropin.refuse_mismatch`).
     """
     extra = extra_config or {}
-    key = (json.dumps(extra, sort_keys=True, default=repr), kv_role, engine_id, get_plugins(), tracing_enabled())
-    found = _composites.get(key)
+    plan_key = _plan_key(extra, kv_role)
+    found = _composites.get((plan_key, engine_id))
     if found is not None:
         return found
-    dropin = is_dropin(extra)
-    plan = build(source(extra, kv_role), import_modules=True)
-    if dropin:
-        entries = [c.vllm_config() for c in plan.children]
+    first = _plans.get(plan_key)
+    if first is not None:
+        found = dataclasses.replace(first, engine_id=engine_id)
     else:
-        entries = listed_entries(extra)
-        refuse_mismatch(plan, entries)
-    found = _composites[key] = Composite(plan, tuple(entries), engine_id, dropin)
+        dropin = is_dropin(extra)
+        plan = build(source(extra, kv_role), import_modules=True)
+        if dropin:
+            entries = [c.vllm_config() for c in plan.children]
+        else:
+            entries = listed_entries(extra)
+            refuse_mismatch(plan, entries)
+        found = _plans[plan_key] = Composite(plan, tuple(entries), engine_id, dropin)
+    _composites[(plan_key, engine_id)] = found
     return found
+
+
+def composite_of_extra(extra_config: dict[str, Any] | None) -> Composite:
+    """For a class-level question vLLM asks with ``kv_connector_extra_config`` alone: a composite
+    this process already built for that config, whatever its role and engine id, else
+    :func:`composite_of` without them. A drop-in's plan depends on the role only for its
+    children's roles, which no class-level question reads."""
+    extra = extra_config or {}
+    config, _, *rest = _plan_key(extra, None)
+    for (key_config, _, *key_rest), found in _plans.items():
+        if key_config == config and key_rest == rest:
+            return found
+    return composite_of(extra)
 
 
 def composite_of_config(vllm_config: VllmConfig) -> Composite:
@@ -199,8 +228,8 @@ def required_kvcache_layout(vllm_config: VllmConfig) -> str | None:
 
 
 def requires_piecewise_for_cudagraph(extra_config: dict[str, Any]) -> bool:
-    """Whether any child needs piecewise CUDA graphs."""
-    for cktc in composite_of(extra_config).configs:
+    """Whether any child needs piecewise CUDA graphs, each asked with its own extra config."""
+    for cktc in composite_of_extra(extra_config).configs:
         child_cls = KVConnectorFactory.get_connector_class(cktc)
         if child_cls.requires_piecewise_for_cudagraph(cktc.kv_connector_extra_config):
             return True
