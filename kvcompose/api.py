@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from kvcompose import NAME, hookimpl
 from kvcompose.catalog import Child, ConnectorType, Options, Plan, Rule, given_options
-from kvcompose.errors import CompositionError, Problem, did_you_mean
-from kvcompose.rules.checks import ChecksPlan
-from kvcompose.rules.children import ChildrenParams, index, indices
-from kvcompose.rules.contract import (
+from kvcompose.contract import (
     NO_HIT,
     NOT_READY,
     RULE_KINDS,
@@ -39,6 +36,9 @@ from kvcompose.rules.contract import (
     StoreRule,
     TransferResults,
 )
+from kvcompose.errors import CompositionError, Problem, did_you_mean
+from kvcompose.rules.checks import ChecksPlan
+from kvcompose.rules.children import ChildrenParams, index, indices
 from kvcompose.rules.load import FirstWins
 from kvcompose.units import ByteSize, beyond_host_memory, format_size
 

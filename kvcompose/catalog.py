@@ -17,8 +17,7 @@ import msgspec
 import msgspec.structs
 
 from kvcompose.config import VLLM_ROLES, Composition, Role, Source
-from kvcompose.errors import Problem
-from kvcompose.rules.contract import (
+from kvcompose.contract import (
     RULE_KINDS,
     CompletionRule,
     FaultsRule,
@@ -29,6 +28,7 @@ from kvcompose.rules.contract import (
     RuleObject,
     StoreRule,
 )
+from kvcompose.errors import Problem
 
 
 class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -275,7 +275,7 @@ class Rule(Generic[T]):
 
     ``build(children, params)`` runs once when a composition is resolved and returns the rule
     object that the plan keeps: an implementation of the kind's Protocol in
-    :mod:`kvcompose.rules.contract` (checked when the plan is built). Per-request calls go to
+    :mod:`kvcompose.contract` (checked when the plan is built). Per-request calls go to
     that object directly, never through pluggy.
     """
 

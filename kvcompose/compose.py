@@ -15,9 +15,9 @@ import msgspec
 
 from kvcompose.catalog import Child, Plan, Rule
 from kvcompose.config import Source, dec_hook, load_file, load_text, msgspec_problem
+from kvcompose.contract import PROTOCOLS, RULE_KINDS
 from kvcompose.errors import CompositionError, Problem, did_you_mean
 from kvcompose.plugins import Plugins, get_plugins, tracing_enabled
-from kvcompose.rules.contract import PROTOCOLS, RULE_KINDS
 
 
 def _rule_choice(kind: str, value: Any) -> tuple[str, dict[str, Any]]:
@@ -95,7 +95,7 @@ def build(source: Source, plugins: Plugins | None = None, *, import_modules: boo
                     problems.append(
                         Problem(
                             f"{kind} rule {name!r} built {type(obj).__name__}, which does not implement "
-                            f"{protocol.__name__} (kvcompose.rules.contract)",
+                            f"{protocol.__name__} (kvcompose.contract)",
                             ("rules", kind),
                             "the rule's plugin is broken; report it to its author",
                         )

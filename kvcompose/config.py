@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvcompose.contract import RULE_KINDS, RuleKind
 from kvcompose.errors import CompositionError, Locator, Problem, did_you_mean
 from kvcompose.errors import Path as DocPath
 from kvcompose.reader import KEY, MAX_BYTES, MAX_CONNECTORS, parse_yaml, plain_data_problem
-from kvcompose.rules.contract import RULE_KINDS, RuleKind
 from kvcompose.units import ByteSize
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -51,7 +51,7 @@ DEFAULT_RULES: dict[RuleKind, str] = {
     "faults": "fail",
 }
 
-#: ``rules:``: one field per rule kind (:data:`kvcompose.rules.contract.RULE_KINDS`).
+#: ``rules:``: one field per rule kind (:data:`kvcompose.contract.RULE_KINDS`).
 RulesSpec = msgspec.defstruct(
     "RulesSpec",
     [(kind, RuleChoice, DEFAULT_RULES[kind]) for kind in RULE_KINDS],

@@ -34,8 +34,8 @@ import pluggy
 
 from kvcompose import NAME, hookspecs
 from kvcompose.catalog import ConnectorType, Plan, Rule
+from kvcompose.contract import RULE_KINDS
 from kvcompose.errors import Problem
-from kvcompose.rules.contract import RULE_KINDS
 
 ENV_SELECT = "KVCOMPOSE_PLUGINS"
 ENV_TRACE = "KVCOMPOSE_TRACE"

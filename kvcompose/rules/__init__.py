@@ -1,16 +1,16 @@
-"""Every rule: the contract (:mod:`kvcompose.rules.contract`, one typed Protocol per rule kind)
-and the built-in rules, each kind a plugin module with a ``kvcompose_rules`` hook.
+"""The built-in rules, each kind a plugin module with a ``kvcompose_rules`` hook, on the rule
+contract (:mod:`kvcompose.contract`, one typed Protocol per rule kind, below the catalog).
 
 =============  ===================================  ========================================
 module         built-in rules                       Protocol their ``build`` returns
 =============  ===================================  ========================================
-``load``       ``first-wins``, ``longest-hit``,     :class:`~.contract.LoadRule`
+``load``       ``first-wins``, ``longest-hit``,     :class:`~kvcompose.contract.LoadRule`
                ``ranges``
-``store``      ``all``, ``only``                    :class:`~.contract.StoreRule`
-``metadata``   ``merge``                            :class:`~.contract.MetadataRule`
-``params``     ``owners``, ``strict``               :class:`~.contract.ParamsRule`
-``completion`` ``owner``                            :class:`~.contract.CompletionRule`
-``faults``     ``fail``, ``isolate``, ``breaker``   :class:`~.contract.FaultsRule`
+``store``      ``all``, ``only``                    :class:`~kvcompose.contract.StoreRule`
+``metadata``   ``merge``                            :class:`~kvcompose.contract.MetadataRule`
+``params``     ``owners``, ``strict``               :class:`~kvcompose.contract.ParamsRule`
+``completion`` ``owner``                            :class:`~kvcompose.contract.CompletionRule`
+``faults``     ``fail``, ``isolate``, ``breaker``   :class:`~kvcompose.contract.FaultsRule`
 ``checks``     cross-child checks (``kvcompose_check``), a rule's own (:class:`~.checks.ChecksPlan`)
 =============  ===================================  ========================================
 

@@ -8,8 +8,8 @@ from typing import Protocol, runtime_checkable
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Plan
+from kvcompose.contract import RULE_KINDS
 from kvcompose.errors import Problem
-from kvcompose.rules.contract import RULE_KINDS
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
-from kvcompose.rules.contract import CompletionRule, CompletionTracker, TransferResults
+from kvcompose.contract import CompletionRule, CompletionTracker, TransferResults
 
 log = logging.getLogger("kvcompose.rules.completion")
 

@@ -16,8 +16,8 @@ import msgspec
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
+from kvcompose.contract import ChildState, FaultMonitor, FaultsRule
 from kvcompose.rules.children import ChildrenParams, indices
-from kvcompose.rules.contract import ChildState, FaultMonitor, FaultsRule
 
 log = logging.getLogger("kvcompose.rules.faults")
 

@@ -5,7 +5,7 @@ vLLM's answer ``(0, False)`` means "nothing here" and ``None`` means "ask me aga
 the rules walk children in YAML order themselves instead of using pluggy's ``firstresult``
 (which runs LIFO and skips ``None``). ``first-wins`` and ``longest-hit`` pick one child;
 ``ranges`` chains several, each loading the range after the one above it. The allocation split
-and load completion are :class:`~kvcompose.rules.contract.LoadRule`'s defaults for all three:
+and load completion are :class:`~kvcompose.contract.LoadRule`'s defaults for all three:
 each contributor gets its own tokens, the others 0, the load completes when every async
 contributor has reported, and in a chain that mixes synchronous and asynchronous contributors
 the synchronous ones load when vLLM schedules the request after that.
@@ -19,7 +19,7 @@ from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
-from kvcompose.rules.contract import NO_HIT, NOT_READY, Ask, Contribution, EngineFacts, LoadRule, Selection
+from kvcompose.contract import NO_HIT, NOT_READY, Ask, Contribution, EngineFacts, LoadRule, Selection
 
 
 def single(child: int, tokens: int, is_async: bool) -> Selection:

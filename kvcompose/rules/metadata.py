@@ -7,7 +7,7 @@ from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Rule
-from kvcompose.rules.contract import MetadataRule
+from kvcompose.contract import MetadataRule
 
 
 class MetadataMismatch(RuntimeError):

@@ -8,9 +8,9 @@ from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Plan, Rule
+from kvcompose.contract import ParamsRule
 from kvcompose.errors import Problem
 from kvcompose.rules.checks import ChecksPlan
-from kvcompose.rules.contract import ParamsRule
 
 log = logging.getLogger("kvcompose.rules.params")
 

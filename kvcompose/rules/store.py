@@ -10,8 +10,8 @@ from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
+from kvcompose.contract import StoreRule
 from kvcompose.rules.children import ChildrenParams, indices
-from kvcompose.rules.contract import StoreRule
 
 
 @dataclass(frozen=True)

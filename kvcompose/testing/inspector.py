@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    from kvcompose.rules.contract import ChildState
+    from kvcompose.contract import ChildState
     from kvcompose.vllm.connector import KVComposeConnector
 
 

@@ -30,9 +30,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from kvcompose.catalog import Plan
 from kvcompose.compose import build
 from kvcompose.config import to_builtins
+from kvcompose.contract import EngineFacts
 from kvcompose.plugins import get_plugins, tracing_enabled
 from kvcompose.rules.checks import layout_conflict
-from kvcompose.rules.contract import EngineFacts
 from kvcompose.vllm.args import listed_entries
 from kvcompose.vllm.dropin import announce_dropin, is_dropin, refuse_mismatch, source
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY

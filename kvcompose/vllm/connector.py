@@ -11,7 +11,7 @@ vLLM looks for the literal name ``MultiConnector`` and its ``connectors`` list i
 and this module exports :class:`KVComposeConnector` under both names. The class is a forwarder:
 each call of vLLM's connector API is declared once below, with how the children's answers
 combine, which children get it and what a contained child answers (:mod:`kvcompose.vllm.forward`);
-the calls that need a decision hand it to the plan's rules (:mod:`kvcompose.rules.contract`).
+the calls that need a decision hand it to the plan's rules (:mod:`kvcompose.contract`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvcompose.rules.contract import TransferResults
+from kvcompose.contract import TransferResults
 from kvcompose.versions import version_warnings
 from kvcompose.vllm import children as vllm_children
 from kvcompose.vllm import metadata as vllm_metadata

@@ -35,8 +35,8 @@ from typing import Any, Literal
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcompose.catalog import Plan
+from kvcompose.contract import FaultMonitor, FaultsRule
 from kvcompose.merge import merge_values
-from kvcompose.rules.contract import FaultMonitor, FaultsRule
 from kvcompose.vllm.surface import base_calls, provides, unknown_calls, warn_generic
 
 log = logging.getLogger("kvcompose.vllm")

@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvcompose.rules.contract import ChildState
+from kvcompose.contract import ChildState
 
 #: The key of the state reports among the composite's per-child stats (not a valid child name).
 STATS_KEY = "kvcompose:breaker"

@@ -1,6 +1,6 @@
 """A request's load on the scheduler, from its lookup to the report that ends it.
 
-The load rule decides (:class:`~kvcompose.rules.contract.LoadRule`: who loads which tokens at
+The load rule decides (:class:`~kvcompose.contract.LoadRule`: who loads which tokens at
 the lookup, the split at allocation, whose reports end the load, which part of a mixed load
 waits for the request's next schedule and what of it is given then). :class:`RequestLoads`
 keeps what it decided for each request between vLLM's calls (``get_num_new_matched_tokens``,
@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapp
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvcompose.rules.contract import CompletionTracker, Contribution, EngineFacts, LoadRule, Selection
+from kvcompose.contract import CompletionTracker, Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.vllm.loadstats import ChildLoadStats
 
 if TYPE_CHECKING:

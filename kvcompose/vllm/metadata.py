@@ -18,8 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvcompose.contract import TransferResults
 from kvcompose.merge import merge_values
-from kvcompose.rules.contract import TransferResults
 
 #: The fields of a transfer report that the completion rule reads (kvcompose's own class).
 KNOWN_FIELDS = frozenset(f.name for f in dataclasses.fields(TransferResults))

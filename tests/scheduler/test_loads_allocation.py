@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcompose.rules.contract import Contribution, EngineFacts, LoadRule, Selection
+from kvcompose.contract import Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.rules.load import FirstWins, Ranges
 from kvcompose.vllm import loads as allocation
 from kvcompose.vllm.loads import HeldPart, Split

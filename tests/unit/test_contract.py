@@ -1,4 +1,4 @@
-"""The rule contract (:mod:`kvcompose.rules.contract`): the plain data, the Protocols' defaults,
+"""The rule contract (:mod:`kvcompose.contract`): the plain data, the Protocols' defaults,
 every built-in rule building its kind's Protocol, and the resolver refusing a rule that does not.
 
 No vLLM: the rule layer must be importable and testable without it (checked in a fresh process).
@@ -19,11 +19,7 @@ from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
 from kvcompose.compose import loads
 from kvcompose.config import DEFAULT_RULES
-from kvcompose.errors import CompositionError, Problem
-from kvcompose.plugins import BUILTIN_PLUGINS, Plugins
-from kvcompose.rules import completion, faults, load, metadata, params, store
-from kvcompose.rules.children import ChildrenParams
-from kvcompose.rules.contract import (
+from kvcompose.contract import (
     NO_HIT,
     NOT_READY,
     PROTOCOLS,
@@ -39,6 +35,10 @@ from kvcompose.rules.contract import (
     StoreRule,
     TransferResults,
 )
+from kvcompose.errors import CompositionError, Problem
+from kvcompose.plugins import BUILTIN_PLUGINS, Plugins
+from kvcompose.rules import completion, faults, load, metadata, params, store
+from kvcompose.rules.children import ChildrenParams
 from kvcompose.rules.load import FirstWins
 from kvcompose.rules.store import StoreTo
 from tests.unit.three import THREE
@@ -226,7 +226,7 @@ def test_a_rule_building_the_wrong_kind_of_object_is_refused(kind: str, offer: C
     assert problem.path == ("rules", kind)
     assert problem.line == 8
     assert f"{kind} rule 'broken' built {type(wrong).__name__}" in problem.message
-    assert f"does not implement {protocol} (kvcompose.rules.contract)" in problem.message
+    assert f"does not implement {protocol} (kvcompose.contract)" in problem.message
     assert problem.hint is not None and "plugin is broken" in problem.hint
     assert f"rules.{kind}: " in str(err.value)
 
@@ -278,7 +278,7 @@ def test_the_rule_layer_imports_no_vllm() -> None:
     code = textwrap.dedent(
         """
         import sys
-        import kvcompose.rules.checks, kvcompose.rules.completion, kvcompose.rules.contract
+        import kvcompose.rules.checks, kvcompose.rules.completion, kvcompose.contract
         import kvcompose.rules.faults, kvcompose.rules.load, kvcompose.rules.metadata
         import kvcompose.rules.params, kvcompose.rules.store
         import kvcompose.testing.types

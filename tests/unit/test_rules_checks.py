@@ -15,12 +15,12 @@ import pytest
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, ConnectorType, Options, Plan, Rule
 from kvcompose.compose import loads
+from kvcompose.contract import StoreRule
 from kvcompose.errors import CompositionError, Problem
 from kvcompose.plugins import Plugins
 from kvcompose.rules import checks
 from kvcompose.rules.checks import ChecksPlan, layout_conflict
 from kvcompose.rules.children import index
-from kvcompose.rules.contract import StoreRule
 from kvcompose.rules.params import Owners
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from kvcompose.catalog import Rule
 from kvcompose.compose import loads
+from kvcompose.contract import CompletionRule, CompletionTracker, TransferResults
 from kvcompose.rules import completion
 from kvcompose.rules.completion import FREED_KEPT, Owner, OwnerAccounting
-from kvcompose.rules.contract import CompletionRule, CompletionTracker, TransferResults
 from tests.unit.three import THREE
 
 

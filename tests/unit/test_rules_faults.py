@@ -9,11 +9,11 @@ import pytest
 
 from kvcompose.catalog import Rule
 from kvcompose.compose import loads
+from kvcompose.contract import FaultsRule, Isolation, TransferResults
 from kvcompose.errors import CompositionError
 from kvcompose.rules import faults
 from kvcompose.rules.children import ChildrenParams
 from kvcompose.rules.completion import OwnerAccounting
-from kvcompose.rules.contract import FaultsRule, Isolation, TransferResults
 from kvcompose.rules.faults import Breaker, BreakerParams, BreakerRule, Contain
 from tests.unit.three import THREE, three_children
 

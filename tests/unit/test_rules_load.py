@@ -14,8 +14,8 @@ import pytest
 
 from kvcompose.catalog import Child, Rule
 from kvcompose.compose import loads
+from kvcompose.contract import NO_HIT, NOT_READY, Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.rules import load
-from kvcompose.rules.contract import NO_HIT, NOT_READY, Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.rules.load import FirstWins, LongestHit, Ranges
 from kvcompose.testing.types import RecordRangeType
 from tests.unit.three import THREE, three_children

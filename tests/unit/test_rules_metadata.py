@@ -8,8 +8,8 @@ import pytest
 
 from kvcompose.catalog import Rule
 from kvcompose.compose import loads
+from kvcompose.contract import MetadataRule
 from kvcompose.rules import metadata
-from kvcompose.rules.contract import MetadataRule
 from kvcompose.rules.metadata import Merge, MetadataMismatch
 from tests.unit.three import THREE
 

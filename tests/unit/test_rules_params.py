@@ -9,8 +9,8 @@ import pytest
 
 from kvcompose.catalog import Child, Rule
 from kvcompose.compose import loads
+from kvcompose.contract import ParamsRule
 from kvcompose.rules import params
-from kvcompose.rules.contract import ParamsRule
 from kvcompose.rules.params import Owners, ParamsClash, Strict
 
 #: A prefix tier above the P/D transport (which declares the NIXL-style keys).

@@ -8,10 +8,10 @@ import pytest
 
 from kvcompose.catalog import Rule
 from kvcompose.compose import loads
+from kvcompose.contract import StoreRule
 from kvcompose.errors import CompositionError
 from kvcompose.rules import store
 from kvcompose.rules.children import ChildrenParams
-from kvcompose.rules.contract import StoreRule
 from kvcompose.rules.store import StoreTo
 from tests.unit.three import THREE, three_children
 

@@ -1,4 +1,4 @@
-"""Pins :class:`kvcompose.rules.contract.TransferResults` to vLLM's ``KVConnectorTransferResults``.
+"""Pins :class:`kvcompose.contract.TransferResults` to vLLM's ``KVConnectorTransferResults``.
 
 The rules see a child's report as kvcompose's own class (so they stay testable without vLLM);
 the adapter copies the fields both have by name, with the same default shape and type. A field
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvcompose.rules.contract import TransferResults
+from kvcompose.contract import TransferResults
 from kvcompose.vllm.metadata import RESULTS_CODEC as RESULTS
 
 VLLM_FIELDS = {f.name: f for f in dataclasses.fields(KVConnectorTransferResults)}
