@@ -80,6 +80,35 @@ def cmd_check(args: argparse.Namespace) -> int:
     from kvcompose.vllm.sleep_mode import sleep_mode_line  # imports vLLM only where it has sleep mode
 
     print("  " + sleep_mode_line(plan))
+    from kvcompose.router import router_lines
+
+    for line in router_lines(plan):
+        print("  " + line)
+    return 0
+
+
+def cmd_relay_events(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvcompose.relay import Relay
+
+    try:
+        relay = Relay(args.source, args.target, args.engine_block_size, args.block_size)
+    except (ValueError, OSError) as exc:  # zmq.ZMQError is an OSError: a bad or taken endpoint
+        print(f"kvcompose relay-events: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"kvcompose relay-events: {args.source} -> {args.target}, "
+        f"{args.engine_block_size}-token blocks told in {args.block_size}-token blocks",
+        file=sys.stderr,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    relay.close()
+    print(f"kvcompose relay-events: {relay.relayed} batches relayed, {relay.dropped} dropped", file=sys.stderr)
     return 0
 
 
@@ -345,6 +374,29 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--write", metavar="DIR", help="copy the example(s) into DIR (created if missing)")
     s.add_argument("--force", action="store_true", help="with --write: replace files that differ")
     s.set_defaults(func=cmd_examples)
+    s = command(
+        sub,
+        "relay-events",
+        "re-publish an engine's KV events in the block size vllm-router indexes (16 tokens)",
+        "kvcompose relay-events --from ipc:///run/prefill.events --to tcp://10.0.0.5:5557 --engine-block-size 32",
+    )
+    s.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="ENDPOINT",
+        help="the engine's --kv-events-config endpoint (ipc://PATH, or tcp://HOST:PORT it binds)",
+    )
+    s.add_argument(
+        "--to",
+        dest="target",
+        required=True,
+        metavar="ENDPOINT",
+        help="where the router subscribes (tcp://HOST:PORT, bound here)",
+    )
+    s.add_argument("--engine-block-size", type=int, required=True, metavar="N", help="the engine's --block-size")
+    s.add_argument("--block-size", type=int, default=16, metavar="N", help="the router's (default: 16)")
+    s.set_defaults(func=cmd_relay_events)
     _added_commands(sub)
     return p
 

@@ -66,6 +66,17 @@ def split_events(events: Iterable[Any], block_size: int, engine_block_size: int)
     return out
 
 
+def _check_endpoint(what: str, endpoint: str) -> None:
+    """A ZMQ endpoint the relay takes: ``ipc://PATH`` or ``tcp://HOST:PORT`` (zmq itself takes a
+    port out of range and listens nowhere)."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if endpoint.startswith("tcp://") and host and port.isdigit() and 0 < int(port) < 65536:
+        return
+    raise ValueError(f"{what} {endpoint!r}: ipc://PATH or tcp://HOST:PORT (a port 1-65535)")
+
+
 class Relay:
     """Subscribes to an engine's KV events (``source``, its ``--kv-events-config`` endpoint; its
     KV blocks of ``engine_block_size`` tokens) and publishes them on ``target`` (bound) told in
@@ -80,6 +91,8 @@ class Relay:
 
         if engine_block_size % block_size:
             raise ValueError(f"{engine_block_size}-token blocks cannot be told in {block_size}-token blocks")
+        for what, endpoint in (("--from", source), ("--to", target)):
+            _check_endpoint(what, endpoint)
         self.source, self.target = source, target
         self.engine_block_size, self.block_size = engine_block_size, block_size
         self.relayed = 0

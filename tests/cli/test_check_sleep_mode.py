@@ -43,5 +43,5 @@ def test_check_names_the_child_without_sleep_mode(
 @pytest.mark.skipif(HAS_SLEEP_MODE, reason="this vLLM has sleep mode in its connector API")
 def test_check_on_a_vllm_without_sleep_mode_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "examples/pd-decode.yaml"]) == 0
-    line = capsys.readouterr().out.splitlines()[-1]
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  sleep mode:")]
     assert line.startswith("  sleep mode: not in the connector API of vLLM 0.32")

@@ -146,6 +146,10 @@ class Served:
     text: str | None = None
     #: the decode server that answered (routed requests; None for the proxy flow's one decode)
     decode: str | None = None
+    #: the prefill server that computed the prompt, and the prompt tokens it computed (a fleet's
+    #: routed requests; None elsewhere)
+    prefill: str | None = None
+    prefill_computed_tokens: int | None = None
     #: inside the decode engine, seconds per :data:`kvcompose_tools.e2e.node.PHASES` (offline engines only)
     phases_s: dict[str, float] | None = None
 
@@ -257,14 +261,16 @@ def routed_request(
     label: str = "",
     children: tuple[str, ...] = ("host", "pd"),
     session: str | None = None,
+    prefills: Sequence[Answered] = (),
 ) -> Served:
     """One ``/v1/completions`` request to the router (which sends it to prefill, then to one of
-    ``decodes`` with prefill's params), measured on the decode that answered it."""
+    ``decodes`` with prefill's params), measured on the decode that answered it (and on the one
+    of ``prefills`` that computed it, when given)."""
 
     def send() -> dict[str, Any]:
         return router.generate([prompt], max_tokens, session=session)[0]
 
-    return routed(decodes, send, len(prompt), label, children)
+    return routed(decodes, send, len(prompt), label, children, prefills)
 
 
 def routed_chat(
@@ -287,25 +293,42 @@ def routed(
     prompt_tokens: int,
     label: str,
     children: tuple[str, ...],
+    prefills: Sequence[Answered] = (),
 ) -> Served:
     """``send()`` one request through a router, and what the decode that answered it did. The
     router does not say which decode it chose; the decode whose ``vllm:request_success`` moved
-    did (requests go one at a time)."""
+    did (requests go one at a time). With ``prefills`` (a fleet's), the prefill that answered is
+    found the same way: :attr:`Served.prefill` and the prompt tokens it computed."""
     before = [d.metrics() for d in decodes]
+    p_before = [p.metrics() for p in prefills]
     answer = send()
+    i, after = which_answered(decodes, before, label, "decode")
+    s = served(answer, delta(before[i], after), prompt_tokens, label, children, decode=decodes[i].name)
+    if prefills:
+        j, p_after = which_answered(prefills, p_before, label, "prefill")
+        s.prefill = prefills[j].name
+        s.prefill_computed_tokens = int(delta(p_before[j], p_after).get(COMPUTED, 0))
+    return s
+
+
+def which_answered(
+    servers: Sequence[Answered], before: Sequence[dict[str, float]], label: str, role: str
+) -> tuple[int, dict[str, float]]:
+    """The one of ``servers`` whose answered count moved since ``before`` (waited for, bounded),
+    and its counters now; it counts the request (:meth:`Answered.answered_elsewhere`)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
-        after = [d.metrics() for d in decodes]
-        moved = [i for i in range(len(decodes)) if answered(after[i]) > answered(before[i])]
+        after = [d.metrics() for d in servers]
+        moved = [i for i in range(len(servers)) if answered(after[i]) > answered(before[i])]
         if len(moved) == 1:
             break
         if time.monotonic() >= deadline:
-            names = ", ".join(decodes[i].name for i in moved) or "none"
-            raise NodeError(f"{label or 'request'}: one decode should have answered; counted by {names}")
+            names = ", ".join(servers[i].name for i in moved) or "none"
+            raise NodeError(f"{label or 'request'}: one {role} should have answered; counted by {names}")
         time.sleep(0.05)
     (i,) = moved
-    decodes[i].answered_elsewhere()
-    return served(answer, delta(before[i], after[i]), prompt_tokens, label, children, decode=decodes[i].name)
+    servers[i].answered_elsewhere()
+    return i, after[i]
 
 
 def answered(metrics: dict[str, float]) -> float:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcompose.router import SESSION_HEADER, pd_router_args
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.processes import CALL_TIMEOUT_S, NodeError, ProcessNode
 from kvcompose_tools.e2e.server import (
@@ -57,9 +58,6 @@ READY_TIMEOUT_S = 60.0
 WORKER_LINES = 15
 #: Terminal colour codes (the router's tracing output has them whatever NO_COLOR says).
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-#: The first header vllm-router's ``consistent_hash`` policy reads for its key (then
-#: ``X-User-ID``, ``X-Tenant-ID``, ``X-Request-ID``, ...).
-SESSION_HEADER = "X-Session-ID"
 
 
 def router_argv(
@@ -69,6 +67,7 @@ def router_argv(
     metrics_port: int,
     policy: str = "round_robin",
     host: str = HOST,
+    prefill_events: dict[str, str] | None = None,
 ) -> list[str]:
     """The router's command line: vLLM P/D mode over NIXL, bound to ``host`` (127.0.0.1, or a
     host's address).
@@ -78,16 +77,14 @@ def router_argv(
     default ``cache_aware`` it keeps no prefix tree of its own. ``consistent_hash`` keeps a
     conversation on one decode server: the router hashes the request's ``X-Session-ID`` header
     (:data:`SESSION_HEADER`) onto a ring of the workers, so every turn of a session reaches the
-    decode whose host tier holds the earlier turns. The Prometheus exporter gets a free port of
+    decode whose host tier holds the earlier turns. ``kv_aware`` (:func:`kvcompose.router.pd_router_args`)
+    picks the prefill by the KV events each publishes (``prefill_events``: prefill URL ->
+    ``tcp://`` endpoint) and keeps a session on one decode. The Prometheus exporter gets a free port of
     its own (its default, 29000, would collide between two stacks on one host). Workers are
     checked every second at start (default: every 30 s), and the workers passed are already up.
     """
     argv = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
-    argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", policy]
-    for url in prefill_urls:
-        argv += ["--prefill", url]
-    for url in decode_urls:
-        argv += ["--decode", url]
+    argv += pd_router_args(prefill_urls, decode_urls, policy, prefill_events)
     argv += ["--prometheus-host", host, "--prometheus-port", str(metrics_port)]
     argv += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
     return argv
@@ -96,9 +93,10 @@ def router_argv(
 class RouterNode(ProcessNode):
     """One router process in front of ``prefills`` and ``decodes`` (anything with a ``url``: a
     :class:`~kvcompose_tools.e2e.server.ServerNode`), choosing among them by ``policy``
-    (:func:`router_argv`; ``args``: more of the router's own flags); its log is ``<name>.log`` in
-    ``log_dir``, beside the engines'; ``host``: it runs in that host (:mod:`kvcompose_tools.e2e.hosts`),
-    bound to its address. Call :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
+    (:func:`router_argv`; ``prefill_events`` for ``kv_aware``; ``args``: more router flags); its log is
+    ``<name>.log`` in ``log_dir``, beside the engines'; ``host``: it runs in that host
+    (:mod:`kvcompose_tools.e2e.hosts`), bound to its address. Call :meth:`wait_ready`, then send
+    requests; :meth:`close` stops it."""
 
     def __init__(
         self,
@@ -111,6 +109,7 @@ class RouterNode(ProcessNode):
         name: str = "router",
         args: Sequence[str] = (),
         host: Host | None = None,
+        prefill_events: dict[str, str] | None = None,
     ) -> None:
         if importlib.util.find_spec("vllm_router") is None:
             raise NodeError(
@@ -122,7 +121,7 @@ class RouterNode(ProcessNode):
         bind = host.address if host else HOST
         self.url = f"http://{bind}:{self.port}"
         urls = [p.url for p in prefills], [d.url for d in decodes]
-        self.argv = router_argv(*urls, self.port, metrics_port, policy, bind)
+        self.argv = router_argv(*urls, self.port, metrics_port, policy, bind, prefill_events)
         self.argv += args
         super().__init__(
             name,

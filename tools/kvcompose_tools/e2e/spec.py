@@ -77,6 +77,8 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     #: The context vLLM gives the model (the tiny model's tests are sized for 1,024 tokens).
     max_model_len: int = MAX_MODEL_LEN
+    #: Tokens per KV block (vllm-router 0.1.17's P/D ``kv_aware`` indexes 16-token blocks only).
+    block_size: int = BLOCK_SIZE
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         """The ``KVTransferConfig`` kwargs: ``kv_config``, or the composition's with this spec's
@@ -99,7 +101,7 @@ class EngineSpec:
             "dtype": "float32",
             "max_model_len": self.max_model_len,
             "enforce_eager": True,
-            "block_size": BLOCK_SIZE,
+            "block_size": self.block_size,
             "seed": self.seed,
             "num_gpu_blocks_override": self.num_gpu_blocks,
             "disable_log_stats": False,  # the Prometheus counters the checks read
