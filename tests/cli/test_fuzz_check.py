@@ -500,8 +500,10 @@ def test_every_subcommand_refuses_or_accepts_generated_arguments_cleanly(
         ["bench", "--only", "no-such-benchmark"],
         ["soak", "--requests", "3"],
         ["demo", "--decodes", "3"],
+        ["demo", "--prefills", "2"],
+        ["relay-events", "--from", "ipc:///nonexistent.events", "--to", "tcp://x:0", "--engine-block-size", "32"],
     ],
-    ids=lambda argv: argv[0],
+    ids=lambda argv: " ".join(argv[:2]),
 )
 def test_no_traceback_reaches_stderr_from_any_command(argv: list[str], tmp_path: Path) -> None:
     proc = subprocess.run(

@@ -53,6 +53,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvcompose_tools.e2e.hosts import DEFAULT_LINK
     from kvcompose_tools.e2e.processes import stopped_on_interrupt
 
+    if args.prefills == 2:
+        if not args.http or args.hosts or args.decodes != 2:
+            print("kvcompose demo: --prefills 2 runs 2P2D on this host: add --http --decodes 2, without --hosts",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        from kvcompose_tools.e2e.fleet_demo import run as run_fleet
+
+        with stopped_on_interrupt():
+            return run_fleet(model_name=args.model, host_tier=args.host_tier)
     with stopped_on_interrupt():
         return run(
             http=args.http,
@@ -138,6 +147,7 @@ def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
         "kvcompose demo                      # offline engines\n"
         "kvcompose demo --http               # vLLM's router and HTTP servers\n"
         "kvcompose demo --http --decodes 2  # 1P2D: one conversation per decode\n"
+        "kvcompose demo --http --decodes 2 --prefills 2  # 2P2D: prefills routed by their KV events\n"
         "kvcompose demo --hosts              # the --http stack, prefill and decode on two hosts\n"
         "kvcompose demo --host-tier native   # vLLM's OffloadingConnector as the host tier",
     )
@@ -155,6 +165,14 @@ def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
         default=1,
         help="with --http: decode servers behind the router (2: 1P2D, the router's consistent_hash keeps each "
         "conversation on one decode, whose host tier serves its later turns)",
+    )
+    s.add_argument(
+        "--prefills",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="with --http --decodes 2: prefill servers behind the router (2: 2P2D, the router's kv_aware picks the "
+        "prefill holding a conversation by the prefills' KV events; then one prefill is killed)",
     )
     s.add_argument(
         "--hosts",
@@ -199,6 +217,14 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpa
     )
     s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
     s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
+    s.add_argument(
+        "--prefills",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="with --http --decodes 2: prefill servers behind the router (2: 2P2D, the router's kv_aware picks the "
+        "prefill holding a conversation by the prefills' KV events; then one prefill is killed)",
+    )
     s.add_argument(
         "--hosts",
         action="store_true",
@@ -248,6 +274,14 @@ def add_soak(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
     s.add_argument("--quick", action="store_true", help="the short variant CI runs")
     s.add_argument("--work", metavar="DIR", help="where the logs and the decode composition go (default: a temp dir)")
     s.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    s.add_argument(
+        "--prefills",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="with --http --decodes 2: prefill servers behind the router (2: 2P2D, the router's kv_aware picks the "
+        "prefill holding a conversation by the prefills' KV events; then one prefill is killed)",
+    )
     s.add_argument(
         "--hosts",
         action="store_true",

@@ -16,7 +16,9 @@ it out after two failures, so that a killed prefill leaves the rotation within s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from kvcompose_tools.e2e.events import kv_events_config
 from kvcompose_tools.e2e.flow import Served, routed_request
 from kvcompose_tools.e2e.node import wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
+from kvcompose_tools.e2e.processes import NodeError
 from kvcompose_tools.e2e.router import RouterNode
 from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
@@ -118,3 +121,75 @@ class Fleet:
             relay.close()
         for node in reversed(self.servers()):
             node.close()
+
+
+#: Tokens each turn adds after the answer (a user's next message).
+TURN_TOKENS = 40
+
+
+@dataclass
+class Turn:
+    """One turn of a conversation through the fleet: its prompt, what served it (None when the
+    router failed it), and when it was sent relative to the kill (None before it)."""
+
+    session: str
+    prompt: list[int]
+    served: Served | None
+    after_kill_s: float | None = None
+    error: str = ""
+
+
+@dataclass
+class Scenario:
+    """What :func:`kill_scenario` saw: every turn in order, and the prefill it killed."""
+
+    turns: list[Turn] = field(default_factory=list)
+    killed: str = ""
+
+    def of(self, session: str) -> list[Turn]:
+        return [t for t in self.turns if t.session == session]
+
+
+def kill_scenario(
+    fleet: Fleet, first: dict[str, list[int]], max_tokens: int, before: int = 3, after: int = 2, deadline_s: float = 60
+) -> Scenario:
+    """Each conversation (session -> its first prompt) ``before`` turns, interleaved; then the
+    prefill that served the first conversation's last turn is killed and each conversation goes on
+    until ``after`` more turns were served (a turn the router fails is tried again, as a client
+    would, half a second later; ``deadline_s`` bounds it)."""
+    prompts = dict(first)
+    scenario = Scenario()
+    killed_at: float | None = None
+
+    def turn(session: str) -> bool:
+        prompt = prompts[session]
+        since = None if killed_at is None else time.monotonic() - killed_at
+        try:
+            s = fleet.turn(prompt, max_tokens, session)
+        except NodeError as exc:
+            scenario.turns.append(Turn(session, prompt, None, since, str(exc)[:300]))
+            return False
+        scenario.turns.append(Turn(session, prompt, s, since))
+        prompts[session] = prompt + s.token_ids + [7 + len(scenario.of(session))] * TURN_TOKENS
+        return True
+
+    for _ in range(before):
+        for session in first:
+            if not turn(session):
+                raise NodeError(f"{session}: failed before any prefill was killed: {scenario.turns[-1].error}")
+    victim = scenario.of(next(iter(first)))[-1].served
+    assert victim is not None and victim.prefill is not None
+    scenario.killed = victim.prefill
+    fleet.kill_prefill(scenario.killed)
+    killed_at = time.monotonic()
+    done = dict.fromkeys(first, 0)
+    while min(done.values()) < after:
+        if time.monotonic() - killed_at > deadline_s:
+            raise NodeError(f"the router did not move the conversations off {scenario.killed} in {deadline_s:.0f} s")
+        for session in first:
+            if done[session] < after:
+                if turn(session):
+                    done[session] += 1
+                else:
+                    time.sleep(0.5)
+    return scenario

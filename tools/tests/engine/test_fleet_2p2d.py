@@ -12,25 +12,21 @@ equals the single-engine baseline's.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine.stack import Nodes, module_stack
-from kvcompose_tools.e2e.fleet import Fleet
-from kvcompose_tools.e2e.flow import Served, same_output
+from kvcompose_tools.e2e.fleet import Fleet, kill_scenario
+from kvcompose_tools.e2e.flow import same_output
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode
-from kvcompose_tools.e2e.processes import NodeError
 from kvcompose_tools.e2e.spec import BLOCK_SIZE
 
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 8
-#: Tokens each turn adds after the answer (a user's next message).
-TURN_TOKENS = 40
 #: How long after the kill a request may still fail: the router's health window (HEALTH_ARGS:
 #: two failed checks a second apart) and a check's own timeout.
 DETECT_S = 6.0
@@ -54,54 +50,28 @@ def first_prompt(seed: int) -> list[int]:
 
 
 def test_turns_follow_their_history_and_move_once_when_its_prefill_dies(stack: Stack, baseline: EngineNode) -> None:
-    fleet = stack.fleet
-    prompts = {"conv-a": first_prompt(1), "conv-b": first_prompt(2)}
-    served: dict[str, list[tuple[list[int], Served]]] = {s: [] for s in prompts}
-
-    def turn(session: str) -> Served:
-        prompt = prompts[session]
-        s = fleet.turn(prompt, MAX_TOKENS, session)
-        served[session].append((prompt, s))
-        prompts[session] = prompt + s.token_ids + [7 + len(served[session])] * TURN_TOKENS
-        return s
-
-    for _ in range(3):
-        for session in prompts:
-            turn(session)
-    for session, turns in served.items():
-        (_, first), *later = turns
-        assert first.prefill_computed_tokens == first.prompt_tokens, (session, first)
-        for (previous, _), (prompt, s) in zip(turns, later):
-            held = len(previous) // BLOCK_SIZE * BLOCK_SIZE
-            assert (s.prefill, s.decode) == (first.prefill, first.decode), (session, s.label)
-            assert s.prefill_computed_tokens == len(prompt) - held, (session, s)  # only the new part
-
-    victim = served["conv-a"][-1][1].prefill
-    assert victim is not None
-    fleet.kill_prefill(victim)
-    killed = time.monotonic()
-    failed_late: list[str] = []
-    after: dict[str, list[Served]] = {s: [] for s in prompts}
-    while min(len(v) for v in after.values()) < 2:
-        for session in prompts:
-            if len(after[session]) >= 2:
-                continue
-            try:
-                after[session].append(turn(session))
-            except NodeError as exc:
-                if time.monotonic() - killed > DETECT_S:
-                    failed_late.append(f"{session}: {exc}"[:400])
-                time.sleep(0.5)
-        assert time.monotonic() - killed < 60, "the router did not move the conversations within 60 s"
-    assert not failed_late, failed_late
-    (survivor,) = [p.name for p in fleet.alive]
-    for session, (moved, then) in after.items():
+    first = {"conv-a": first_prompt(1), "conv-b": first_prompt(2)}
+    scenario = kill_scenario(stack.fleet, first, MAX_TOKENS, before=3, after=2)
+    late = [t for t in scenario.turns if t.served is None and (t.after_kill_s or 0) > DETECT_S]
+    assert not late, [(t.session, t.after_kill_s, t.error) for t in late]
+    (survivor,) = [p.name for p in stack.fleet.alive]
+    for session in first:
+        turns = [t for t in scenario.of(session) if t.served is not None]
+        (one, *later) = [t.served for t in turns if t.after_kill_s is None]
+        assert one.prefill_computed_tokens == one.prompt_tokens, (session, one)
+        for previous, t in zip(turns, turns[1:3]):  # turns 2 and 3: on the prefill and decode that hold them
+            held = len(previous.prompt) // BLOCK_SIZE * BLOCK_SIZE
+            assert (t.served.prefill, t.served.decode) == (one.prefill, one.decode), (session, t.served)
+            assert t.served.prefill_computed_tokens == len(t.prompt) - held, (session, t.served)
+        moved, then = [t.served for t in turns if t.after_kill_s is not None]
         assert moved.prefill == survivor and then.prefill == survivor, session
-        assert moved.prefill_computed_tokens == moved.prompt_tokens  # the history computed once
+        if one.prefill == scenario.killed:  # its history computed once on the survivor, then held
+            assert moved.prefill_computed_tokens == moved.prompt_tokens, (session, moved)
         assert then.prefill_computed_tokens is not None and then.prefill_computed_tokens < then.prompt_tokens
+        assert {t.served.decode for t in turns} == {one.decode}, session
 
     # Every answer equals the single engine's, asked the conversations in the same order.
-    for session, turns in served.items():
-        for prompt, s in turns:
-            (want,) = baseline.generate([prompt], MAX_TOKENS)
-            assert same_output(s.token_ids, s.logprobs, want), (session, s.label, s.token_ids, want["token_ids"])
+    for t in scenario.turns:
+        if t.served is not None:
+            (want,) = baseline.generate([t.prompt], MAX_TOKENS)
+            assert same_output(t.served.token_ids, t.served.logprobs, want), (t.session, t.served.token_ids, want)
