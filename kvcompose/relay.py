@@ -12,6 +12,11 @@ every batch between an engine's publisher and the router (``kvcompose relay-even
 The last part of each block keeps the engine's hash, so that a child's ``parent_block_hash`` and
 a removal still name it; the parts before it get hashes derived from it (:func:`part_hash`).
 Frames keep vLLM's shape (``[topic, seq, msgpack KVEventBatch]``) and their sequence numbers.
+
+A device prefix-cache reset is published as ``AllBlocksCleared``, which names no medium, and
+vllm-router 0.1.17 drops every entry of the worker on it, the host tier's too, though the host
+tier still holds them. The relay tells it instead as the removal of every device block it has
+seen stored and not removed (:class:`DeviceBlocks`): the host tier's entries stay credited.
 """
 
 from __future__ import annotations
@@ -66,6 +71,41 @@ def split_events(events: Iterable[Any], block_size: int, engine_block_size: int)
     return out
 
 
+#: The media of vLLM's device cache (a store without one is the device's, as the router reads it).
+DEVICE_MEDIA = ("GPU", None)
+
+
+class DeviceBlocks:
+    """The device blocks an engine's events say it holds (stored, not removed), so that a reset
+    (``AllBlocksCleared``) can be told as their removal; other tiers' blocks are not touched."""
+
+    def __init__(self) -> None:
+        self._held: dict[Any, None] = {}  # insertion-ordered: removals come out in store order
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def follow(self, events: list[Any]) -> list[Any]:
+        """``events`` with each ``AllBlocksCleared`` replaced by a device ``BlockRemoved`` of
+        every block held (nothing when none is), following the stores and removals before it."""
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        out: list[Any] = []
+        for e in events:
+            if isinstance(e, BlockStored) and e.medium in DEVICE_MEDIA:
+                self._held.update(dict.fromkeys(e.block_hashes))
+            elif isinstance(e, BlockRemoved) and e.medium in DEVICE_MEDIA:
+                for h in e.block_hashes:
+                    self._held.pop(h, None)
+            elif isinstance(e, AllBlocksCleared):
+                if self._held:
+                    out.append(BlockRemoved(block_hashes=list(self._held), medium="GPU"))
+                self._held.clear()
+                continue
+            out.append(e)
+        return out
+
+
 def _check_endpoint(what: str, endpoint: str) -> None:
     """A ZMQ endpoint the relay takes: ``ipc://PATH`` or ``tcp://HOST:PORT`` (zmq itself takes a
     port out of range and listens nowhere)."""
@@ -80,7 +120,7 @@ def _check_endpoint(what: str, endpoint: str) -> None:
 class Relay:
     """Subscribes to an engine's KV events (``source``, its ``--kv-events-config`` endpoint; its
     KV blocks of ``engine_block_size`` tokens) and publishes them on ``target`` (bound) told in
-    ``block_size``-token blocks, on a thread of its
+    ``block_size``-token blocks and a device reset told as its blocks' removal, on a thread of its
     own; :meth:`close` stops it. A batch that cannot be decoded or split is dropped and logged
     (the events come over a socket: untrusted)."""
 
@@ -97,6 +137,7 @@ class Relay:
         self.engine_block_size, self.block_size = engine_block_size, block_size
         self.relayed = 0
         self.dropped = 0
+        self._device = DeviceBlocks()
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._encoder = msgspec.msgpack.Encoder()
         ctx = zmq.Context.instance()
@@ -136,7 +177,7 @@ class Relay:
         topic, seq, payload = frames
         try:
             batch = self._decoder.decode(payload)
-            events = split_events(batch.events, self.block_size, self.engine_block_size)
+            events = self._device.follow(split_events(batch.events, self.block_size, self.engine_block_size))
             batch = msgspec.structs.replace(batch, events=events)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
             log.warning("kvcompose relay: %s: batch %r dropped: %s", self.source, seq[:8], exc)

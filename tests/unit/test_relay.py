@@ -10,7 +10,7 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from kvcompose.relay import Relay, part_hash, split_events
+from kvcompose.relay import DeviceBlocks, Relay, part_hash, split_events
 
 
 def store(hashes: list[int], parent: int | None, tokens: list[int], size: int = 32, medium: str = "GPU") -> BlockStored:
@@ -90,3 +90,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_device_reset_is_told_as_the_removal_of_the_device_blocks_held() -> None:
+    device = DeviceBlocks()
+    events = [
+        store([1, 2], None, TOKENS),
+        store([3], 2, TOKENS[:32], medium="CPU"),
+        BlockRemoved(block_hashes=[1], medium="GPU"),
+        AllBlocksCleared(),
+        AllBlocksCleared(),  # nothing held any more: nothing to say
+    ]
+    out = device.follow(events)
+    assert out[:3] == events[:3]
+    (removal,) = out[3:]
+    assert isinstance(removal, BlockRemoved) and removal.medium == "GPU" and removal.block_hashes == [2]
+    assert len(device) == 0

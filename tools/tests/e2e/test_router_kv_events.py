@@ -75,11 +75,17 @@ def test_a_device_removal_leaves_the_host_tiers_copy_credited(tmp_path: Path) ->
 
 def test_a_device_prefix_cache_reset_makes_the_router_forget_the_host_tier_too(tmp_path: Path) -> None:
     """vLLM's AllBlocksCleared carries no medium and vllm-router 0.1.17 drops every entry of the
-    worker: after a device reset it no longer credits what the host tier still holds (docs/e2e.md,
-    still open). A router release that keeps them shows up here."""
-    payloads = [encode(chain(PROMPT)), encode(chain(PROMPT, "CPU")), encode([AllBlocksCleared()])]
-    result = replay(payloads, [PROMPT], tmp_path, block_size=BS)
+    worker: after a device reset it no longer credits what the host tier still holds. A router
+    release that keeps them shows up here. Told by the relay as the removal of the device's
+    blocks (kvcompose.relay.DeviceBlocks), the host tier's copy stays credited."""
+    from kvcompose.relay import DeviceBlocks
+
+    events = [chain(PROMPT), chain(PROMPT, "CPU"), [AllBlocksCleared()]]
+    result = replay([encode(e) for e in events], [PROMPT], tmp_path, block_size=BS)
     assert result.batches_seen == 3 and result.decisions[0].credited_prefix_tokens == 0
+    device = DeviceBlocks()
+    result = replay([encode(device.follow(list(e))) for e in events], [PROMPT], tmp_path, block_size=BS)
+    assert result.decisions[0].credited_prefix_tokens == int(0.8 * len(PROMPT))
 
 
 def harness_events(lazy: bool) -> tuple[list[bytes], list[int]]:
