@@ -9,8 +9,12 @@ vllm-router, prefills routed by their KV events"):
 - ``kv_aware``: the prefill is chosen by the prompt tokens it would compute, from the prefills'
   KV events (``--pd-kv-events PREFILL_URL=tcp://HOST:PORT``: every composed tier's stores, host
   tier at ``--kv-penalty-host``); the decode by load, kept per ``X-Session-ID`` by
-  ``--kv-aware-session-affinity-ttl-secs``. vllm-router 0.1.17 indexes 16-token blocks only:
-  engines of other block sizes publish through :mod:`kvcompose.relay`.
+  ``--kv-aware-session-affinity-ttl-secs``, a soft affinity: a session is moved ("rebind") to a
+  decode with fewer pending and active requests. vllm-router 0.1.17 indexes 16-token blocks
+  only: engines of other block sizes publish through :mod:`kvcompose.relay`.
+- ``kv_aware+hash``: the prefill as ``kv_aware``, the decode by ``consistent_hash``
+  (``--decode-policy consistent_hash``): a session stays on its decode, whose host tier holds
+  the conversation, whatever the decodes' load.
 - ``consistent_hash``: prefill and decode by a hash of ``X-Session-ID``: a session stays on one
   of each, whatever they hold, and moves when the ring changes.
 - ``round_robin``: neither kept.
@@ -26,7 +30,7 @@ from kvcompose.catalog import Plan
 from kvcompose.relay import ROUTER_BLOCK_SIZE
 
 #: The policies a fleet is measured under (``kvcompose bench --only fleet``).
-POLICIES = ("round_robin", "consistent_hash", "kv_aware")
+POLICIES = ("round_robin", "consistent_hash", "kv_aware", "kv_aware+hash")
 #: How long a session's decode stays bound while it is idle (``kv_aware``'s session affinity).
 AFFINITY_TTL_S = 600
 #: The request header that names a conversation (``consistent_hash``'s key; ``kv_aware``'s
@@ -46,19 +50,23 @@ def pd_router_args(
     endpoint (``tcp://HOST:PORT``), which ``kv_aware`` needs for every prefill."""
     if policy not in POLICIES:
         raise ValueError(f"router policy {policy!r}: one of {', '.join(POLICIES)}")
-    args = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", policy]
+    kv_aware = policy.startswith("kv_aware")
+    args = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", "kv_aware" if kv_aware else policy]
+    if policy == "kv_aware+hash":
+        args += ["--decode-policy", "consistent_hash"]
     for url in prefills:
         args += ["--prefill", url]
     for url in decodes:
         args += ["--decode", url]
-    if policy == "kv_aware":
+    if kv_aware:
         events = dict(prefill_events or {})
         missing = [url for url in prefills if url not in events]
         if missing:
             raise ValueError(f"kv_aware routes prefills by their KV events: no endpoint for {', '.join(missing)}")
         for url in prefills:
             args += ["--pd-kv-events", f"{url}={events[url]}"]
-        args += ["--kv-aware-session-affinity-ttl-secs", str(affinity_ttl_s)]
+        if policy == "kv_aware":
+            args += ["--kv-aware-session-affinity-ttl-secs", str(affinity_ttl_s)]
     return args
 
 

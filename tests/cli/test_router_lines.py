@@ -31,9 +31,12 @@ def test_kv_aware_needs_every_prefills_event_endpoint() -> None:
     assert "--kv-aware-session-affinity-ttl-secs" in args
     with pytest.raises(ValueError, match="no endpoint for http://p2"):
         pd_router_args(["http://p1", "http://p2"], ["http://d1"], "kv_aware", {"http://p1": "tcp://h:1"})
-    with pytest.raises(ValueError, match="one of round_robin, consistent_hash, kv_aware"):
+    with pytest.raises(ValueError, match="one of round_robin, consistent_hash, kv_aware, kv_aware\\+hash"):
         pd_router_args(["http://p1"], ["http://d1"], "cache_aware")
     assert "--pd-kv-events" not in pd_router_args(["http://p1"], ["http://d1"], "consistent_hash")
+    hashed = pd_router_args(["http://p1"], ["http://d1"], "kv_aware+hash", {"http://p1": "tcp://h:1"})
+    assert hashed[hashed.index("--decode-policy") + 1] == "consistent_hash" and "--pd-kv-events" in hashed
+    assert "--kv-aware-session-affinity-ttl-secs" not in hashed
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "pd-load": "pd_load",
     "lease": "lease_cost",
     "multi-turn": "multi_turn",
+    "fleet": "fleet",
     "overload": "overload",
     "load-failure": "load_failure",
 }
@@ -36,6 +37,7 @@ FULL_ONLY = (
     "pd-load",
     "lease",
     "multi-turn",
+    "fleet",
     "overload",
     "load-failure",
 )
@@ -43,7 +45,7 @@ FULL_ONLY = (
 #: host of their own, :mod:`kvcompose_tools.e2e.hosts`).
 ACROSS_HOSTS = ("cold-start", "overload")
 #: Those that run another model than the tiny one with ``--model`` (``run(model=...)``).
-TAKE_MODEL = ("pd-load", "multi-turn")
+TAKE_MODEL = ("pd-load", "multi-turn", "fleet")
 
 
 def _runner(name: str) -> Callable[..., Result]:

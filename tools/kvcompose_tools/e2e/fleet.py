@@ -45,8 +45,8 @@ HEALTH_ARGS = (
 class Fleet:
     """``prefills`` x ``decodes`` servers behind vllm-router under ``policy``; ``log_dir`` holds
     every log. Construct, then :meth:`start`; :meth:`close` stops every process it started (also
-    after a failed start). ``spec``: more :class:`EngineSpec` fields for every server (a model's
-    context length, its device blocks)."""
+    after a failed start). ``router_args``: more router flags. ``spec``: more :class:`EngineSpec`
+    fields for every server (a model's context length, its device blocks)."""
 
     def __init__(
         self,
@@ -56,14 +56,16 @@ class Fleet:
         prefills: int = 2,
         decodes: int = 2,
         host_tier: str = "simple",
+        router_args: Sequence[str] = (),
         **spec: Any,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"fleet policy {policy!r}: one of {', '.join(POLICIES)}")
         self.model, self.log_dir, self.policy = str(model), log_dir, policy
+        self.router_args = [*HEALTH_ARGS, *router_args]
         prefill_yaml, decode_yaml = pd_pair(host_tier)
-        ports = free_ports(prefills + decodes + (prefills if policy == "kv_aware" else 0))
-        events = policy == "kv_aware"
+        events = policy.startswith("kv_aware")
+        ports = free_ports(prefills + decodes + (prefills if events else 0))
         self.prefills = [
             ServerNode(
                 EngineSpec(f"prefill-{i + 1}", self.model, str(prefill_yaml), ports[i], **spec,
@@ -92,7 +94,7 @@ class Fleet:
             self.relays.append(relay)
             events[p.url] = relay.target
         self.router = RouterNode(
-            self.prefills, self.decodes, self.model, self.log_dir, policy=self.policy, args=HEALTH_ARGS,
+            self.prefills, self.decodes, self.model, self.log_dir, policy=self.policy, args=self.router_args,
             prefill_events=events or None,
         )  # fmt: skip
         self.router.wait_ready()

@@ -95,6 +95,9 @@ class Turn:
     total_s: float = 0.0
     #: per answer token, the engine's top logprobs there (token id -> logprob; chat)
     top: list[dict[int, float]] = field(default_factory=list)
+    #: the answer's ``id`` (chat): behind vllm-router in P/D mode it names the prefill and the
+    #: decode that served the turn (:func:`kvcompose_tools.bench.fleet.served_by`)
+    response_id: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -150,12 +153,18 @@ def words(rng: random.Random, tokens: int, count: Callable[[str], int]) -> str:
 
 
 def stream_chat(
-    url: str, body: dict[str, Any], session: str, timeout_s: float = 120.0, top: list[dict[int, float]] | None = None
+    url: str,
+    body: dict[str, Any],
+    session: str,
+    timeout_s: float = 120.0,
+    top: list[dict[int, float]] | None = None,
+    about: dict[str, str] | None = None,
 ) -> tuple[float | None, str, list[int], str | None]:
     """One streamed chat completion: (time to first token, the answer's text, its token ids,
     an error or ``None``). An error event in the stream, a choice finished for ``error``, no
     token, or a stream that ends before ``data: [DONE]`` is an error: such a turn is failed,
-    never served. ``top`` (with ``top_logprobs`` in ``body``) gets each token's top logprobs."""
+    never served. ``top`` (with ``top_logprobs`` in ``body``) gets each token's top logprobs;
+    ``about`` the answer's ``id``."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     t0 = time.perf_counter()
@@ -184,6 +193,8 @@ def stream_chat(
             chunk = json.loads(data)
             if (why := stream_failure(chunk)) is not None:
                 return ttft, "".join(text), ids, f"error event: {why}: {data[:300]}"
+            if about is not None and "id" in chunk:
+                about.setdefault("id", str(chunk["id"]))
             for choice in chunk.get("choices", []):
                 content = (choice.get("delta") or {}).get("content")
                 for lp in (choice.get("logprobs") or {}).get("content") or []:
@@ -267,8 +278,10 @@ def chat_load(
             }
             sent = time.perf_counter() - start
             top: list[dict[int, float]] = []
-            ttft, text, ids, error = stream_chat(url, body, f"conversation-{seed}-{c}", top=top)
-            turn = Turn(sent, ttft, error, c, t, messages, ids, time.perf_counter() - start - sent, top)
+            about: dict[str, str] = {}
+            ttft, text, ids, error = stream_chat(url, body, f"conversation-{seed}-{c}", top=top, about=about)
+            took = time.perf_counter() - start - sent
+            turn = Turn(sent, ttft, error, c, t, messages, ids, took, top, about.get("id", ""))
             with lock:
                 done.append(turn)
                 history[c] = [*messages, {"role": "assistant", "content": text}]

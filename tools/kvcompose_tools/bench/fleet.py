@@ -1,0 +1,215 @@
+"""Benchmark 5i: a 2P2D fleet behind vLLM's router, one side per routing policy (issue 53).
+
+Two prefill and two decode servers of the shipped examples on this host
+(:class:`kvcompose_tools.e2e.fleet.Fleet`) behind vllm-router in P/D mode, under each of
+:data:`kvcompose.router.POLICIES`:
+
+* ``round_robin``: neither the prefill nor the decode kept;
+* ``consistent_hash``: both by a hash of the conversation's ``X-Session-ID``;
+* ``kv_aware``: the prefill by the prompt tokens it would compute, from the prefills' composed KV
+  events (device and host tier, relayed in 16-token blocks), the decode kept per session by the
+  router's soft affinity (moved to a less loaded decode: "rebind");
+* ``kv_aware+hash``: the prefill as ``kv_aware``, the decode by ``consistent_hash``.
+
+Per side the same seeded conversations as benchmark 5h (:data:`~kvcompose_tools.bench.multi_turn.WORKLOADS`:
+streamed chats, ``X-Session-ID`` per conversation, a few clients at once), after a short warm-up.
+Which prefill and decode served a turn is read from its answer's ``id``: the router sends both
+servers the request id ``___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_UUID``, which vLLM's
+server puts in the answer (:func:`served_by`). Per side run: the share of turns 2+ served by the
+prefill and the decode that served the conversation's previous turn (where its history is), the
+prompt tokens each prefill computed, the tokens the host tiers served (vLLM's
+``prompt_tokens_cached_by_source{source=host}``, prefills and decodes), bytes over NIXL, TTFT
+p50/p90 of turns 2+, requests/s, and the answers against a single engine's (token ids). Runs are
+interleaved, the sides' order flipping every run; a ratio's ordering is claimed only where every
+run lies on one side of 1.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcompose.router import POLICIES
+from kvcompose_tools.bench.measure import Samples, paired, ratio
+from kvcompose_tools.bench.multi_turn import WORKLOADS, Answers, Workload, baseline_answers, chat, mismatches, ordering
+from kvcompose_tools.bench.pd_ttft import engine_lock
+from kvcompose_tools.bench.report import Case, Result
+from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES, delta
+from kvcompose_tools.e2e.load import Load, chat_load
+from kvcompose_tools.e2e.stats import quantile
+
+#: (subject, baseline): each routing by the prefills' events over each policy without them.
+PAIRS = tuple((s, b) for s in ("kv_aware+hash", "kv_aware") for b in ("round_robin", "consistent_hash"))
+#: The request id vllm-router 0.1.17 sends prefill and decode in P/D mode (vllm_pd_router.rs:1700).
+ROUTED_ID = re.compile(r"___prefill_addr_(?P<prefill>[^_]+)___decode_addr_(?P<decode>[^_]+)_")
+HOST_CACHED = f"{CACHED_BY_SOURCE}host}}"
+#: Runs per side: five for the medium model (the issue's), two for the tiny one.
+RUNS = {"tiny": 2, "medium": 5}
+
+
+def served_by(response_id: str) -> tuple[str, str] | None:
+    """``(prefill HOST:PORT, decode HOST:PORT)`` that served an answer, from its ``id``; None when
+    the id is not the router's P/D one."""
+    m = ROUTED_ID.search(response_id)
+    return (m["prefill"], m["decode"]) if m else None
+
+
+@dataclass
+class SideRun:
+    """One policy's run: the conversations' load and each server's counters across it."""
+
+    policy: str
+    load: Load
+    #: server name -> its counters' change across the conversations
+    moved: dict[str, dict[str, float]]
+    #: HOST:PORT -> server name
+    names: dict[str, str]
+    answers: Answers = field(default_factory=Answers)
+
+    def placements(self) -> dict[tuple[int, int], tuple[str, str] | None]:
+        """(conversation, turn) -> (prefill, decode) names, of every served turn."""
+        out: dict[tuple[int, int], tuple[str, str] | None] = {}
+        for t in self.load.turns:
+            if t.error is None:
+                where = served_by(t.response_id)
+                out[(t.conversation, t.turn)] = None if where is None else (self.names[where[0]], self.names[where[1]])
+        return out
+
+    def figures(self) -> dict[str, Any]:
+        where = self.placements()
+        later = [(c, t) for (c, t) in where if t > 0 and (c, t - 1) in where]
+        pairs = [(where[k], where[(k[0], k[1] - 1)]) for k in later]
+        home = [1 for now, before in pairs if now is not None and now == before]
+        same_prefill = [1 for now, before in pairs if now is not None and before is not None and now[0] == before[0]]
+        ttft = [t.ttft_s for t in self.load.turns if t.turn > 0 and t.ttft_s is not None]
+        prefills = sorted(n for n in self.moved if n.startswith("prefill"))
+        decodes = sorted(n for n in self.moved if n.startswith("decode"))
+        served = [t for t in self.load.turns if t.error is None]
+        return {
+            "turns_2plus": len(later),
+            "home_share": round(len(home) / len(later), 3) if later else None,
+            "same_prefill_share": round(len(same_prefill) / len(later), 3) if later else None,
+            "unplaced": sum(v is None for v in where.values()),
+            "computed_by_prefill": {n: int(self.moved[n].get(COMPUTED, 0)) for n in prefills},
+            "computed_tokens": int(sum(self.moved[n].get(COMPUTED, 0) for n in prefills)),
+            "host_tokens": int(sum(m.get(HOST_CACHED, 0) for m in self.moved.values())),
+            "nixl_bytes": int(sum(self.moved[n].get(NIXL_BYTES, 0) for n in decodes)),
+            "later_ttft_p50_s": round(quantile(ttft, 0.5), 4) if ttft else None,
+            "later_ttft_p90_s": round(quantile(ttft, 0.9), 4) if ttft else None,
+            "requests_per_s": round(len(served) / self.load.wall_s, 3) if self.load.wall_s else 0.0,
+            "failed": len(self.load.turns) - len(served),
+            "answers": self.answers.summary(),
+        }
+
+
+def side_run(policy: str, model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload) -> SideRun:
+    """Start a 2P2D fleet under ``policy``, warm it, run the conversations, stop it."""
+    from kvcompose_tools.e2e.fleet import Fleet
+
+    spec = {"num_gpu_blocks": workload.device_blocks, "max_model_len": workload.max_model_len}
+    fleet = Fleet(model, logs, policy=policy, **spec)
+    try:
+        fleet.start()
+        assert fleet.router is not None
+        # Each server's first use (handshakes, first READs, first passes): not measured.
+        chat_load(fleet.router.url, model, tokenizer, seed=seed + 999, conversations=4, turns=2, clients=2)
+        servers = fleet.servers()
+        before = {s.name: s.metrics() for s in servers}
+        load = chat(fleet.router.url, model, tokenizer, seed, workload)
+        moved = {s.name: delta(before[s.name], s.metrics()) for s in servers}
+        names = {s.url.removeprefix("http://"): s.name for s in servers}
+        return SideRun(policy, load, moved, names)
+    finally:
+        fleet.close()
+
+
+def run(
+    quick: bool = False,
+    repeats: int | None = None,
+    echo: Callable[[str], None] = print,
+    work: Path | None = None,
+    model: str = "tiny",
+    policies: tuple[str, ...] = POLICIES,
+) -> Result:
+    """Every policy's side, ``repeats`` (else :data:`RUNS`) interleaved runs; the table, the
+    ratios of :data:`PAIRS` and whether every run lies on one side of 1."""
+    from kvcompose_tools.e2e.chat import load_tokenizer
+    from kvcompose_tools.e2e.model import make_model, model_config
+
+    path = str(make_model(0, config=model_config(model)))
+    workload = WORKLOADS[model]
+    runs = repeats or (1 if quick else RUNS[model])
+    logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-fleet-"))
+    tokenizer = load_tokenizer(path)
+    done: dict[str, list[SideRun]] = {p: [] for p in policies}
+    t0 = time.monotonic()
+    with engine_lock(echo=echo):
+        baseline = baseline_answers(path, tokenizer, logs, 0, workload)
+        echo(f"   baseline (one engine, no P/D): {len(baseline.served)} answers, {len(baseline.failed)} failed")
+        for r in range(runs):
+            for policy in policies if r % 2 == 0 else policies[::-1]:
+                one = side_run(policy, path, tokenizer, logs, 0, workload)
+                one.answers = mismatches(one.load, baseline)
+                done[policy].append(one)
+                f = one.figures()
+                echo(
+                    f"   run {r + 1} {policy}: turns 2+ at home {f['home_share']} (prefill {f['same_prefill_share']}), "
+                    f"computed {f['computed_tokens']} {f['computed_by_prefill']}, host {f['host_tokens']} tokens, "
+                    f"NIXL {f['nixl_bytes']} B, turns 2+ TTFT p50 {f['later_ttft_p50_s']} "
+                    f"p90 {f['later_ttft_p90_s']} s, "
+                    f"{f['requests_per_s']} req/s, failed {f['failed']}, answers: {f['answers']}"
+                )
+    return summarize(done, runs, quick, logs, time.monotonic() - t0, model)
+
+
+def summarize(done: dict[str, list[SideRun]], runs: int, quick: bool, logs: Path, wall_s: float, model: str) -> Result:
+    """Cases: turns 2+ TTFT p50, prompt tokens computed, requests/s (samples: each run's); per
+    case the per-run ratios of each of :data:`PAIRS` and their ordering."""
+    figs = {p: [r.figures() for r in rs] for p, rs in done.items() if rs}
+    kinds = (
+        ("turns 2+ TTFT p50", "later_ttft_p50_s", False),
+        ("prompt tokens computed", "computed_tokens", False),
+        ("requests/s", "requests_per_s", True),
+    )
+    cases, ratios, orderings = [], [], {}
+    for kind, key, higher in kinds:
+        samples = {p: Samples([float(f[key] or 0.0) for f in fs]) for p, fs in figs.items()}
+        ran = [(s, b) for s, b in PAIRS if s in samples and b in samples]
+        derived = {f"{s}/{b} per run": paired(samples, s, b, lambda x, y: x / y if y else float("inf")) for s, b in ran}
+        orderings[kind] = {name.removesuffix(" per run"): ordering(v) for name, v in derived.items()}
+        cases.append(Case(kind, samples, {"runs": figs} if key == "later_ttft_p50_s" else {}, derived))
+        ratios += [ratio(kind, samples, s, b, higher_is_better=higher) for s, b in ran if samples[b].min > 0]
+    per_policy = {
+        p: {
+            k: statistics.median(float(f[k] or 0.0) for f in fs)
+            for k in ("home_share", "same_prefill_share", "host_tokens", "nixl_bytes", "later_ttft_p90_s")
+        }
+        for p, fs in figs.items()
+    }
+    notes = [
+        f"{p}: turns 2+ on the previous turn's prefill and decode {v['home_share']:.0%} "
+        f"(prefill {v['same_prefill_share']:.0%}), host tiers served {v['host_tokens']:,.0f} tokens, "
+        f"NIXL {v['nixl_bytes']:,.0f} B, turns 2+ TTFT p90 {v['later_ttft_p90_s']} s (medians of {len(figs[p])} runs); "
+        f"answers: {'; '.join(f['answers'] for f in figs[p])}"
+        for p, v in per_policy.items()
+    ]
+    notes += [f"ordering, {kind}: {o}" for kind, o in orderings.items()]
+    notes.append(f"2P2D on one host, {model} model, shipped examples; {runs} interleaved run(s); logs: {logs}")
+    return Result(
+        name="fleet",
+        title=f"2P2D behind vllm-router: kv_aware over the composed tiers' events vs the other policies ({model})",
+        unit="s | tokens | req/s",
+        scale=1.0,
+        cases=cases,
+        ratios=ratios,
+        repeats=runs,
+        quick=quick,
+        notes=notes,
+        config={"model": model, "orderings": orderings, "per_policy": per_policy, "wall_s_runs": round(wall_s, 1)},
+    )

@@ -1,0 +1,79 @@
+"""fleet's figures from given conversations (no engines): where each turn was served (read from
+the answer ids vllm-router makes), the shares of turns 2+ at home, the counters per server, the
+ratios of kv_aware over the other policies and their orderings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvcompose.router import POLICIES
+from kvcompose_tools.bench.fleet import HOST_CACHED, SideRun, served_by, summarize
+from kvcompose_tools.bench.runner import BENCHMARKS, FULL_ONLY, TAKE_MODEL
+from kvcompose_tools.e2e.flow import COMPUTED, NIXL_BYTES
+from kvcompose_tools.e2e.load import Load, Turn
+
+P = {"prefill-1": "127.0.0.1:8001", "prefill-2": "127.0.0.1:8002"}
+D = {"decode-1": "127.0.0.1:9001", "decode-2": "127.0.0.1:9002"}
+
+
+def answer_id(prefill: str, decode: str) -> str:
+    """What vLLM's server answers behind vllm-router 0.1.17 in P/D mode (a real one's shape)."""
+    return f"chatcmpl-___prefill_addr_{P[prefill]}___decode_addr_{D[decode]}_a9477ea522d04d02afee3b3db8260f54"
+
+
+def test_the_answer_id_names_the_prefill_and_the_decode() -> None:
+    assert served_by(answer_id("prefill-2", "decode-1")) == ("127.0.0.1:8002", "127.0.0.1:9001")
+    assert served_by("chatcmpl-4f1c2d") is None
+
+
+def run_of(policy: str, placements: list[list[tuple[str, str]]], ttft: float, computed: int) -> SideRun:
+    """Conversations whose turns were served at ``placements`` (per conversation, per turn)."""
+    turns = [
+        Turn(float(t), ttft, None, c, t, [], [1, 2], ttft + 0.1, [], answer_id(*where))
+        for c, conv in enumerate(placements)
+        for t, where in enumerate(conv)
+    ]
+    turns.append(Turn(9.0, None, "HTTP 500", 9, 0))  # a failed turn: not placed, counted failed
+    moved = {
+        "prefill-1": {COMPUTED: computed * 0.75, HOST_CACHED: 64.0},
+        "prefill-2": {COMPUTED: computed * 0.25},
+        "decode-1": {NIXL_BYTES: 1000.0, HOST_CACHED: 32.0},
+        "decode-2": {NIXL_BYTES: 500.0},
+    }
+    names = {**{v: k for k, v in P.items()}, **{v: k for k, v in D.items()}}
+    return SideRun(policy, Load("chat", turns, wall_s=4.0), moved, names)
+
+
+def test_figures_count_the_turns_served_where_the_previous_one_was() -> None:
+    home = [("prefill-1", "decode-1")] * 3
+    moved = [("prefill-2", "decode-2"), ("prefill-1", "decode-2"), ("prefill-1", "decode-1")]
+    f = run_of("round_robin", [home, moved], 0.5, 1000).figures()
+    assert f["turns_2plus"] == 4
+    assert f["home_share"] == 0.5  # conversation 0's turns 2 and 3
+    assert f["same_prefill_share"] == 0.75  # and conversation 1's turn 3 on prefill-1 again
+    assert f["computed_by_prefill"] == {"prefill-1": 750, "prefill-2": 250} and f["computed_tokens"] == 1000
+    assert (f["host_tokens"], f["nixl_bytes"], f["failed"], f["unplaced"]) == (96, 1500, 1, 0)
+    assert f["requests_per_s"] == 1.5  # 6 served in 4 s
+
+
+def test_summary_takes_kv_aware_over_each_other_policy_run_by_run(tmp_path: Path) -> None:
+    home = [("prefill-1", "decode-1")] * 3
+    done = {
+        "round_robin": [run_of("round_robin", [home], 1.0, 1000), run_of("round_robin", [home], 0.8, 900)],
+        "consistent_hash": [run_of("consistent_hash", [home], 0.5, 500), run_of("consistent_hash", [home], 0.3, 300)],
+        "kv_aware": [run_of("kv_aware", [home], 0.5, 400), run_of("kv_aware", [home], 0.4, 350)],
+    }
+    result = summarize(done, 2, False, tmp_path, 10.0, "tiny")
+    orderings = result.config["orderings"]
+    assert orderings["turns 2+ TTFT p50"] == {"kv_aware/round_robin": "<", "kv_aware/consistent_hash": "undecided"}
+    assert orderings["prompt tokens computed"] == {"kv_aware/round_robin": "<", "kv_aware/consistent_hash": "undecided"}
+    done["kv_aware+hash"] = [run_of("kv_aware+hash", [home], 0.2, 100), run_of("kv_aware+hash", [home], 0.2, 100)]
+    orderings = summarize(done, 2, False, tmp_path, 10.0, "tiny").config["orderings"]
+    assert orderings["turns 2+ TTFT p50"]["kv_aware+hash/consistent_hash"] == "<"
+    assert {(r.case, r.baseline) for r in result.ratios} >= {("requests/s", "round_robin")}
+    assert "fleet" in result.to_json()["benchmark"] and result.table()
+
+
+def test_the_benchmark_is_registered_as_a_full_run_that_takes_a_model() -> None:
+    assert BENCHMARKS["fleet"] == "fleet" and "fleet" in FULL_ONLY and "fleet" in TAKE_MODEL
+    assert POLICIES == ("round_robin", "consistent_hash", "kv_aware", "kv_aware+hash")
