@@ -1,4 +1,4 @@
-"""Benchmark 5i: a 2P2D fleet behind vLLM's router, one side per routing policy (issue 53).
+"""Benchmark 5k: a 2P2D fleet behind vLLM's router, one side per routing policy (issue 53).
 
 Two prefill and two decode servers of the shipped examples on this host
 (:class:`kvcompose_tools.e2e.fleet.Fleet`) behind vllm-router in P/D mode, under each of
