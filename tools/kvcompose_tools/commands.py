@@ -218,14 +218,6 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpa
     s.add_argument("--png", action="store_true", help="also draw each benchmark's ratios as a PNG (needs matplotlib)")
     s.add_argument("--out", default="bench/results", help="where the JSON (and PNG) files go (bench/results)")
     s.add_argument(
-        "--prefills",
-        type=int,
-        choices=[1, 2],
-        default=1,
-        help="with --http --decodes 2: prefill servers behind the router (2: 2P2D, the router's kv_aware picks the "
-        "prefill holding a conversation by the prefills' KV events; then one prefill is killed)",
-    )
-    s.add_argument(
         "--hosts",
         action="store_true",
         help="prefill and decode each in a host of their own (network namespaces, needs root): cold-start only",
