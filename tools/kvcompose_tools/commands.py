@@ -267,14 +267,6 @@ def add_soak(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
     s.add_argument("--work", metavar="DIR", help="where the logs and the decode composition go (default: a temp dir)")
     s.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     s.add_argument(
-        "--prefills",
-        type=int,
-        choices=[1, 2],
-        default=1,
-        help="with --http --decodes 2: prefill servers behind the router (2: 2P2D, the router's kv_aware picks the "
-        "prefill holding a conversation by the prefills' KV events; then one prefill is killed)",
-    )
-    s.add_argument(
         "--hosts",
         action="store_true",
         help="prefill and decode each in a host of their own (network namespaces, needs root), the router in this "
