@@ -49,6 +49,9 @@ PAIRS = tuple((s, b) for s in ("kv_aware+hash", "kv_aware") for b in ("round_rob
 #: The request id vllm-router 0.1.17 sends prefill and decode in P/D mode (vllm_pd_router.rs:1700).
 ROUTED_ID = re.compile(r"___prefill_addr_(?P<prefill>[^_]+)___decode_addr_(?P<decode>[^_]+)_")
 HOST_CACHED = f"{CACHED_BY_SOURCE}host}}"
+#: vllm-router's time to prepare a ``kv_aware`` placement (render the prompt through a server, look
+#: up the index), before the prefill request is sent: part of every turn's TTFT under kv_aware.
+PREPARE = "vllm_router_pd_kv_prepare_seconds"
 #: Runs per side: five for the medium model (the issue's), two for the tiny one.
 RUNS = {"tiny": 2, "medium": 5}
 
@@ -71,6 +74,8 @@ class SideRun:
     #: HOST:PORT -> server name
     names: dict[str, str]
     answers: Answers = field(default_factory=Answers)
+    #: the router's own counters after the conversations (its :data:`PREPARE` summary)
+    router: dict[str, float] = field(default_factory=dict)
 
     def placements(self) -> dict[tuple[int, int], tuple[str, str] | None]:
         """(conversation, turn) -> (prefill, decode) names, of every served turn."""
@@ -104,6 +109,9 @@ class SideRun:
             "later_ttft_p90_s": round(quantile(ttft, 0.9), 4) if ttft else None,
             "requests_per_s": round(len(served) / self.load.wall_s, 3) if self.load.wall_s else 0.0,
             "failed": len(self.load.turns) - len(served),
+            "prepare_mean_s": round(self.router[f"{PREPARE}_sum"] / self.router[f"{PREPARE}_count"], 4)
+            if self.router.get(f"{PREPARE}_count")
+            else None,
             "answers": self.answers.summary(),
         }
 
@@ -124,7 +132,7 @@ def side_run(policy: str, model: str, tokenizer: Any, logs: Path, seed: int, wor
         load = chat(fleet.router.url, model, tokenizer, seed, workload)
         moved = {s.name: delta(before[s.name], s.metrics()) for s in servers}
         names = {s.url.removeprefix("http://"): s.name for s in servers}
-        return SideRun(policy, load, moved, names)
+        return SideRun(policy, load, moved, names, router=fleet.router.router_metrics())
     finally:
         fleet.close()
 
@@ -163,7 +171,8 @@ def run(
                     f"computed {f['computed_tokens']} {f['computed_by_prefill']}, host {f['host_tokens']} tokens, "
                     f"NIXL {f['nixl_bytes']} B, turns 2+ TTFT p50 {f['later_ttft_p50_s']} "
                     f"p90 {f['later_ttft_p90_s']} s, "
-                    f"{f['requests_per_s']} req/s, failed {f['failed']}, answers: {f['answers']}"
+                    f"{f['requests_per_s']} req/s, failed {f['failed']}, router's kv preparation "
+                    f"{f['prepare_mean_s']} s a request, answers: {f['answers']}"
                 )
     return summarize(done, runs, quick, logs, time.monotonic() - t0, model)
 
@@ -188,14 +197,15 @@ def summarize(done: dict[str, list[SideRun]], runs: int, quick: bool, logs: Path
     per_policy = {
         p: {
             k: statistics.median(float(f[k] or 0.0) for f in fs)
-            for k in ("home_share", "same_prefill_share", "host_tokens", "nixl_bytes", "later_ttft_p90_s")
+            for k in ("home_share", "same_prefill_share", "host_tokens", "nixl_bytes", "later_ttft_p90_s", "prepare_mean_s")
         }
         for p, fs in figs.items()
     }
     notes = [
         f"{p}: turns 2+ on the previous turn's prefill and decode {v['home_share']:.0%} "
         f"(prefill {v['same_prefill_share']:.0%}), host tiers served {v['host_tokens']:,.0f} tokens, "
-        f"NIXL {v['nixl_bytes']:,.0f} B, turns 2+ TTFT p90 {v['later_ttft_p90_s']} s (medians of {len(figs[p])} runs); "
+        f"NIXL {v['nixl_bytes']:,.0f} B, turns 2+ TTFT p90 {v['later_ttft_p90_s']} s, the router's kv_aware "
+        f"preparation {v['prepare_mean_s'] * 1000:.0f} ms a request (medians of {len(figs[p])} runs); "
         f"answers: {'; '.join(f['answers'] for f in figs[p])}"
         for p, v in per_policy.items()
     ]

@@ -120,6 +120,8 @@ class RouterNode(ProcessNode):
         self.port, metrics_port = free_ports(2) if port is None else (port, free_ports(1)[0])
         bind = host.address if host else HOST
         self.url = f"http://{bind}:{self.port}"
+        #: The router's own Prometheus exporter (``vllm_router_*``).
+        self.metrics_url = f"http://{bind}:{metrics_port}/metrics"
         urls = [p.url for p in prefills], [d.url for d in decodes]
         self.argv = router_argv(*urls, self.port, metrics_port, policy, bind, prefill_events)
         self.argv += args
@@ -192,6 +194,23 @@ class RouterNode(ProcessNode):
         body = chat_body(self.model, messages, max_tokens)
         answer = self._http.post("/v1/chat/completions", body, timeout, _session(session))
         return parse_chat(answer, time.perf_counter() - t0)
+
+    def router_metrics(self) -> dict[str, float]:
+        """The router's own counters and summaries (``vllm_router_*``), as ``name{labels}`` keys."""
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(self.metrics_url, timeout=5) as answer:
+            text = answer.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    continue
+        return out
 
     #: What close() waits for the router to exit before it kills the group.
     close_grace_s = 5.0

@@ -41,7 +41,8 @@ def run_of(policy: str, placements: list[list[tuple[str, str]]], ttft: float, co
         "decode-2": {NIXL_BYTES: 500.0},
     }
     names = {**{v: k for k, v in P.items()}, **{v: k for k, v in D.items()}}
-    return SideRun(policy, Load("chat", turns, wall_s=4.0), moved, names)
+    router = {"vllm_router_pd_kv_prepare_seconds_sum": 2.1, "vllm_router_pd_kv_prepare_seconds_count": 59.0}
+    return SideRun(policy, Load("chat", turns, wall_s=4.0), moved, names, router=router if "kv" in policy else {})
 
 
 def test_figures_count_the_turns_served_where_the_previous_one_was() -> None:
@@ -54,6 +55,7 @@ def test_figures_count_the_turns_served_where_the_previous_one_was() -> None:
     assert f["computed_by_prefill"] == {"prefill-1": 750, "prefill-2": 250} and f["computed_tokens"] == 1000
     assert (f["host_tokens"], f["nixl_bytes"], f["failed"], f["unplaced"]) == (96, 1500, 1, 0)
     assert f["requests_per_s"] == 1.5  # 6 served in 4 s
+    assert f["prepare_mean_s"] is None  # no kv_aware placement prepared
 
 
 def test_summary_takes_kv_aware_over_each_other_policy_run_by_run(tmp_path: Path) -> None:
@@ -72,6 +74,7 @@ def test_summary_takes_kv_aware_over_each_other_policy_run_by_run(tmp_path: Path
     assert orderings["turns 2+ TTFT p50"]["kv_aware+hash/consistent_hash"] == "<"
     assert {(r.case, r.baseline) for r in result.ratios} >= {("requests/s", "round_robin")}
     assert "fleet" in result.to_json()["benchmark"] and result.table()
+    assert done["kv_aware"][0].figures()["prepare_mean_s"] == 0.0356
 
 
 def test_the_benchmark_is_registered_as_a_full_run_that_takes_a_model() -> None:
