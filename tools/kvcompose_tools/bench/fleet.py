@@ -177,6 +177,10 @@ def run(
     return summarize(done, runs, quick, logs, time.monotonic() - t0, model)
 
 
+#: The figures whose median over the runs each policy's note gives.
+MEDIANS = ("home_share", "same_prefill_share", "host_tokens", "nixl_bytes", "later_ttft_p90_s", "prepare_mean_s")
+
+
 def summarize(done: dict[str, list[SideRun]], runs: int, quick: bool, logs: Path, wall_s: float, model: str) -> Result:
     """Cases: turns 2+ TTFT p50, prompt tokens computed, requests/s (samples: each run's); per
     case the per-run ratios of each of :data:`PAIRS` and their ordering."""
@@ -194,13 +198,7 @@ def summarize(done: dict[str, list[SideRun]], runs: int, quick: bool, logs: Path
         orderings[kind] = {name.removesuffix(" per run"): ordering(v) for name, v in derived.items()}
         cases.append(Case(kind, samples, {"runs": figs} if key == "later_ttft_p50_s" else {}, derived))
         ratios += [ratio(kind, samples, s, b, higher_is_better=higher) for s, b in ran if samples[b].min > 0]
-    per_policy = {
-        p: {
-            k: statistics.median(float(f[k] or 0.0) for f in fs)
-            for k in ("home_share", "same_prefill_share", "host_tokens", "nixl_bytes", "later_ttft_p90_s", "prepare_mean_s")
-        }
-        for p, fs in figs.items()
-    }
+    per_policy = {p: {k: statistics.median(float(f[k] or 0.0) for f in fs) for k in MEDIANS} for p, fs in figs.items()}
     notes = [
         f"{p}: turns 2+ on the previous turn's prefill and decode {v['home_share']:.0%} "
         f"(prefill {v['same_prefill_share']:.0%}), host tiers served {v['host_tokens']:,.0f} tokens, "
