@@ -177,6 +177,17 @@ def run(
     return summarize(done, runs, quick, logs, time.monotonic() - t0, model)
 
 
+def answers_total(runs: list[SideRun]) -> str:
+    """Every run's answers against the baseline's, added up (:meth:`Answers.summary`'s words)."""
+    total = Answers(
+        equal=sum(r.answers.equal for r in runs),
+        near_ties=[t for r in runs for t in r.answers.near_ties],
+        wrong=[w for r in runs for w in r.answers.wrong],
+        not_compared=sum(r.answers.not_compared for r in runs),
+    )
+    return total.summary()
+
+
 #: The figures whose median over the runs each policy's note gives.
 MEDIANS = ("home_share", "same_prefill_share", "host_tokens", "nixl_bytes", "later_ttft_p90_s", "prepare_mean_s")
 
@@ -204,7 +215,7 @@ def summarize(done: dict[str, list[SideRun]], runs: int, quick: bool, logs: Path
         f"(prefill {v['same_prefill_share']:.0%}), host tiers served {v['host_tokens']:,.0f} tokens, "
         f"NIXL {v['nixl_bytes']:,.0f} B, turns 2+ TTFT p90 {v['later_ttft_p90_s']} s, the router's kv_aware "
         f"preparation {v['prepare_mean_s'] * 1000:.0f} ms a request (medians of {len(figs[p])} runs); "
-        f"answers: {'; '.join(f['answers'] for f in figs[p])}"
+        f"answers over the runs: {answers_total(done[p])}"
         for p, v in per_policy.items()
     ]
     notes += [f"ordering, {kind}: {o}" for kind, o in orderings.items()]

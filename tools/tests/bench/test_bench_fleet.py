@@ -75,6 +75,9 @@ def test_summary_takes_kv_aware_over_each_other_policy_run_by_run(tmp_path: Path
     assert {(r.case, r.baseline) for r in result.ratios} >= {("requests/s", "round_robin")}
     assert "fleet" in result.to_json()["benchmark"] and result.table()
     assert done["kv_aware"][0].figures()["prepare_mean_s"] == 0.0356
+    done["kv_aware"][0].answers.equal, done["kv_aware"][1].answers.equal = 7, 6
+    (note,) = [n for n in summarize(done, 2, False, tmp_path, 10.0, "tiny").notes if n.startswith("kv_aware:")]
+    assert "answers over the runs: 13 equal, 0 parted at a near tie (0 later turns not compared), 0 wrong" in note
 
 
 def test_the_benchmark_is_registered_as_a_full_run_that_takes_a_model() -> None:
