@@ -27,7 +27,14 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | gre
 check() { VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "$1" >/dev/null 2>&1; }
 
 mkdir -p "$VENV/wheels"
-compgen -G "$VENV/wheels/vllm-$VLLM_NEXT-*.whl" >/dev/null || pip download --no-deps -d "$VENV/wheels" "vllm==$VLLM_NEXT"
+# Downloaded beside, then renamed into wheels/: the surface tests, running meanwhile under .ci/run,
+# read whatever wheel is there (a half-copied one failed them: "File is not a zip file").
+if ! compgen -G "$VENV/wheels/vllm-$VLLM_NEXT-*.whl" >/dev/null; then
+  rm -rf "$VENV/wheels.partial" && mkdir -p "$VENV/wheels.partial"
+  pip download --no-deps -d "$VENV/wheels.partial" "vllm==$VLLM_NEXT"
+  for w in "$VENV"/wheels.partial/vllm-*.whl; do [[ -f "$w" ]] && mv "$w" "$VENV/wheels/"; done
+  rm -rf "$VENV/wheels.partial"
+fi
 check "import vllm; assert vllm.__version__ == '$VLLM_NEXT'" || pip install --find-links "$VENV/wheels" "vllm==$VLLM_NEXT"
 check "import nixl_cu13" || pip install --no-deps "nixl-cu13==$NIXL_NEXT"
 check "import nixl._api" || pip install --no-deps "nixl==$NIXL_NEXT"
