@@ -78,9 +78,9 @@ def router_lines(plan: Plan) -> list[str]:
         return []
     if pd.role == "consumer":
         return [
-            "behind vllm-router: --decode URL; it picks a decode by load, and keeps a conversation's "
-            f"turns on one with {SESSION_HEADER} and --kv-aware-session-affinity-ttl-secs (kv_aware) "
-            "or --policy consistent_hash, so that its host tier serves the earlier turns"
+            "behind vllm-router: --decode URL; a conversation's turns stay on one decode, whose host tier "
+            f"serves the earlier turns, with {SESSION_HEADER} and --decode-policy consistent_hash (kv_aware's "
+            "--kv-aware-session-affinity-ttl-secs is soft: it moves a session to a less loaded decode)"
         ]
     return [
         "behind vllm-router: --prefill URL --policy kv_aware --pd-kv-events URL=tcp://HOST:PORT, the "

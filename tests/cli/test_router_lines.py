@@ -20,7 +20,8 @@ def test_check_gives_the_router_flags_for_the_prefill_and_the_decode(
     assert "behind vllm-router: --prefill URL --policy kv_aware --pd-kv-events URL=tcp://HOST:PORT" in out
     assert "--enable-scale-out" in out and "kvcompose relay-events" in out
     assert main(["check", str(decode)]) == 0
-    assert "behind vllm-router: --decode URL" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "behind vllm-router: --decode URL" in out and "--decode-policy consistent_hash" in out
 
 
 def test_kv_aware_needs_every_prefills_event_endpoint() -> None:
