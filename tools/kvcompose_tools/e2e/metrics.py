@@ -27,25 +27,26 @@ def metric_key(name: str, labels: dict[str, str]) -> str:
     return f"{name}{{{kept}}}" if kept else name
 
 
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str, prefix: str = "vllm:") -> dict[str, float]:
     """Prometheus text from ``/metrics`` -> the keys ``flatten_metrics`` gives offline: counters
-    without ``_total``, gauges, histograms as ``_sum``/``_count``; ``vllm:`` metrics only."""
+    without ``_total``, gauges, histograms and summaries as ``_sum``/``_count``; the metrics whose
+    name starts with ``prefix`` only (vLLM's; ``vllm_router_`` for the router's)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         # The text parser files a counter's or histogram's ``_created`` timestamp apart, as a
         # metric of its own; get_metrics() drops them.
-        if not fam.name.startswith("vllm:") or fam.name.endswith("_created"):
+        if not fam.name.startswith(prefix) or fam.name.endswith("_created"):
             continue
         for s in fam.samples:
             if fam.type == "counter" and s.name == fam.name + "_total":
                 name = fam.name
             elif fam.type == "gauge" and s.name == fam.name:
                 name = fam.name
-            elif fam.type == "histogram" and s.name in (fam.name + "_sum", fam.name + "_count"):
+            elif fam.type in ("histogram", "summary") and s.name in (fam.name + "_sum", fam.name + "_count"):
                 name = s.name
-            else:  # histogram buckets
+            else:  # histogram buckets, summary quantiles
                 continue
             out[metric_key(name, s.labels)] = float(s.value)
     return out

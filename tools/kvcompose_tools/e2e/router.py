@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.router import SESSION_HEADER, pd_router_args
+from kvcompose_tools.e2e.metrics import parse_metrics
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.processes import CALL_TIMEOUT_S, NodeError, ProcessNode
 from kvcompose_tools.e2e.server import (
@@ -77,11 +78,12 @@ def router_argv(
     default ``cache_aware`` it keeps no prefix tree of its own. ``consistent_hash`` keeps a
     conversation on one decode server: the router hashes the request's ``X-Session-ID`` header
     (:data:`SESSION_HEADER`) onto a ring of the workers, so every turn of a session reaches the
-    decode whose host tier holds the earlier turns. ``kv_aware`` (:func:`kvcompose.router.pd_router_args`)
-    picks the prefill by the KV events each publishes (``prefill_events``: prefill URL ->
-    ``tcp://`` endpoint) and keeps a session on one decode. The Prometheus exporter gets a free port of
-    its own (its default, 29000, would collide between two stacks on one host). Workers are
-    checked every second at start (default: every 30 s), and the workers passed are already up.
+    decode whose host tier holds the earlier turns. ``kv_aware``
+    (:func:`kvcompose.router.pd_router_args`) picks the prefill by the KV events each publishes
+    (``prefill_events``: prefill URL -> ``tcp://`` endpoint) and prefers a session's decode
+    (``kv_aware+hash``: keeps it, by hash). The Prometheus exporter gets a free port of its own
+    (its default, 29000, would collide between two stacks on one host). Workers are checked every
+    second at start (default: every 30 s), and the workers passed are already up.
     """
     argv = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
     argv += pd_router_args(prefill_urls, decode_urls, policy, prefill_events)
@@ -120,8 +122,6 @@ class RouterNode(ProcessNode):
         self.port, metrics_port = free_ports(2) if port is None else (port, free_ports(1)[0])
         bind = host.address if host else HOST
         self.url = f"http://{bind}:{self.port}"
-        #: The router's own Prometheus exporter (``vllm_router_*``).
-        self.metrics_url = f"http://{bind}:{metrics_port}/metrics"
         urls = [p.url for p in prefills], [d.url for d in decodes]
         self.argv = router_argv(*urls, self.port, metrics_port, policy, bind, prefill_events)
         self.argv += args
@@ -135,6 +135,8 @@ class RouterNode(ProcessNode):
             stdin=subprocess.DEVNULL,
         )
         self._http = HttpClient(self.name, self.url, self._state)
+        # The router's own Prometheus exporter (``vllm_router_*``).
+        self._metrics = HttpClient(f"{self.name} metrics", f"http://{bind}:{metrics_port}", self._state)
         self._workers = [*prefills, *decodes]
 
     def _state(self) -> str:
@@ -196,21 +198,9 @@ class RouterNode(ProcessNode):
         return parse_chat(answer, time.perf_counter() - t0)
 
     def router_metrics(self) -> dict[str, float]:
-        """The router's own counters and summaries (``vllm_router_*``), as ``name{labels}`` keys."""
-        import urllib.request
-
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(self.metrics_url, timeout=5) as answer:
-            text = answer.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                try:
-                    out[key] = float(value)
-                except ValueError:
-                    continue
-        return out
+        """The router's own counters and summaries (``vllm_router_*``), keyed as
+        :func:`~kvcompose_tools.e2e.metrics.parse_metrics` keys vLLM's."""
+        return parse_metrics(self._metrics.request("GET", "/metrics").decode(), prefix="vllm_router_")
 
     #: What close() waits for the router to exit before it kills the group.
     close_grace_s = 5.0

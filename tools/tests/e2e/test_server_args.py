@@ -77,6 +77,23 @@ def test_parse_metrics_gives_the_keys_flatten_metrics_gives() -> None:
     }
 
 
+def test_parse_metrics_reads_the_routers_summary_by_its_prefix() -> None:
+    """vllm-router's exporter, as it wrote a P/D kv_aware placement's preparation (a summary)."""
+    text = """# TYPE vllm_router_pd_kv_prepare_seconds summary
+vllm_router_pd_kv_prepare_seconds{quantile="0.5"} 0.030248762130117984
+vllm_router_pd_kv_prepare_seconds_sum 2.0994377430000006
+vllm_router_pd_kv_prepare_seconds_count 59
+# TYPE vllm_router_kv_placement_lookups_total counter
+vllm_router_kv_placement_lookups_total{result="hit"} 114
+"""
+    assert parse_metrics(text, prefix="vllm_router_") == {
+        "vllm_router_pd_kv_prepare_seconds_sum": 2.0994377430000006,
+        "vllm_router_pd_kv_prepare_seconds_count": 59.0,
+        "vllm_router_kv_placement_lookups{result=hit}": 114.0,
+    }
+    assert parse_metrics(text) == {}  # vLLM's own only, by default
+
+
 def test_free_ports_are_distinct_bindable_and_never_ones_the_kernel_hands_out_itself() -> None:
     import socket
 
