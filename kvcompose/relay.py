@@ -45,6 +45,11 @@ def part_hash(block_hash: Any, part: int, parts: int) -> Any:
     return int.from_bytes(digest, "big") >> 1  # 63 bits: msgpack's int and the router's u64 both take it
 
 
+def parts_of(block_hashes: Iterable[Any], parts: int) -> list[Any]:
+    """The hashes of every part of each block, in order (:func:`part_hash`)."""
+    return [part_hash(h, p, parts) for h in block_hashes for p in range(parts)]
+
+
 def split_events(events: Iterable[Any], block_size: int, engine_block_size: int) -> list[Any]:
     """``events`` (vLLM's ``KVCacheEvent`` structs) with every store and removal of the engine's
     ``engine_block_size``-token blocks told in blocks of ``block_size`` tokens (a removal names no
@@ -59,12 +64,11 @@ def split_events(events: Iterable[Any], block_size: int, engine_block_size: int)
             if e.block_size % block_size:
                 raise ValueError(f"a store of {e.block_size}-token blocks cannot be told in {block_size}-token blocks")
             parts = e.block_size // block_size
-            hashes = [part_hash(h, p, parts) for h in e.block_hashes for p in range(parts)]
+            hashes = parts_of(e.block_hashes, parts)
             extra = None if e.extra_keys is None else [k for k in e.extra_keys for _ in range(parts)]
             out.append(msgspec.structs.replace(e, block_hashes=hashes, block_size=block_size, extra_keys=extra))
         elif isinstance(e, BlockRemoved) and engine_block_size != block_size:
-            parts = engine_block_size // block_size
-            hashes = [part_hash(h, p, parts) for h in e.block_hashes for p in range(parts)]
+            hashes = parts_of(e.block_hashes, engine_block_size // block_size)
             out.append(msgspec.structs.replace(e, block_hashes=hashes))
         else:
             out.append(e)
