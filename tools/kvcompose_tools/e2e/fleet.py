@@ -90,7 +90,7 @@ class Fleet:
         events: dict[str, str] = {}
         for p, port in zip(self.prefills, self._relay_ports):
             assert p.spec.kv_events is not None
-            relay = Relay(p.spec.kv_events["endpoint"], f"tcp://127.0.0.1:{port}", BLOCK_SIZE, ROUTER_BLOCK_SIZE)
+            relay = Relay(p.spec.kv_events["endpoint"], f"tcp://127.0.0.1:{port}", p.spec.block_size, ROUTER_BLOCK_SIZE)
             self.relays.append(relay)
             events[p.url] = relay.target
         self.router = RouterNode(
@@ -127,6 +127,11 @@ class Fleet:
 
 #: Tokens each turn adds after the answer (a user's next message).
 TURN_TOKENS = 40
+
+
+def first_prompt(seed: int) -> list[int]:
+    """A conversation's first prompt: nine blocks and a part (token ids under the tiny vocabulary)."""
+    return [5 + (seed * 7919 + i * 31) % 500 for i in range(9 * BLOCK_SIZE + 12)]
 
 
 @dataclass

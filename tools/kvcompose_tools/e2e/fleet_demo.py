@@ -19,21 +19,16 @@ from pathlib import Path
 from typing import TextIO
 
 from kvcompose_tools.e2e.demo import verdict
-from kvcompose_tools.e2e.fleet import Fleet, Scenario, kill_scenario
+from kvcompose_tools.e2e.fleet import Fleet, Scenario, first_prompt, kill_scenario
 from kvcompose_tools.e2e.model import LOGPROB_TOLERANCE, make_model, model_config
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.processes import NodeError
-from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
+from kvcompose_tools.e2e.spec import EngineSpec
 
 MAX_TOKENS = 16
 #: After this long from the kill a failed turn counts against the run: the router's health
 #: window (:data:`~kvcompose_tools.e2e.fleet.HEALTH_ARGS`) and a check's timeout.
 DETECT_S = 6.0
-
-
-def first_prompt(seed: int) -> list[int]:
-    """A conversation's first prompt: nine blocks and a part (token ids under the tiny vocabulary)."""
-    return [5 + (seed * 7919 + i * 31) % 500 for i in range(9 * BLOCK_SIZE + 12)]
 
 
 def run(out: TextIO = sys.stdout, model_name: str = "tiny", host_tier: str = "simple", work: Path | None = None) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from engine.stack import Nodes, module_stack
-from kvcompose_tools.e2e.fleet import Fleet, kill_scenario
+from kvcompose_tools.e2e.fleet import Fleet, first_prompt, kill_scenario
 from kvcompose_tools.e2e.flow import same_output
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode
@@ -43,10 +43,6 @@ class Stack(Nodes):
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     yield from module_stack(Stack, "kvcompose-e2e-fleet-")
-
-
-def first_prompt(seed: int) -> list[int]:
-    return [5 + (seed * 7919 + i * 31) % 500 for i in range(9 * BLOCK_SIZE + 12)]  # vocab 512
 
 
 def test_turns_follow_their_history_and_move_once_when_its_prefill_dies(stack: Stack, baseline: EngineNode) -> None:
