@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -143,6 +144,58 @@ def interleave_units(units: Mapping[str, Callable[[], float]], repeats: int, per
             for name in names:
                 out[name].values.append(total[name] / per_repeat)
     return out
+
+
+def alternated_steps(units: Mapping[str, Callable[[], float]], steps: int, chunk: int = 50) -> dict[str, list[float]]:
+    """Each unit's own seconds for ``steps`` rounds, the units alternated one step at a time.
+
+    A round runs every unit once (``units[name]()`` does one step and returns the seconds it
+    timed itself), in the given order on even rounds and reversed on odd ones, so that each pair
+    of units shares the same moments of machine load. As in :func:`interleave_units`, the
+    collector runs before every ``chunk`` rounds and is paused inside them. Returns each unit's
+    per-round seconds, in the rounds' order: the input of :func:`per_step_cost`.
+    """
+    if steps < 1 or chunk < 1:
+        raise ValueError(f"steps and chunk must be >= 1, got {steps} and {chunk}")
+    names = list(units)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    with _frozen_heap():
+        for start in range(0, steps, chunk):
+            gc.collect()
+            gc.disable()
+            try:
+                for r in range(start, min(start + chunk, steps)):
+                    for name in names if r % 2 == 0 else names[::-1]:
+                        out[name].append(units[name]())
+            finally:
+                gc.enable()
+    return out
+
+
+def per_step_cost(steps: Mapping[str, Sequence[float]], subject: str, baseline: str, per: float) -> Samples:
+    """The paired per-step estimator's values: per round of :func:`alternated_steps`, the
+    subject's step less the baseline's, over ``per`` (live requests), in microseconds.
+
+    The figure is their median (``.median``): a round's two steps ran at the same moments of load,
+    and the median of many such differences ignores the rounds a slow phase hit one side only.
+    """
+    return Samples([(s - b) / per * 1e6 for s, b in zip(steps[subject], steps[baseline], strict=True)])
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The lower and upper quartiles of ``values`` (at least two)."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median of ``values`` (about 95 % with the
+    default ``z``): the order statistics ``z*sqrt(n)/2`` ranks either side of the median's
+    (rounded outwards), clamped to the sample."""
+    ordered = sorted(values)
+    n = len(ordered)
+    middle, half = (n - 1) / 2, z * n**0.5 / 2
+    return ordered[max(0, math.floor(middle - half))], ordered[min(n - 1, math.ceil(middle + half))]
 
 
 def time_per_call(fn: Callable[[], Any], calls: int) -> float:

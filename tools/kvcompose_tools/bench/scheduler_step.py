@@ -15,7 +15,16 @@ stores of that step (the portable worker's report, in each composite's own metad
 
 Sides: ``nixl`` (vLLM's bare NixlConnector), ``MultiConnector`` (vLLM's, over vLLM's
 NixlConnector and SimpleCPUOffloadConnector), ``kvcompose`` (the same two composed from YAML,
-i.e. the plugins' subclasses: vLLM's scheduler code plus the plugins' small overrides).
+i.e. the plugins' subclasses: vLLM's scheduler code plus the plugins' small overrides), and
+``kvcompose-vllm`` (the same composition with vLLM's own two classes as the children, kvcompose's
+``type: vllm``: the composite alone, no plugin code).
+
+The own-cost case per size (issue 54) alternates ``MultiConnector``, ``kvcompose-vllm`` and
+``kvcompose`` one step at a time for thousands of rounds (:func:`~kvcompose_tools.bench.measure.alternated_steps`)
+and reports the paired per-step estimator: the median over rounds of one side's step less
+another's, per live request. ``kvcompose-vllm - MultiConnector`` is the composite's own cost
+(target: at most 1 us a request from 16 requests); ``kvcompose - kvcompose-vllm`` is what the
+plugins' overrides cost (reported, no target).
 
 A second case per size weighs the P/D trust checks (issue 51, docs/security.md): ``trust-on``
 is the kvcompose side with a deployment key, its ``remote`` arrivals carrying the params a
@@ -40,7 +49,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvcompose_tools.bench.measure import Ratio, Samples, interleave_units, paired, pick, ratio, repeats_for
+from kvcompose_tools.bench.measure import (
+    Ratio,
+    Samples,
+    alternated_steps,
+    interleave_units,
+    median_interval,
+    paired,
+    per_step_cost,
+    pick,
+    quartiles,
+    ratio,
+    repeats_for,
+)
 from kvcompose_tools.bench.report import AllTargets, Case, CaseTarget, Result
 
 SIZES = (1, 16, 128, 1024)
@@ -119,7 +140,10 @@ def kv_config(side: str, cpu_bytes: int) -> dict[str, Any]:
         from kvcompose.compose import loads
         from kvcompose.vllm.args import kv_transfer_config
 
-        text = COMPOSITION.format(cpu_bytes=cpu_bytes, key=key_option(side == TRUST_ON))
+        if side == VLLM_CHILDREN:
+            text = COMPOSITION_VLLM.format(cpu_bytes=cpu_bytes)
+        else:
+            text = COMPOSITION.format(cpu_bytes=cpu_bytes, key=key_option(side == TRUST_ON))
         return kv_transfer_config(loads(text, filename="<bench>"))
     raise ValueError(f"unknown side {side!r}")
 
@@ -144,8 +168,24 @@ connectors:
     options: {{cpu_bytes: {cpu_bytes}}}
 rules: {{load: first-wins, store: all, metadata: merge}}
 """
-#: The sides whose decode is kvcompose's composite of :data:`COMPOSITION`.
-COMPOSED = ("kvcompose", *TRUST_SIDES)
+#: The side whose decode composes vLLM's own two classes (kvcompose's ``type: vllm``), with
+#: MultiConnector's options and :data:`COMPOSITION`'s rules: the composite without the plugins.
+VLLM_CHILDREN = "kvcompose-vllm"
+COMPOSITION_VLLM = """
+version: 1
+connectors:
+  - name: pd
+    type: vllm
+    role: consumer
+    options: {{kv_connector: NixlConnector}}
+  - name: host
+    type: vllm
+    options: {{kv_connector: SimpleCPUOffloadConnector, kv_connector_extra_config: {{cpu_bytes_to_use: {cpu_bytes}}}}}
+rules: {{load: first-wins, store: all, metadata: merge}}
+"""
+#: The sides whose decode is a kvcompose composite (of :data:`COMPOSITION`, or
+#: :data:`COMPOSITION_VLLM` for :data:`VLLM_CHILDREN`); their children are named ``pd`` and ``host``.
+COMPOSED = ("kvcompose", VLLM_CHILDREN, *TRUST_SIDES)
 #: The trust sides' prefill instance: the nixl child alone, signing with the key when it has one.
 PREFILL = """
 version: 1
@@ -347,12 +387,26 @@ LARGE_BATCH_RATIO = 1.01
 #: :data:`OWN_COST_TARGET_US` at 16-1024 requests, on the median of nine repeats).
 OWN_COST = "(kvcompose-MultiConnector)/request (us)"
 OWN_COST_TARGET_US = 1.0
+#: The own-cost case (issue 54): its sides, alternated one step at a time for this many rounds
+#: (:data:`QUICK_OWN_ROUNDS` with ``--quick``), and the paired per-step estimator's two figures.
+OWN_SIDES = ("MultiConnector", VLLM_CHILDREN, "kvcompose")
+OWN_ROUNDS = 2000
+QUICK_OWN_ROUNDS = 300
+COMPOSITE_OWN = f"({VLLM_CHILDREN}-MultiConnector)/request, per step (us)"
+PLUGINS_OWN = f"(kvcompose-{VLLM_CHILDREN})/request, per step (us)"
+#: Issue 54's target: the composite's own cost (:data:`COMPOSITE_OWN`, the median over rounds) at
+#: most this many microseconds a live request, from :data:`SMALL_BATCH` requests.
+COMPOSITE_OWN_TARGET_US = 1.0
+#: The own-cost case's target as a ratio: the estimator's median over the target (<= 1: met).
+OWN_SUBJECT = "composite own (us/request)"
+OWN_BUDGET = f"{COMPOSITE_OWN_TARGET_US:g} us"
 
 
-def step_target(sizes: tuple[int, ...], trust: bool = False) -> AllTargets:
+def step_target(sizes: tuple[int, ...], trust: bool = False, own: bool = False) -> AllTargets:
     """kvcompose/MultiConnector at or under 1.03 up to 16 requests, 1.01 from 128, per size run;
     with ``trust``, per size also trust-on's ``add_request`` per P/D request at most trust-off's
-    plus :data:`TRUST_BUDGET_US`."""
+    plus :data:`TRUST_BUDGET_US`; with ``own``, per size from :data:`SMALL_BATCH` also the
+    composite's own cost at most :data:`COMPOSITE_OWN_TARGET_US` a request (:func:`own_case`)."""
     items = tuple(
         CaseTarget(
             "<=",
@@ -365,6 +419,8 @@ def step_target(sizes: tuple[int, ...], trust: bool = False) -> AllTargets:
     )
     if trust:
         items += tuple(CaseTarget("<=", 1.0, TRUST_ON, TRUST_BUDGET, trust_label(n)) for n in sizes)
+    if own:
+        items += tuple(CaseTarget("<=", 1.0, OWN_SUBJECT, OWN_BUDGET, own_label(n)) for n in sizes if n >= SMALL_BATCH)
     return AllTargets(
         "<=",
         SMALL_BATCH_RATIO,
@@ -377,6 +433,12 @@ def step_target(sizes: tuple[int, ...], trust: bool = False) -> AllTargets:
             f"; trust-on's add_request per P/D request <= trust-off's + {TRUST_BUDGET_US:g} us "
             f"({TRUST_NS_PER_TOKEN} ns x {PROMPT_TOKENS} tokens + {TRUST_US_PER_REQUEST} us)"
             if trust
+            else ""
+        )
+        + (
+            f"; composite own ({VLLM_CHILDREN} - MultiConnector, median of paired steps) "
+            f"<= {COMPOSITE_OWN_TARGET_US:g} us/request from {SMALL_BATCH} requests"
+            if own
             else ""
         ),
     )
@@ -438,17 +500,69 @@ def trust_case(n: int, quick: bool, reps: int) -> tuple[Case, list[Ratio]]:
     return Case(label, samples, extra, derived), ratios
 
 
+def own_label(n: int) -> str:
+    return f"own cost, {n} reqs"
+
+
+def own_case(n: int, quick: bool, rounds: int) -> tuple[Case, list[Ratio], str]:
+    """The own-cost case at ``n`` live requests: :data:`OWN_SIDES` alternated one step at a time
+    for ``rounds`` rounds; the paired per-step estimator of the composite's own cost
+    (:data:`COMPOSITE_OWN`) and of the plugins' overrides (:data:`PLUGINS_OWN`), each the median
+    over rounds. Returns the case, its target's ratio (the composite's median over
+    :data:`COMPOSITE_OWN_TARGET_US`) and a line for the notes."""
+    drivers = {s: Driver(s, n) for s in OWN_SIDES}
+    for d in drivers.values():
+        for _ in range(warmup_steps(quick)):
+            d.step()
+    steps = alternated_steps({s: d.step for s, d in drivers.items()}, rounds)
+    label = own_label(n)
+    counts = {s: dict(sorted(d.counts.items())) for s, d in drivers.items()}
+    same_work = all(c == counts["MultiConnector"] for c in counts.values())
+    derived = {
+        COMPOSITE_OWN: per_step_cost(steps, VLLM_CHILDREN, "MultiConnector", n),
+        PLUGINS_OWN: per_step_cost(steps, "kvcompose", VLLM_CHILDREN, n),
+    }
+    spread = {
+        name: {"median": d.median, "iqr": list(quartiles(d.values)), "median_ci95": list(median_interval(d.values))}
+        for name, d in derived.items()
+    }
+    own = derived[COMPOSITE_OWN].median / COMPOSITE_OWN_TARGET_US
+    ratios = [Ratio(label, OWN_SUBJECT, OWN_BUDGET, own, own, False)]
+
+    def said(name: str) -> str:
+        x = spread[name]
+        return (
+            f"{x['median']:+.2f} us/request (median CI95 [{x['median_ci95'][0]:+.2f}, {x['median_ci95'][1]:+.2f}], "
+            f"IQR [{x['iqr'][0]:+.2f}, {x['iqr'][1]:+.2f}])"
+        )
+
+    verdict = ("met" if own <= 1.0 else "MISSED") if n >= SMALL_BATCH else f"no target under {SMALL_BATCH} requests"
+    line = (
+        f"{label}, {rounds} paired steps: composite own ({VLLM_CHILDREN} - MultiConnector) {said(COMPOSITE_OWN)}, "
+        f"target <= {COMPOSITE_OWN_TARGET_US:g}: {verdict}; plugins' overrides (kvcompose - {VLLM_CHILDREN}) "
+        f"{said(PLUGINS_OWN)}" + ("" if same_work else "; WORK DIFFERS between the sides (see 'work')")
+    )
+    extra = {"running": n, "rounds": rounds, "work": counts, "same_work": same_work, "estimator": spread}
+    return Case(label, {s: Samples(v) for s, v in steps.items()}, extra, derived), ratios, line
+
+
 def run(
     quick: bool = False,
     sizes: tuple[int, ...] | None = None,
     repeats: int | None = None,
     sides: tuple[str, ...] = ("nixl", "MultiConnector", "kvcompose"),
     trust: bool = True,
+    own: bool = True,
+    rounds: int | None = None,
 ) -> Result:
     """Time a step at each size for every side, interleaved; ratio kvcompose / MultiConnector.
-    With ``trust``, then the trust case at the same size (:func:`trust_case`)."""
+    With ``own``, then the own-cost case at the same size (:func:`own_case`, ``rounds`` paired
+    steps: :data:`OWN_ROUNDS`, :data:`QUICK_OWN_ROUNDS` with ``quick``); with ``trust``, then
+    the trust case (:func:`trust_case`)."""
     sizes = tuple(sizes or pick(SIZES, quick, QUICK_SIZES))
     reps = repeats or repeats_for(quick, full=9)
+    rounds = rounds or (QUICK_OWN_ROUNDS if quick else OWN_ROUNDS)
+    own_lines: list[str] = []
     cases: list[Case] = []
     ratios = []
     for n in sizes:
@@ -467,6 +581,11 @@ def run(
         if "kvcompose" in samples and "nixl" in samples:
             ratios.append(ratio(label, samples, "kvcompose", "nixl"))
         cases.append(Case(label, samples, {"running": n, "steps_per_repeat": k, "work": counts}, derived))
+        if own:
+            case, own_ratios, line = own_case(n, quick, rounds)
+            cases.append(case)
+            ratios += own_ratios
+            own_lines.append(line)
         if trust:
             case, trust_ratios = trust_case(n, quick, reps)
             cases.append(case)
@@ -482,6 +601,16 @@ def run(
         f"{OWN_COST}: kvcompose's step less MultiConnector's of the same repeat, per live request "
         f"(issue 44's target: <= {OWN_COST_TARGET_US:g} us at 16-1024 requests on the median)",
     ]
+    if own:
+        notes += [
+            f"own cost cases (issue 54): MultiConnector, {VLLM_CHILDREN} (the same composition as kvcompose, "
+            "its children vLLM's own NixlConnector and SimpleCPUOffloadConnector as type: vllm, no plugin code) "
+            f"and kvcompose, alternated one step at a time for {rounds} rounds (order flipped every other round); "
+            "per round one side's step less another's over the live requests, the figure their median "
+            "(the columns' [min, max] are single rounds'; the CI95 and IQR below are the estimator's spread); "
+            f"the ratio {OWN_SUBJECT}/{OWN_BUDGET} is that median over the target (best = median)",
+            *own_lines,
+        ]
     if trust:
         notes += [
             "trust cases: the kvcompose side with a deployment key (trust-on: each remote arrival carries the params "
@@ -499,9 +628,15 @@ def run(
         1e6,
         cases,
         ratios,
-        step_target(sizes, trust),
+        step_target(sizes, trust, own),
         reps,
         quick,
         notes,
-        {"sizes": list(sizes), "prompt_tokens": PROMPT_TOKENS, "block_size": BLOCK, "mix": list(MIX)},
+        {
+            "sizes": list(sizes),
+            "prompt_tokens": PROMPT_TOKENS,
+            "block_size": BLOCK,
+            "mix": list(MIX),
+            **({"own_rounds": rounds} if own else {}),
+        },
     )
