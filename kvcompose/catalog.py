@@ -118,6 +118,10 @@ class ConnectorType:
     #: Tokens a range this type loads must start at a multiple of, when coarser than vLLM's
     #: block size (0: the block size is enough).
     range_alignment: ClassVar[int] = 0
+    #: Engine calls whose implementation in this type's connector class does nothing and answers
+    #: ``None`` (vLLM's per-layer hooks of a connector that moves KV per step): the composite does
+    #: not call them (docs/performance.md, worker step). A plugin's test pins each against the class.
+    empty_calls: ClassVar[frozenset[str]] = frozenset()
     #: The ``kv_transfer_params`` keys this type reads and returns (the ``owners`` params rule
     #: gives each key to the type that declares it).
     param_keys: ClassVar[frozenset[str]] = frozenset()

@@ -35,9 +35,20 @@ def deferred_loaders(connector: KVComposeConnector, request_id: str) -> tuple[st
 
 def disabled(connector: KVComposeConnector) -> tuple[str, ...]:
     """Names of the children bypassed now after a contained fault (open breakers included)."""
-    return tuple(connector.names[i] for i in sorted(connector.fanout.disabled))
+    return tuple(connector.names[i] for i in sorted(connector.bypassed))
 
 
 def child_state(connector: KVComposeConnector, name: str) -> ChildState:
     """``closed``, ``open`` or ``half-open``: the child's state in this connector instance."""
-    return connector.fanout.monitor.state(connector.names.index(name))
+    return connector.monitor.state(connector.names.index(name))
+
+
+def bypass(connector: KVComposeConnector, name: str) -> None:
+    """Bypass a child as the faults rule does after a failure (without one)."""
+    connector._bypass(connector.names.index(name))
+
+
+def call_again(connector: KVComposeConnector, name: str) -> None:
+    """Call a child again from the next call on, as the faults rule lets one back (its calls
+    looked up anew: a method patched on the instance since is called as patched)."""
+    connector._call_again((connector.names.index(name),))

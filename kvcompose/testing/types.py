@@ -35,12 +35,11 @@ class RecordOptions(Options):
 
 @functools.cache
 def fault_calls() -> frozenset[str]:
-    """Every engine call a fault may name: the calls the composed connector declares as forwarded
-    to a child's own implementation (so each one fires, and every forwarded call can fail)."""
-    from kvcompose.vllm.connector import KVComposeConnector  # vLLM, only once a fault is declared
-    from kvcompose.vllm.forward import declared
+    """Every engine call a fault may name: the calls the composed connector forwards to a child's
+    own implementation (so each one fires, and every forwarded call can fail)."""
+    from kvcompose.vllm.calls import forwarded_calls  # vLLM, only once a fault is declared
 
-    return frozenset(name for name, call in declared(KVComposeConnector).items() if call.kind == "method")
+    return frozenset(forwarded_calls())
 
 
 FaultAction = Literal["raise", "none", "stall", "fail-load"]

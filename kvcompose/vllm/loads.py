@@ -14,9 +14,9 @@ the request's progress (no vLLM).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvcompose.contract import CompletionTracker, Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.vllm.loadstats import ChildLoadStats
@@ -191,39 +191,6 @@ class RequestLoads:
         if allocated is not None:
             return allocated
         return entry[0].contributions if entry is not None else ()
-
-    def loaded_groups(
-        self, request: Request, fns: Mapping[int, Callable[[Request], Iterable[int]]]
-    ) -> tuple[int, ...] | None:
-        """The KV cache groups the request's loaders load (``fns``: each child's
-        ``get_loaded_kv_cache_group_ids``), sorted; ``None`` when nothing loads it."""
-        contribs = self.contributions(request.request_id)
-        if not contribs:
-            return None
-        groups: set[int] = set()
-        for c in contribs:
-            if c.child in fns:
-                groups.update(fns[c.child](request))
-        return tuple(sorted(groups))
-
-    def hit_sources(
-        self, request: Request, num_external_tokens: int, fns: Mapping[int, Callable[[Request, int], dict[Any, int]]]
-    ) -> dict[Any, int] | None:
-        """Where the request's ``num_external_tokens`` come from: each loader's
-        ``get_external_cache_hit_sources`` (``fns``) for its own part, summed by source;
-        ``None`` when nothing loads it."""
-        contribs = self.contributions(request.request_id, num_external_tokens)
-        if not contribs:
-            return None
-        if len(contribs) == 1:  # one loader, the usual case: its own answer, not a copy
-            fn = fns.get(contribs[0].child)
-            return {} if fn is None else fn(request, contribs[0].tokens)
-        sources: dict[Any, int] = {}
-        for c in contribs:
-            if c.child in fns:
-                for source, n in fns[c.child](request, c.tokens).items():
-                    sources[source] = sources.get(source, 0) + n
-        return sources
 
     def finished(self, request_id: str, delaying: tuple[int, ...]) -> None:
         """The request finished; ``delaying`` children hold its blocks until they report. A

@@ -19,8 +19,7 @@ from kvcompose.testing import inspector
 from kvcompose.testing.versions import INSTALLED_LACKS
 from kvcompose.versions import BASE_PY, ConnectorAPI, connector_api, installed_base_py, parse_connector_api
 from kvcompose.vllm import surface
-from kvcompose.vllm.connector import KVComposeConnector
-from kvcompose.vllm.forward import Call, Read, declared, forward_unknown_calls
+from kvcompose.vllm.connector import KVComposeConnector, forward_unknown_calls, forwarder
 
 ROOT = Path(__file__).parents[2]
 
@@ -49,7 +48,8 @@ def wheel_api(wheel: Path) -> ConnectorAPI:
 
 def forwarded_generically(cls: type) -> tuple[str, ...]:
     """The calls ``cls`` forwards only by the generic rule (:func:`forward_unknown_calls`)."""
-    return tuple(name for name, call in declared(cls).items() if call.how == "merge")
+    generic = forwarder("any").__code__
+    return tuple(name for name, fn in vars(cls).items() if getattr(fn, "__code__", None) is generic)
 
 
 def not_forwarded(api: ConnectorAPI) -> list[str]:
@@ -69,7 +69,7 @@ def not_forwarded(api: ConnectorAPI) -> list[str]:
 def surface_kind(member: object) -> str:
     if isinstance(member, classmethod):
         return "classmethod"
-    return "property" if isinstance(member, (property, Read)) else "method"
+    return "property" if isinstance(member, property) else "method"
 
 
 def composite_members() -> dict[str, str]:
@@ -80,7 +80,7 @@ def composite_members() -> dict[str, str]:
         if cls in vllm_classes or cls is object:
             continue
         for name, member in vars(cls).items():
-            if not name.startswith("_") and (callable(member) or isinstance(member, (classmethod, property, Call))):
+            if not name.startswith("_") and (callable(member) or isinstance(member, (classmethod, property))):
                 out.setdefault(name, surface_kind(member))
     return out
 

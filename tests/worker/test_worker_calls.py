@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvcompose.testing import inspector
-from kvcompose.vllm.forward import ChildFailed
+from kvcompose.vllm.connector import ChildFailed
 
 Factory = Callable[..., Any]
 

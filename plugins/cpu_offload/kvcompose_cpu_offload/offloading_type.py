@@ -91,6 +91,8 @@ class NativeOffloadType(ConnectorType):
     name: ClassVar[str] = "native-offload"
     summary: ClassVar[str] = "prefix-cache tier in host memory, optionally a directory (vLLM OffloadingConnector)"
     options: ClassVar[type[Options]] = NativeOffloadOptions
+    # vLLM's OffloadingConnector stores at the step's end; its per-layer hooks are empty.
+    empty_calls: ClassVar[frozenset[str]] = frozenset({"wait_for_layer_load", "save_kv_layer"})
     vllm_connector: ClassVar[str] = "OffloadingConnector"
     extra_config_keys: ClassVar[Mapping[str, str]] = {
         "cpu_bytes": "cpu_bytes_to_use",

@@ -380,6 +380,8 @@ class NixlType(ConnectorType):
     pd_transport: ClassVar[bool] = True
     # The connector loads only the blocks of its range (kvcompose_nixl.connector, range loads).
     range_loads: ClassVar[bool] = True
+    # vLLM's NIXL classes (pull and push) move KV per request, not per layer: those hooks are empty.
+    empty_calls: ClassVar[frozenset[str]] = frozenset({"wait_for_layer_load", "save_kv_layer"})
     param_keys: ClassVar[frozenset[str]] = PARAM_KEYS
     vllm_connector: ClassVar[str] = CONNECTOR_CLASS["pull"]
     vllm_module_path: ClassVar[str | None] = CONNECTOR_MODULE
