@@ -146,26 +146,66 @@ def interleave_units(units: Mapping[str, Callable[[], float]], repeats: int, per
     return out
 
 
-def alternated_steps(units: Mapping[str, Callable[[], float]], steps: int, chunk: int = 50) -> dict[str, list[float]]:
-    """Each unit's own seconds for ``steps`` rounds, the units alternated one step at a time.
+def balanced_rounds(names: Sequence[str]) -> list[list[str]]:
+    """The orders of a cycle of rounds in which every name follows every name, itself included,
+    equally often, each round running every name once (:func:`alternated_steps`).
+
+    Flipping the order every other round balances two names, not three: with ``a b c`` then
+    ``c b a`` the middle one never follows itself while the outer ones do half the time, and a
+    step that follows another side's (its caches evicted by that side's objects) is slower. Here
+    the cycle is every permutation once, each starting with the name the one before ended with
+    (``a b c, c a b, b a c, c b a, a c b, b c a`` for three): within the rounds each ordered pair
+    of different names is adjacent equally often by symmetry, and between them each name follows
+    itself ``(n-1)!`` times. Up to five names (120 rounds a cycle).
+    """
+    names = list(names)
+    if len(set(names)) != len(names) or not 1 <= len(names) <= 5:
+        raise ValueError(f"one to five distinct names, got {names}")
+    import itertools
+
+    perms = [list(p) for p in itertools.permutations(names)]
+    cycle, used = [perms[0]], {tuple(perms[0])}
+
+    def extend() -> bool:
+        if len(cycle) == len(perms):
+            return cycle[-1][-1] == cycle[0][0]
+        for p in perms:
+            if p[0] == cycle[-1][-1] and tuple(p) not in used:
+                cycle.append(p)
+                used.add(tuple(p))
+                if extend():
+                    return True
+                used.discard(tuple(cycle.pop()))
+        return False
+
+    if not extend():  # pragma: no cover - every n from 1 to 5 has such a cycle
+        raise RuntimeError(f"no balanced cycle of rounds for {names}")
+    return cycle
+
+
+def alternated_steps(units: Mapping[str, Callable[[], float]], steps: int, chunk: int = 60) -> dict[str, list[float]]:
+    """Each unit's own seconds for at least ``steps`` rounds, the units alternated one step at a time.
 
     A round runs every unit once (``units[name]()`` does one step and returns the seconds it
-    timed itself), in the given order on even rounds and reversed on odd ones, so that each pair
-    of units shares the same moments of machine load. As in :func:`interleave_units`, the
-    collector runs before every ``chunk`` rounds and is paused inside them. Returns each unit's
-    per-round seconds, in the rounds' order: the input of :func:`per_step_cost`.
+    timed itself), the rounds' orders those of :func:`balanced_rounds` (``a b`` then ``b a`` for
+    two units), so that each pair of units shares the same moments of machine load and each unit
+    follows each as often; ``steps`` is rounded up to whole cycles of those orders. As in
+    :func:`interleave_units`, the collector runs before every ``chunk`` rounds and is paused
+    inside them. Returns each unit's per-round seconds, in the rounds' order: the input of
+    :func:`per_step_cost`.
     """
     if steps < 1 or chunk < 1:
         raise ValueError(f"steps and chunk must be >= 1, got {steps} and {chunk}")
-    names = list(units)
-    out: dict[str, list[float]] = {n: [] for n in names}
+    orders = balanced_rounds(list(units))
+    rounds = -(-steps // len(orders)) * len(orders)
+    out: dict[str, list[float]] = {n: [] for n in units}
     with _frozen_heap():
-        for start in range(0, steps, chunk):
+        for start in range(0, rounds, chunk):
             gc.collect()
             gc.disable()
             try:
-                for r in range(start, min(start + chunk, steps)):
-                    for name in names if r % 2 == 0 else names[::-1]:
+                for r in range(start, min(start + chunk, rounds)):
+                    for name in orders[r % len(orders)]:
                         out[name].append(units[name]())
             finally:
                 gc.enable()

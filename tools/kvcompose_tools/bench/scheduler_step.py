@@ -20,7 +20,8 @@ i.e. the plugins' subclasses: vLLM's scheduler code plus the plugins' small over
 ``type: vllm``: the composite alone, no plugin code).
 
 The own-cost case per size (issue 54) alternates ``MultiConnector``, ``kvcompose-vllm`` and
-``kvcompose`` one step at a time for thousands of rounds (:func:`~kvcompose_tools.bench.measure.alternated_steps`)
+``kvcompose`` one step at a time for thousands of rounds, each side following each as often
+(:func:`~kvcompose_tools.bench.measure.alternated_steps`),
 and reports the paired per-step estimator: the median over rounds of one side's step less
 another's, per live request. ``kvcompose-vllm - MultiConnector`` is the composite's own cost
 (target: at most 1 us a request from 16 requests); ``kvcompose - kvcompose-vllm`` is what the
@@ -515,6 +516,7 @@ def own_case(n: int, quick: bool, rounds: int) -> tuple[Case, list[Ratio], str]:
         for _ in range(warmup_steps(quick)):
             d.step()
     steps = alternated_steps({s: d.step for s, d in drivers.items()}, rounds)
+    rounds = len(steps["MultiConnector"])  # rounded up to whole cycles of the rounds' orders
     label = own_label(n)
     counts = {s: dict(sorted(d.counts.items())) for s, d in drivers.items()}
     same_work = all(c == counts["MultiConnector"] for c in counts.values())
@@ -605,7 +607,10 @@ def run(
         notes += [
             f"own cost cases (issue 54): MultiConnector, {VLLM_CHILDREN} (the same composition as kvcompose, "
             "its children vLLM's own NixlConnector and SimpleCPUOffloadConnector as type: vllm, no plugin code) "
-            f"and kvcompose, alternated one step at a time for {rounds} rounds (order flipped every other round); "
+            f"and kvcompose, alternated one step at a time for {rounds} rounds (rounded up to "
+            "whole cycles of orders in which each side follows each, itself included, equally often: with the "
+            "order flipped every other round the middle side would never follow itself, and pay for the others' "
+            "cache misses); "
             "per round one side's step less another's over the live requests, the figure their median "
             "(the columns' [min, max] are single rounds'; the CI95 and IQR below are the estimator's spread); "
             f"the ratio {OWN_SUBJECT}/{OWN_BUDGET} is that median over the target (best = median)",

@@ -4,13 +4,21 @@
 from __future__ import annotations
 
 import gc
+import itertools
+from collections import Counter
 
 import pytest
 
-from kvcompose_tools.bench.measure import alternated_steps, median_interval, per_step_cost, quartiles
+from kvcompose_tools.bench.measure import (
+    alternated_steps,
+    balanced_rounds,
+    median_interval,
+    per_step_cost,
+    quartiles,
+)
 
 
-def test_alternated_steps_alternates_one_step_at_a_time_and_flips_every_other_round() -> None:
+def test_alternated_steps_runs_every_unit_once_a_round_in_the_balanced_orders() -> None:
     order: list[str] = []
     clock = iter(range(1, 100))
 
@@ -18,10 +26,29 @@ def test_alternated_steps_alternates_one_step_at_a_time_and_flips_every_other_ro
         order.append(name)
         return float(next(clock))
 
-    steps = alternated_steps({n: (lambda n=n: unit(n)) for n in "abc"}, 4, chunk=3)
-    assert order == list("abccbaabccba")
+    steps = alternated_steps({n: (lambda n=n: unit(n)) for n in "ab"}, 3, chunk=3)
+    assert order == list("abbaabba")  # two units: the order flips; 3 rounds -> 2 whole cycles
     # Each side's seconds per round, in the rounds' order.
-    assert steps == {"a": [1.0, 6.0, 7.0, 12.0], "b": [2.0, 5.0, 8.0, 11.0], "c": [3.0, 4.0, 9.0, 10.0]}
+    assert steps == {"a": [1.0, 4.0, 5.0, 8.0], "b": [2.0, 3.0, 6.0, 7.0]}
+    order.clear()
+    steps = alternated_steps({n: (lambda n=n: unit(n)) for n in "abc"}, 6, chunk=4)
+    assert [order[k : k + 3] for k in range(0, 18, 3)] == balanced_rounds("abc")
+    assert [len(v) for v in steps.values()] == [6, 6, 6]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_balanced_rounds_have_every_name_follow_every_name_equally_often(n: int) -> None:
+    names = list("abcd"[:n])
+    rounds = balanced_rounds(names)
+    assert sorted(map(tuple, rounds)) == sorted(itertools.permutations(names))  # each round runs each once
+    turns = [x for r in rounds for x in r]
+    pairs = Counter(zip(turns, turns[1:] + turns[:1]))  # cyclically: the cycle repeats whole
+    assert set(pairs) == {(a, b) for a in names for b in names} and len(set(pairs.values())) == 1
+    # The order flipped every other round leaves three unbalanced: b never follows itself.
+    flipped = [*"abc", *"cba"]
+    assert ("b", "b") not in set(zip(flipped, flipped[1:] + flipped[:1]))
+    with pytest.raises(ValueError, match="distinct"):
+        balanced_rounds(["a", "a"])
 
 
 def test_alternated_steps_pauses_the_collector_inside_a_chunk_only() -> None:
@@ -81,9 +108,9 @@ def test_the_own_cost_case_reports_both_figures_against_the_target(monkeypatch: 
     )
 
     monkeypatch.setattr(scheduler_step, "warmup_steps", lambda quick: 8)
-    case, ratios, line = scheduler_step.own_case(16, True, 20)
+    case, ratios, line = scheduler_step.own_case(16, True, 20)  # 20 rounds -> 24: whole cycles of six
     assert case.label == own_label(16) == "own cost, 16 reqs" and list(case.samples) == list(OWN_SIDES)
-    assert all(len(s.values) == 20 for s in case.samples.values())
+    assert all(len(s.values) == 24 for s in case.samples.values()) and case.extra["rounds"] == 24
     composite, plugins = case.derived[COMPOSITE_OWN], case.derived[PLUGINS_OWN]
     assert composite.values == pytest.approx(
         [
@@ -91,11 +118,11 @@ def test_the_own_cost_case_reports_both_figures_against_the_target(monkeypatch: 
             for v, m in zip(case.samples["kvcompose-vllm"].values, case.samples["MultiConnector"].values)
         ]
     )
-    assert len(plugins.values) == 20 and case.extra["same_work"] is True
+    assert len(plugins.values) == 24 and case.extra["same_work"] is True
     assert case.extra["estimator"][COMPOSITE_OWN]["median"] == composite.median
     assert [(r.case, r.subject, r.baseline) for r in ratios] == [(own_label(16), OWN_SUBJECT, OWN_BUDGET)]
     assert ratios[0].by_median == pytest.approx(composite.median / 1.0)
-    assert "own cost, 16 reqs, 20 paired steps" in line and "plugins' overrides" in line
+    assert "own cost, 16 reqs, 24 paired steps" in line and "plugins' overrides" in line
 
     def measured(us: float) -> list[Ratio]:
         return [Ratio(f"{n} reqs", "kvcompose", "MultiConnector", 1.0, 1.0, False) for n in (1, 16)] + [
