@@ -22,7 +22,6 @@ from kvcompose.contract import (
     Ask,
     ChildState,
     CompletionRule,
-    CompletionTracker,
     Contribution,
     EngineFacts,
     FaultMonitor,
@@ -39,7 +38,7 @@ from kvcompose.contract import (
 from kvcompose.errors import CompositionError, Problem, did_you_mean
 from kvcompose.rules.checks import ChecksPlan
 from kvcompose.rules.children import ChildrenParams, index, indices
-from kvcompose.rules.load import FirstWins
+from kvcompose.rules.load import FirstWins, StandardLoad
 from kvcompose.units import ByteSize, beyond_host_memory, format_size
 
 __all__ = [
@@ -69,7 +68,7 @@ __all__ = [
     "MetadataRule",
     "ParamsRule",
     "CompletionRule",
-    "CompletionTracker",
+    "StandardLoad",
     "FaultsRule",
     "FaultMonitor",
     "Isolation",

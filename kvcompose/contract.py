@@ -3,13 +3,13 @@
 A composition picks one rule per kind. Each kind's Protocol owns everything that kind decides,
 on both halves of vLLM's connector: the scheduler process (one composite per engine core) and
 the worker processes (one composite per worker). The composed connector in
-:mod:`kvcompose.vllm.connector` calls the rules where vLLM calls it and applies their answers.
-What a rule decided for a request is kept between vLLM's calls by the adapter (a load's:
-:class:`kvcompose.vllm.loads.RequestLoads`) and by the objects the rules make (a completion
-rule's :class:`CompletionTracker`, a faults rule's :class:`FaultMonitor`). The adapter itself
-decides only what no kind below does: how each call's answers combine and which children get
-it (the save hooks: the store rule's targets; :mod:`kvcompose.vllm.forward`), what a contained
-child that raised answers instead, and that what a failed child owed is reported failed.
+:mod:`kvcompose.vllm.connector` asks the rules where vLLM calls it; they answer plain values
+(which children, which ranges, contained or not) and keep no per-request state: what was
+decided for a request is kept in the adapter's one record per request
+(:mod:`kvcompose.vllm.loads`). A faults rule's :class:`FaultMonitor` keeps each child's health.
+The adapter itself decides only what no kind below does: which children get each call
+(:mod:`kvcompose.vllm.calls`), that a contained child that raised answers nothing, and that
+what a failed child owed is reported failed.
 
 =============  ====================================================================
 kind           decides
@@ -20,13 +20,14 @@ load           who loads which tokens of a request (lookup), how
 store          which children receive the save hooks
 metadata       how the children's per-step metadata travels scheduler -> workers
 params         how the children's ``kv_transfer_params`` are merged
-completion     which child reports reach vLLM, once (worker and scheduler halves)
+completion     whose transfer reports end a load or a free (worker half)
 faults         which children may fail without stopping the engine, and when they are called again
 =============  ====================================================================
 
 Nothing here imports vLLM: rules are unit-tested without it. Child positions are the children's
-indices in the composition (YAML order). A Protocol's methods with a body are defaults that a
-rule class inherits when it subclasses the Protocol explicitly.
+indices in the composition (YAML order). :meth:`FaultsRule.monitor`'s body is a default that a
+rule class inherits when it subclasses the Protocol explicitly; the built-in load rules' shared
+methods are :class:`kvcompose.rules.load.StandardLoad`'s.
 """
 
 from __future__ import annotations
@@ -112,12 +113,15 @@ class TransferResults:
 
 @runtime_checkable
 class LoadRule(Protocol):
-    """Rule kind ``load``: lookup, allocation split and load completion (scheduler half).
+    """Rule kind ``load``: lookup, allocation split and whose reports end the load (scheduler half).
 
     Called by the composite at vLLM's ``get_num_new_matched_tokens`` (:meth:`select`) and
     ``update_state_after_alloc`` (:meth:`allocate`, then :meth:`awaited` and :meth:`deferred`;
-    :meth:`resume` at the request's next schedule when something was deferred). The worker half
-    of a load is the completion rule's: it waits for the children :meth:`awaited` names.
+    :meth:`resume` at the request's next schedule when something was deferred). The answers are
+    plain values; the adapter keeps them in the request's record (:mod:`kvcompose.vllm.loads`).
+    :class:`kvcompose.rules.load.StandardLoad` writes the built-in rules' ``bind``,
+    ``allocate``, ``awaited``, ``deferred`` and ``resume``: a rule subclasses it and writes
+    ``select``.
     """
 
     def bind(self, engine: EngineFacts) -> None:
@@ -125,8 +129,9 @@ class LoadRule(Protocol):
 
         A rule that needs them keeps them (``ranges``: block alignment); a rule that cannot
         serve this engine raises ``ValueError`` saying why, which stops the engine at start
-        instead of loading wrong KV later. The default needs nothing.
+        instead of loading wrong KV later.
         """
+        ...
 
     def select(
         self,
@@ -140,7 +145,7 @@ class LoadRule(Protocol):
         :param ask: asks one child (by index) with a ``num_computed_tokens`` of the rule's
             choosing; a child asked with ``num_computed_tokens + s`` answers for the tokens
             beyond ``s`` (vLLM's own contract).
-        :param children: the children that may be asked, in YAML order (a disabled child is
+        :param children: the children that may be asked, in YAML order (a bypassed child is
             left out).
         :param num_computed_tokens: the request's local prefix (block-aligned, from vLLM).
         :param kv_transfer_params: the request's ``kv_transfer_params`` as the client sent them
@@ -158,22 +163,15 @@ class LoadRule(Protocol):
         (the selection's tokens, or 0 when it decided to load nothing). Every child that is not
         in the result is told 0 tokens with the real blocks (children track stores from it).
         """
-        out = []
-        left = num_external_tokens
-        for c in selection.contributions:  # vLLM may allocate fewer tokens than selected
-            if left <= 0:
-                break
-            out.append(c if c.tokens <= left else Contribution(c.child, c.start, left, c.is_async))
-            left -= c.tokens
-        return tuple(out)
+        ...
 
     def awaited(self, contributions: tuple[Contribution, ...]) -> tuple[int, ...]:
         """The children whose ``finished_recving`` completes the request's load.
 
-        vLLM sees one load per request: it leaves ``WAITING_FOR_REMOTE_KVS`` when each of these
-        children reported (the completion rule keeps that barrier). Empty for a synchronous load.
+        vLLM sees one load per request: it leaves ``WAITING_FOR_REMOTE_KVS`` when these children
+        reported, as the completion rule judges. Empty for a synchronous load.
         """
-        return tuple([c.child for c in contributions if c.is_async and c.tokens > 0])  # a list: no generator
+        ...
 
     def deferred(self, contributions: tuple[Contribution, ...]) -> tuple[Contribution, ...]:
         """Of :meth:`allocate`'s contributions, those whose ``update_state_after_alloc`` waits
@@ -186,15 +184,9 @@ class LoadRule(Protocol):
         deferred children are not called at all (their lookup stays pending, as when vLLM
         cannot allocate); when :meth:`awaited` reported and vLLM schedules the request, they are
         called with the tokens :meth:`resume` gives them, and load in that step, before the
-        forward pass that reads their KV. The default defers the synchronous contributions of
-        a load that also has an asynchronous one; nothing otherwise.
+        forward pass that reads their KV.
         """
-        if len(contributions) < 2:  # one child: nothing to hold for a schedule of its own
-            return ()
-        for c in contributions:
-            if c.is_async and c.tokens > 0:
-                return tuple([c for c in contributions if not c.is_async and c.tokens > 0])
-        return ()
+        ...
 
     def resume(self, deferred: tuple[Contribution, ...], kept: int) -> tuple[Contribution, ...]:
         """The deferred contributions to give at the request's first schedule after its
@@ -202,16 +194,9 @@ class LoadRule(Protocol):
 
         ``kept`` is how many tokens beyond the local prefix vLLM counts as loaded now: all of
         the selection's after a clean load, fewer after an awaited child failed (vLLM then
-        recomputes from the failed child's first invalid block). The default gives each deferred
-        contribution the part of its range below ``kept``: one wholly beyond it is dropped (vLLM
-        computes those tokens), so no child loads KV vLLM will not read.
+        recomputes from the failed child's first invalid block).
         """
-        out = []
-        for c in deferred:
-            tokens = min(c.tokens, kept - c.start)
-            if tokens > 0:
-                out.append(c if tokens == c.tokens else Contribution(c.child, c.start, tokens, c.is_async))
-        return tuple(out)
+        ...
 
 
 @runtime_checkable
@@ -253,89 +238,21 @@ class ParamsRule(Protocol):
 
 
 @runtime_checkable
-class CompletionTracker(Protocol):
-    """One connector instance's bookkeeping of who owes which completion.
-
-    Worker half: told by the scheduler (through the step's metadata) which children each load
-    awaits and which children delay each free; settles the children's reports into what vLLM may
-    see. Scheduler half: :meth:`admit` keeps vLLM's scheduler from a report it does not wait for.
-    """
-
-    def expect_load(self, request_id: str, children: tuple[int, ...]) -> None:
-        """Worker half: the request's load completes when each of ``children`` reported."""
-        ...
-
-    def expect_saves(self, request_id: str, children: tuple[int, ...]) -> None:
-        """Worker half: the request's blocks are freed when each of ``children`` reported
-        ``finished_sending``."""
-        ...
-
-    def owed_by(self, child: int) -> set[str]:
-        """Worker half: the requests whose load still waits for ``child``."""
-        ...
-
-    def abandon(self, child: int, request_ids: Collection[str]) -> None:
-        """Worker half: ``child`` will never report these loads (it was disabled); the next
-        :meth:`settle` counts them as reported by it, finished and failed."""
-        ...
-
-    def release(self, child: int) -> None:
-        """Worker half: ``child`` is bypassed and will not report the delayed frees it owes now;
-        the next :meth:`settle` counts them as reported by it (a free no other child still owes
-        is forwarded). The default keeps them owed."""
-
-    def told(
-        self,
-        loads: Mapping[str, tuple[int, ...]],
-        saves: Mapping[str, tuple[int, ...]],
-        abandoned: Mapping[str, tuple[int, ...]],
-        bypassed: Collection[int],
-    ) -> bool:
-        """Worker half, once per step with anything in it: what the scheduler announced in the
-        step's metadata. ``loads``: request -> the children its load awaits (the load rule's
-        :meth:`LoadRule.awaited`); ``saves``: request -> the children delaying its free;
-        ``abandoned``: request -> children that failed on the scheduler before the load started.
-        ``bypassed``: children this worker does not call now (they will neither load nor report).
-        Returns whether the next :meth:`settle` has loads to report failed. The default records
-        each announcement with :meth:`expect_load` / :meth:`expect_saves`, abandons what
-        ``abandoned`` and ``bypassed`` children owe, and releases the frees they delay."""
-        some = False
-        for req, children in loads.items():
-            self.expect_load(req, children)
-            for child in children:
-                if child in bypassed:
-                    self.abandon(child, (req,))
-                    some = True
-        for req, children in abandoned.items():
-            for child in children:
-                self.abandon(child, (req,))
-            some = True
-        if saves:
-            for req, children in saves.items():
-                self.expect_saves(req, children)
-            for child in bypassed:
-                self.release(child)
-                some = True
-        return some
-
-    def settle(self, results: Sequence[TransferResults | None]) -> tuple[TransferResults, int]:
-        """Worker half: each child's report for this step (``None``: nothing), in YAML order,
-        into what this worker forwards to vLLM, and how many reports were withheld."""
-        ...
-
-    def admit(self, finished_recving: set[str], waiting: Collection[str]) -> set[str]:
-        """Scheduler half: of the ``finished_recving`` aggregated over the workers, the ones
-        vLLM's scheduler may see. ``waiting`` holds the requests whose async load it waits for.
-        """
-        ...
-
-
-@runtime_checkable
 class CompletionRule(Protocol):
-    """Rule kind ``completion``: makes one :class:`CompletionTracker` per connector instance."""
+    """Rule kind ``completion``: which children's transfer reports end a request's load and free
+    its blocks (worker half). The adapter keeps each request's record of who reported
+    (:class:`kvcompose.vllm.loads.Transfers`) and asks these questions of it; it forwards a
+    report to vLLM when the rule says the load, or the free, is done."""
 
-    def tracker(self) -> CompletionTracker:
-        """A fresh tracker (one per scheduler or worker connector)."""
+    def counts(self, child: int, awaited: tuple[int, ...]) -> bool:
+        """Whether ``child``'s ``finished_recving`` counts for a load that awaits ``awaited``
+        (the load rule's :meth:`LoadRule.awaited`); one that does not is withheld."""
+        ...
+
+    def done(self, owed: tuple[int, ...], reported: Collection[int]) -> bool:
+        """Whether a load that awaits ``owed`` (or a free that ``owed`` delay) is done, once the
+        children in ``reported`` reported it (each counted once; a child that failed counts as
+        reported)."""
         ...
 
 
@@ -365,10 +282,11 @@ class FaultMonitor(Protocol):
         ...
 
     def succeeded(self, child: int) -> None:
-        """A contained call of ``child`` returned. The composite reports it only while ``child``
-        is in :attr:`watched`, so a healthy child costs nothing; a monitor that lets a child back
-        on probation counts these, not quiet steps."""
-        return None
+        """``child`` was called in the step that ends and did not fail. The composite reports it
+        at the next step's start, before :meth:`step`, for each child in :attr:`watched` it calls
+        (every active child gets each step's first call), so a healthy child costs nothing; a
+        monitor that lets a child back on probation counts these, not quiet steps."""
+        ...
 
     def step(self) -> tuple[int, ...]:
         """A step starts: the bypassed children to call again from now on (each one's next call
@@ -393,6 +311,9 @@ class Isolation(FaultMonitor):
         self._open: set[int] = set()
         self._changes: dict[int, ChildState] = {}
 
+    def succeeded(self, child: int) -> None:
+        pass  # never watched: a child is bypassed for good
+
     def failed(self, child: int) -> bool:
         if child not in self._open:
             self._open.add(child)
@@ -413,8 +334,8 @@ class Isolation(FaultMonitor):
 @runtime_checkable
 class FaultsRule(Protocol):
     """Rule kind ``faults``: which child failures are contained, and whether (and when) a
-    bypassed child is called again. The adapter reports the loads a contained child owed failed
-    (:meth:`CompletionTracker.owed_by`), so that vLLM stops waiting for them."""
+    bypassed child is called again. The adapter reports the loads a contained child owed failed,
+    so that vLLM stops waiting for them."""
 
     def contains(self, child: int) -> bool:
         """Whether an exception raised by ``child`` is contained (the child's call answers

@@ -5,7 +5,7 @@ vLLM's answer ``(0, False)`` means "nothing here" and ``None`` means "ask me aga
 the rules walk children in YAML order themselves instead of using pluggy's ``firstresult``
 (which runs LIFO and skips ``None``). ``first-wins`` and ``longest-hit`` pick one child;
 ``ranges`` chains several, each loading the range after the one above it. The allocation split
-and load completion are :class:`~kvcompose.contract.LoadRule`'s defaults for all three:
+and load completion are :class:`StandardLoad`'s for all three:
 each contributor gets its own tokens, the others 0, the load completes when every async
 contributor has reported, and in a chain that mixes synchronous and asynchronous contributors
 the synchronous ones load when vLLM schedules the request after that.
@@ -22,12 +22,85 @@ from kvcompose.catalog import Child, Rule
 from kvcompose.contract import NO_HIT, NOT_READY, Ask, Contribution, EngineFacts, LoadRule, Selection
 
 
+class StandardLoad(LoadRule):
+    """What every built-in load rule shares besides its lookup (:meth:`select`): the allocation
+    split, whose reports end the load, and the two phases of a load that mixes synchronous and
+    asynchronous contributors. A rule of one's own subclasses this and writes ``select``
+    (docs/rules.md, Writing a rule). Plain functions of their arguments: no request is kept.
+    """
+
+    def bind(self, engine: EngineFacts) -> None:
+        """Needs nothing of the engine."""
+
+    def allocate(self, selection: Selection, num_external_tokens: int) -> tuple[Contribution, ...]:
+        """Split vLLM's ``num_external_tokens`` among the contributions of a selection.
+
+        vLLM calls ``update_state_after_alloc`` with the external tokens it allocated blocks for
+        (the selection's tokens, or 0 when it decided to load nothing). Every child that is not
+        in the result is told 0 tokens with the real blocks (children track stores from it).
+        """
+        out = []
+        left = num_external_tokens
+        for c in selection.contributions:  # vLLM may allocate fewer tokens than selected
+            if left <= 0:
+                break
+            out.append(c if c.tokens <= left else Contribution(c.child, c.start, left, c.is_async))
+            left -= c.tokens
+        return tuple(out)
+
+    def awaited(self, contributions: tuple[Contribution, ...]) -> tuple[int, ...]:
+        """The children whose ``finished_recving`` completes the request's load.
+
+        vLLM sees one load per request: it leaves ``WAITING_FOR_REMOTE_KVS`` when each of these
+        children reported (as the completion rule judges). Empty for a synchronous load.
+        """
+        return tuple([c.child for c in contributions if c.is_async and c.tokens > 0])  # a list: no generator
+
+    def deferred(self, contributions: tuple[Contribution, ...]) -> tuple[Contribution, ...]:
+        """Of :meth:`allocate`'s contributions, those whose ``update_state_after_alloc`` waits
+        for the request's next schedule (the second phase of allocation).
+
+        A synchronous connector loads in the step that schedules the request (vLLM's
+        ``ExampleConnector`` requires the request among that step's new requests), but vLLM
+        does not schedule a request with an asynchronous load until that load completes. So a
+        load that mixes both runs in two phases: at the first ``update_state_after_alloc`` the
+        deferred children are not called at all (their lookup stays pending, as when vLLM
+        cannot allocate); when :meth:`awaited` reported and vLLM schedules the request, they are
+        called with the tokens :meth:`resume` gives them, and load in that step, before the
+        forward pass that reads their KV. Defers the synchronous contributions of a load that
+        also has an asynchronous one; nothing otherwise.
+        """
+        if len(contributions) < 2:  # one child: nothing to hold for a schedule of its own
+            return ()
+        for c in contributions:
+            if c.is_async and c.tokens > 0:
+                return tuple([c for c in contributions if not c.is_async and c.tokens > 0])
+        return ()
+
+    def resume(self, deferred: tuple[Contribution, ...], kept: int) -> tuple[Contribution, ...]:
+        """The deferred contributions to give at the request's first schedule after its
+        asynchronous load (:meth:`deferred`), cut to what vLLM kept of the load.
+
+        ``kept`` is how many tokens beyond the local prefix vLLM counts as loaded now: all of
+        the selection's after a clean load, fewer after an awaited child failed (vLLM then
+        recomputes from the failed child's first invalid block). Gives each deferred
+        contribution the part of its range below ``kept``: one wholly beyond it is dropped (vLLM
+        computes those tokens), so no child loads KV vLLM will not read.
+        """
+        out = []
+        for c in deferred:
+            tokens = min(c.tokens, kept - c.start)
+            if tokens > 0:
+                out.append(c if tokens == c.tokens else Contribution(c.child, c.start, tokens, c.is_async))
+        return tuple(out)
+
+
 def single(child: int, tokens: int, is_async: bool) -> Selection:
     """A selection in which one child loads every external token."""
     return Selection(tokens, is_async, (Contribution(child, 0, tokens, is_async),))
 
 
-class FirstWins(LoadRule):
+class FirstWins(StandardLoad):
     """The first child in :meth:`order` with a hit loads; children after it are not asked.
 
     Not asking them matters: probing is not free of side effects (vLLM's CPU offload pins the
@@ -59,7 +132,7 @@ class FirstWins(LoadRule):
         return NO_HIT
 
 
-class LongestHit(LoadRule):
+class LongestHit(StandardLoad):
     """Every child is asked; the one with the most tokens loads (ties go to YAML order)."""
 
     def select(
@@ -81,7 +154,7 @@ class LongestHit(LoadRule):
         return NOT_READY if waiting else best
 
 
-class Ranges(LoadRule):
+class Ranges(StandardLoad):
     """Children in YAML order each load the range after the one above it (range loads).
 
     The first child is asked at the local prefix end, as vLLM asks any connector; each next

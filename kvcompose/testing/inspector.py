@@ -29,7 +29,8 @@ def loaders(connector: KVComposeConnector, request_id: str) -> tuple[str, ...]:
 def deferred_loaders(connector: KVComposeConnector, request_id: str) -> tuple[str, ...]:
     """Names of the children whose part of a request's load waits for the request's next
     schedule (a synchronous range of a mixed load, :meth:`LoadRule.deferred`)."""
-    held = connector.loads.held.get(request_id)
+    load = connector.loads.requests.get(request_id)
+    held = load.held if load is not None else None
     return tuple(connector.names[c.child] for c in held.contributions) if held is not None else ()
 
 

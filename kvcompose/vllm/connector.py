@@ -45,7 +45,7 @@ from kvcompose.vllm.children import ClassLevelAnswers
 from kvcompose.vllm.events import PER_DEVICE_BLOCK, EventAnchors
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
 from kvcompose.vllm.health import ChildStateStats, instance_name
-from kvcompose.vllm.loads import RequestLoads, block_bytes
+from kvcompose.vllm.loads import RequestLoads, Transfers, block_bytes
 from kvcompose.vllm.loadstats import STATS_KEY
 from kvcompose.vllm.metadata import (
     ComposedHandshakeMetadata,
@@ -118,15 +118,16 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self._calls = Calls(self._connectors, plan, self.bypassed)
         #: How vLLM's transfer reports map to the rules' (and which fields are carried through).
         self.results_codec = vllm_metadata.RESULTS_CODEC
-        self._completion = plan.completion.tracker()
         self._abandoned = False  # loads of a failed child to report failed
-        #: A request's load on the scheduler, and the load counters on both sides (:mod:`kvcompose.vllm.loads`).
+        #: Each request's load on the scheduler, and the load counters on both sides (:mod:`kvcompose.vllm.loads`).
         self.loads = RequestLoads(
             plan.load,
             self.names,
             vllm_children.engine_facts(vllm_config, kv_cache_config),
             block_bytes(kv_cache_config),
         )
+        #: Each request's load and free on a worker: whose transfer reports it waits for.
+        self.transfers = Transfers(plan.completion, self.names)
         #: Where the engine publishes KV events: each request's blocks, to complete the children's
         #: stores that lack token ids or a parent (:mod:`kvcompose.vllm.events`).
         self._anchors = _event_anchors(vllm_config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
@@ -158,9 +159,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         )
         if bypass:
             self._bypass(child)
-        self._completion.abandon(child, self._completion.owed_by(child))
-        if child in self.bypassed:
-            self._completion.release(child)
+        self.transfers.failed(child, child in self.bypassed)
         self.loads.abandon(child)
         self._abandoned = True
         return True
@@ -294,7 +293,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if self.monitor.watched:  # a step starts: a bypassed child may be let back
             self._step_starts()
         if m.loads_awaited or m.loads_abandoned or m.saves_owed:  # most steps start and end nothing
-            self._abandoned |= self._completion.told(m.loads_awaited, m.saves_owed, m.loads_abandoned, self.bypassed)
+            self._abandoned |= self.transfers.told(m.loads_awaited, m.saves_owed, m.loads_abandoned, self.bypassed)
         for i, child in self._calls.bind_connector_metadata:
             try:
                 child.bind_connector_metadata(metas[i])
@@ -377,7 +376,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         carried = codec.merge_carried(raw) if codec.carried else None  # a newer vLLM's fields: merged by type
         if not some:  # most steps: nothing finished anywhere
             return codec.write(TransferResults(), carried) if codec.carried else KVConnectorTransferResults()
-        out, withheld = self._completion.settle(reports)
+        out, withheld = self.transfers.settle(reports)
         if withheld:  # not from a loader, a duplicate or late: vllm:kvcompose_withheld_reports
             self.loads.counts().withheld(withheld)
         return codec.write(out, carried) if codec.carried else codec.write(out)
@@ -505,7 +504,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if self.monitor.watched:  # a step starts: a bypassed child may be let back
             self._step_starts()
         loads = self.loads
-        if loads.held or loads.sync_load_now:
+        if loads.holding or loads.sync_load_now:
             loads.start_step(scheduler_output, self._kv_cache_manager)
         metas: list[Any] = [None] * len(self._connectors)  # a bypassed child's slot stays None
         for i, child in self._calls.build_connector_meta:
@@ -520,7 +519,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         reported = connector_output.finished_recving
         if reported:  # the reports vLLM no longer waits for are withheld (and counted)
-            connector_output.finished_recving = self.loads.arrived(reported, self._completion)
+            connector_output.finished_recving = self.loads.arrived(reported)
         composed_meta = connector_output.kv_connector_worker_meta
         composed_events = connector_output.kv_cache_events
         metas = composed_meta.children if isinstance(composed_meta, ComposedWorkerMetadata) else _NONE

@@ -1,24 +1,26 @@
-"""A request's load on the scheduler, from its lookup to the report that ends it.
+"""A request's load, from its lookup to the report that ends it: one record per request.
 
-The load rule decides (:class:`~kvcompose.contract.LoadRule`: who loads which tokens at
-the lookup, the split at allocation, whose reports end the load, which part of a mixed load
-waits for the request's next schedule and what of it is given then). :class:`RequestLoads`
-keeps what it decided for each request between vLLM's calls (``get_num_new_matched_tokens``,
-``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
-``request_finished``), applies it to vLLM's scheduler, and keeps what the workers must be told
-in the next step's metadata and which child served each load (the ``vllm:kvcompose_*``
-counters). The functions after it are the steps of allocation, plain functions of the rule and
-the request's progress (no vLLM).
+On the scheduler, :class:`RequestLoads` keeps each request's :class:`Load` between vLLM's calls
+(``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+``update_connector_output``, ``request_finished``): the load rule's selection and split, the part
+held for the request's next schedule, whether vLLM waits for the load. It applies them to
+vLLM's scheduler and keeps what the workers must be told in the next step's metadata and which
+child served each load (the ``vllm:kvcompose_*`` counters). On each worker, :class:`Transfers`
+keeps each request's :class:`Owed`: which children its load awaits and its free waits for, and
+which reported. The rules decide, answering plain values (the load rule: who loads which range,
+whose reports end the load; the completion rule: whether a report counts, whether a load or a
+free is done); what a failed child owed is settled here. The functions at the end are the steps
+of allocation, plain functions of the rule and the request's progress (no vLLM).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, MutableMapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvcompose.contract import CompletionTracker, Contribution, EngineFacts, LoadRule, Selection
+from kvcompose.contract import CompletionRule, Contribution, EngineFacts, LoadRule, Selection, TransferResults
 from kvcompose.vllm.loadstats import ChildLoadStats
 
 if TYPE_CHECKING:
@@ -40,10 +42,30 @@ def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
     return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
 
 
+@dataclass(slots=True)
+class Load:
+    """One request's load on the scheduler, from its first lookup until it finished and vLLM
+    waits for nothing of it (:class:`RequestLoads`)."""
+
+    #: The load rule's answer at the request's last lookup (``None``: nothing to load).
+    selection: Selection | None = None
+    #: The request's local prefix at that lookup (the selection's ranges start after it).
+    local: int = 0
+    #: The rule's split when vLLM allocated (``None``: not allocated since the lookup).
+    allocated: tuple[Contribution, ...] | None = None
+    #: The part of a mixed load held for the request's next schedule, not yet given.
+    held: HeldPart | None = None
+    #: vLLM waits for the load (``WAITING_FOR_REMOTE_KVS``); left only when its report arrives
+    #: (vLLM frees a request that finished mid-load only on that report).
+    waiting: bool = False
+    #: vLLM finished the request (kept while ``waiting``).
+    finished: bool = False
+
+
 class RequestLoads:
-    """Per request: the load rule's selection, what ``update_state_after_alloc`` gave each
-    contributor, whether vLLM waits for the load (``WAITING_FOR_REMOTE_KVS``), and the
-    contributions held for the request's next schedule (the rule's :meth:`LoadRule.deferred`)."""
+    """Each request's :class:`Load` on the scheduler (one record per request, in
+    :attr:`requests`), what the workers must be told in the next step's metadata, and the load
+    counters. The load rule decides; this applies its answers to vLLM's scheduler."""
 
     def __init__(self, rule: LoadRule, names: Sequence[str], engine: EngineFacts, block_bytes: int = 0) -> None:
         rule.bind(engine)
@@ -51,17 +73,13 @@ class RequestLoads:
         self._names = tuple(names)
         self._block_size = engine.block_size
         self._block_bytes = block_bytes
-        self._selected: dict[str, tuple[Selection, int]] = {}
-        self._loading: dict[str, tuple[Contribution, ...]] = {}
-        self._looked_up: set[str] = set()
-        #: Request -> the part of its load held for its next schedule, not yet given to its children.
-        self.held: dict[str, HeldPart] = {}
+        #: Request -> its load, from its first lookup until it finished and vLLM waits for nothing of it.
+        self.requests: dict[str, Load] = {}
+        #: The requests whose load has a part held for their next schedule (read at each step's start).
+        self.holding: set[str] = set()
         #: A held part was given this step: its children load before the step's forward
         #: pass (the scheduler output's ``has_sync_kv_loads``).
         self.sync_load_now = False
-        #: Requests whose async load vLLM waits for; left only when the load's report arrives
-        #: (vLLM frees a request that finished mid-load only on that report).
-        self.waiting: set[str] = set()
         #: For the workers, in the next step's metadata: loads started (request -> the children
         #: the load awaits) and delayed frees announced (request -> the children that delay it).
         self.new_loads: dict[str, tuple[int, ...]] = {}
@@ -81,17 +99,20 @@ class RequestLoads:
 
     def selected(self, request_id: str, selection: Selection, num_computed_tokens: int) -> None:
         """A lookup's answer (never a ``NOT_READY``) at the local prefix ``num_computed_tokens``;
-        a re-lookup replaces the earlier one, and drops a deferred part (vLLM looks a request up
-        again only when it kept nothing of its load)."""
-        if request_id not in self._looked_up:
-            self._looked_up.add(request_id)
+        a re-lookup replaces the earlier one and drops what was allocated and held (vLLM looks a
+        request up again only when it kept nothing of its load)."""
+        load = self.requests.get(request_id)
+        if load is None:
+            load = self.requests[request_id] = Load()
             self.counts().lookup()
-        if self.held:
-            self.held.pop(request_id, None)
+        if load.held is not None:
+            load.held = None
+            self.holding.discard(request_id)
+        load.allocated = None
         if selection.contributions:
-            self._selected[request_id] = (selection, num_computed_tokens)
+            load.selection, load.local = selection, num_computed_tokens
         else:
-            self._selected.pop(request_id, None)
+            load.selection = None
 
     def after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -101,37 +122,43 @@ class RequestLoads:
         vLLM now waits for; at the request's first schedule after its asynchronous load, gives
         the held part instead."""
         request_id = request.request_id
-        if self.held and request_id in self.held and request_id not in self.waiting:
-            return self._give_held(self.held.pop(request_id)), ()
-        entry = self._selected.get(request_id)
-        load = split(self._rule, entry[0], num_external_tokens) if entry is not None else None
+        load = self.requests.get(request_id)
         if load is None:
             return {}, ()
-        self._loading[request_id] = load.contributions
-        for c in load.given:
+        if load.held is not None and not load.waiting:
+            return self._give_held(request_id, load), ()
+        given = split(self._rule, load.selection, num_external_tokens) if load.selection is not None else None
+        if given is None:
+            return {}, ()
+        load.allocated = given.contributions
+        for c in given.given:
             self._count(c)
-        if len(load.contributions) > 1:
+        if len(given.contributions) > 1:
             log.debug(
                 "%s: %s (tokens beyond the local prefix)",
                 request_id,
                 " + ".join(
                     f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})"
-                    + (" deferred" if c in load.held else "")
-                    for c in load.contributions
+                    + (" deferred" if c in given.held else "")
+                    for c in given.contributions
                 ),
             )
-        if load.awaited:
-            self.waiting.add(request_id)
-            self.new_loads[request_id] = load.awaited
-        if not load.held:
-            return load.tokens(), ()
-        assert entry is not None
-        self.held[request_id] = hold(request, load, entry[1], blocks.get_block_ids()[0], self._block_size)
-        return load.tokens(), load.held_children()
+        if given.awaited:
+            load.waiting = True
+            self.new_loads[request_id] = given.awaited
+        if not given.held:
+            return given.tokens(), ()
+        load.held = hold(request, given, load.local, blocks.get_block_ids()[0], self._block_size)
+        self.holding.add(request_id)
+        return given.tokens(), given.held_children()
 
-    def _give_held(self, d: HeldPart) -> dict[int, int]:
+    def _give_held(self, request_id: str, load: Load) -> dict[int, int]:
         """The request is scheduled after its asynchronous load: the rule's part for the held
         children (:func:`resume`), counted and told to the workers."""
+        d = load.held
+        assert d is not None
+        load.held = None
+        self.holding.discard(request_id)
         given = resume(self._rule, d)
         for c in given:
             self._count(c)
@@ -139,7 +166,7 @@ class RequestLoads:
             log.info(
                 "%s: vLLM kept %d of the load's tokens beyond the local prefix (an awaited child failed); "
                 "deferred %s given %s",
-                d.request.request_id,
+                request_id,
                 kept(d),
                 ", ".join(f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})" for c in d.contributions),
                 ", ".join(f"{self._names[c.child]} {c.tokens}" for c in given) or "nothing",
@@ -148,12 +175,19 @@ class RequestLoads:
             self.sync_load_now = True
         return {c.child: c.tokens for c in given}
 
-    def arrived(self, finished_recving: set[str], completion: CompletionTracker) -> set[str]:
-        """At ``update_connector_output``: of the loads the workers reported finished, those
-        vLLM may see (the completion rule's :meth:`~CompletionTracker.admit`); they leave
-        :attr:`waiting`, and the others are counted withheld."""
-        kept = completion.admit(finished_recving, self.waiting)
-        self.waiting -= kept
+    def arrived(self, finished_recving: set[str]) -> set[str]:
+        """At ``update_connector_output``: of the loads the workers reported finished, those vLLM
+        waits for; the others (another worker's duplicate, a late report after an abort, which
+        would trip vLLM's ``assert req_id in self.requests``) are withheld and counted."""
+        kept: set[str] = set()
+        for request_id in finished_recving:
+            load = self.requests.get(request_id)
+            if load is None or not load.waiting:
+                continue
+            load.waiting = False
+            kept.add(request_id)
+            if load.finished:
+                del self.requests[request_id]
         withheld = len(finished_recving) - len(kept)
         if withheld:
             self.counts().withheld(withheld)
@@ -164,7 +198,7 @@ class RequestLoads:
         self.counts().load(self._names[c.child], c.tokens, blocks * self._block_bytes)
 
     def start_step(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> None:
-        """At ``build_connector_meta``, when something is deferred or a deferred part loads now.
+        """At ``build_connector_meta``, when a part is held or a held part loads now.
 
         vLLM cached the blocks of a deferred range when the request's asynchronous load arrived;
         their synchronous part is not loaded yet while the request was not scheduled since, so
@@ -173,9 +207,14 @@ class RequestLoads:
         then start the loads first (``has_sync_kv_loads``, as vLLM's HiSparse connector asks),
         not after it.
         """
-        unloaded = unloaded_blocks(self.held, self.waiting)
-        if unloaded:
-            kv_cache_manager.evict_blocks(unloaded)
+        if self.holding:
+            held = {r: self.requests[r].held for r in self.holding}
+            unloaded = unloaded_blocks(held, {r for r in held if self.requests[r].waiting})  # type: ignore[arg-type]
+            for request_id in self.holding - held.keys():  # vLLM kept nothing of it: looked up again
+                self.requests[request_id].held = None
+                self.holding.discard(request_id)
+            if unloaded:
+                kv_cache_manager.evict_blocks(unloaded)
         if self.sync_load_now:
             scheduler_output.has_sync_kv_loads = True
             self.sync_load_now = False
@@ -184,24 +223,24 @@ class RequestLoads:
         """Who loads the request: the rule's split of ``num_external_tokens`` when given (vLLM
         asks where a hit comes from before it allocates), else as allocated, else as selected
         (asked before allocation). A held part counts."""
-        entry = self._selected.get(request_id)
-        if entry is not None and num_external_tokens is not None:
-            return self._rule.allocate(entry[0], num_external_tokens)
-        allocated = self._loading.get(request_id)
-        if allocated is not None:
-            return allocated
-        return entry[0].contributions if entry is not None else ()
+        load = self.requests.get(request_id)
+        if load is None or load.selection is None:
+            return ()
+        if num_external_tokens is not None:
+            return self._rule.allocate(load.selection, num_external_tokens)
+        return load.allocated if load.allocated is not None else load.selection.contributions
 
     def finished(self, request_id: str, delaying: tuple[int, ...]) -> None:
         """The request finished; ``delaying`` children hold its blocks until they report. A
-        held part not given yet is dropped."""
-        if request_id in self.waiting:  # aborted mid-load: vLLM frees its blocks on the report
-            self.counts().aborted()
-        self._selected.pop(request_id, None)
-        self._loading.pop(request_id, None)
-        self._looked_up.discard(request_id)
-        if self.held:
-            self.held.pop(request_id, None)
+        held part not given yet is dropped; the record stays while vLLM waits for the load."""
+        load = self.requests.get(request_id)
+        if load is not None:
+            self.holding.discard(request_id)
+            if load.waiting:  # aborted mid-load: vLLM frees its blocks on the report
+                self.counts().aborted()
+                load.finished, load.selection, load.allocated, load.held = True, None, None, None
+            else:
+                del self.requests[request_id]
         if delaying:
             self.new_saves[request_id] = delaying
 
@@ -244,6 +283,182 @@ class RequestLoads:
         else:
             abandoned = _NOTHING
         return loads, saves, abandoned
+
+
+# ------------------------------------------------------------------ the worker half
+
+#: How many forwarded frees a worker remembers to drop their duplicates (request ids are unique,
+#: so a duplicate arrives within a few steps, not thousands of requests later).
+FREED_KEPT = 4096
+
+
+@dataclass(slots=True)
+class Owed:
+    """What a worker waits for of one request: the children its load awaits and those that
+    reported, and the children that delay its free and those that reported."""
+
+    #: The children the load awaits (the load rule's ``awaited``); empty: no load waited for.
+    awaited: tuple[int, ...] = ()
+    loaded: set[int] = field(default_factory=set)
+    #: An awaited child reported the load failed (or failed itself).
+    failed: bool = False
+    #: The children that delay the request's free; empty: none announced.
+    delaying: tuple[int, ...] = ()
+    freed: set[int] = field(default_factory=set)
+
+
+class Transfers:
+    """Worker half of each request's load and free, one :class:`Owed` per request: told by the
+    scheduler through each step's metadata which children a load awaits and which children delay
+    a free, it turns the children's transfer reports into what this worker forwards to vLLM,
+    asking the completion rule whether a report counts and whether a load or a free is done.
+
+    What vLLM would trip on never reaches it: a ``finished_recving`` from a child the load does
+    not await, a second one, or one for no load; a second ``finished_sending`` for a free already
+    forwarded.
+    """
+
+    def __init__(self, rule: CompletionRule, names: Sequence[str]) -> None:
+        self._rule = rule
+        self._names = tuple(names)
+        #: Request -> what this worker waits for of it (dropped when it waits for nothing).
+        self.requests: dict[str, Owed] = {}
+        #: Child -> loads it will never report (it failed): reported failed by the next settle.
+        self._abandoned: dict[int, set[str]] = {}
+        #: Frees no child owes any more since a bypassed child was released from them.
+        self._released: set[str] = set()
+        #: Requests whose free was forwarded, newest last, at most :data:`FREED_KEPT`.
+        self._freed: dict[str, None] = {}
+
+    def told(
+        self,
+        loads: Mapping[str, tuple[int, ...]],
+        saves: Mapping[str, tuple[int, ...]],
+        abandoned: Mapping[str, tuple[int, ...]],
+        bypassed: Collection[int],
+    ) -> bool:
+        """What the scheduler announced in a step's metadata: ``loads``, request -> the children
+        its load awaits; ``saves``, request -> the children delaying its free; ``abandoned``,
+        request -> children that failed on the scheduler before the load started. ``bypassed``:
+        children this worker does not call now (they will neither load nor report). Returns
+        whether the next :meth:`settle` has loads to report failed."""
+        some = False
+        for request_id, children in loads.items():
+            owed = self.requests.get(request_id)
+            if owed is None:
+                owed = self.requests[request_id] = Owed()
+            owed.awaited, owed.loaded, owed.failed = children, set(), False
+            for child in children:
+                if child in bypassed:
+                    self._abandoned.setdefault(child, set()).add(request_id)
+                    some = True
+        for request_id, children in abandoned.items():
+            for child in children:
+                self._abandoned.setdefault(child, set()).add(request_id)
+            some = True
+        if saves:
+            for request_id, children in saves.items():
+                owed = self.requests.get(request_id)
+                if owed is None:
+                    owed = self.requests[request_id] = Owed()
+                owed.delaying, owed.freed = children, set()
+            for child in bypassed:
+                self._release(child)
+                some = True
+        return some
+
+    def failed(self, child: int, bypassed: bool) -> None:
+        """``child`` raised: the loads it still owes are reported failed by the next
+        :meth:`settle`; when it is ``bypassed`` too, the frees it delays no longer wait for it
+        (it may never come back, and holding its blocks could exhaust the engine's)."""
+        owes = self.owed_by(child)
+        if owes:
+            self._abandoned.setdefault(child, set()).update(owes)
+        if bypassed:
+            self._release(child)
+
+    def owed_by(self, child: int) -> set[str]:
+        """The requests whose load still waits for ``child``."""
+        return {r for r, owed in self.requests.items() if child in owed.awaited and child not in owed.loaded}
+
+    def _release(self, child: int) -> None:
+        for request_id, owed in list(self.requests.items()):
+            if child in owed.delaying and child not in owed.freed:
+                owed.freed.add(child)
+                if self._rule.done(owed.delaying, owed.freed):
+                    owed.delaying = ()
+                    self._released.add(request_id)
+                    if not owed.awaited:
+                        del self.requests[request_id]
+
+    def settle(self, results: Sequence[TransferResults | None]) -> tuple[TransferResults, int]:
+        """Each child's report for this step (``None``: nothing), in YAML order, into what this
+        worker forwards to vLLM, and how many reports were withheld."""
+        out = TransferResults()
+        dropped = 0
+        if self._released:
+            for request_id in self._released:
+                self._forget(request_id)
+            out.finished_sending |= self._released
+            self._released = set()
+        for child, res in enumerate(results):
+            gone = self._abandoned.pop(child, None)
+            if gone:
+                res = res or TransferResults()
+                res.finished_recving |= gone
+                res.failed_recving |= gone
+            if not res:
+                continue
+            for request_id in res.finished_recving:
+                owed = self.requests.get(request_id)
+                if owed is None or not owed.awaited or child in owed.loaded:
+                    dropped += 1
+                    log.debug(
+                        "finished_recving of %s from %s withheld: duplicate or late", request_id, self._names[child]
+                    )
+                    continue
+                if not self._rule.counts(child, owed.awaited):
+                    dropped += 1
+                    log.debug(
+                        "finished_recving of %s from %s withheld: not one of the request's loaders",
+                        request_id,
+                        self._names[child],
+                    )
+                    continue
+                owed.loaded.add(child)
+                owed.failed = owed.failed or request_id in res.failed_recving
+                if self._rule.done(owed.awaited, owed.loaded):
+                    out.finished_recving.add(request_id)
+                    if owed.failed:
+                        out.failed_recving.add(request_id)
+                    owed.awaited = ()
+                    if not owed.delaying:
+                        del self.requests[request_id]
+            for request_id in res.finished_sending:
+                owed = self.requests.get(request_id)
+                if owed is None or not owed.delaying:
+                    if request_id in self._freed:  # a duplicate after the free was forwarded
+                        dropped += 1
+                        continue
+                    # Nothing was announced for it: a single child's own delayed free.
+                    self._forget(request_id)
+                    out.finished_sending.add(request_id)
+                    continue
+                owed.freed.add(child)
+                if self._rule.done(owed.delaying, owed.freed):
+                    owed.delaying = ()
+                    if not owed.awaited:
+                        del self.requests[request_id]
+                    self._forget(request_id)
+                    out.finished_sending.add(request_id)
+        return out, dropped
+
+    def _forget(self, request_id: str) -> None:
+        """The request's free was forwarded: a repeated ``finished_sending`` for it would hit vLLM's
+        ``assert req_id in self.requests``, so it is remembered (the newest :data:`FREED_KEPT`)."""
+        self._freed[request_id] = None
+        if len(self._freed) > FREED_KEPT:
+            del self._freed[next(iter(self._freed))]
 
 
 # ------------------------------------------------------------------ the steps of allocation

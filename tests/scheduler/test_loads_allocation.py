@@ -178,3 +178,19 @@ def test_no_loader_without_a_selection() -> None:
 def test_ranges_allocates_with_the_same_defaults() -> None:
     rule = Ranges(())
     assert allocation.split(rule, MIXED, 96) == allocation.split(RULE, MIXED, 96)
+
+
+def test_only_the_loads_vllm_waits_for_arrive_each_once() -> None:
+    """Another worker's duplicate or a late report after an abort would trip vLLM's
+    ``assert req_id in self.requests``: it is withheld."""
+    loads = loads_of(MIXED, allocated=96)  # the pd part is asynchronous: vLLM waits for the load
+    assert loads.arrived({"r", "late"}) == {"r"}
+    assert loads.arrived({"r"}) == set()
+
+
+def test_a_load_that_finished_mid_load_is_kept_until_its_report() -> None:
+    loads = loads_of(MIXED, allocated=96)
+    loads.finished("r", ())
+    assert loads.contributions("r") == ()
+    assert loads.arrived({"r"}) == {"r"}  # vLLM frees the aborted request on this report
+    assert "r" not in loads.requests

@@ -9,11 +9,10 @@ import pytest
 
 from kvcompose.catalog import Rule
 from kvcompose.compose import loads
-from kvcompose.contract import FaultsRule, Isolation, TransferResults
+from kvcompose.contract import FaultsRule, Isolation
 from kvcompose.errors import CompositionError
 from kvcompose.rules import faults
 from kvcompose.rules.children import ChildrenParams
-from kvcompose.rules.completion import OwnerAccounting
 from kvcompose.rules.faults import Breaker, BreakerParams, BreakerRule, Contain
 from tests.unit.three import THREE, three_children
 
@@ -61,24 +60,6 @@ def test_isolate_an_unknown_child_is_located() -> None:
 
 def test_contains_an_index_outside_the_composition_is_false() -> None:
     assert not Contain(frozenset({0})).contains(5)
-
-
-def test_owed_is_what_the_tracker_says_the_child_still_owes() -> None:
-    tracker = OwnerAccounting(("a", "b", "c"))
-    tracker.expect_load("r1", (0, 1))
-    tracker.expect_load("r2", (1,))
-    tracker.expect_saves("s", (0,))  # a delayed free is not a load: not owed
-    assert tracker.owed_by(0) == {"r1"}
-    assert tracker.owed_by(1) == {"r1", "r2"}
-    assert tracker.owed_by(2) == set()
-
-
-def test_owed_shrinks_as_the_child_reports() -> None:
-    tracker = OwnerAccounting(("a", "b", "c"))
-    tracker.expect_load("r1", (0,))
-    tracker.expect_load("r2", (0,))
-    tracker.settle([TransferResults(finished_recving={"r1"}), None, None])
-    assert tracker.owed_by(0) == {"r2"}
 
 
 def test_contain_is_plain_frozen_data() -> None:
