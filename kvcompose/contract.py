@@ -217,7 +217,7 @@ class MetadataRule(Protocol):
     """Rule kind ``metadata``: the per-step scheduler -> worker payload of the children."""
 
     def pack(self, metas: Sequence[Any]) -> dict[str, Any]:
-        """Scheduler half: one metadata object per child (``None`` for a disabled child), in
+        """Scheduler half: one metadata object per child (``None`` for a bypassed child), in
         YAML order, into the payload the workers receive."""
         ...
 

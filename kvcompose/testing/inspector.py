@@ -30,11 +30,11 @@ def deferred_loaders(connector: KVComposeConnector, request_id: str) -> tuple[st
     """Names of the children whose part of a request's load waits for the request's next
     schedule (a synchronous range of a mixed load, :meth:`LoadRule.deferred`)."""
     load = connector.loads.requests.get(request_id)
-    held = load.held if load is not None else None
-    return tuple(connector.names[c.child] for c in held.contributions) if held is not None else ()
+    part = load.deferred if load is not None else None
+    return tuple(connector.names[c.child] for c in part.contributions) if part is not None else ()
 
 
-def disabled(connector: KVComposeConnector) -> tuple[str, ...]:
+def bypassed(connector: KVComposeConnector) -> tuple[str, ...]:
     """Names of the children bypassed now after a contained fault (open breakers included)."""
     return tuple(connector.names[i] for i in sorted(connector.bypassed))
 

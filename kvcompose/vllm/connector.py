@@ -448,11 +448,11 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._anchors is not None:  # the request's blocks, for the children's KV events
             self._anchors.record(request)
-        # ``held``: children whose part of a mixed load waits for the request's next schedule
+        # ``deferred``: children whose part of a mixed load waits for the request's next schedule
         # (LoadRule.deferred); vLLM's blocks then are the request's whole block list again.
-        tokens, held = self.loads.after_alloc(request, blocks, num_external_tokens)
+        tokens, deferred = self.loads.after_alloc(request, blocks, num_external_tokens)
         for i, child in self._calls.update_state_after_alloc:
-            if i in held:
+            if i in deferred:
                 continue
             try:
                 child.update_state_after_alloc(request, blocks, tokens.get(i, 0))
@@ -462,12 +462,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """The KV cache groups the request's loaders load, sorted (vLLM's default when none loads it)."""
-        loaders = self.loads.contributions(request.request_id)
-        if not loaders:
+        contributions = self.loads.contributions(request.request_id)
+        if not contributions:
             return super().get_loaded_kv_cache_group_ids(request)
         children = self._calls.get_loaded_kv_cache_group_ids
         groups: set[int] = set()
-        for c in loaders:
+        for c in contributions:
             if c.child not in children:
                 continue
             try:
@@ -480,12 +480,12 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """Where the request's external tokens come from: each loader's answer for its own part,
         summed by source (vLLM's default when none loads it)."""
-        loaders = self.loads.contributions(request.request_id, num_external_tokens)
-        if not loaders:
+        contributions = self.loads.contributions(request.request_id, num_external_tokens)
+        if not contributions:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         children = self._calls.get_external_cache_hit_sources
         sources: dict[CacheHitSource, int] = {}
-        for c in loaders:
+        for c in contributions:
             if c.child not in children:
                 continue
             try:
@@ -494,7 +494,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
                 if not self._contained(c.child, "get_external_cache_hit_sources"):
                     raise
                 continue
-            if len(loaders) == 1:  # one loader, the usual case: its own answer, not a copy
+            if len(contributions) == 1:  # one loader, the usual case: its own answer, not a copy
                 return answer
             for source, n in answer.items():
                 sources[source] = sources.get(source, 0) + n
@@ -504,7 +504,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if self.monitor.watched:  # a step starts: a bypassed child may be let back
             self._step_starts()
         loads = self.loads
-        if loads.holding or loads.sync_load_now:
+        if loads.deferring or loads.sync_load_now:
             loads.start_step(scheduler_output, self._kv_cache_manager)
         metas: list[Any] = [None] * len(self._connectors)  # a bypassed child's slot stays None
         for i, child in self._calls.build_connector_meta:

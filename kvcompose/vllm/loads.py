@@ -2,8 +2,8 @@
 
 On the scheduler, :class:`RequestLoads` keeps each request's :class:`Load` between vLLM's calls
 (``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
-``update_connector_output``, ``request_finished``): the load rule's selection and split, the part
-held for the request's next schedule, whether vLLM waits for the load. It applies them to
+``update_connector_output``, ``request_finished``): the load rule's selection and allocation, the
+part deferred to the request's next schedule, whether vLLM waits for the load. It applies them to
 vLLM's scheduler and keeps what the workers must be told in the next step's metadata and which
 child served each load (the ``vllm:kvcompose_*`` counters). On each worker, :class:`Transfers`
 keeps each request's :class:`Owed`: which children its load awaits and its free waits for, and
@@ -51,10 +51,10 @@ class Load:
     selection: Selection | None = None
     #: The request's local prefix at that lookup (the selection's ranges start after it).
     local: int = 0
-    #: The rule's split when vLLM allocated (``None``: not allocated since the lookup).
+    #: The rule's allocation when vLLM allocated (``None``: not allocated since the lookup).
     allocated: tuple[Contribution, ...] | None = None
-    #: The part of a mixed load held for the request's next schedule, not yet given.
-    held: HeldPart | None = None
+    #: The part of a mixed load deferred to the request's next schedule (``LoadRule.deferred``), not yet given.
+    deferred: DeferredPart | None = None
     #: vLLM waits for the load (``WAITING_FOR_REMOTE_KVS``); left only when its report arrives
     #: (vLLM frees a request that finished mid-load only on that report).
     waiting: bool = False
@@ -75,9 +75,9 @@ class RequestLoads:
         self._block_bytes = block_bytes
         #: Request -> its load, from its first lookup until it finished and vLLM waits for nothing of it.
         self.requests: dict[str, Load] = {}
-        #: The requests whose load has a part held for their next schedule (read at each step's start).
-        self.holding: set[str] = set()
-        #: A held part was given this step: its children load before the step's forward
+        #: The requests whose load has a deferred part (read at each step's start).
+        self.deferring: set[str] = set()
+        #: A deferred part was given this step: its children load before the step's forward
         #: pass (the scheduler output's ``has_sync_kv_loads``).
         self.sync_load_now = False
         #: For the workers, in the next step's metadata: loads started (request -> the children
@@ -99,15 +99,15 @@ class RequestLoads:
 
     def selected(self, request_id: str, selection: Selection, num_computed_tokens: int) -> None:
         """A lookup's answer (never a ``NOT_READY``) at the local prefix ``num_computed_tokens``;
-        a re-lookup replaces the earlier one and drops what was allocated and held (vLLM looks a
+        a re-lookup replaces the earlier one and drops what was allocated and deferred (vLLM looks a
         request up again only when it kept nothing of its load)."""
         load = self.requests.get(request_id)
         if load is None:
             load = self.requests[request_id] = Load()
             self.counts().lookup()
-        if load.held is not None:
-            load.held = None
-            self.holding.discard(request_id)
+        if load.deferred is not None:
+            load.deferred = None
+            self.deferring.discard(request_id)
         load.allocated = None
         if selection.contributions:
             load.selection, load.local = selection, num_computed_tokens
@@ -118,16 +118,16 @@ class RequestLoads:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> tuple[dict[int, int], tuple[int, ...]]:
         """At ``update_state_after_alloc``: each child's tokens (a child left out gets 0), and the
-        children not to call now (their part is held). Records the load rule's split and what
+        children not to call now (their part is deferred). Records the load rule's allocation and what
         vLLM now waits for; at the request's first schedule after its asynchronous load, gives
-        the held part instead."""
+        the deferred part instead."""
         request_id = request.request_id
         load = self.requests.get(request_id)
         if load is None:
             return {}, ()
-        if load.held is not None and not load.waiting:
-            return self._give_held(request_id, load), ()
-        given = split(self._rule, load.selection, num_external_tokens) if load.selection is not None else None
+        if load.deferred is not None and not load.waiting:
+            return self._give_deferred(request_id, load), ()
+        given = allocation(self._rule, load.selection, num_external_tokens) if load.selection is not None else None
         if given is None:
             return {}, ()
         load.allocated = given.contributions
@@ -139,26 +139,26 @@ class RequestLoads:
                 request_id,
                 " + ".join(
                     f"{self._names[c.child]} [{c.start}, {c.start + c.tokens})"
-                    + (" deferred" if c in given.held else "")
+                    + (" deferred" if c in given.deferred else "")
                     for c in given.contributions
                 ),
             )
         if given.awaited:
             load.waiting = True
             self.new_loads[request_id] = given.awaited
-        if not given.held:
+        if not given.deferred:
             return given.tokens(), ()
-        load.held = hold(request, given, load.local, blocks.get_block_ids()[0], self._block_size)
-        self.holding.add(request_id)
-        return given.tokens(), given.held_children()
+        load.deferred = deferred_part(request, given, load.local, blocks.get_block_ids()[0], self._block_size)
+        self.deferring.add(request_id)
+        return given.tokens(), given.deferred_children()
 
-    def _give_held(self, request_id: str, load: Load) -> dict[int, int]:
-        """The request is scheduled after its asynchronous load: the rule's part for the held
+    def _give_deferred(self, request_id: str, load: Load) -> dict[int, int]:
+        """The request is scheduled after its asynchronous load: the rule's part for the deferred
         children (:func:`resume`), counted and told to the workers."""
-        d = load.held
+        d = load.deferred
         assert d is not None
-        load.held = None
-        self.holding.discard(request_id)
+        load.deferred = None
+        self.deferring.discard(request_id)
         given = resume(self._rule, d)
         for c in given:
             self._count(c)
@@ -198,7 +198,7 @@ class RequestLoads:
         self.counts().load(self._names[c.child], c.tokens, blocks * self._block_bytes)
 
     def start_step(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> None:
-        """At ``build_connector_meta``, when a part is held or a held part loads now.
+        """At ``build_connector_meta``, when a part is deferred or a deferred part loads now.
 
         vLLM cached the blocks of a deferred range when the request's asynchronous load arrived;
         their synchronous part is not loaded yet while the request was not scheduled since, so
@@ -207,12 +207,12 @@ class RequestLoads:
         then start the loads first (``has_sync_kv_loads``, as vLLM's HiSparse connector asks),
         not after it.
         """
-        if self.holding:
-            held = {r: self.requests[r].held for r in self.holding}
-            unloaded = unloaded_blocks(held, {r for r in held if self.requests[r].waiting})  # type: ignore[arg-type]
-            for request_id in self.holding - held.keys():  # vLLM kept nothing of it: looked up again
-                self.requests[request_id].held = None
-                self.holding.discard(request_id)
+        if self.deferring:
+            parts = {r: self.requests[r].deferred for r in self.deferring}
+            unloaded = unloaded_blocks(parts, {r for r in parts if self.requests[r].waiting})  # type: ignore[arg-type]
+            for request_id in self.deferring - parts.keys():  # vLLM kept nothing of it: looked up again
+                self.requests[request_id].deferred = None
+                self.deferring.discard(request_id)
             if unloaded:
                 kv_cache_manager.evict_blocks(unloaded)
         if self.sync_load_now:
@@ -220,9 +220,9 @@ class RequestLoads:
             self.sync_load_now = False
 
     def contributions(self, request_id: str, num_external_tokens: int | None = None) -> tuple[Contribution, ...]:
-        """Who loads the request: the rule's split of ``num_external_tokens`` when given (vLLM
+        """Who loads the request: the rule's allocation of ``num_external_tokens`` when given (vLLM
         asks where a hit comes from before it allocates), else as allocated, else as selected
-        (asked before allocation). A held part counts."""
+        (asked before allocation). A deferred part counts."""
         load = self.requests.get(request_id)
         if load is None or load.selection is None:
             return ()
@@ -232,13 +232,13 @@ class RequestLoads:
 
     def finished(self, request_id: str, delaying: tuple[int, ...]) -> None:
         """The request finished; ``delaying`` children hold its blocks until they report. A
-        held part not given yet is dropped; the record stays while vLLM waits for the load."""
+        deferred part not given yet is dropped; the record stays while vLLM waits for the load."""
         load = self.requests.get(request_id)
         if load is not None:
-            self.holding.discard(request_id)
+            self.deferring.discard(request_id)
             if load.waiting:  # aborted mid-load: vLLM frees its blocks on the report
                 self.counts().aborted()
-                load.finished, load.selection, load.allocated, load.held = True, None, None, None
+                load.finished, load.selection, load.allocated, load.deferred = True, None, None, None
             else:
                 del self.requests[request_id]
         if delaying:
@@ -482,7 +482,7 @@ class Progress(Protocol):
 
 
 @dataclass(slots=True)  # not frozen: made once per allocation, and a frozen one costs more to make
-class Split:
+class Allocation:
     """The rule's answer at a request's first ``update_state_after_alloc`` (read, never changed)."""
 
     #: ``LoadRule.allocate``'s contributions: every part of the load, deferred ones included.
@@ -492,18 +492,18 @@ class Split:
     #: The contributions given now.
     given: tuple[Contribution, ...]
     #: The contributions deferred to the request's next schedule (``LoadRule.deferred``).
-    held: tuple[Contribution, ...]
+    deferred: tuple[Contribution, ...]
 
     def tokens(self) -> dict[int, int]:
         """Each child given a part now, with its tokens (every other child gets 0)."""
         return {c.child: c.tokens for c in self.given}
 
-    def held_children(self) -> tuple[int, ...]:
+    def deferred_children(self) -> tuple[int, ...]:
         """The children not to call now: their part is deferred."""
-        return tuple(c.child for c in self.held)
+        return tuple(c.child for c in self.deferred)
 
 
-def split(rule: LoadRule, selection: Selection, num_external_tokens: int) -> Split | None:
+def allocation(rule: LoadRule, selection: Selection, num_external_tokens: int) -> Allocation | None:
     """The load of ``selection`` as vLLM allocated it (``num_external_tokens``), under ``rule``;
     ``None`` when nothing loads (vLLM allocated no external token)."""
     contributions = rule.allocate(selection, num_external_tokens)
@@ -511,14 +511,14 @@ def split(rule: LoadRule, selection: Selection, num_external_tokens: int) -> Spl
         return None
     awaited = rule.awaited(contributions)
     # Deferring is for a load vLLM waits for: a synchronous one is not scheduled again.
-    held = rule.deferred(contributions) if awaited else ()
-    given = tuple(c for c in contributions if c not in held) if held else contributions
-    return Split(contributions, awaited, given, held)
+    deferred = rule.deferred(contributions) if awaited else ()
+    given = tuple(c for c in contributions if c not in deferred) if deferred else contributions
+    return Allocation(contributions, awaited, given, deferred)
 
 
 @dataclass(frozen=True, slots=True)
-class HeldPart:
-    """The synchronous part of a request's load, held until vLLM schedules the request after its
+class DeferredPart:
+    """The synchronous part of a request's load, deferred until vLLM schedules the request after its
     asynchronous part arrived."""
 
     #: The request (vLLM's ``Request``), read again when vLLM schedules it.
@@ -533,18 +533,20 @@ class HeldPart:
     block_ids: tuple[int, ...]
 
 
-def hold(request: Progress, load: Split, local: int, block_ids: Sequence[int], block_size: int) -> HeldPart:
-    """The deferred part of ``load`` (its :attr:`Split.held`), for a request whose local prefix is
-    ``local`` tokens and whose blocks (one KV cache group) are ``block_ids``."""
+def deferred_part(
+    request: Progress, load: Allocation, local: int, block_ids: Sequence[int], block_size: int
+) -> DeferredPart:
+    """The deferred part of ``load`` (its :attr:`Allocation.deferred`), for a request whose local
+    prefix is ``local`` tokens and whose blocks (one KV cache group) are ``block_ids``."""
     ids = tuple(
         b
-        for c in load.held
+        for c in load.deferred
         for b in block_ids[(local + c.start) // block_size : -(-(local + c.start + c.tokens) // block_size)]
     )
-    return HeldPart(request, load.held, local, local + sum(c.tokens for c in load.contributions), ids)
+    return DeferredPart(request, load.deferred, local, local + sum(c.tokens for c in load.contributions), ids)
 
 
-def kept(d: HeldPart) -> int:
+def kept(d: DeferredPart) -> int:
     """How many tokens beyond the local prefix vLLM counts as loaded when it schedules the
     request again: all of the load's after a clean load, fewer after an awaited child failed."""
     computed = d.request.num_computed_tokens
@@ -552,22 +554,22 @@ def kept(d: HeldPart) -> int:
     return (d.end if computed == d.request.num_tokens - 1 == d.end - 1 else computed) - d.local
 
 
-def resume(rule: LoadRule, d: HeldPart) -> tuple[Contribution, ...]:
+def resume(rule: LoadRule, d: DeferredPart) -> tuple[Contribution, ...]:
     """What the rule gives the deferred children now, of what vLLM kept of the load."""
     return rule.resume(d.contributions, kept(d))
 
 
-def unloaded_blocks(held: MutableMapping[str, HeldPart], waiting: Collection[str]) -> set[int]:
+def unloaded_blocks(deferred: MutableMapping[str, DeferredPart], waiting: Collection[str]) -> set[int]:
     """Blocks of deferred ranges that vLLM may have put in its prefix cache before they were
     loaded: those of requests whose asynchronous load arrived (not in ``waiting``) and that were
     not scheduled since. A request vLLM kept nothing of is looked up again from scratch: its
-    held part is dropped from ``held``, and its blocks were freed."""
+    deferred part is dropped from ``deferred``, and its blocks were freed."""
     out: set[int] = set()
-    for request_id, d in list(held.items()):
+    for request_id, d in list(deferred.items()):
         if request_id in waiting:
             continue
         if d.request.num_computed_tokens == 0:
-            del held[request_id]
+            del deferred[request_id]
         else:
             out.update(d.block_ids)
     return out

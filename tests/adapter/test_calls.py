@@ -121,7 +121,7 @@ def test_a_bypassed_child_is_left_out_of_every_call_and_let_back(kvcompose_worke
     h = kvcompose_worker("version: 1\nconnectors: [{name: a, type: record}, {name: b, type: record}]\n")
     conn = h.connector
     inspector.bypass(conn, "a")
-    assert inspector.disabled(conn) == ("a",)
+    assert inspector.bypassed(conn) == ("a",)
     before = len(inspector.child(conn, "a").called("wait_for_save"))
     conn.wait_for_save()
     assert len(inspector.child(conn, "a").called("wait_for_save")) == before

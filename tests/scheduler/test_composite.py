@@ -279,6 +279,6 @@ rules:
 
     inspector.child(worker, "host").wait_for_save = boom  # type: ignore[method-assign]
     worker.wait_for_save()  # contained, logged
-    assert inspector.disabled(worker) == ("host",)
+    assert inspector.bypassed(worker) == ("host",)
     res = worker.get_transfer_results(set())
     assert res.failed_recving == {"r1"} and res.finished_recving == {"r1"}

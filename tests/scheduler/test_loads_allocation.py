@@ -1,4 +1,4 @@
-"""Allocation under a load rule (the steps in :mod:`kvcompose.vllm.loads`): the split at
+"""Allocation under a load rule (the steps in :mod:`kvcompose.vllm.loads`): the allocation at
 ``update_state_after_alloc``, a mixed load's deferred part, what vLLM kept of the load, the
 blocks no other request may hit before the deferred part loads, and who loads a request.
 
@@ -14,7 +14,7 @@ import pytest
 from kvcompose.contract import Contribution, EngineFacts, LoadRule, Selection
 from kvcompose.rules.load import FirstWins, Ranges
 from kvcompose.vllm import loads as allocation
-from kvcompose.vllm.loads import HeldPart, Split
+from kvcompose.vllm.loads import Allocation, DeferredPart
 
 BS = 16
 HOST = Contribution(0, 0, 32, True)  # async, [0, 32) beyond the local prefix
@@ -28,55 +28,55 @@ def request(computed: int = 0, tokens: int = 200, rid: str = "r") -> SimpleNames
     return SimpleNamespace(request_id=rid, num_computed_tokens=computed, num_tokens=tokens)
 
 
-# ------------------------------------------------------------------ split
+# ------------------------------------------------------------------ allocation
 
 
 def test_one_async_child_is_given_everything_and_awaited() -> None:
-    load = allocation.split(RULE, Selection(32, True, (HOST,)), 32)
-    assert load == Split((HOST,), (0,), (HOST,), ())
-    assert load.tokens() == {0: 32} and load.held_children() == ()
+    load = allocation.allocation(RULE, Selection(32, True, (HOST,)), 32)
+    assert load == Allocation((HOST,), (0,), (HOST,), ())
+    assert load.tokens() == {0: 32} and load.deferred_children() == ()
 
 
 def test_a_sync_load_is_awaited_by_no_one_and_defers_nothing() -> None:
-    load = allocation.split(RULE, Selection(48, False, (Contribution(1, 0, 48, False),)), 48)
-    assert load is not None and load.awaited == () and load.held == ()
+    load = allocation.allocation(RULE, Selection(48, False, (Contribution(1, 0, 48, False),)), 48)
+    assert load is not None and load.awaited == () and load.deferred == ()
     assert load.tokens() == {1: 48}
 
 
 def test_a_mixed_load_defers_its_sync_part_and_waits_for_the_async_ones() -> None:
-    load = allocation.split(RULE, MIXED, 96)
+    load = allocation.allocation(RULE, MIXED, 96)
     assert load is not None
     assert load.awaited == (0, 2)
-    assert load.held == (DISK,) and load.held_children() == (1,)
+    assert load.deferred == (DISK,) and load.deferred_children() == (1,)
     assert load.given == (HOST, PD) and load.tokens() == {0: 32, 2: 16}
     assert load.contributions == (HOST, DISK, PD)
 
 
 def test_vllm_allocating_fewer_tokens_cuts_the_load_first() -> None:
-    load = allocation.split(RULE, MIXED, 40)
+    load = allocation.allocation(RULE, MIXED, 40)
     assert load is not None
     assert load.contributions == (HOST, Contribution(1, 32, 8, False))
-    assert load.held == (Contribution(1, 32, 8, False),) and load.awaited == (0,)
+    assert load.deferred == (Contribution(1, 32, 8, False),) and load.awaited == (0,)
 
 
 def test_a_sync_part_of_a_load_cut_to_sync_only_is_not_deferred() -> None:
     sel = Selection(80, False, (Contribution(1, 0, 48, False), Contribution(2, 48, 32, True)))
-    load = allocation.split(RULE, sel, 48)
-    assert load is not None and load.awaited == () and load.held == ()
+    load = allocation.allocation(RULE, sel, 48)
+    assert load is not None and load.awaited == () and load.deferred == ()
 
 
 @pytest.mark.parametrize("tokens", [0, -1])
 def test_nothing_allocated_is_no_load(tokens: int) -> None:
-    assert allocation.split(RULE, MIXED, tokens) is None
+    assert allocation.allocation(RULE, MIXED, tokens) is None
 
 
 # ------------------------------------------------------------------ the deferred part
 
 
-def deferred(req: SimpleNamespace, local: int = 32) -> HeldPart:
-    load = allocation.split(RULE, MIXED, 96)
+def deferred(req: SimpleNamespace, local: int = 32) -> DeferredPart:
+    load = allocation.allocation(RULE, MIXED, 96)
     assert load is not None
-    return allocation.hold(req, load, local, list(range(100, 120)), BS)
+    return allocation.deferred_part(req, load, local, list(range(100, 120)), BS)
 
 
 def test_defer_keeps_the_sync_ranges_blocks_and_the_loads_end() -> None:
@@ -177,7 +177,7 @@ def test_no_loader_without_a_selection() -> None:
 
 def test_ranges_allocates_with_the_same_defaults() -> None:
     rule = Ranges(())
-    assert allocation.split(rule, MIXED, 96) == allocation.split(RULE, MIXED, 96)
+    assert allocation.allocation(rule, MIXED, 96) == allocation.allocation(RULE, MIXED, 96)
 
 
 def test_only_the_loads_vllm_waits_for_arrive_each_once() -> None:

@@ -123,7 +123,7 @@ def test_first_wins_no_hit_asks_everyone_once() -> None:
 
 def test_first_wins_asks_only_the_given_children_in_their_order() -> None:
     ask = Script({0: (0, False), 1: (64, True), 2: (32, False)})
-    sel = FirstWins().select(ask, (0, 2), 0, None)  # child 1 is disabled
+    sel = FirstWins().select(ask, (0, 2), 0, None)  # child 1 is bypassed
     assert sel == only(2, 32, False)
     assert ask.asked == [0, 2]
 
@@ -214,7 +214,7 @@ def test_longest_hit_zero_is_an_answer_not_a_wait() -> None:
 
 def test_longest_hit_asks_only_the_given_children() -> None:
     ask = Script({0: (8, False), 1: (None, False), 2: (16, True)})
-    sel = LongestHit().select(ask, (0, 2), 0, None)  # the undecided child 1 is disabled
+    sel = LongestHit().select(ask, (0, 2), 0, None)  # the undecided child 1 is bypassed
     assert sel == only(2, 16, True)
     assert ask.asked == [0, 2]
 

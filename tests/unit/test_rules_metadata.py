@@ -36,7 +36,7 @@ def test_pack_keys_each_entry_by_name_in_yaml_order() -> None:
 
 def test_unpack_gives_the_entries_back_in_yaml_order() -> None:
     rule = Merge(["a", "b", "c"])
-    metas: list[Any] = [object(), None, object()]  # None: a disabled child's slot
+    metas: list[Any] = [object(), None, object()]  # None: a bypassed child's slot
     out = rule.unpack(rule.pack(metas))
     assert len(out) == 3 and all(x is y for x, y in zip(out, metas))
 

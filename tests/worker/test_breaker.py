@@ -63,7 +63,7 @@ def test_a_child_failing_for_a_while_in_a_worker_call_is_bypassed_and_re_enabled
     # half-open, and closed after two steps without a failure; each change reported once.
     assert states == ["open", "half-open", "closed"]
     assert [f[:2] for f in host.fired] == [("wait_for_save", "raise")] * 2
-    assert inspector.child_state(conn, "host") == "closed" and inspector.disabled(conn) == ()
+    assert inspector.child_state(conn, "host") == "closed" and inspector.bypassed(conn) == ()
     assert saves[-1] > saves[2]  # called again once re-enabled
     h.drain()
     assert_scheduler_empty(h.scheduler)
@@ -109,7 +109,7 @@ def test_a_load_announced_while_it_is_open_fails_at_once(kvcompose_worker: Facto
     conn.bind_connector_metadata(meta())
     conn.wait_for_save()
     conn.clear_connector_metadata()
-    assert inspector.disabled(conn) == ("host",)
+    assert inspector.bypassed(conn) == ("host",)
     conn.bind_connector_metadata(meta({"r9": (1,)}))  # the scheduler's half of host is healthy
     res = conn.get_transfer_results(set())
     assert res.finished_recving == {"r9"} == res.failed_recving  # not a wait forever
@@ -140,7 +140,7 @@ def test_a_bypassed_child_still_gets_shutdown(kvcompose_worker: Factory) -> None
     ).connector
     conn.bind_connector_metadata(meta())
     conn.wait_for_save()
-    assert inspector.disabled(conn) == ("host",)
+    assert inspector.bypassed(conn) == ("host",)
     conn.shutdown()
     host = inspector.child(conn, "host")
     assert isinstance(host, FaultyConnector)
