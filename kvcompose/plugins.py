@@ -14,8 +14,8 @@ Environment:
 ``KVCOMPOSE_TRACE``
     Set to ``1`` to log, at INFO level on the ``kvcompose.trace`` logger, every hook call
     (pluggy tracing: registration hooks, each preceded by a line naming the plugin called, and
-    ``kvcompose_check``) and every child call the composed connector forwards
-    (:mod:`kvcompose.vllm.forward`). Read from the process environment when a :class:`Plugins` is
+    ``kvcompose_check``) and every child call the composed connector makes
+    (:mod:`kvcompose.vllm.calls`). Read from the process environment when a :class:`Plugins` is
     built (hooks) and when a composition is resolved (child calls). The CLI shows the logger's
     lines on stderr while the variable is set (:func:`kvcompose.cli.main`).
 """

@@ -2,7 +2,7 @@
 whether, and when, it is called again (a circuit breaker's state).
 
 What a contained child answers in its call's place, and how what it owed is reported failed,
-are the adapter's (:mod:`kvcompose.vllm.forward`, :mod:`kvcompose.vllm.connector`)."""
+are the adapter's (``KVComposeConnector._contained`` in :mod:`kvcompose.vllm.connector`)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ is one module's work:
 - **Calls kvcompose does not know.** An engine call of a newer vLLM's base class that the
   composite does not declare (:func:`unknown_calls`) is forwarded to every child and the answers
   combined by :func:`kvcompose.merge.merge_values`
-  (:func:`kvcompose.vllm.forward.forward_unknown_calls`), instead of vLLM's do-nothing default
+  (:func:`kvcompose.vllm.connector.forward_unknown_calls`), instead of vLLM's do-nothing default
   answering for the children.
 
 Transfer-result fields kvcompose does not know are carried through by

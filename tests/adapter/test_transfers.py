@@ -13,7 +13,7 @@ from kvcompose.rules.completion import Owner
 from kvcompose.vllm.loads import FREED_KEPT, Transfers
 
 
-def tracker() -> Transfers:
+def transfers() -> Transfers:
     return Transfers(Owner(), ("a", "b", "c"))
 
 
@@ -47,7 +47,7 @@ def report(**by_child: TransferResults) -> list[TransferResults | None]:
 
 
 def two_loaders() -> Transfers:
-    t = tracker()
+    t = transfers()
     expect_load(t, "r", (0, 1))
     return t
 
@@ -130,7 +130,7 @@ def test_a_failed_non_loader_does_not_fail_the_load() -> None:
 
 
 def test_loads_are_tracked_per_request() -> None:
-    t = tracker()
+    t = transfers()
     expect_load(t, "r1", (0, 1))
     expect_load(t, "r2", (1,))
     expect_load(t, "r3", (2,))
@@ -143,7 +143,7 @@ def test_loads_are_tracked_per_request() -> None:
 
 
 def test_owed_by_lists_the_loads_still_waiting_for_a_child() -> None:
-    t = tracker()
+    t = transfers()
     expect_load(t, "r1", (0, 1))
     expect_load(t, "r2", (1,))
     assert t.owed_by(0) == {"r1"} and t.owed_by(1) == {"r1", "r2"} and t.owed_by(2) == set()
@@ -179,7 +179,7 @@ def test_abandon_is_settled_once() -> None:
 
 
 def test_abandon_merges_with_the_childs_own_report_of_that_step() -> None:
-    t = tracker()
+    t = transfers()
     expect_load(t, "r1", (0,))
     expect_load(t, "r2", (0,))
     abandoned(t, 0, "r2")
@@ -188,7 +188,7 @@ def test_abandon_merges_with_the_childs_own_report_of_that_step() -> None:
 
 
 def test_abandon_accumulates_until_settled() -> None:
-    t = tracker()
+    t = transfers()
     expect_load(t, "r1", (0,))
     expect_load(t, "r2", (0,))
     abandoned(t, 0, "r1")
@@ -198,7 +198,7 @@ def test_abandon_accumulates_until_settled() -> None:
 
 
 def test_a_failed_childs_owed_loads_abandoned_report_failed() -> None:
-    t = tracker()
+    t = transfers()
     expect_load(t, "r1", (0, 1))
     expect_load(t, "r2", (0,))
     assert t.owed_by(0) == {"r1", "r2"} and t.owed_by(1) == {"r1"}
@@ -211,7 +211,7 @@ def test_a_failed_childs_owed_loads_abandoned_report_failed() -> None:
 
 
 def test_a_delayed_free_owed_by_two_children_ends_when_both_reported() -> None:
-    t = tracker()
+    t = transfers()
     expect_saves(t, "r", (0, 2))
     out, dropped = t.settle(report(a=sent("r")))
     assert not out and dropped == 0
@@ -220,13 +220,13 @@ def test_a_delayed_free_owed_by_two_children_ends_when_both_reported() -> None:
 
 
 def test_a_delayed_free_both_in_one_step() -> None:
-    t = tracker()
+    t = transfers()
     expect_saves(t, "r", (0, 2))
     assert t.settle(report(a=sent("r"), c=sent("r"))) == (TransferResults(finished_sending={"r"}), 0)
 
 
 def test_a_non_saving_child_does_not_end_a_delayed_free() -> None:
-    t = tracker()
+    t = transfers()
     expect_saves(t, "r", (0, 2))
     assert not t.settle(report(b=sent("r")))[0]
     assert not t.settle(report(a=sent("r")))[0]
@@ -234,7 +234,7 @@ def test_a_non_saving_child_does_not_end_a_delayed_free() -> None:
 
 
 def test_an_unannounced_free_is_a_single_childs_own_and_forwarded() -> None:
-    out, dropped = tracker().settle(report(b=sent("solo")))
+    out, dropped = transfers().settle(report(b=sent("solo")))
     assert out == TransferResults(finished_sending={"solo"}) and dropped == 0
 
 
@@ -247,7 +247,7 @@ def test_loads_and_frees_settle_together() -> None:
 
 
 def test_a_free_is_forwarded_once_even_when_a_child_repeats_it() -> None:
-    t = tracker()
+    t = transfers()
     expect_saves(t, "r", (0, 2))
     t.settle(report(a=sent("r"), c=sent("r")))
     # A repeat from an owing child, or a report from a child that never owed it: vLLM already
@@ -259,7 +259,7 @@ def test_a_free_is_forwarded_once_even_when_a_child_repeats_it() -> None:
 
 
 def test_the_memory_of_forwarded_frees_is_bounded() -> None:
-    t = tracker()
+    t = transfers()
     for i in range(FREED_KEPT + 1):
         t.settle(report(b=sent(f"r{i}")))
     assert t.settle(report(b=sent(f"r{FREED_KEPT}"))) == (TransferResults(), 1)  # remembered: a duplicate
@@ -281,7 +281,7 @@ def test_release_frees_what_only_the_released_child_owed() -> None:
 
 
 def test_told_records_loads_and_frees_and_reports_nothing_failed() -> None:
-    t = tracker()
+    t = transfers()
     assert t.told({"r": (0, 1)}, {"s": (2,)}, {}, bypassed=()) is False
     assert t.owed_by(0) == {"r"} == t.owed_by(1)
     out, _ = t.settle(report(a=recv("r"), b=recv("r"), c=sent("s")))
@@ -289,7 +289,7 @@ def test_told_records_loads_and_frees_and_reports_nothing_failed() -> None:
 
 
 def test_told_fails_a_load_a_bypassed_child_owes_and_the_barrier_waits_for_the_rest() -> None:
-    t = tracker()
+    t = transfers()
     assert t.told({"r": (0, 1)}, {}, {}, bypassed={1}) is True
     out, _ = t.settle(report())  # b's share is settled as failed; a has not reported yet
     assert not out
@@ -298,14 +298,14 @@ def test_told_fails_a_load_a_bypassed_child_owes_and_the_barrier_waits_for_the_r
 
 
 def test_told_abandoned_loads_are_reported_failed() -> None:
-    t = tracker()
+    t = transfers()
     assert t.told({"r": (0,)}, {}, {"r": (0,)}, bypassed=()) is True
     out, _ = t.settle(report())
     assert out.finished_recving == {"r"} == out.failed_recving
 
 
 def test_told_releases_the_frees_a_bypassed_child_delays() -> None:
-    t = tracker()
+    t = transfers()
     assert t.told({}, {"s1": (2,), "s2": (0, 2)}, {}, bypassed={2}) is True
     out, _ = t.settle(report())
     assert out.finished_sending == {"s1"}  # c alone delayed it: freed now

@@ -31,7 +31,7 @@ class PreferParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Prefer(FirstWins):
     """First-wins over an order that puts :attr:`child` first for the requests carrying :attr:`key`.
 
-    :class:`FirstWins` asks in :meth:`order` and stops at the first hit; its ``LoadRule`` base
+    :class:`FirstWins` asks in :meth:`order` and stops at the first hit; its ``StandardLoad`` base
     gives ``allocate`` and ``awaited``: the winner gets every external token, and an async
     winner's report completes the load.
     """
