@@ -302,6 +302,9 @@ class Owed:
     loaded: set[int] = field(default_factory=set)
     #: An awaited child reported the load failed (or failed itself).
     failed: bool = False
+    #: Awaited children that failed and will never report the load: the next settle reports
+    #: it for them, failed.
+    abandoned: set[int] = field(default_factory=set)
     #: The children that delay the request's free; empty: none announced.
     delaying: tuple[int, ...] = ()
     freed: set[int] = field(default_factory=set)
@@ -323,8 +326,8 @@ class Transfers:
         self._names = tuple(names)
         #: Request -> what this worker waits for of it (dropped when it waits for nothing).
         self.requests: dict[str, Owed] = {}
-        #: Child -> loads it will never report (it failed): reported failed by the next settle.
-        self._abandoned: dict[int, set[str]] = {}
+        #: The requests with an abandoned load (an index of :attr:`requests`, read by the next settle).
+        self._failing: set[str] = set()
         #: Frees no child owes any more since a bypassed child was released from them.
         self._released: set[str] = set()
         #: Requests whose free was forwarded, newest last, at most :data:`FREED_KEPT`.
@@ -350,11 +353,13 @@ class Transfers:
             owed.awaited, owed.loaded, owed.failed = children, set(), False
             for child in children:
                 if child in bypassed:
-                    self._abandoned.setdefault(child, set()).add(request_id)
+                    self._abandon(request_id, owed, child)
                     some = True
         for request_id, children in abandoned.items():
-            for child in children:
-                self._abandoned.setdefault(child, set()).add(request_id)
+            owed = self.requests.get(request_id)
+            if owed is not None:
+                for child in children:
+                    self._abandon(request_id, owed, child)
             some = True
         if saves:
             for request_id, children in saves.items():
@@ -371,11 +376,14 @@ class Transfers:
         """``child`` raised: the loads it still owes are reported failed by the next
         :meth:`settle`; when it is ``bypassed`` too, the frees it delays no longer wait for it
         (it may never come back, and holding its blocks could exhaust the engine's)."""
-        owes = self.owed_by(child)
-        if owes:
-            self._abandoned.setdefault(child, set()).update(owes)
+        for request_id in self.owed_by(child):
+            self._abandon(request_id, self.requests[request_id], child)
         if bypassed:
             self._release(child)
+
+    def _abandon(self, request_id: str, owed: Owed, child: int) -> None:
+        owed.abandoned.add(child)
+        self._failing.add(request_id)
 
     def owed_by(self, child: int) -> set[str]:
         """The requests whose load still waits for ``child``."""
@@ -401,8 +409,17 @@ class Transfers:
                 self._forget(request_id)
             out.finished_sending |= self._released
             self._released = set()
+        abandoned: dict[int, set[str]] = {}
+        if self._failing:  # what failed children owed: their reports, failed
+            for request_id in self._failing:
+                owed = self.requests.get(request_id)
+                for child in owed.abandoned if owed is not None else ():
+                    abandoned.setdefault(child, set()).add(request_id)
+                if owed is not None:
+                    owed.abandoned = set()
+            self._failing = set()
         for child, res in enumerate(results):
-            gone = self._abandoned.pop(child, None)
+            gone = abandoned.get(child)
             if gone:
                 res = res or TransferResults()
                 res.finished_recving |= gone

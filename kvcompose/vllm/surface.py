@@ -9,7 +9,7 @@ is one module's work:
   forwards those calls on every vLLM, to the children that have them (:func:`provides`); a child
   class written for 0.32 has none of them and does not support sleep mode (:func:`sleep_mode`).
 - **Calls kvcompose does not know.** An engine call of a newer vLLM's base class that the
-  composite does not declare (:func:`unknown_calls`) is forwarded to every child and the answers
+  composite does not define (:func:`unknown_calls`) is forwarded to every child and the answers
   combined by :func:`kvcompose.merge.merge_values`
   (:func:`kvcompose.vllm.connector.forward_unknown_calls`), instead of vLLM's do-nothing default
   answering for the children.
