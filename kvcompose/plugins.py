@@ -46,7 +46,6 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "kvcompose.rules.store",
     "kvcompose.rules.metadata",
     "kvcompose.rules.params",
-    "kvcompose.rules.completion",
     "kvcompose.rules.faults",
     "kvcompose.rules.checks",
     "kvcompose.generic",

@@ -1,5 +1,5 @@
 """Load rules: who loads a request's external KV (vLLM's ``get_num_new_matched_tokens`` and
-``update_state_after_alloc``).
+``update_state_after_alloc``), and the completion rule: whose transfer reports end the load.
 
 vLLM's answer ``(0, False)`` means "nothing here" and ``None`` means "ask me again later", so
 the rules walk children in YAML order themselves instead of using pluggy's ``firstresult``
@@ -14,12 +14,13 @@ the synchronous ones load when vLLM schedules the request after that.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvcompose import hookimpl
 from kvcompose.catalog import Child, Rule
-from kvcompose.contract import NO_HIT, NOT_READY, Ask, Contribution, EngineFacts, LoadRule, Selection
+from kvcompose.contract import NO_HIT, NOT_READY, Ask, CompletionRule, Contribution, EngineFacts, LoadRule, Selection
 
 
 class StandardLoad(LoadRule):
@@ -229,6 +230,31 @@ class Ranges(StandardLoad):
         return Selection(covered, any(c.is_async for c in contributions), tuple(contributions))
 
 
+# ------------------------------------------------------------------ completion
+
+
+@dataclass(frozen=True)
+class Owner(CompletionRule):
+    """Completion rule ``owner``: only the children a load awaits report it, each once; a load, or
+    a delayed free, is done when every child it waits for reported.
+
+    vLLM's scheduler asserts on a ``finished_recving`` it did not expect and frees a request's
+    blocks on its first ``finished_sending``. MultiConnector forwards the union of every child's
+    reports, so a child that did not load a request can crash the engine or free blocks another
+    child still reads (vllm#51786, #53049). The adapter keeps, per request, who reported
+    (:class:`kvcompose.vllm.loads.Transfers`) and asks these two questions of it.
+    """
+
+    def counts(self, child: int, awaited: tuple[int, ...]) -> bool:
+        return child in awaited
+
+    def done(self, owed: tuple[int, ...], reported: Collection[int]) -> bool:
+        for child in owed:
+            if child not in reported:
+                return False
+        return True
+
+
 def _explain_first(children: tuple[Any, ...], _: Any) -> str:
     order = " > ".join(c.name for c in children)
     return f"load: the first child with a hit loads, in this order: {order}; later children are not asked"
@@ -284,5 +310,16 @@ def kvcompose_rules() -> list[Rule[Any]]:
             "children in YAML order each load the range after the one above (host prefix + NIXL rest)",
             lambda children, params: Ranges(children),
             explain=_explain_ranges,
+        ),
+        Rule(
+            "completion",
+            "owner",
+            "only the loading children's finished_recving is forwarded, once, when the last of them reported; "
+            "a delayed free ends when every saving child reported",
+            lambda children, params: Owner(),
+            explain=lambda ch, p: (
+                "completion: a load's completion is taken only from the children that load it, each once; "
+                "blocks held by several children are freed when the last one is done"
+            ),
         ),
     ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvcompose.contract import TransferResults
-from kvcompose.rules.completion import Owner
+from kvcompose.rules.load import Owner
 from kvcompose.vllm.loads import FREED_KEPT, Transfers
 
 

@@ -35,13 +35,13 @@ from kvcompose.contract import (
 )
 from kvcompose.errors import CompositionError, Problem
 from kvcompose.plugins import BUILTIN_PLUGINS, Plugins
-from kvcompose.rules import completion, faults, load, metadata, params, store
+from kvcompose.rules import faults, load, metadata, params, store
 from kvcompose.rules.children import ChildrenParams
 from kvcompose.rules.load import FirstWins, StandardLoad
 from kvcompose.rules.store import StoreTo
 from tests.unit.three import THREE
 
-RULE_MODULES: tuple[ModuleType, ...] = (load, store, metadata, params, completion, faults)
+RULE_MODULES: tuple[ModuleType, ...] = (load, store, metadata, params, faults)
 
 
 # ------------------------------------------------------------------ kinds and Protocols
@@ -274,7 +274,7 @@ def test_the_rule_layer_imports_no_vllm() -> None:
     code = textwrap.dedent(
         """
         import sys
-        import kvcompose.rules.checks, kvcompose.rules.completion, kvcompose.contract
+        import kvcompose.rules.checks, kvcompose.contract
         import kvcompose.rules.faults, kvcompose.rules.load, kvcompose.rules.metadata
         import kvcompose.rules.params, kvcompose.rules.store
         import kvcompose.testing.types

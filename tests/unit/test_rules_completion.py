@@ -1,4 +1,5 @@
-"""The completion rule ``owner``: whose reports count, and when a load or a free is done. No vLLM.
+"""The completion rule ``owner`` (in ``kvcompose/rules/load.py``, beside the load rules): whose
+reports count, and when a load or a free is done. No vLLM.
 
 The record it is asked about is the adapter's (``tests/adapter/test_transfers.py``)."""
 
@@ -9,13 +10,13 @@ from typing import Any
 from kvcompose.catalog import Rule
 from kvcompose.compose import loads
 from kvcompose.contract import CompletionRule
-from kvcompose.rules import completion
-from kvcompose.rules.completion import Owner
+from kvcompose.rules import load
+from kvcompose.rules.load import Owner
 from tests.unit.three import THREE
 
 
 def owner_rule() -> Rule[Any]:
-    [rule] = completion.kvcompose_rules()
+    [rule] = [r for r in load.kvcompose_rules() if r.kind == "completion"]
     return rule
 
 

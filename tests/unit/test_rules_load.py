@@ -40,7 +40,7 @@ class Script:
 
 
 def built_rules() -> dict[str, Rule[Any]]:
-    return {r.name: r for r in load.kvcompose_rules()}
+    return {r.name: r for r in load.kvcompose_rules() if r.kind == "load"}
 
 
 def select(rule: LoadRule, answers: Mapping[int, Answer], n: int = 0) -> tuple[Selection, Script]:
