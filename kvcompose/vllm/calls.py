@@ -11,7 +11,8 @@ made again when a child is bypassed or let back (the faults rule). A child is le
   host-buffer copy op to the one child that owns it;
 - when it is known to do nothing there, so that its answer is one the loop drops: it inherits
   vLLM's default for a call in :data:`INHERITED_DEFAULT_DOES_NOTHING`, or its plugin declares the
-  call in ``ConnectorType.empty_calls`` (the per-layer hooks, 32 calls a step on a 32-layer model:
+  call in ``ConnectorType.empty_calls`` (one of :data:`MAY_BE_DECLARED_EMPTY`: the per-layer
+  hooks, 32 calls a step on a 32-layer model, and the per-step hooks a connector leaves empty;
   docs/performance.md, worker step). Under ``KVCOMPOSE_TRACE`` every child gets every call,
   each traced.
 
@@ -60,6 +61,10 @@ INHERITED_DEFAULT_DOES_NOTHING = frozenset(
         "update_connector_output",
     }
 )
+
+#: The calls a plugin may declare empty (``ConnectorType.empty_calls``): those whose ``None`` the
+#: composite's loop drops (not ``get_finished_count``, whose children must agree).
+MAY_BE_DECLARED_EMPTY = INHERITED_DEFAULT_DOES_NOTHING | {"wait_for_layer_load", "save_kv_layer"}
 
 #: The calls that reach every child that has them, bypassed ones included (they still hold
 #: registrations and threads), each whatever the others raised.
@@ -184,7 +189,7 @@ def _does_nothing(child: KVConnectorBase_V1, call: str, empty_calls: Collection[
     attribute (a test's patch) is the child's own answer."""
     if call in vars(child):
         return False
-    if call in empty_calls:
+    if call in empty_calls and call in MAY_BE_DECLARED_EMPTY:
         return True
     return call in INHERITED_DEFAULT_DOES_NOTHING and getattr(type(child), call) is getattr(KVConnectorBase_V1, call)
 

@@ -120,8 +120,20 @@ class CpuOffloadType(ConnectorType):
     # vLLM's scheduler half already loads from the ``num_computed_tokens`` it was asked with:
     # it looks hashes up from there and copies into the blocks from there on (``manager.py``).
     range_loads: ClassVar[bool] = True
-    # vLLM's class copies whole blocks per step; its per-layer hooks are empty.
-    empty_calls: ClassVar[frozenset[str]] = frozenset({"wait_for_layer_load", "save_kv_layer"})
+    # vLLM's class copies whole blocks per step: its per-layer hooks, and these, are empty bodies.
+    empty_calls: ClassVar[frozenset[str]] = frozenset(
+        {
+            "wait_for_layer_load",
+            "save_kv_layer",
+            "finish_forward",
+            "reset_capture_state",
+            "get_mem_pool_context",
+            "set_host_xfer_buffer_ops",
+            "get_kv_connector_kv_cache_events",
+            "get_handshake_metadata",
+            "on_new_request",
+        }
+    )
     # The literal upstream name: vLLM looks the connector up by name
     # (``KVTransferConfig.has_connector("SimpleCPUOffloadConnector")``) to align its block
     # counts, and the module path makes that name resolve to our subclass.

@@ -380,8 +380,20 @@ class NixlType(ConnectorType):
     pd_transport: ClassVar[bool] = True
     # The connector loads only the blocks of its range (kvcompose_nixl.connector, range loads).
     range_loads: ClassVar[bool] = True
-    # vLLM's NIXL classes (pull and push) move KV per request, not per layer: those hooks are empty.
-    empty_calls: ClassVar[frozenset[str]] = frozenset({"wait_for_layer_load", "save_kv_layer"})
+    # vLLM's NIXL classes (pull and push) move KV per request, not per layer: these are empty bodies.
+    empty_calls: ClassVar[frozenset[str]] = frozenset(
+        {
+            "wait_for_layer_load",
+            "save_kv_layer",
+            "finish_forward",
+            "reset_capture_state",
+            "handle_preemptions",
+            "get_mem_pool_context",
+            "get_kv_connector_kv_cache_events",
+            "build_connector_worker_meta",
+            "bind_gpu_block_pool",
+        }
+    )
     param_keys: ClassVar[frozenset[str]] = PARAM_KEYS
     vllm_connector: ClassVar[str] = CONNECTOR_CLASS["pull"]
     vllm_module_path: ClassVar[str | None] = CONNECTOR_MODULE
