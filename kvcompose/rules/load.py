@@ -26,20 +26,17 @@ from kvcompose.contract import NO_HIT, NOT_READY, Ask, CompletionRule, Contribut
 class StandardLoad(LoadRule):
     """What every built-in load rule shares besides its lookup (:meth:`select`): the allocation
     split, whose reports end the load, and the two phases of a load that mixes synchronous and
-    asynchronous contributors. A rule of one's own subclasses this and writes ``select``
-    (docs/rules.md, Writing a rule). Plain functions of their arguments: no request is kept.
+    asynchronous contributors (each method's contract: :class:`~kvcompose.contract.LoadRule`).
+    A rule of one's own subclasses this and writes ``select`` (docs/rules.md, Writing a rule).
+    Plain functions of their arguments: no request is kept.
     """
 
     def bind(self, engine: EngineFacts) -> None:
         """Needs nothing of the engine."""
 
     def allocate(self, selection: Selection, num_external_tokens: int) -> tuple[Contribution, ...]:
-        """Split vLLM's ``num_external_tokens`` among the contributions of a selection.
-
-        vLLM calls ``update_state_after_alloc`` with the external tokens it allocated blocks for
-        (the selection's tokens, or 0 when it decided to load nothing). Every child that is not
-        in the result is told 0 tokens with the real blocks (children track stores from it).
-        """
+        """Each contribution in order, the last one vLLM allocated tokens for cut to them (vLLM
+        may allocate fewer than selected); the ones beyond get nothing."""
         out = []
         left = num_external_tokens
         for c in selection.contributions:  # vLLM may allocate fewer tokens than selected
@@ -50,27 +47,12 @@ class StandardLoad(LoadRule):
         return tuple(out)
 
     def awaited(self, contributions: tuple[Contribution, ...]) -> tuple[int, ...]:
-        """The children whose ``finished_recving`` completes the request's load.
-
-        vLLM sees one load per request: it leaves ``WAITING_FOR_REMOTE_KVS`` when each of these
-        children reported (as the completion rule judges). Empty for a synchronous load.
-        """
+        """The asynchronous contributors with tokens: vLLM waits for each."""
         return tuple([c.child for c in contributions if c.is_async and c.tokens > 0])  # a list: no generator
 
     def deferred(self, contributions: tuple[Contribution, ...]) -> tuple[Contribution, ...]:
-        """Of :meth:`allocate`'s contributions, those whose ``update_state_after_alloc`` waits
-        for the request's next schedule (the second phase of allocation).
-
-        A synchronous connector loads in the step that schedules the request (vLLM's
-        ``ExampleConnector`` requires the request among that step's new requests), but vLLM
-        does not schedule a request with an asynchronous load until that load completes. So a
-        load that mixes both runs in two phases: at the first ``update_state_after_alloc`` the
-        deferred children are not called at all (their lookup stays pending, as when vLLM
-        cannot allocate); when :meth:`awaited` reported and vLLM schedules the request, they are
-        called with the tokens :meth:`resume` gives them, and load in that step, before the
-        forward pass that reads their KV. Defers the synchronous contributions of a load that
-        also has an asynchronous one; nothing otherwise.
-        """
+        """The synchronous contributions of a load that also has an asynchronous one (they load
+        when vLLM schedules the request after it arrived); nothing otherwise."""
         if len(contributions) < 2:  # one child: nothing to hold for a schedule of its own
             return ()
         for c in contributions:
@@ -79,15 +61,8 @@ class StandardLoad(LoadRule):
         return ()
 
     def resume(self, deferred: tuple[Contribution, ...], kept: int) -> tuple[Contribution, ...]:
-        """The deferred contributions to give at the request's first schedule after its
-        asynchronous load (:meth:`deferred`), cut to what vLLM kept of the load.
-
-        ``kept`` is how many tokens beyond the local prefix vLLM counts as loaded now: all of
-        the selection's after a clean load, fewer after an awaited child failed (vLLM then
-        recomputes from the failed child's first invalid block). Gives each deferred
-        contribution the part of its range below ``kept``: one wholly beyond it is dropped (vLLM
-        computes those tokens), so no child loads KV vLLM will not read.
-        """
+        """Each deferred contribution cut to the part of its range below ``kept``: one wholly
+        beyond it is dropped (vLLM computes those tokens), so no child loads KV vLLM will not read."""
         out = []
         for c in deferred:
             tokens = min(c.tokens, kept - c.start)
