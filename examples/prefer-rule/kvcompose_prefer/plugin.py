@@ -40,7 +40,7 @@ class Prefer(FirstWins):
     key: str
 
     def order(self, children: Sequence[int], kv_transfer_params: Mapping[str, Any] | None) -> Sequence[int]:
-        # A disabled preferred child is not in ``children``: its requests fall back to YAML order.
+        # A bypassed preferred child is not in ``children``: its requests fall back to YAML order.
         if kv_transfer_params and self.key in kv_transfer_params and self.child in children:
             return (self.child, *(i for i in children if i != self.child))
         return children
