@@ -37,9 +37,9 @@ class RecordOptions(Options):
 def fault_calls() -> frozenset[str]:
     """Every engine call a fault may name: the calls the composed connector forwards to a child's
     own implementation (so each one fires, and every forwarded call can fail)."""
-    from kvcompose.vllm.calls import forwarded_calls  # vLLM, only once a fault is declared
+    from kvcompose.vllm.calls import TO_EVERY_CHILD, Calls  # vLLM, only once a fault is declared
 
-    return frozenset(forwarded_calls())
+    return frozenset({*(name for name in Calls.__annotations__ if name != "active"), *TO_EVERY_CHILD})
 
 
 FaultAction = Literal["raise", "none", "stall", "fail-load"]

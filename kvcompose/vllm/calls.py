@@ -179,11 +179,6 @@ class Calls:
         self.take_events = to("take_events")
 
 
-def forwarded_calls() -> tuple[str, ...]:
-    """Every engine call the composite forwards to its children's own implementations."""
-    return (*(name for name in Calls.__annotations__ if name != "active"), *TO_EVERY_CHILD)
-
-
 def _does_nothing(child: KVConnectorBase_V1, call: str, empty_calls: Collection[str]) -> bool:
     """Whether ``child`` is known to do nothing in ``call`` (see the module's text). An instance
     attribute (a test's patch) is the child's own answer."""

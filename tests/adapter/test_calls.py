@@ -25,7 +25,6 @@ from kvcompose.vllm.calls import (
     MAY_BE_DECLARED_EMPTY,
     TO_EVERY_CHILD,
     Calls,
-    forwarded_calls,
 )
 from kvcompose.vllm.connector import KVComposeConnector
 
@@ -42,7 +41,7 @@ def test_every_forwarded_call_can_get_a_fault_and_no_other() -> None:
 
 def test_each_forwarded_call_is_a_method_written_in_the_composite() -> None:
     """No call is made by a decorator or a descriptor: each is a plain function in the class body."""
-    for name in forwarded_calls():
+    for name in fault_calls():
         fn = vars(KVComposeConnector)[name]
         assert inspect.isfunction(fn) and fn.__qualname__ == f"KVComposeConnector.{name}", name
         assert f"self._calls.{name}" in inspect.getsource(fn) or name in TO_EVERY_CHILD, name
