@@ -118,7 +118,6 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         self._calls = Calls(self._connectors, plan, self.bypassed)
         #: How vLLM's transfer reports map to the rules' (and which fields are carried through).
         self.results_codec = vllm_metadata.RESULTS_CODEC
-        self._abandoned = False  # loads of a failed child to report failed
         #: Each request's load on the scheduler, and the load counters on both sides (:mod:`kvcompose.vllm.loads`).
         self.loads = RequestLoads(
             plan.load,
@@ -161,7 +160,6 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             self._bypass(child)
         self.transfers.failed(child, child in self.bypassed)
         self.loads.abandon(child)
-        self._abandoned = True
         return True
 
     def _bypass(self, child: int) -> None:
@@ -293,7 +291,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
         if self.monitor.watched:  # a step starts: a bypassed child may be let back
             self._step_starts()
         if m.loads_awaited or m.loads_abandoned or m.saves_owed:  # most steps start and end nothing
-            self._abandoned |= self.transfers.told(m.loads_awaited, m.saves_owed, m.loads_abandoned, self.bypassed)
+            self.transfers.told(m.loads_awaited, m.saves_owed, m.loads_abandoned, self.bypassed)
         for i, child in self._calls.bind_connector_metadata:
             try:
                 child.bind_connector_metadata(metas[i])
@@ -365,14 +363,14 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         reports: list[TransferResults | None] = [None] * len(self._connectors)
         raw: list[KVConnectorTransferResults] = []
-        some, self._abandoned = self._abandoned, False
         codec = self.results_codec
+        some = False
         for i, answer in self._answers(self._calls.get_transfer_results, "get_transfer_results", finished_req_ids):
-            raw.append(answer)
+            if codec.carried:
+                raw.append(answer)
             report = reports[i] = codec.read(answer)
             some = some or report is not None
-        some = some or self._abandoned  # a child failed in this very call
-        self._abandoned = False
+        some = some or self.transfers.pending  # what failed children owed, frees released from them
         carried = codec.merge_carried(raw) if codec.carried else None  # a newer vLLM's fields: merged by type
         if not some:  # most steps: nothing finished anywhere
             return codec.write(TransferResults(), carried) if codec.carried else KVConnectorTransferResults()
@@ -599,9 +597,14 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def get_finished_count(self) -> int | None:
         """The one count every child that answers gives (``None`` when one answers none)."""
-        answers = {
-            self.names[i]: self._answer(i, child, "get_finished_count") for i, child in self._calls.get_finished_count
-        }
+        answers: dict[str, int | None] = {}
+        for i, child in self._calls.get_finished_count:
+            try:
+                answers[self.names[i]] = child.get_finished_count()
+            except Exception:
+                if not self._contained(i, "get_finished_count"):
+                    raise
+                answers[self.names[i]] = None
         values = set(answers.values())
         if len(values - {None}) > 1:
             raise ValueError(f"children answer get_finished_count differently: {answers}")
@@ -609,7 +612,7 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool:
         """True unless a child answers False."""
-        return all([self._answer(i, child, "reset_cache") is not False for i, child in self._calls.reset_cache])
+        return all([answer is not False for _, answer in self._answers(self._calls.reset_cache, "reset_cache")])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The children's KV events, each store with its block's token ids and after its parent's
@@ -619,15 +622,6 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             events.extend(answer)
         anchors = self._anchors
         return anchors.complete(events) if anchors is not None and events else events
-
-    def _answer(self, i: int, child: Any, call: str) -> Any:
-        """One child's answer to ``call`` (no arguments); ``None`` for a contained failure."""
-        try:
-            return getattr(child, call)()
-        except Exception:
-            if not self._contained(i, call):
-                raise
-            return None
 
 
 def forward_unknown_calls(cls: type[KVComposeConnector], base: type = KVConnectorBase_V1) -> type[KVComposeConnector]:

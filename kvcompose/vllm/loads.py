@@ -344,8 +344,7 @@ class Transfers:
         its load awaits; ``saves``, request -> the children delaying its free; ``abandoned``,
         request -> children that failed on the scheduler before the load started. ``bypassed``:
         children this worker does not call now (they will neither load nor report). Returns
-        whether the next :meth:`settle` has loads to report failed."""
-        some = False
+        :attr:`pending`."""
         for request_id, children in loads.items():
             owed = self.requests.get(request_id)
             if owed is None:
@@ -354,13 +353,11 @@ class Transfers:
             for child in children:
                 if child in bypassed:
                     self._abandon(request_id, owed, child)
-                    some = True
         for request_id, children in abandoned.items():
             owed = self.requests.get(request_id)
             if owed is not None:
                 for child in children:
                     self._abandon(request_id, owed, child)
-            some = True
         if saves:
             for request_id, children in saves.items():
                 owed = self.requests.get(request_id)
@@ -369,8 +366,13 @@ class Transfers:
                 owed.delaying, owed.freed = children, set()
             for child in bypassed:
                 self._release(child)
-                some = True
-        return some
+        return self.pending
+
+    @property
+    def pending(self) -> bool:
+        """Whether the next :meth:`settle` reports something no child reports: the loads failed
+        children owed, the frees released from a bypassed child."""
+        return bool(self._failing or self._released)
 
     def failed(self, child: int, bypassed: bool) -> None:
         """``child`` raised: the loads it still owes are reported failed by the next

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import math
 import statistics
 import time
@@ -161,8 +162,6 @@ def balanced_rounds(names: Sequence[str]) -> list[list[str]]:
     names = list(names)
     if len(set(names)) != len(names) or not 1 <= len(names) <= 5:
         raise ValueError(f"one to five distinct names, got {names}")
-    import itertools
-
     perms = [list(p) for p in itertools.permutations(names)]
     cycle, used = [perms[0]], {tuple(perms[0])}
 
