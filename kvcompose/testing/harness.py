@@ -197,7 +197,8 @@ def decode_request(
     remote_port: int = 5600,
     **kw: Any,
 ) -> Request:
-    """A request sent to the decode instance with the params a prefill instance returned."""
+    """A request sent to the decode instance with the params a prefill instance returned (vLLM's
+    ``request_finished``: ``remote_num_tokens`` counts the tokens its blocks hold)."""
     if remote_block_ids is None:
         remote_block_ids = list(range(-(-num_tokens // block_size)))
     rid = kw.pop("request_id", None) or f"req-{next(_ids)}"
@@ -210,6 +211,7 @@ def decode_request(
         "remote_host": remote_host,
         "remote_port": remote_port,
         "tp_size": 1,
+        "remote_num_tokens": num_tokens if remote_block_ids else 0,
     }
     return make_request(num_tokens, block_size=block_size, request_id=rid, kv_transfer_params=params, **kw)
 

@@ -98,15 +98,13 @@ from kvcompose_nixl.lease import ANSWERING_ATTR, answering_engine, stamp, watch_
 from kvcompose_nixl.plugin import DEFAULT_LEASE_SECONDS, INTERNAL_PARAM_KEYS, PARAM_KEYS
 from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
-    EXPIRES_KEY,
-    SIG_KEY,
-    TOKENS_KEY,
     Facts,
     Keyring,
     Peers,
     Policy,
     Refused,
     request_context,
+    sign_params,
 )
 
 if TYPE_CHECKING:
@@ -351,7 +349,9 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         under ``kv_load_failure_policy: fail``, the request is kept to end with an error (see
         :meth:`get_num_new_matched_tokens`)."""
         prompt = request.prompt_token_ids or []
-        facts = Facts(self._block_size, self._groups, self._tp_size, request.num_prompt_tokens)
+        assert self.connector_scheduler is not None
+        remote_tokens = self.connector_scheduler._get_remote_prefill_token_count(len(prompt))
+        facts = Facts(self._block_size, self._groups, self._tp_size, remote_tokens)
         try:
             self.trust.screen(params, facts, prompt, request_context(request))
         except Refused as refused:
@@ -486,12 +486,10 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         key, the signature that binds the params to the prompt tokens the blocks hold."""
         assert self.connector_scheduler is not None
         stamp(self.connector_scheduler, request.request_id, params)
-        keys = self.trust.keys
-        if keys is None or not params or not params.get("do_remote_prefill"):
+        if not params or not params.get("do_remote_prefill"):
             return
-        params[EXPIRES_KEY] = math.ceil(time.time() + self._lease_s)  # whole seconds: exact through JSON
-        params[TOKENS_KEY] = request.num_prompt_tokens
-        params[SIG_KEY] = keys.sign(params, request.prompt_token_ids or [], request_context(request))
+        expires = math.ceil(time.time() + self._lease_s)  # whole seconds: exact through JSON
+        sign_params(params, request.prompt_token_ids or [], request_context(request), self.trust.keys, expires)
 
     @staticmethod
     def _forget_unserved_prefill(request: Request) -> None:

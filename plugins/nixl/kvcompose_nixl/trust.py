@@ -42,11 +42,12 @@ import msgspec
 
 from kvcompose_nixl import LEASE_ANSWERS_KEY
 
-#: The ``kv_transfer_params`` keys a signing prefill adds.
+#: The ``kv_transfer_params`` keys a kvcompose prefill adds: the digest of the prompt tokens its
+#: blocks hold (with or without a key), and with a key the signature and its wall-clock end.
+PROMPT_KEY = "kvcompose_prompt"
 SIG_KEY = "kvcompose_sig"
 EXPIRES_KEY = "kvcompose_expires"
-TOKENS_KEY = "kvcompose_tokens"
-SIGNED_KEYS: frozenset[str] = frozenset({SIG_KEY, EXPIRES_KEY, TOKENS_KEY})
+SIGNED_KEYS: frozenset[str] = frozenset({SIG_KEY, EXPIRES_KEY, PROMPT_KEY})
 
 #: The P/D fields a signature covers: every field vLLM's decode reads to connect and read, but
 #: not ``do_remote_prefill`` / ``do_remote_decode`` (a proxy sets those per leg).
@@ -66,7 +67,7 @@ BOUND_KEYS: tuple[str, ...] = (
     "transfer_mode",
     LEASE_ANSWERS_KEY,
     EXPIRES_KEY,
-    TOKENS_KEY,
+    PROMPT_KEY,
 )
 
 #: The shortest key accepted, in characters (``openssl rand -hex 32`` writes 64).
@@ -76,13 +77,16 @@ MAX_BLOCK_ID = 2**31 - 1
 MAX_PARALLEL = 1024
 MAX_ID_CHARS = 256
 MAX_HOST_CHARS = 253
+#: The most blocks one group of ``remote_block_ids`` may name (2^20 blocks of 16: 16M tokens).
+MAX_BLOCKS = 1 << 20
 
 #: Reasons a set of params is refused: the label of ``vllm:kvcompose_refused_params``.
 REASONS = (
-    "malformed",  # a field of the wrong type or out of range
+    "malformed",  # a field of the wrong type or out of range, or blocks that do not fit the token count
+    "prompt",  # a prompt other than the one the prefill computed (another length, another token)
     "peer",  # a side channel the allowlist does not list
     "unsigned",  # no signature, and the YAML does not accept unsigned prefills
-    "signature",  # a signature that does not verify: another key, a changed field, another prompt
+    "signature",  # a signature that does not verify: another key, a changed field
     "expired",  # signed longer ago than the prefill's lease
     "replayed",  # params this decode already took
 )
@@ -191,15 +195,15 @@ class Keyring:
 
     # -- P/D params
 
-    def sign(self, params: Mapping[str, Any], prompt: Sequence[int], context: Sequence[Any] = ()) -> str:
-        """The signature of ``params``' :data:`BOUND_KEYS` over ``prompt`` (the tokens the
-        blocks hold) and ``context`` (what else the KV depends on: cache salt, LoRA, media)."""
+    def sign(self, params: Mapping[str, Any]) -> str:
+        """The signature of ``params``' :data:`BOUND_KEYS` (the prompt through its digest,
+        :data:`PROMPT_KEY`) with the first key."""
         key = self.keys[0]
-        return key.id.hex() + "." + _mac(key, params, prompt, context).hex()
+        return key.id.hex() + "." + _mac(key, params).hex()
 
-    def verify(self, params: Mapping[str, Any], prompt: Sequence[int], context: Sequence[Any] = ()) -> None:
-        """Raise :class:`Refused` unless ``params`` carry a signature of one of these keys
-        over ``prompt`` and ``context``."""
+    def verify(self, params: Mapping[str, Any]) -> None:
+        """Raise :class:`Refused` unless ``params`` carry a signature of one of these keys over
+        their :data:`BOUND_KEYS`."""
         sig = params.get(SIG_KEY)
         if sig is None:
             raise Refused("unsigned", f"no {SIG_KEY}: the prefill instance does not sign (or a client wrote these)")
@@ -211,8 +215,8 @@ class Keyring:
         key = self._key(key_id)
         if key is None:
             raise Refused("signature", f"signed with key {key_hex[:16]!r}, which this decode does not hold")
-        if not hmac.compare_digest(_mac(key, params, prompt, context), mac):
-            raise Refused("signature", "the signature does not match these fields, this prompt and this deployment")
+        if not hmac.compare_digest(_mac(key, params), mac):
+            raise Refused("signature", "the signature does not match these fields in this deployment")
 
     # -- NIXL agent metadata
 
@@ -270,10 +274,31 @@ def _bound(value: Any) -> Any:
     return round(value * 1000) if type(value) is float else value
 
 
-def _mac(key: _Key, params: Mapping[str, Any], prompt: Sequence[int], context: Sequence[Any]) -> bytes:
+def _mac(key: _Key, params: Mapping[str, Any]) -> bytes:
     bound = [_bound(params.get(k)) for k in BOUND_KEYS]
-    message = _encode([b"kvcompose-pd-v1", bound, list(context), prompt])
-    return hashlib.blake2b(message, key=key.mac, digest_size=32).digest()
+    return hashlib.blake2b(_encode([b"kvcompose-pd-v2", bound]), key=key.mac, digest_size=32).digest()
+
+
+def prompt_digest(prompt: Sequence[int], context: Sequence[Any] = ()) -> str:
+    """The digest of the prompt tokens a prefill's blocks hold and of what else their KV depends
+    on (``context``: cache salt, LoRA, media; :func:`request_context`), in hex. Unkeyed: it
+    tells a prompt from another, and the signature, over it, tells who computed it."""
+    return hashlib.blake2b(_encode([b"kvcompose-prompt-v1", list(context), prompt]), digest_size=16).hexdigest()
+
+
+def sign_params(
+    params: dict[str, Any], prompt: Sequence[int], context: Sequence[Any], keys: Keyring | None, expires: int
+) -> None:
+    """On the prefill: bind ``params`` (vLLM's ``request_finished`` answer for a decode) to the
+    prompt tokens their blocks hold, ``prompt[:remote_num_tokens]`` (:data:`PROMPT_KEY`), and with
+    ``keys`` sign them, valid until ``expires`` (wall clock, whole seconds). :meth:`Policy.screen`
+    is the other side."""
+    held = params.get("remote_num_tokens")
+    count = held if type(held) is int and 0 < held <= len(prompt) else len(prompt)
+    params[PROMPT_KEY] = prompt_digest(prompt if count == len(prompt) else prompt[:count], context)
+    if keys is not None:
+        params[EXPIRES_KEY] = expires
+        params[SIG_KEY] = keys.sign(params)
 
 
 # ---------------------------------------------------------------------------- peers
@@ -365,12 +390,14 @@ LOOPBACK_PEERS = Peers.parse(["127.0.0.0/8", "::1", "localhost"])
 
 @dataclass(frozen=True)
 class Facts:
-    """What a decode knows about itself and a request, to check its params against."""
+    """What a decode knows about itself and a request, to check its params against:
+    ``remote_tokens`` is how many of the prompt's tokens vLLM's decode counts as the prefill's
+    (the prompt, less the tokens a Mamba or MTP model recomputes on the decode)."""
 
     block_size: int
     groups: int
     tp_size: int
-    num_prompt_tokens: int
+    remote_tokens: int
 
 
 #: Seconds between two purges of the params a decode took.
@@ -416,10 +443,9 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def block_groups(value: Any, groups: int, limit: int) -> Sequence[Sequence[int]]:
+def block_groups(value: Any, groups: int) -> Sequence[Sequence[int]]:
     """``remote_block_ids`` as one list per KV-cache group; :class:`Refused` unless it is a list of
-    ``groups`` lists (or, for one group, a flat list) of at most ``limit`` block ids each. Missing
-    (None) is no block."""
+    ``groups`` lists (or, for one group, a flat list) of block ids. Missing (None) is no block."""
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
@@ -428,10 +454,8 @@ def block_groups(value: Any, groups: int, limit: int) -> Sequence[Sequence[int]]
     if value and (len(lists) != groups or not all(isinstance(g, (list, tuple)) for g in lists)):
         raise Refused("malformed", f"remote_block_ids must hold {groups} list(s) of block ids (one per KV-cache group)")
     for group in lists:
-        if len(group) > limit:
-            raise Refused(
-                "malformed", f"remote_block_ids names {len(group)} blocks, more than the prompt fills ({limit})"
-            )
+        if len(group) > MAX_BLOCKS:
+            raise Refused("malformed", f"remote_block_ids names {len(group)} blocks, more than {MAX_BLOCKS}")
         for block in group:
             if type(block) is not int or not 0 <= block <= MAX_BLOCK_ID:
                 raise Refused(
@@ -441,9 +465,9 @@ def block_groups(value: Any, groups: int, limit: int) -> Sequence[Sequence[int]]
 
 
 def check_fields(params: Mapping[str, Any], facts: Facts) -> Sequence[Sequence[int]]:
-    """The types and ranges of a remote prefill's params (pull mode); :class:`Refused` if one
-    would make vLLM's decode assert, read past the prompt, or connect somewhere it cannot.
-    Returns the remote block ids, one list per KV-cache group."""
+    """The types and ranges of a remote prefill's params (pull mode), and that their blocks are
+    exactly those of their token count; :class:`Refused` if one would make vLLM's decode assert
+    or connect somewhere it cannot. Returns the remote block ids, one list per KV-cache group."""
     if params.get("do_remote_prefill") is not True:
         raise Refused("malformed", f"do_remote_prefill must be true, not {_show(params.get('do_remote_prefill'))}")
     _str(params, "remote_engine_id", MAX_ID_CHARS)
@@ -454,10 +478,20 @@ def check_fields(params: Mapping[str, Any], facts: Facts) -> Sequence[Sequence[i
     _int(params, "remote_port", 1, 65535)
     if params.get("remote_port") is None:
         raise Refused("malformed", "remote_port is missing")
-    remote_block_size = _int(params, "remote_block_size", 1, 1 << 16)
-    limit = -(-facts.num_prompt_tokens // (remote_block_size or facts.block_size))
-    groups = block_groups(params.get("remote_block_ids"), facts.groups, limit)
-    _int(params, "remote_num_tokens", 0, facts.num_prompt_tokens)
+    block_size = _int(params, "remote_block_size", 1, 1 << 16) or facts.block_size
+    groups = block_groups(params.get("remote_block_ids"), facts.groups)
+    tokens = _int(params, "remote_num_tokens", 0, MAX_BLOCKS * block_size)
+    if any(groups):
+        # vLLM's worker end-trims the prefill's blocks to the decode's: one block more or fewer
+        # than the tokens fill shifts every position (or asserts).
+        if not tokens:
+            raise Refused("malformed", "remote_num_tokens must count the tokens the remote blocks hold")
+        fill = -(-tokens // block_size)
+        if any(len(g) > fill for g in groups) or max(len(g) for g in groups) != fill:
+            raise Refused(
+                "malformed",
+                f"remote_block_ids names {max(len(g) for g in groups)} blocks; {tokens} tokens fill {fill}",
+            )
     for key in ("tp_size", "dcp_size", "pp_size"):
         size = _int(params, key, 1, MAX_PARALLEL)
         if key == "tp_size" and size is not None and size % facts.tp_size and facts.tp_size % size:
@@ -468,7 +502,27 @@ def check_fields(params: Mapping[str, Any], facts: Facts) -> Sequence[Sequence[i
     if params.get("transfer_mode", "pull") != "pull":
         raise Refused("malformed", f"transfer_mode must be 'pull' here, not {_show(params.get('transfer_mode'))}")
     _int(params, "remote_registration_generation", 0, 2**62)
+    digest = params.get(PROMPT_KEY)
+    if digest is not None and not (isinstance(digest, str) and len(digest) == 32):
+        raise Refused("malformed", f"{PROMPT_KEY} must be 32 hex digits, not {_show(digest)}")
     return groups
+
+
+def check_prompt(params: Mapping[str, Any], facts: Facts, prompt: Sequence[int], context: Sequence[Any]) -> None:
+    """:class:`Refused` (``prompt``) unless the params' blocks hold this prompt's KV: as many
+    tokens as vLLM's decode will count as loaded, and, where the prefill stamped it (kvcompose
+    does, with or without a key), the digest of those tokens and their context."""
+    tokens = params["remote_num_tokens"]
+    if tokens != facts.remote_tokens:
+        raise Refused(
+            "prompt",
+            f"the prefill computed {tokens} tokens and this prompt loads {facts.remote_tokens}: not the same prompt",
+        )
+    digest = params.get(PROMPT_KEY)
+    if digest is not None:
+        held = prompt if tokens == len(prompt) else prompt[:tokens]
+        if not hmac.compare_digest(digest, prompt_digest(held, context)):
+            raise Refused("prompt", "the prompt's tokens (or salt, LoRA, media) are not those the prefill computed")
 
 
 @dataclass
@@ -501,29 +555,31 @@ class Policy:
         context: Sequence[Any] = (),
         now: float | None = None,
     ) -> None:
-        """Raise :class:`Refused` unless the decode may act on ``params`` for this prompt. Params
-        that name no block are checked field by field only: nothing is read and no connection
-        opened for them (the connector computes the prompt locally)."""
+        """Raise :class:`Refused` unless the decode may act on ``params`` for this prompt. The
+        checks run in this order, each reason pinned by a test beside a control that passes the
+        checks before it: the fields (``malformed``), the prompt against what the blocks hold
+        (``prompt``), the signature (``unsigned``, ``signature``), its end (``expired``), this
+        decode's earlier reads (``replayed``) and the side channel (``peer``). Params that name
+        no block are checked field by field only: nothing is read and no connection opened for
+        them (the connector computes the prompt locally)."""
         if not any(check_fields(params, facts)):
             return
+        check_prompt(params, facts, prompt, context)
         signed = self.keys is not None and not (self.accept_unsigned and params.get(SIG_KEY) is None)
         if signed:
-            self._verify(params, facts, prompt, context, time.time() if now is None else now)
+            self._verify(params, time.time() if now is None else now)
         if not self.connectable(params["remote_host"], params["remote_port"], signed):
             raise Refused(
                 "peer",
                 f"the side channel {params['remote_host']}:{params['remote_port']} is not among this decode's peers",
             )
 
-    def _verify(
-        self, params: Mapping[str, Any], facts: Facts, prompt: Sequence[int], context: Sequence[Any], now: float
-    ) -> None:
+    def _verify(self, params: Mapping[str, Any], now: float) -> None:
         assert self.keys is not None
-        tokens = _int(params, TOKENS_KEY, 1, facts.num_prompt_tokens)
         expires = params.get(EXPIRES_KEY)
-        if tokens is None or type(expires) not in (int, float) or not math.isfinite(expires):
-            raise Refused("unsigned", f"no {TOKENS_KEY} and {EXPIRES_KEY}: the prefill instance does not sign")
-        self.keys.verify(params, prompt if tokens == len(prompt) else prompt[:tokens], context)
+        if params.get(PROMPT_KEY) is None or type(expires) not in (int, float) or not math.isfinite(expires):
+            raise Refused("unsigned", f"no {PROMPT_KEY} and {EXPIRES_KEY}: the prefill instance does not sign")
+        self.keys.verify(params)
         if now > expires + self.clock_skew_s:
             raise Refused(
                 "expired",

@@ -20,8 +20,8 @@ from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
     DROPPED,
     EXPIRES_KEY,
+    PROMPT_KEY,
     SIG_KEY,
-    TOKENS_KEY,
     Facts,
     Keyring,
     Peers,
@@ -29,6 +29,7 @@ from kvcompose_nixl.trust import (
     Refused,
     Replays,
     TrustConfigError,
+    sign_params,
 )
 
 BLOCK_SIZE = 16
@@ -92,7 +93,7 @@ PROMPT_B = [7 + (i * 13) % 400 for i in range(70)]
 def test_a_signed_prefill_and_a_keyed_decode_pull_only_what_was_signed_for_the_prompt(keyed: Any) -> None:
     prefill, decode = keyed("kv_producer"), keyed("kv_consumer")
     params = prefilled(prefill, PROMPT_A)
-    assert {SIG_KEY, EXPIRES_KEY, TOKENS_KEY} <= params.keys() and params[TOKENS_KEY] == len(PROMPT_A)
+    assert {SIG_KEY, EXPIRES_KEY, PROMPT_KEY} <= params.keys() and params["remote_num_tokens"] == len(PROMPT_A)
     assert pulled(decode, PROMPT_A, dict(params))
     # The attacks of issue 51's table: A's params with prompt B; made-up blocks; a host of the
     # client's choosing; the same params again (replay).
@@ -101,7 +102,7 @@ def test_a_signed_prefill_and_a_keyed_decode_pull_only_what_was_signed_for_the_p
     assert not pulled(decode, PROMPT_A, {**params, "remote_host": "10.9.9.9"})
     assert not pulled(decode, PROMPT_A, dict(params))  # already read once here
     refused = decode.connector.refused_params
-    assert refused == {"signature": 3, "replayed": 1}
+    assert refused == {"prompt": 1, "signature": 2, "replayed": 1}
 
 
 def test_a_keyed_decode_refuses_unsigned_and_foreign_keys_unless_told(keyed: Any) -> None:
@@ -142,6 +143,8 @@ MALFORMED: dict[str, dict[str, Any]] = {
     "engine id a mapping": {"remote_engine_id": {"a": 1}},
     "block ids an int": {"remote_block_ids": 7},
     "more blocks than the prompt": {"remote_block_ids": list(range(50))},
+    "fewer blocks than the tokens": {"remote_block_ids": [0, 1, 2]},
+    "no token count": {"remote_num_tokens": None},
     "a float block id": {"remote_block_ids": [0.5]},
     "three groups for one": {"remote_block_ids": [[0], [1], [2]]},
     "port a string": {"remote_port": "5600"},
@@ -211,9 +214,7 @@ def test_client_markers_of_vllms_bookkeeping_are_dropped(keyed: Any) -> None:
 def test_expired_signatures_are_refused_and_skew_is_allowed() -> None:
     keys = Keyring.parse(KEY, "test")
     params = decode_params(PROMPT_A)
-    params[EXPIRES_KEY] = 1000.0
-    params[TOKENS_KEY] = len(PROMPT_A)
-    params[SIG_KEY] = keys.sign(params, PROMPT_A)
+    sign_params(params, PROMPT_A, (), keys, 1000)
     facts = Facts(BLOCK_SIZE, 1, 1, len(PROMPT_A))
     Policy(keys, False, None).screen(params, facts, PROMPT_A, now=1005.0)
     with pytest.raises(Refused) as refused:
@@ -240,13 +241,12 @@ def test_a_signature_survives_a_json_re_encoding_that_moves_a_double_by_one_ulp(
 
     keys = Keyring.parse(KEY, "test")
     params = {**decode_params(PROMPT_A), "remote_blocks_expiry_time": 12345.678901234567}
-    params[EXPIRES_KEY], params[TOKENS_KEY] = 2_000_000_000, len(PROMPT_A)
-    params[SIG_KEY] = keys.sign(params, PROMPT_A)
+    sign_params(params, PROMPT_A, (), keys, 2_000_000_000)
     routed = json.loads(json.dumps(params))
     routed["remote_blocks_expiry_time"] = math.nextafter(params["remote_blocks_expiry_time"], math.inf)
-    keys.verify(routed, PROMPT_A)
+    keys.verify(routed)
     with pytest.raises(Refused):  # a lease moved by more than a millisecond is another lease
-        keys.verify({**routed, "remote_blocks_expiry_time": params["remote_blocks_expiry_time"] + 0.01}, PROMPT_A)
+        keys.verify({**routed, "remote_blocks_expiry_time": params["remote_blocks_expiry_time"] + 0.01})
 
 
 def test_keys_and_peers_refuse_what_does_not_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
@@ -607,7 +607,7 @@ def test_a_refused_request_fails_under_fail_and_is_computed_under_recompute_with
         (prompt_b, dict(params)),  # A's params, B's prompt
         (prompt_a, {**params, "remote_host": "10.9.9.9", "remote_port": 5600}),  # a host of the client's
         (prompt_a, {**params, "remote_block_ids": "0,1"}),  # one malformed field
-        (prompt_b, {k: v for k, v in params.items() if k not in (SIG_KEY, EXPIRES_KEY, TOKENS_KEY)}),  # unsigned
+        (prompt_b, {k: v for k, v in params.items() if k not in (SIG_KEY, EXPIRES_KEY, PROMPT_KEY)}),  # unsigned
     ]
     transfers = len(worker.nixl_wrapper.called("transfer"))
     refused: Counter[str] = Counter()
@@ -619,11 +619,11 @@ def test_a_refused_request_fails_under_fail_and_is_computed_under_recompute_with
         else:  # computed here at once, as a local prompt: no load, nothing failed
             assert not failed and dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED
             assert len(dreq.output_token_ids) == 2 and dreq.num_computed_tokens >= len(prompt)
-    assert refused == {"signature": 2, "malformed": 1, "unsigned": 1}
+    assert refused == {"prompt": 1, "signature": 1, "malformed": 1, "unsigned": 1}
     outcome = "the request fails (load_failure: fail)" if policy == "fail" else "computed here instead"
     told = [r.getMessage() for r in caplog.records if "kv_transfer_params refused" in r.getMessage()]
     # Once per reason and source (the second names the client's host).
-    reasons = ("signature", "signature", "malformed", "unsigned")
+    reasons = ("prompt", "signature", "malformed", "unsigned")
     assert len(told) == len(reasons)
     for message, reason in zip(told, reasons, strict=True):
         assert f"kv_transfer_params refused ({reason}), {outcome}: " in message
