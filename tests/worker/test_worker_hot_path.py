@@ -72,14 +72,21 @@ def test_idle_step_reports_nothing_and_a_report_still_goes_through(kvcompose_wor
 
 
 @contextmanager
-def runs_of(code: CodeType) -> Iterator[list[FrameType]]:
-    """The frames of ``code`` that start while the block runs."""
+def runs_of(*codes: CodeType) -> Iterator[list[FrameType]]:
+    """The frames of any of ``codes`` that start while the block runs, in call order.
+
+    One profile hook watches them all: ``sys.setprofile`` holds a single hook, so a ``runs_of``
+    inside another would replace the outer one's and leave it seeing nothing; it refuses to.
+    """
+    watched = {id(code) for code in codes}  # by identity: equal code objects of other functions are not these
     frames: list[FrameType] = []
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is code:
+        if event == "call" and id(frame.f_code) in watched:
             frames.append(frame)
 
+    if sys.getprofile() is not None:
+        raise RuntimeError("runs_of: a profile hook is already set; watch every code object in one runs_of")
     sys.setprofile(profile)
     try:
         yield frames
@@ -94,9 +101,9 @@ def test_a_childs_empty_per_layer_hooks_are_not_called(kvcompose_worker: Factory
     # vLLM's CPU-offload connector saves nothing per layer: its hooks are empty bodies, and its plugin says so.
     assert has_empty_body(host.save_kv_layer) and has_empty_body(host.wait_for_layer_load)
     before = len(rec.called("save_kv_layer"))
-    with runs_of(host.save_kv_layer.__func__.__code__) as saves, runs_of(host.wait_for_layer_load.__func__.__code__):
+    with runs_of(host.save_kv_layer.__func__.__code__, host.wait_for_layer_load.__func__.__code__) as runs:
         h.step(meta)
-    assert saves == []
+    assert [frame.f_code.co_name for frame in runs] == []
     assert len(rec.called("save_kv_layer")) - before == 2  # the child with a body: every layer
 
 
@@ -107,6 +114,6 @@ def test_tracing_calls_every_child_even_an_empty_hook(
     h = kvcompose_worker(MIXED, num_layers=2)
     meta = h.idle_metadata()
     host = inspector.child(h.connector, "host")
-    with runs_of(host.save_kv_layer.__func__.__code__) as saves:
+    with runs_of(host.save_kv_layer.__func__.__code__, host.wait_for_layer_load.__func__.__code__) as runs:
         h.step(meta)
-    assert len(saves) == 2
+    assert [frame.f_code.co_name for frame in runs] == ["wait_for_layer_load", "save_kv_layer"] * 2  # per layer
