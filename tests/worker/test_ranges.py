@@ -88,16 +88,23 @@ def decode(d: WorkerHarness, prompt: list[int], params: dict[str, Any]) -> Reque
     return req
 
 
-def until_loaded(d: WorkerHarness, req: Request, steps: int = 8) -> tuple[set[int], set[str]]:
+def until_loaded(
+    d: WorkerHarness, req: Request, p: WorkerHarness, steps: int = 8, released: set[str] | None = None
+) -> tuple[set[int], set[str]]:
     """Engine steps until vLLM's scheduler sees the request's load complete; the invalid blocks
     and failed loads the worker reported on the way (a child may report before the barrier).
-    The host tier copies on its own thread, so its part may land a few steps (and moments) later."""
+    The host tier copies on its own thread, so its part may land a few steps (and moments) later.
+    The prefill instance ``p`` steps beside the decode, as a running one does: it answers the
+    decode's read (its blocks were held for it) and frees them; ``released`` collects its frees."""
     invalid: set[int] = set()
     failed: set[str] = set()
     loaded = False
 
     def seen(_outs: list[SchedulerOutput]) -> bool:
         nonlocal invalid, failed, loaded
+        p.engine_step()
+        if released is not None:
+            released.update(p.last_output.finished_sending or ())
         out = d.last_output
         assert out is not None
         invalid |= out.invalid_block_ids or set()
@@ -157,15 +164,15 @@ def test_host_prefix_then_the_rest_over_nixl(pd: tuple[WorkerHarness, WorkerHarn
     # vLLM's prompt_tokens_by_source: each contributor's own tokens, under its own source.
     assert conn.get_external_cache_hit_sources(req, 191) == {CacheHitSource.HOST: 128, CacheHitSource.P2P: 63}
 
-    until_loaded(d, req)
+    released: set[str] = set()
+    until_loaded(d, req, p, released=released)
     assert_blocks_hold(d, req, turn2, 6)
     assert scheduled(d, req) == 1  # 4 blocks + 63 tokens loaded, the last one computed
     d.engine_step()
     d.drain()
     assert_scheduler_empty(d.scheduler)
-    # The decode's read notified the prefill instance, which frees its blocks.
-    p.engine_step()
-    assert p.last_output.finished_sending == {preq.request_id}
+    # The decode's read notified the prefill instance, which freed its blocks.
+    assert released == {preq.request_id}
     assert_scheduler_empty(p.scheduler)
 
 
@@ -179,7 +186,7 @@ def test_host_covers_every_full_block_and_nixl_the_partial_tail(pd: tuple[Worker
     out, _ = d.engine_step()
     (pull,) = out.kv_connector_metadata.children["pd"].reqs_to_recv[req.request_id].local_block_ids
     assert list(pull) == block_ids(d, req)[4:5]  # one block: the tail
-    until_loaded(d, req)
+    until_loaded(d, req, p)
     assert_blocks_hold(d, req, turn2, 4)
     assert scheduled(d, req) == 1  # 128 from host, 19 pulled, 1 computed
 
@@ -197,10 +204,10 @@ def test_host_covers_the_whole_prompt_and_the_prefill_instance_is_freed_at_once(
     assert inspector.loaders(d.scheduler.connector, req.request_id) == ("host",)
     # NIXL was told 0 tokens: it reads nothing and notifies the prefill instance.
     assert out.kv_connector_metadata.children["pd"].reqs_to_recv[req.request_id].local_block_ids == ()
-    until_loaded(d, req)
+    released: set[str] = set()
+    until_loaded(d, req, p, released=released)
     assert_blocks_hold(d, req, prompt, 4)
-    p.engine_step()
-    assert p.last_output.finished_sending == {preq.request_id}  # not at lease expiry
+    assert released == {preq.request_id}  # not at lease expiry
     assert_scheduler_empty(p.scheduler)
     assert p.scheduler.kv_cache_manager.usage == 0
     assert scheduled(d, req) == 1
@@ -219,7 +226,7 @@ def test_a_failed_nixl_range_invalidates_only_its_blocks_and_recompute_keeps_the
     fake_nixl.fail_next("err")
     d.engine_step()
     ids = block_ids(d, req)
-    invalid, failed = until_loaded(d, req)
+    invalid, failed = until_loaded(d, req, p)
     assert failed == {req.request_id}
     assert invalid == set(ids[4:6])  # NIXL's range only
     assert_blocks_hold(d, req, turn2, 4)  # the host tier's range stays
@@ -236,7 +243,7 @@ def test_a_failed_nixl_range_under_fail_ends_the_request_with_an_error(
     _, params = prefill(p, turn2)
     req = decode(d, turn2, params)
     fake_nixl.fail_next("err")
-    until_loaded(d, req)
+    until_loaded(d, req, p)
     assert req.is_finished() and req.get_finished_reason().name == "ERROR"
     d.drain()
     assert_scheduler_empty(d.scheduler)
@@ -258,7 +265,7 @@ def test_a_failed_host_range_invalidates_only_its_blocks(fake_nixl: FakeNixl) ->
     ids = block_ids(d, req)
     assert list(out.kv_connector_metadata.children["pd"].reqs_to_recv[req.request_id].local_block_ids[0]) == ids[4:6]
     early = set(d.last_output.invalid_block_ids or ())  # the host tier failed at once
-    invalid, failed = until_loaded(d, req)  # the barrier: both ranges reported, one failed
+    invalid, failed = until_loaded(d, req, p)  # the barrier: both ranges reported, one failed
     assert failed == {req.request_id}
     assert early | invalid == set(ids[:4])
     for k in (4, 5):  # NIXL's range arrived
@@ -311,7 +318,7 @@ def test_a_prompt_shorter_than_a_block_is_pulled_whole(pd: tuple[WorkerHarness, 
     req = decode(d, prompt, params)
     d.engine_step()
     assert inspector.loaders(d.scheduler.connector, req.request_id) == ("pd",)
-    until_loaded(d, req)
+    until_loaded(d, req, p)
     assert scheduled(d, req) == 1
 
 
@@ -337,7 +344,7 @@ def test_a_preemption_during_the_load_leaves_the_ranges_whole(fake_nixl: FakeNix
         if other.status == RequestStatus.PREEMPTED:
             break
     assert other.status == RequestStatus.PREEMPTED and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    more, failed = until_loaded(d, req, steps=20)
+    more, failed = until_loaded(d, req, p, steps=20)
     assert not invalid | more and not failed
     assert_blocks_hold(d, req, turn2, 6)
     assert scheduled(d, req) == 1

@@ -94,7 +94,14 @@ from kvcompose_nixl import (
 )
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import ask_patiently
-from kvcompose_nixl.lease import ANSWERING_ATTR, answering_engine, stamp, watch_leases
+from kvcompose_nixl.lease import (
+    ANSWERING_ATTR,
+    READ_ANSWERS_ATTR,
+    answering_engine,
+    answers_reads,
+    stamp,
+    watch_leases,
+)
 from kvcompose_nixl.plugin import DEFAULT_LEASE_SECONDS, INTERNAL_PARAM_KEYS, PARAM_KEYS
 from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
@@ -307,6 +314,8 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         )
         #: Prefill engines that answer lease questions, from their requests' params (scheduler).
         self._answering: set[str] = set()
+        #: Requests whose prefill answers each read, until their read is queued (scheduler).
+        self._reads_answered: set[str] = set()
         self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         #: Requests whose P/D params this decode refused, by reason (:data:`kvcompose_nixl.trust.REASONS`).
@@ -342,6 +351,8 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
             log.debug("%s: remote prefill without remote blocks; computing it locally", request.request_id)
         elif (engine := answering_engine(params)) is not None:
             self._answering.add(engine)
+            if answers_reads(params):
+                self._reads_answered.add(request.request_id)
 
     def _screen(self, request: Request, params: dict[str, Any]) -> None:
         """Refuse ``params`` unless :class:`~kvcompose_nixl.trust.Policy` takes them for this
@@ -383,6 +394,11 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         beats = getattr(meta, "heartbeat_by_engine", None)
         if beats and self._answering:
             setattr(meta, ANSWERING_ATTR, {e for e in beats if e in self._answering})
+        if self._reads_answered and meta.reqs_to_recv:
+            answered = {r for r in meta.reqs_to_recv if r in self._reads_answered}
+            if answered:
+                setattr(meta, READ_ANSWERS_ATTR, answered)
+                self._reads_answered -= answered
         if self._refused_allocated:
             setattr(meta, REFUSED_ATTR, self._refused_allocated)
             self._refused_allocated = {}
@@ -459,6 +475,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         if self._refused:
             self._refused.pop(request.request_id, None)
         if request.kv_transfer_params:  # most requests have none: no call then
+            self._reads_answered.discard(request.request_id)
             self._forget_unserved_prefill(request)
         delay, params = super().request_finished(request, block_ids)
         if delay:
@@ -475,6 +492,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         if self._refused:  # refused under fail and aborted before it was allocated
             self._refused.pop(request.request_id, None)
         if request.kv_transfer_params:  # most requests have none: no call then
+            self._reads_answered.discard(request.request_id)
             self._forget_unserved_prefill(request)
         delay, params = super().request_finished_all_groups(request, block_ids)
         if delay:

@@ -81,6 +81,8 @@ RELEASED = "NIXL release without a read:"
 #: The attribute of vLLM's ``NixlConnectorMetadata`` that carries, from the decode's scheduler to
 #: its workers, the prefill engines of this step's heartbeats that answer lease questions.
 ANSWERING_ATTR = "kvcompose_lease_answering"
+#: ... and the requests of this step's reads whose prefill answers each read (:data:`READS`).
+READ_ANSWERS_ATTR = "kvcompose_read_answers"
 
 #: The protocol's notifications, prefixed so that they are taken out before vLLM reads its own;
 #: each kind is as long as :data:`HELLO`.
@@ -91,6 +93,15 @@ HELLO = PREFIX + b"hello:"
 ASK = PREFIX + b"lease?"
 #: prefill -> decode: + msgpack ``[question number, {prefill request id: seconds left}]``.
 ANSWER = PREFIX + b"lease="
+#: prefill -> decode: + msgpack ``[[prefill request id, held], ...]``: whether each of the
+#: decode agent's read notifications found the request's blocks still held for it.
+READS = PREFIX + b"reads="
+#: What a prefill stamps in :data:`~kvcompose_nixl.LEASE_ANSWERS_KEY`: 1, it answers lease
+#: questions; 2, it also answers every read (:data:`READS`), and its decodes wait for that answer.
+PROTOCOL = 2
+#: The longest a decode waits for the prefill's answer to a finished read before it counts the
+#: read failed (the prompt is then computed here): the prefill answers at its next worker step.
+READ_ANSWER_WAIT_S = 10.0
 #: A question unanswered this long is forgotten (a late answer is then ignored: the safe side).
 FORGET_S = 300.0
 #: The most request ids one question names, and questions a prefill keeps waiting for its step.
@@ -106,6 +117,7 @@ _VLLMS_NOTIF = re.compile(rf"HB:{_ID}(?:,{_ID})*|.{{1,{MAX_ID_CHARS}}}:[1-9][0-9
 _encode = msgspec.msgpack.Encoder().encode
 _questions = msgspec.msgpack.Decoder(tuple[int, list[str]])
 _answers = msgspec.msgpack.Decoder(tuple[int, dict[str, float]])
+_read_answers = msgspec.msgpack.Decoder(list[tuple[str, bool]])
 
 
 def vllms_own(msg: bytes) -> bool:
@@ -132,13 +144,19 @@ def stamp(scheduler: Any, request_id: str, params: dict[str, Any] | None) -> Non
     expires = scheduler._reqs_need_send.get(request_id)
     if expires is not None:
         params[EXPIRY_KEY] = expires
-        params[LEASE_ANSWERS_KEY] = 1
+        params[LEASE_ANSWERS_KEY] = PROTOCOL
 
 
 def answering_engine(params: dict[str, Any]) -> str | None:
     """The prefill engine of a decode request's ``params`` when it answers lease questions."""
     engine = params.get("remote_engine_id")
     return str(engine) if engine is not None and params.get(LEASE_ANSWERS_KEY) else None
+
+
+def answers_reads(params: dict[str, Any]) -> bool:
+    """Whether the prefill of a decode request's ``params`` answers each read (:data:`READS`)."""
+    version = params.get(LEASE_ANSWERS_KEY)
+    return type(version) is int and version >= PROTOCOL
 
 
 def _name(agent: str | bytes) -> str:
@@ -166,7 +184,12 @@ def watch_leases(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0
     ``keys``: the deployment key, if any; ``lease_s``: the most seconds an answer may grant."""
     messages = _Messages(keys)
     watch, desk = LeaseWatch(worker, messages, lease_s), LeaseDesk(worker, messages)
-    handlers: dict[bytes, Callable[[str, bytes], None]] = {HELLO: desk.hello, ASK: desk.asked, ANSWER: watch.answered}
+    handlers: dict[bytes, Callable[[str, bytes], None]] = {
+        HELLO: desk.hello,
+        ASK: desk.asked,
+        ANSWER: watch.answered,
+        READS: watch.reads_answered,
+    }
     get_new_notifs = worker.nixl_wrapper.get_new_notifs
 
     def vllms_notifs(*args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
@@ -174,6 +197,7 @@ def watch_leases(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0
         if not notifs:
             return notifs  # type: ignore[no-any-return]
         kept: dict[str, list[bytes]] = {}
+        reads: list[tuple[str, str]] = []
         for agent, msgs in notifs.items():
             for msg in msgs:
                 if msg.startswith(PREFIX):
@@ -184,8 +208,12 @@ def watch_leases(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0
                         handler(_name(agent), msg)
                 elif vllms_own(msg):
                     kept.setdefault(agent, []).append(msg)
+                    if not msg.startswith(b"HB:"):
+                        reads.append((_name(agent), msg.decode()))
                 else:
                     drop("NIXL notification vLLM cannot parse", f"from {_name(agent)}: {msg[:40]!r}")
+        if reads:  # before vLLM counts them: which find their blocks held
+            desk.reads(reads)
         return kept
 
     worker.nixl_wrapper.get_new_notifs = vllms_notifs
@@ -196,8 +224,10 @@ def watch_leases(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0
 class _Lease:
     engine_id: str
     remote_request_id: str
-    #: the lease's first end in the prefill scheduler's clock
-    expires: float
+    #: the lease's first end in the prefill scheduler's clock (None: not stamped)
+    expires: float | None
+    #: whether the read waits for the prefill's answer that its blocks were held (:data:`READS`)
+    answered: bool = False
 
 
 class LeaseDesk:
@@ -210,6 +240,8 @@ class LeaseDesk:
         #: decode agents loaded to answer to
         self._peers: set[str] = set()
         self._questions: list[tuple[str, int, list[str]]] = []
+        #: decode agent -> (since when, [(prefill request id, held)]): read answers to send
+        self._reads: dict[str, tuple[float, list[tuple[str, bool]]]] = {}
         worker._get_new_notifs = self._answering(worker._get_new_notifs)
 
     def hello(self, agent: str, msg: bytes) -> None:
@@ -236,14 +268,56 @@ class LeaseDesk:
             return
         self._questions.append((agent, number, request_ids))
 
+    def reads(self, notifs: list[tuple[str, str]]) -> None:
+        """vLLM's read notifications (``request id:readers``) of one poll, in order, before
+        vLLM's ``_get_new_notifs`` counts them: each is held if its request's blocks are still
+        held when it arrives, as vLLM counts it (the last of a request's readers frees them; a
+        notification after that, or after the lease freed them, read blocks that may be reused)."""
+        worker = self._worker
+        counts = worker.consumer_notification_counts_by_req
+        seen: dict[str, int] = {}
+        freed: set[str] = set()
+        now = time.perf_counter()
+        for agent, msg in notifs:
+            request_id, _, readers = msg.rpartition(":")
+            held = request_id not in freed and (
+                request_id in worker._reqs_to_send or request_id in worker._reqs_to_process
+            )
+            if held:
+                seen[request_id] = seen.get(request_id, 0) + 1
+                if counts.get(request_id, 0) + seen[request_id] >= int(readers):
+                    freed.add(request_id)
+            since, answers = self._reads.setdefault(agent, (now, []))
+            if len(answers) < MAX_IDS and (agent in self._peers or len(self._reads) <= MAX_PENDING):
+                answers.append((request_id, held))
+            elif not answers:
+                del self._reads[agent]
+
     def _answering(self, get_new_notifs: Callable[[], set[str]]) -> Callable[[], set[str]]:
         def answered() -> set[str]:
             done = get_new_notifs()
             if self._questions:
                 self._answer()
+            if self._reads:
+                self._answer_reads()
             return done
 
         return answered
+
+    def _answer_reads(self) -> None:
+        """Tell each loaded decode agent whether its reads found their blocks held; keep the
+        answers of an agent whose hello has not come yet, for :data:`FORGET_S`."""
+        now = time.perf_counter()
+        for agent in list(self._reads):
+            since, answers = self._reads[agent]
+            if agent in self._peers:
+                del self._reads[agent]
+                try:
+                    self._worker.nixl_wrapper.send_notif(agent, self._messages.pack(READS, _encode(answers)))
+                except Exception as exc:  # a decode gone away: its reads count failed when it waits no more
+                    log.debug("NIXL read answers to %s not sent: %s", agent, exc)
+            elif now - since > FORGET_S:
+                del self._reads[agent]
 
     def _answer(self) -> None:
         now = time.perf_counter()
@@ -261,9 +335,11 @@ class LeaseDesk:
 
 class LeaseWatch:
     """The decode's half. Wraps three methods of vLLM's pull-mode NIXL worker, on the instance:
-    ``start_load_kv`` records each read's lease (and logs a release made without a read),
-    ``_send_heartbeats`` asks the prefill how long the beaten leases now run,
-    ``_pop_done_transfers`` fails a read that ended after its lease."""
+    ``start_load_kv`` records each read's lease (and logs a release made without a read) and
+    greets the prefill agents it reads from, ``_send_heartbeats`` asks the prefill how long the
+    beaten leases now run, ``_pop_done_transfers`` holds a finished read until the prefill
+    answered that its notification found the blocks held (:data:`READS`), and fails a read that
+    ended after its lease, was not held, or was not answered in :data:`READ_ANSWER_WAIT_S`."""
 
     def __init__(self, worker: Any, messages: _Messages, lease_s: float) -> None:
         self._worker = worker
@@ -276,8 +352,15 @@ class LeaseWatch:
         self._asked: dict[int, tuple[str, float, frozenset[str]]] = {}
         self._numbers = itertools.count(1)
         self._greeted: set[str] = set()
+        #: prefill request id -> prefill agent -> whether its answer says the read found the blocks held
+        self._read_answers: dict[str, dict[str, bool]] = {}
+        #: finished reads waiting for the prefill's answer, since when (our clock)
+        self._awaiting: dict[str, float] = {}
         #: Reads reported failed because they ended after their lease.
         self.late_reads = 0
+        #: Reads reported failed because the prefill did not hold their blocks for them (another
+        #: reader, or the lease, freed them first) or did not say so in time.
+        self.unheld_reads = 0
         worker.start_load_kv = self._recording(worker.start_load_kv)
         worker._send_heartbeats = self._asking(worker._send_heartbeats)
         worker._pop_done_transfers = self._checking(worker._pop_done_transfers)
@@ -287,7 +370,7 @@ class LeaseWatch:
         blocks as far as this decode knows: the stamped end, or a later one its answers gave.
         ``None`` when the prefill did not stamp it or no handshake measured the offset."""
         lease = self._leases.get(request_id)
-        if lease is None:
+        if lease is None or lease.expires is None:
             return None
         offset = self._worker._engine_clock_offset.get(lease.engine_id)
         if offset is None:
@@ -326,19 +409,73 @@ class LeaseWatch:
             # An answer grants at most one lease from the question: no more than a prefill can hold.
             per_agent[agent] = max(per_agent.get(agent, asked_at), asked_at + min(seconds, self._lease_s))
 
+    def reads_answered(self, agent: str, msg: bytes) -> None:
+        """The prefill agent's answers to this decode's reads: whether each found its blocks held."""
+        body = self._messages.unpack(msg)
+        try:
+            if body is None:
+                raise ValueError
+            answers = _read_answers.decode(body)
+        except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
+            drop("NIXL read answer that is not authenticated or does not parse", f"from {agent}")
+            return
+        for request_id, held in answers:
+            per_agent = self._read_answers.get(request_id)
+            if per_agent is not None:  # a read of ours that waits: a "not held" is never undone
+                per_agent[agent] = held and per_agent.get(agent, True)
+
     def _recording(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
         def recorded(metadata: Any) -> None:
+            answering = getattr(metadata, READ_ANSWERS_ATTR, None) or ()
             for req_id, meta in metadata.reqs_to_recv.items():
                 remote = meta.remote
                 if remote is None:
                     continue
                 if not any(meta.local_block_ids):  # only notifies the prefill: nothing read, nothing computed
                     vllm_log.info("%s %s (prefill request %s)", RELEASED, req_id, remote.request_id)
-                elif remote.blocks_expiry_time is not None:
-                    self._leases[req_id] = _Lease(remote.engine_id, remote.request_id, remote.blocks_expiry_time)
+                elif remote.blocks_expiry_time is not None or req_id in answering:
+                    answered = req_id in answering
+                    self._leases[req_id] = _Lease(
+                        remote.engine_id, remote.request_id, remote.blocks_expiry_time, answered
+                    )
+                    if answered:
+                        self._read_answers.setdefault(remote.request_id, {})
+            # Before vLLM's reads: the prefill loads this decode's agent to answer them.
+            for engine in {lease.engine_id for lease in self._leases.values() if lease.answered}:
+                self._greet(engine)
             start_load_kv(metadata)
 
         return recorded
+
+    def _greet(self, engine: str) -> None:
+        """Send each agent of the prefill ``engine`` this decode's connection metadata (:data:`HELLO`,
+        sealed with a key), once: it answers to loaded agents only."""
+        agents = self._worker._remote_agents.get(engine)
+        if not agents:
+            return  # the handshake is still pending
+        wrapper = self._worker.nixl_wrapper
+        for agent in map(_name, agents.values()):
+            if agent in self._greeted:
+                continue
+            hello = connection_metadata(wrapper)
+            keys = self._messages.keys
+            try:
+                wrapper.send_notif(agent, HELLO + (keys.seal(hello) if keys is not None else hello))
+            except Exception as exc:  # asked again at the next read or beat
+                log.debug("NIXL hello to %s not sent: %s", agent, exc)
+                continue
+            self._greeted.add(agent)
+
+    def _held_for_us(self, lease: _Lease) -> bool | None:
+        """Whether every agent of the lease's prefill answered that the read found the blocks held:
+        True, False (one said not), or None (not every one answered yet)."""
+        answers = self._read_answers.get(lease.remote_request_id, {})
+        if not all(answers.values()):
+            return False
+        agents = self._worker._remote_agents.get(lease.engine_id)
+        if not agents or any(_name(a) not in answers for a in agents.values()):
+            return None
+        return True
 
     def _asking(self, send_heartbeats: Callable[[Any], None]) -> Callable[[Any], None]:
         def asked(metadata: Any) -> None:
@@ -359,14 +496,12 @@ class LeaseWatch:
             if info is None or not agents:
                 continue  # no beat, or the handshake is still pending (vLLM sent none either)
             question = sorted(info.req_ids)
+            self._greet(engine)
             for agent in map(_name, agents.values()):
                 number = next(self._numbers)
                 try:
                     if agent not in self._greeted:
-                        hello = connection_metadata(wrapper)
-                        keys = self._messages.keys
-                        wrapper.send_notif(agent, HELLO + (keys.seal(hello) if keys is not None else hello))
-                        self._greeted.add(agent)
+                        continue  # its hello was not sent: it could not answer
                     wrapper.send_notif(agent, self._messages.pack(ASK, _encode((number, question))))
                 except Exception as exc:  # as vLLM's beats: the read stays checked against what is known
                     log.debug("NIXL lease question to %s not sent: %s", agent, exc)
@@ -406,13 +541,53 @@ class LeaseWatch:
                         lease.remote_request_id,
                         now - end,
                     )
+            if self._read_answers:  # after the lease's check: a late read fails at once
+                self._hold_until_answered(done, failed, now)
             for req_id in done | failed:
-                lease = self._leases.pop(req_id, None)
-                if lease is not None:
-                    self._held.pop(lease.remote_request_id, None)
+                self._forget_read(req_id)
             if len(self._leases) > len(self._worker._recving_metadata):  # reads vLLM dropped (aborts)
                 for req_id in [r for r in self._leases if r not in self._worker._recving_metadata]:
-                    self._held.pop(self._leases.pop(req_id).remote_request_id, None)
+                    self._forget_read(req_id)
             return done, failed
 
         return checked
+
+    def _forget_read(self, req_id: str) -> None:
+        lease = self._leases.pop(req_id, None)
+        self._awaiting.pop(req_id, None)
+        if lease is not None:
+            self._held.pop(lease.remote_request_id, None)
+            self._read_answers.pop(lease.remote_request_id, None)
+
+    def _hold_until_answered(self, done: set[str], failed: set[str], now: float) -> None:
+        """Take out of ``done`` each finished read that waits for the prefill's answer; put back
+        those answered held, and into ``failed`` those answered not held or not answered in
+        :data:`READ_ANSWER_WAIT_S` (vLLM marks their blocks invalid: the prompt is computed here)."""
+        for req_id in done - failed:
+            lease = self._leases.get(req_id)
+            if lease is not None and lease.answered:
+                done.discard(req_id)
+                self._awaiting[req_id] = now
+                self._worker._send_pending_recv_notifs(req_id)  # split reads notify only when done
+                self._greet(lease.engine_id)
+        for req_id, since in list(self._awaiting.items()):
+            lease = self._leases[req_id]
+            held = self._held_for_us(lease)
+            if held is None and now - since <= READ_ANSWER_WAIT_S:
+                continue
+            del self._awaiting[req_id]
+            if held:
+                done.add(req_id)
+                continue
+            failed.add(req_id)
+            self.unheld_reads += 1
+            log.warning(
+                "%s %s (prefill request %s): %s; the blocks may hold another request's KV: the load counts as failed",
+                REFUSED,
+                req_id,
+                lease.remote_request_id,
+                "the prefill answered that its blocks were no longer held for this read (another reader or the "
+                "lease freed them first)"
+                if held is False
+                else f"the prefill did not answer in {READ_ANSWER_WAIT_S:g} s whether its blocks were held",
+            )

@@ -234,7 +234,15 @@ def test_pd_read_through_host_buffers_with_a_host_tier_beside_nixl(fake_nixl: Fa
     d.scheduler.add_request(
         make_request(len(prompt), block_size=BLOCK, prompt=prompt, request_id="D", kv_transfer_params=params)
     )
-    d.step_until(lambda _: d.last_output is not None and "D" in (d.last_output.finished_recving or ()), "no load")
+    released: set[str] = set()
+
+    def loaded(_: object) -> bool:
+        p.engine_step()  # the prefill answers the read (its blocks were held for it) and frees them
+        released.update(p.last_output.finished_sending or ())
+        return d.last_output is not None and "D" in (d.last_output.finished_recving or ())
+
+    d.step_until(loaded, "no load")
+    assert not d.last_output.failed_recving
     (ids,) = d.scheduler.kv_cache_manager.get_block_ids("D")
     assert isinstance(d.copy_op, CopyLog) and d.copy_op.blocks("h2d") == list(ids)
     assert d.copy_op.nbytes("h2d") == p.copy_op.nbytes("d2h")
@@ -244,5 +252,4 @@ def test_pd_read_through_host_buffers_with_a_host_tier_beside_nixl(fake_nixl: Fa
     d.step_until(lambda _: not d.scheduler.requests, "decode did not finish", eos=True)
     d.drain()
     assert_scheduler_empty(d.scheduler)
-    p.engine_step()
-    assert p.last_output.finished_sending == {"P"}
+    assert released == {"P"}

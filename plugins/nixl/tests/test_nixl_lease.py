@@ -15,7 +15,7 @@ from kvcompose.testing.harness import make_request, prefill_request
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S, LEASE_ANSWERS_KEY
 from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
-from kvcompose_nixl.lease import ASK, HELLO, PREFIX, RELEASED
+from kvcompose_nixl.lease import ASK, HELLO, PREFIX, PROTOCOL, RELEASED
 from kvcompose_nixl.testing.fake_nixl import PRODUCER, FakeNixl, nixl_worker
 from kvcompose_nixl.testing.prefill_process import PrefillProcess
 from kvcompose_nixl.testing.side_channel import LateListener, pulled
@@ -109,7 +109,7 @@ def test_a_read_queued_past_its_first_deadline_is_taken_when_the_prefill_answere
     _, eco = p.engine_step()
     (out,) = [o for e in eco.values() for o in e.outputs]
     params = out.kv_transfer_params
-    assert params[LEASE_ANSWERS_KEY] == 1
+    assert params[LEASE_ANSWERS_KEY] == PROTOCOL
     expires = params["remote_blocks_expiry_time"]
     local = _queued_behind(d, 13)  # 15 usable blocks: 2 left, and the pull needs 3
     dreq = make_request(3 * BLOCK, block_size=BLOCK, prompt=req.prompt_token_ids, kv_transfer_params=params)
@@ -128,13 +128,16 @@ def test_a_read_queued_past_its_first_deadline_is_taken_when_the_prefill_answere
 
         def read(_outs: object) -> bool:
             p.engine_step()
+            released.update(p.last_output.finished_sending or ())
             out = d.last_output
             assert out is not None and not out.failed_recving, "the read was refused"
             recvd.update(out.finished_recving or ())
             return dreq.request_id in recvd
 
         d.step_until(read, "the read did not finish", timeout_s=10)
-        p.step_until(lambda _o: req.request_id in (p.last_output.finished_sending or ()), "the prefill kept the blocks")
+        # The decode took the read once the prefill answered that its notification found the
+        # blocks held: the prefill freed them on that notification, before the decode's report.
+        assert released == {req.request_id}, "the prefill kept the blocks"
     watch = d.child("pd").leases
     assert watch is not None and watch.late_reads == 0
     assert not [r for r in caplog.records if "Potentially invalid KV blocks" in r.getMessage()]

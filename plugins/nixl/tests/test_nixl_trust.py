@@ -550,15 +550,20 @@ def keyed_composition(role: str, port: int, top: str = "") -> str:
 LOADS_KEY = "kvcompose:loads"  # the composite's load counters among its stats (kvcompose.vllm.loadstats)
 
 
-def _served(d: Any, prompt: list[int], params: dict[str, Any], refused: Counter[str]) -> tuple[Any, list[Any], bool]:
-    """``prompt`` with ``params`` on the decode harness ``d``, stepped until it finished; the
-    request, its outputs, and whether the worker reported its load failed. Adds the nixl
-    child's refusals (its stats) to ``refused``."""
+def _served(
+    d: Any, prompt: list[int], params: dict[str, Any], refused: Counter[str], prefill: Any = None
+) -> tuple[Any, list[Any], bool]:
+    """``prompt`` with ``params`` on the decode harness ``d``, stepped until it finished (with the
+    ``prefill`` harness, which answers reads, stepped beside it); the request, its outputs, and
+    whether the worker reported its load failed. Adds the nixl child's refusals (its stats) to
+    ``refused``."""
     req = make_request(len(prompt), block_size=FAKE_BLOCK, prompt=prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
     outputs: list[Any] = []
     failed = False
     for _ in range(20):
+        if prefill is not None:
+            prefill.engine_step()
         _, eco = d.engine_step()
         failed = failed or req.request_id in d.last_output.failed_recving
         for e in eco.values():
@@ -631,7 +636,7 @@ def test_a_refused_request_fails_under_fail_and_is_computed_under_recompute_with
     assert handshakes == [] and len(worker.nixl_wrapper.called("transfer")) == transfers == 0
     assert not pd._refused and not pd._refused_allocated  # nothing left behind
     # The decode serves on: A with its own params is read from the prefill.
-    dreq, outputs, failed = _served(d, prompt_a, dict(params), refused)
+    dreq, outputs, failed = _served(d, prompt_a, dict(params), refused, prefill=p)
     assert dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED and not failed
     assert len(worker.nixl_wrapper.called("transfer")) == 1 and handshakes == []
     assert_scheduler_empty(d.scheduler)
@@ -663,7 +668,7 @@ def test_the_plug_in_connector_alone_fails_a_refused_request_under_vllms_default
         assert failed and dreq.status == RequestStatus.FINISHED_ERROR
     assert d.scheduler.connector.refused_params == {"peer": 1, "malformed": 1}
     assert handshakes == [] and not worker.nixl_wrapper.called("transfer")
-    dreq, _, failed = _served(d, PROMPT_A[:64], dict(params), ignored)  # its own params: read
+    dreq, _, failed = _served(d, PROMPT_A[:64], dict(params), ignored, prefill=p)  # its own params: read
     assert dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED and not failed
     assert len(worker.nixl_wrapper.called("transfer")) == 1
     assert_scheduler_empty(d.scheduler)

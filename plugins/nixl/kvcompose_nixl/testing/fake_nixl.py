@@ -371,7 +371,8 @@ class FakeNixlAgent:
         backends: list[str] = [],  # noqa: B006
     ) -> bytes:
         self._rec("get_partial_agent_metadata", inc_conn_info)
-        return self.get_agent_metadata()
+        # The class's own metadata, as NIXL's: not what a wrapper put on the instance (sealing).
+        return FakeNixlAgent.get_agent_metadata(self)
 
     def add_remote_agent(self, metadata: bytes) -> str:
         self._rec("add_remote_agent")
