@@ -586,8 +586,16 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
                 if not self._contained(i, "set_xfer_handshake_metadata_pp_aware"):
                     raise
 
-    def register_finished_partial_tail(self, request: Request) -> bool:
-        return self._any(self._calls.register_finished_partial_tail, "register_finished_partial_tail", request)
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        return self._any(
+            self._calls.register_finished_partial_tail,
+            "register_finished_partial_tail",
+            request,
+            block_ids,
+            partial_tail_offloads,
+        )
 
     def has_pending_block_frees(self) -> bool:
         return self._any(self._calls.has_pending_block_frees, "has_pending_block_frees")
