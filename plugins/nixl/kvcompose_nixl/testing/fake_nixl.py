@@ -146,18 +146,32 @@ class FakeNixl:
         NIXL's worker checks; ``host_buffer`` puts both on vLLM's host-buffer path
         (:func:`~kvcompose_nixl.testing.host_buffer.host_buffer_setting`).
         """
+        p = self._build(producer, block_size=block_size, host_buffer=host_buffer, **kw)
+        return p, self.consumer(consumer, p, block_size=block_size, host_buffer=host_buffer, **kw)
+
+    def consumer(
+        self,
+        source: str | Path | dict[str, Any],
+        producer: WorkerHarness,
+        *,
+        block_size: int = 32,
+        host_buffer: bool = False,
+        **kw: Any,
+    ) -> WorkerHarness:
+        """Another decode-side worker harness, handshaken with ``producer`` (one prefill, several
+        decodes); the arguments as :meth:`pair`'s."""
+        d = self._build(source, block_size=block_size, host_buffer=host_buffer, **kw)
+        self.handshake(d, producer)
+        return d
+
+    def _build(self, source: str | Path | dict[str, Any], *, block_size: int, host_buffer: bool, **kw: Any) -> Any:
         from kvcompose.testing.worker import WorkerHarness
         from kvcompose_nixl.testing.host_buffer import host_buffer_setting
 
-        def build(source: str | Path | dict[str, Any]) -> WorkerHarness:
-            both = {"block_size": block_size, **kw, **(host_buffer_setting() if host_buffer else {})}
-            h = WorkerHarness(source, **both) if isinstance(source, dict) else WorkerHarness.from_yaml(source, **both)
-            self._harnesses.append(h)
-            return h
-
-        p, d = build(producer), build(consumer)
-        self.handshake(d, p)
-        return p, d
+        both = {"block_size": block_size, **kw, **(host_buffer_setting() if host_buffer else {})}
+        h = WorkerHarness(source, **both) if isinstance(source, dict) else WorkerHarness.from_yaml(source, **both)
+        self._harnesses.append(h)
+        return h
 
     def handshake(self, consumer: Any, producer: Any) -> str:
         """Give ``consumer``'s NIXL worker the producer's agent, as vLLM's handshake does.
