@@ -321,6 +321,8 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         #: Requests whose P/D params this decode refused, by reason (:data:`kvcompose_nixl.trust.REASONS`).
         self.refused_params: Counter[str] = Counter()
         self._told: set[tuple[str, str]] = set()
+        #: A consumer-only instance: ``do_remote_decode`` (a prefill leg's flag) is never a client's to set.
+        self._decode_only = ktc.kv_role == "kv_consumer"
         #: Under ``kv_load_failure_policy: fail`` a refused request ends with an error (else it is
         #: computed here). The composite hands its children the engine's policy.
         self._fail_refused = ktc.kv_load_failure_policy == "fail"
@@ -339,6 +341,11 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         if params:
             for marker in INTERNAL_PARAM_KEYS:  # vLLM's own bookkeeping, never a client's to set
                 params.pop(marker, None)
+            if params.get("do_remote_decode") and self._decode_only:
+                # vLLM would hold this decode's blocks for the lease, for a reader that never comes.
+                params["do_remote_decode"] = False
+                refused = Refused("role", "do_remote_decode sent to a decode-only instance")
+                self._refuse(request, params, refused, load=False)
             if params.get("do_remote_prefill"):  # vLLM reads the fields here already, blocks or none
                 self._screen(request, params)
         super().on_new_request(request)
@@ -366,25 +373,34 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         try:
             self.trust.screen(params, facts, prompt, request_context(request))
         except Refused as refused:
-            self.refused_params[refused.reason] += 1
-            source = params.get("remote_host")
-            told = (refused.reason, source if isinstance(source, str) else "?")
-            outcome = "the request fails (load_failure: fail)" if self._fail_refused else "computed here instead"
-            if told not in self._told and len(self._told) < 1024:  # once per reason and source
-                self._told.add(told)
-                log.warning(
-                    "%s: kv_transfer_params refused (%s), %s: %s",
-                    request.request_id,
-                    refused.reason,
-                    outcome,
-                    refused.detail,
-                )
-            else:
-                log.debug("%s: kv_transfer_params refused (%s), %s", request.request_id, refused.reason, outcome)
-            for key in [k for k in params if k in PARAM_KEYS]:
-                del params[key]
-            if self._fail_refused:
-                self._refused[request.request_id] = refused.reason
+            self._refuse(request, params, refused)
+
+    def _refuse(self, request: Request, params: dict[str, Any], refused: Refused, load: bool = True) -> None:
+        """Count and log ``refused``; for a refused load (``load``), drop the P/D fields, and under
+        ``load_failure: fail`` keep the request to end with an error."""
+        self.refused_params[refused.reason] += 1
+        source = params.get("remote_host")
+        told = (refused.reason, source if isinstance(source, str) else "?")
+        outcome = "the request fails (load_failure: fail)" if self._fail_refused and load else "computed here instead"
+        if not load:
+            outcome = "served without it"
+        if told not in self._told and len(self._told) < 1024:  # once per reason and source
+            self._told.add(told)
+            log.warning(
+                "%s: kv_transfer_params refused (%s), %s: %s",
+                request.request_id,
+                refused.reason,
+                outcome,
+                refused.detail,
+            )
+        else:
+            log.debug("%s: kv_transfer_params refused (%s), %s", request.request_id, refused.reason, outcome)
+        if not load:
+            return
+        for key in [k for k in params if k in PARAM_KEYS]:
+            del params[key]
+        if self._fail_refused:
+            self._refused[request.request_id] = refused.reason
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """vLLM's metadata, naming the prefill engines of this step's heartbeats that answer

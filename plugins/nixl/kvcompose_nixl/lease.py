@@ -470,12 +470,13 @@ class LeaseWatch:
         """Whether every agent of the lease's prefill answered that the read found the blocks held:
         True, False (one said not), or None (not every one answered yet)."""
         answers = self._read_answers.get(lease.remote_request_id, {})
-        if not all(answers.values()):
-            return False
         agents = self._worker._remote_agents.get(lease.engine_id)
-        if not agents or any(_name(a) not in answers for a in agents.values()):
+        if not agents:
             return None
-        return True
+        told = [answers.get(_name(a)) for a in agents.values()]  # another agent's answer counts for nothing
+        if False in told:
+            return False
+        return None if None in told else True
 
     def _asking(self, send_heartbeats: Callable[[Any], None]) -> Callable[[Any], None]:
         def asked(metadata: Any) -> None:

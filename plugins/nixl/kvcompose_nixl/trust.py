@@ -89,6 +89,7 @@ REASONS = (
     "signature",  # a signature that does not verify: another key, a changed field
     "expired",  # signed longer ago than the prefill's lease
     "replayed",  # params this decode already took
+    "role",  # do_remote_decode sent to a decode-only instance (it would hold its blocks for nobody)
 )
 
 _encode = msgspec.msgpack.Encoder().encode

@@ -672,3 +672,25 @@ def test_the_plug_in_connector_alone_fails_a_refused_request_under_vllms_default
     assert dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED and not failed
     assert len(worker.nixl_wrapper.called("transfer")) == 1
     assert_scheduler_empty(d.scheduler)
+
+
+@pytest.mark.parametrize("module", [OURS, None], ids=["kvcompose", "vllm"])
+def test_do_remote_decode_sent_to_a_decode_holds_nothing(keyed: Any, module: str | None) -> None:
+    """A client that reaches a decode's API with ``do_remote_decode`` (a prefill leg's flag): vLLM's
+    own decode holds the request's blocks for the lease after it finished, for a reader that never
+    comes (a client can fill its KV cache so); kvcompose's decode-only instance drops the flag
+    (reason ``role``) and frees them at once, having served the request."""
+    decode = keyed("kv_consumer", key=None, module=module)
+    request = make_request(
+        64, block_size=BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False}
+    )
+    decode.add_request(request)
+    for _ in range(3):
+        step(decode)
+    assert request.is_finished()
+    held = request.request_id in decode.requests
+    if module is None:
+        assert held and decode.kv_cache_manager.usage > 0
+    else:
+        assert not held and decode.kv_cache_manager.usage == 0
+        assert decode.connector.refused_params == {"role": 1}
