@@ -147,7 +147,7 @@ def effective_capabilities() -> int:
 
 def unavailable() -> str | None:
     """Why hosts cannot be made here, in one line; None where they can (root, with ``ip`` and
-    ``tc``). The tests that need hosts skip with this line."""
+    ``tc``). The tests that need hosts skip with this line (:func:`skip_reason`)."""
     caps = effective_capabilities()
     missing = [name for name, bit in _CAPS.items() if not caps >> bit & 1]
     if missing:
@@ -161,6 +161,22 @@ def unavailable() -> str | None:
             f"network namespaces need iproute2 ({', '.join(tools)} not found): the two-host kit and its tests are off"
         )
     return None
+
+
+#: Set to ``1`` where the tests that make hosts must run (CI: ``.ci/run``); there they are not
+#: skipped where namespaces cannot be made, they fail (:func:`skip_reason`).
+REQUIRE_ENV = "KVCOMPOSE_REQUIRE_HOSTS"
+
+
+def skip_reason() -> str | None:
+    """Why a test module that makes hosts skips here, for its ``skipif``: :func:`unavailable`'s
+    line, or None where hosts can be made. Where ``$KVCOMPOSE_REQUIRE_HOSTS`` is ``1`` it is None
+    too: the tests run, and where namespaces cannot be made they fail when they make their hosts
+    (:class:`HostsUnavailable`, with the same line), so that a CI runner without root fails the
+    run instead of skipping them."""
+    if os.environ.get(REQUIRE_ENV) == "1":
+        return None
+    return unavailable()
 
 
 def _run(argv: Sequence[str], check: bool = True) -> str:
