@@ -6,9 +6,14 @@ any pod on a flat cluster network reaches: both HTTP APIs and the prefill's NIXL
 It does what a client of those ports can do:
 
 * asks the prefill for real ``kv_transfer_params`` (its own requests), then offers them, altered
-  or not, to the decode with other prompts (:data:`MALFORMED`, :func:`decode_attacks`);
+  or not, to the decode: with a field out of type, range or fit, each with the params' own prompt
+  so that only the field check stands between it and a read (:data:`MALFORMED`, :data:`MISFITS`),
+  beside the same params unaltered (the control, pulled); unaltered, with a prompt other than the
+  one the prefill computed (:data:`PROMPT_ATTACKS`, issue 60: longer, shorter, one token changed,
+  another prompt; each with fresh params); with a field the signature covers changed
+  (:func:`decode_attacks`);
 * names its own address as a prefill's side channel, and counts the connections it gets;
-* replays params after the prefill's lease;
+* replays params the decode already read, and params after the prefill's lease;
 * sends garbage, oversized and unknown frames to the side channel, then asks it as vLLM does;
 * given a prefill's NIXL agent metadata (a leak: the test opens the sealed one with the key),
   sends the prefill NIXL notifications (:data:`NOTIFICATIONS`) and listens for an answer.
@@ -32,14 +37,15 @@ from typing import Any
 
 import msgspec
 
-from kvcompose_tools.e2e.flow import decode_request, drop_prefix_cache
+from kvcompose_tools.e2e.flow import decode_request, drop_prefix_cache, token_prompt
 from kvcompose_tools.e2e.server import ServerClient
 
 #: The decode's refusals (the nixl child's ``refused_params``, by reason).
 REFUSED = "vllm:kvcompose_refused_params"
 _REASON = re.compile(r"reason=([a-z]+)")
 #: Fields that killed vLLM's decode engine in issue 51, then more of the same kind: each is
-#: offered with a prefill's real params for another prompt.
+#: offered in a prefill's real params with the prompt they were computed for (the decode must
+#: refuse it as ``malformed``, whatever it would make of the prompt or the signature).
 MALFORMED: dict[str, dict[str, Any]] = {
     "block ids a string": {"remote_block_ids": "0,1,2"},
     "block ids strings": {"remote_block_ids": [["0", "1"]]},
@@ -58,6 +64,33 @@ MALFORMED: dict[str, dict[str, Any]] = {
     "do_remote_prefill a string": {"do_remote_prefill": "yes"},
     "request id a list": {"remote_request_id": ["x"]},
 }
+#: Fields of the right types that do not fit the params' own blocks and token count, or a digest
+#: that is not one, built from the real params (``remote_block_ids``: one list per KV-cache group).
+MISFITS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "a block more than its tokens fill": lambda p: {
+        "remote_block_ids": [[*p["remote_block_ids"][0], max(p["remote_block_ids"][0]) + 1]]
+    },
+    "a block fewer than its tokens fill": lambda p: {"remote_block_ids": [p["remote_block_ids"][0][:-1]]},
+    "no token count beside its blocks": lambda p: {"remote_num_tokens": 0},
+    "a KV-cache group more than the decode has": lambda p: {"remote_block_ids": [p["remote_block_ids"][0]] * 2},
+    "a prompt digest that is not one": lambda p: {"kvcompose_prompt": 5},
+}
+#: Prompts other than the one a prefill computed (``a``, 200 tokens), each offered with fresh,
+#: unaltered params for ``a`` (issue 60): (attack, the prompt's name in :func:`prompt_variants`).
+PROMPT_ATTACKS: tuple[tuple[str, str], ...] = (
+    ("prompt: a's params, a + 10 tokens (as many blocks)", "a+10"),
+    ("prompt: a's params, a + 40 tokens", "a+40"),
+    ("prompt: a's params, a + 100 tokens", "a+100"),
+    ("prompt: a's params, a cut short by 30 tokens", "a-30"),
+    ("prompt: a's params, a with token 100 changed", "a~100"),
+    ("prompt: a's params, a with token 196 (last block) changed", "a~196"),
+    ("prompt: a's params with prompt b (as long)", "b"),
+)
+#: The prompt attack sent after a plain request for :data:`CACHED_PREFIX`'s prompt, the first
+#: :data:`CACHED_BLOCKS` blocks of ``a+40``, so that the decode's own prefix cache holds them.
+CACHED_ATTACK = ("prompt: a's params, a + 40 tokens, 7 blocks in the decode's prefix cache", "a+40")
+CACHED_PREFIX = "a+40, first 7 blocks"
+CACHED_BLOCKS = 7
 #: Frames to the prefill's side channel: they must be dropped, the listener answering on.
 GARBAGE_FRAMES: dict[str, bytes] = {
     "bad msgpack": b"\xc1\x00\x00",
@@ -80,10 +113,35 @@ NOTIFICATIONS: dict[str, bytes] = {
 }
 
 
+def prompt_variants(a: list[int], block_size: int) -> dict[str, list[int]]:
+    """The prompts :data:`PROMPT_ATTACKS` send instead of ``a``, by name: ``a`` with 10, 40 and 100
+    tokens more, 30 fewer, token 100 or token 196 changed, and :data:`CACHED_PREFIX`."""
+    more = token_prompt(len(a) + 1000, 100)
+    variants = {
+        "a+10": a + more[:10],
+        "a+40": a + more[:40],
+        "a+100": a + more,
+        "a-30": a[:-30],
+        "a~100": _changed(a, 100),
+        "a~196": _changed(a, 196),
+    }
+    variants[CACHED_PREFIX] = variants["a+40"][: CACHED_BLOCKS * block_size]
+    return variants
+
+
+def _changed(prompt: list[int], at: int) -> list[int]:
+    """``prompt`` with the token at ``at`` another (in :func:`token_prompt`'s range, [3, 500))."""
+    out = list(prompt)
+    out[at] = 3 + (out[at] - 3 + 1) % 497
+    return out
+
+
 class Plan(msgspec.Struct):
     """What the attacker reaches and asks: the servers' URLs, the prefill's side channel, the
     address it listens on itself, the prompts (token ids by name: ``a``, ``b``, ``c``,
-    ``replay``, ``after``), and optionally a prefill's NIXL agent metadata (hex)."""
+    ``replay``, ``after`` and :func:`prompt_variants`), optionally the digests of prompts (by
+    name: ``kvcompose_nixl.trust.prompt_digest``, unkeyed: any client computes them; the kit's
+    tools import no plugin) and a prefill's NIXL agent metadata (hex)."""
 
     prefill_url: str
     decode_url: str
@@ -93,6 +151,7 @@ class Plan(msgspec.Struct):
     max_tokens: int = 16
     #: seconds past a lease's end the decode allows for clock skew (``Policy.clock_skew_s``)
     clock_skew_s: float = 10.0
+    digests: dict[str, str] = {}
     leaked_agent: str | None = None
 
 
@@ -108,6 +167,8 @@ class Outcome(msgspec.Struct):
     refused: dict[str, int] = {}
     pulled_tokens: int = 0
     nixl_bytes: int = 0
+    #: prompt tokens the decode computed itself (the rest its prefix cache or a connector held)
+    computed_tokens: int = 0
     connections: int = 0
     answer: str | None = None
 
@@ -167,23 +228,31 @@ def side_channel_answer(host: str, port: int, frame: bytes, wait_s: float) -> by
         sock.close()
 
 
-def decode_attacks(params: dict[str, Any], own: tuple[str, int]) -> list[tuple[str, str, dict[str, Any]]]:
+def decode_attacks(
+    params: dict[str, Any], own: tuple[str, int], digests: dict[str, str]
+) -> list[tuple[str, str, dict[str, Any]]]:
     """(attack, prompt, params) offered to the decode, from the real ``params`` the prefill
-    returned for prompt ``a``; ``own``: the attacker's listening address."""
+    returned for prompt ``a`` (which the decode already read once); ``own``: the attacker's
+    listening address; ``digests``: :attr:`Plan.digests` (with ``b``'s, a's params are offered
+    for ``b`` re-stamped with it)."""
     blocks = params["remote_block_ids"]
     unsigned = {k: v for k, v in params.items() if not k.startswith("kvcompose_")}
+    tokens = params["remote_num_tokens"]
     attacks = [
         ("its own side channel, its own params", "b", {
             "do_remote_prefill": True, "remote_engine_id": "attacker", "remote_request_id": "attacker-1",
-            "remote_block_ids": [[0, 1, 2]], "remote_host": own[0], "remote_port": own[1],
+            "remote_block_ids": [list(range(len(blocks[0])))], "remote_num_tokens": tokens,
+            "remote_host": own[0], "remote_port": own[1],
         }),
-        ("its own side channel in real params", "b", {**params, "remote_host": own[0], "remote_port": own[1]}),
-        ("a's params with prompt b", "b", params),
-        ("made-up block ids, prompt c", "c", {**params, "remote_block_ids": [[b + 1 for b in blocks[0]]]}),
-        ("real params unsigned", "c", unsigned),
-        ("a forged signature", "c", {**params, "kvcompose_sig": "0" * len(str(params.get("kvcompose_sig", "")))}),
+        ("its own side channel in real params", "a", {**params, "remote_host": own[0], "remote_port": own[1]}),
+        ("made-up block ids", "a", {**params, "remote_block_ids": [[b + 1 for b in blocks[0]]]}),
+        ("real params unsigned", "a", unsigned),
+        ("a forged signature", "a", {**params, "kvcompose_sig": "0" * len(str(params.get("kvcompose_sig", "")))}),
     ]  # fmt: skip
-    attacks += [(f"malformed: {name}", "b", {**params, **fields}) for name, fields in MALFORMED.items()]
+    if "b" in digests:
+        attacks.append(("a's params, the digest of prompt b", "b", {**params, "kvcompose_prompt": digests["b"]}))
+    attacks += [(f"malformed: {name}", "a", {**params, **fields}) for name, fields in MALFORMED.items()]
+    attacks += [(f"malformed: {name}", "a", {**params, **fit(params)}) for name, fit in MISFITS.items()]
     return attacks
 
 
@@ -210,6 +279,7 @@ def offer(decode: ServerClient, attack: str, prompt: str, plan: Plan, params: di
         refused=refusals(s.counters),
         pulled_tokens=s.loaded.get("pd", 0),
         nixl_bytes=s.nixl_bytes,
+        computed_tokens=s.computed_tokens,
     )
 
 
@@ -230,19 +300,31 @@ def run(plan: Plan) -> list[Outcome]:
         outcomes.append(Outcome(f"side channel: {name}", status="sent", answer=_shown(got)))
     got = side_channel_answer(host, port, GET_META, wait_s=5)
     outcomes.append(Outcome("side channel: vLLM's request after them", status="sent", answer=_shown(got)))
+    # The control: a's params, unaltered, with a's prompt pass every check and are pulled; each
+    # attack below alters one thing (the decode refuses them before it would see the replay).
     params = prefilled(prefill, plan.prompts["a"])
+    outcomes.append(offer(decode, "legitimate: a's own params (the control)", "a", plan, params))
     with listening(plan.own_address) as listener:
-        for attack, prompt, offered in decode_attacks(params, (plan.own_address, listener.port)):
+        for attack, prompt, offered in decode_attacks(params, (plan.own_address, listener.port), plan.digests):
             outcome = offer(decode, attack, prompt, plan, offered)
+            outcome.connections = listener.connections
+            outcomes.append(outcome)
+        # Another prompt than the one the prefill computed, with params fresh from the prefill
+        # (signed, unexpired, unread): only the prompt check refuses them; the decode's prefix
+        # cache empty, or holding the prompt's first blocks.
+        for attack, prompt in (*PROMPT_ATTACKS, CACHED_ATTACK):
+            drop_prefix_cache(decode)
+            if (attack, prompt) == CACHED_ATTACK:
+                outcomes.append(offer(decode, f"plain: {CACHED_PREFIX}", CACHED_PREFIX, plan, None))
+            outcome = offer(decode, attack, prompt, plan, prefilled(prefill, plan.prompts["a"]))
             outcome.connections = listener.connections
             outcomes.append(outcome)
     if plan.leaked_agent is not None:
         outcomes += notify(bytes.fromhex(plan.leaked_agent))
-    outcomes.append(offer(decode, "legitimate: a's own params after the attacks", "a", plan, params))
-    drop_prefix_cache(decode)  # a replay must ask for the prompt's KV again
-    outcomes.append(offer(decode, "replay of a's params", "a", plan, params))
     replayed = prefilled(prefill, plan.prompts["replay"])
     outcomes.append(offer(decode, "legitimate: replay's own params", "replay", plan, replayed))
+    drop_prefix_cache(decode)  # a replay must ask for the prompt's KV again
+    outcomes.append(offer(decode, "replay of replay's params", "replay", plan, replayed))
     _sleep_until(float(replayed.get("kvcompose_expires", time.time())) + plan.clock_skew_s + 1)
     drop_prefix_cache(decode)
     outcomes.append(offer(decode, "replay after the lease", "replay", plan, replayed))
