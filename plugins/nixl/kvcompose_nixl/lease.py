@@ -62,7 +62,7 @@ import msgspec
 
 from kvcompose_nixl import LEASE_ANSWERS_KEY
 from kvcompose_nixl.agent import connection_metadata
-from kvcompose_nixl.trust import MAX_ID_CHARS, Keyring, drop
+from kvcompose_nixl.trust import MAX_ID_CHARS, Keyring, Refused, drop
 
 log = logging.getLogger("kvcompose.nixl")
 #: Under vLLM's logger, whose INFO lines reach the server's log.
@@ -249,6 +249,9 @@ class LeaseDesk:
             return
         try:  # sealed with a deployment key: the agent wrapper opens it, or refuses it
             self._worker.nixl_wrapper.add_remote_agent(msg[len(HELLO) :])
+        except Refused as exc:  # not sealed with this deployment's key
+            drop("NIXL lease hello that the deployment key does not open (it gets no answers)", f"from {agent}: {exc}")
+            return
         except Exception as exc:  # its reads then stay checked against the stamped end only
             drop("NIXL lease hello whose agent does not load (it gets no answers)", f"from {agent}: {exc}")
             return
@@ -256,15 +259,21 @@ class LeaseDesk:
         log.debug("NIXL lease answers: decode agent %s loaded", agent)
 
     def asked(self, agent: str, msg: bytes) -> None:
+        if agent not in self._peers:
+            drop("NIXL lease question from an agent that said no hello", f"from {agent}")
+            return
         body = self._messages.unpack(msg)
+        if body is None:
+            drop("NIXL lease question that the deployment key does not authenticate", f"from {agent}")
+            return
         try:
-            if body is None or agent not in self._peers or len(self._questions) >= MAX_PENDING:
+            if len(self._questions) >= MAX_PENDING:
                 raise ValueError
             number, request_ids = _questions.decode(body)
             if len(request_ids) > MAX_IDS:
                 raise ValueError
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
-            drop("NIXL lease question that is not authenticated, does not parse or is too long", f"from {agent}")
+            drop("NIXL lease question that does not parse or is too long", f"from {agent}")
             return
         self._questions.append((agent, number, request_ids))
 

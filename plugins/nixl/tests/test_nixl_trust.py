@@ -327,6 +327,18 @@ GARBAGE: dict[str, list[bytes]] = {
 }
 
 
+#: The kind each garbage frame is dropped as (ZMQ closes the connection of an oversized frame
+#: before the listener reads it: nothing to count).
+GARBAGE_DROPS: dict[str, dict[str, int]] = {
+    "msgpack that does not parse": {"side-channel frame that does not parse": 1},
+    "a tuple of the wrong shape": {"side-channel frame that does not parse": 1},
+    "an unknown message": {"side-channel message of an unknown kind": 1},
+    "a rank not served": {"side-channel request for a rank this engine does not serve": 1},
+    "two frames": {"side-channel frame of the wrong shape": 1},
+    "an oversized frame": {},
+}
+
+
 def serve(listen: Callable[..., None], port: int) -> tuple[threading.Thread, threading.Event]:
     ready, stop = threading.Event(), threading.Event()
     thread = threading.Thread(target=listen, args=({(0, 0): b"payload"}, ready, stop, "127.0.0.1", port), daemon=True)
@@ -345,12 +357,12 @@ def test_the_side_channel_drops_garbage_and_keeps_answering() -> None:
     port = free_port()
     thread, stop = serve(listener, port)
     try:
-        before = sum(DROPPED.values())
-        for frames in GARBAGE.values():
-            ask(port, frames, wait_s=0.3)
-        reply = ask(port, [GOOD])
-        assert reply is not None and reply[0] == b"payload"
-        assert sum(DROPPED.values()) - before >= len(GARBAGE) - 1  # ZMQ cuts the oversized frame itself
+        for name, frames in GARBAGE.items():
+            before = Counter(DROPPED)
+            assert ask(port, frames, wait_s=0.3) is None, name  # no answer
+            assert Counter(DROPPED) - before == GARBAGE_DROPS[name], name
+            reply = ask(port, [GOOD])  # the control after each: answered
+            assert reply is not None and reply[0] == b"payload", name
     finally:
         stop.set()
         thread.join(5)
@@ -682,7 +694,10 @@ def test_do_remote_decode_sent_to_a_decode_holds_nothing(keyed: Any, module: str
     (reason ``role``) and frees them at once, having served the request."""
     decode = keyed("kv_consumer", key=None, module=module)
     request = make_request(
-        64, block_size=BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False}
+        64,
+        block_size=BLOCK_SIZE,
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
     )
     decode.add_request(request)
     for _ in range(3):
@@ -694,3 +709,63 @@ def test_do_remote_decode_sent_to_a_decode_holds_nothing(keyed: Any, module: str
     else:
         assert not held and decode.kv_cache_manager.usage == 0
         assert decode.connector.refused_params == {"role": 1}
+
+
+def test_the_digest_binds_the_salt_the_adapter_and_the_media() -> None:
+    """The prompt's tokens alone do not make its KV: another cache salt, LoRA adapter or image than
+    the prefill's is refused (``prompt``), with or without a key; the prefill's own context passes."""
+    from kvcompose_nixl.trust import check_prompt
+
+    facts = Facts(BLOCK_SIZE, 1, 1, len(PROMPT_A))
+    computed = ("tenant-a", "adapter-1", ["image-hash-1"])
+    params = decode_params(PROMPT_A)
+    sign_params(params, PROMPT_A, computed, None, 0)
+    check_prompt(params, facts, PROMPT_A, computed)
+    for other in (
+        ("tenant-b", "adapter-1", ["image-hash-1"]),
+        ("tenant-a", None, ["image-hash-1"]),
+        ("tenant-a", "adapter-1", ["image-hash-2"]),
+    ):
+        with pytest.raises(Refused) as refused:
+            check_prompt(params, facts, PROMPT_A, other)
+        assert refused.value.reason == "prompt"
+
+
+def test_each_lease_message_is_dropped_by_the_check_it_names_beside_a_control(
+    fake_nixl: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a key, on a prefill: a hello whose metadata loads but is not sealed is dropped by the
+    seal (its sealed twin loads); a question from that loaded peer without a MAC is dropped by the
+    MAC (its tagged twin is answered); a question from an agent that said no hello is dropped as
+    such. Each drop is counted under its own kind, so a check that passes what it names fails here."""
+    from kvcompose_nixl.lease import ANSWER, ASK, HELLO
+    from kvcompose_nixl.testing.fake_nixl import FakeNixlAgent, nixl_worker
+
+    monkeypatch.setenv("KVCOMPOSE_TEST_KEY", KEY)
+    p, d = fake_nixl.pair(keyed_composition("producer", 5871), keyed_composition("consumer", 5872))
+    prefill, decode = nixl_worker(p).nixl_wrapper, nixl_worker(d).nixl_wrapper
+    keys = Keyring.parse(KEY, "test")
+    clear = FakeNixlAgent.get_agent_metadata(decode)  # what NIXL's agent publishes, before sealing
+
+    def dropped_after(msg: bytes, sender: str) -> Counter[str]:
+        before = Counter(DROPPED)
+        fake_nixl.deliver(prefill, sender, msg)
+        p.engine_step()
+        return Counter(DROPPED) - before
+
+    assert dropped_after(HELLO + clear, decode.name) == {
+        "NIXL lease hello that the deployment key does not open (it gets no answers)": 1
+    }
+    assert decode.name not in prefill.remote_agents
+    assert dropped_after(HELLO + keys.seal(clear), decode.name) == {}  # the control: sealed, it loads
+    assert decode.name in prefill.remote_agents
+    question = msgspec.msgpack.encode((1, ["cmpl-1"]))
+    assert dropped_after(ASK + question, decode.name) == {
+        "NIXL lease question that the deployment key does not authenticate": 1
+    }
+    assert dropped_after(ASK + keys.tag(question) + question, decode.name) == {}  # the control: answered
+    answers = [m for to, m in prefill.called("send_notif") if to == decode.name and m.startswith(ANSWER)]
+    assert len(answers) == 1
+    assert dropped_after(ASK + keys.tag(question) + question, "attacker") == {
+        "NIXL lease question from an agent that said no hello": 1
+    }
