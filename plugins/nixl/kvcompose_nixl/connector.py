@@ -70,7 +70,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -113,6 +113,7 @@ from kvcompose_nixl.trust import (
     request_context,
     sign_params,
 )
+from kvcompose_nixl.vllm_names import PULL_SCHEDULER, PULL_WORKER, SCHEDULER, WORKER, check
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -225,6 +226,9 @@ def range_blocks(blocks: KVCacheBlocks, start_block: int) -> KVCacheBlocks:
 class _RangeLoadsMixin:
     """Loads only the range a ``ranges`` load rule offered (see the module docstring, 3)."""
 
+    #: vLLM's block size (set here; the pull connector's checks read it too).
+    _block_size: int
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         self._block_size = vllm_config.cache_config.block_size
@@ -269,11 +273,15 @@ class _SettingsMixin:
 
     connector_scheduler: NixlBaseConnectorScheduler | None
     connector_worker: NixlBaseConnectorWorker | None
+    #: What this child believes and connects to (:mod:`kvcompose_nixl.trust`), set here.
+    trust: Policy
+    #: vLLM's private names each half must have (:mod:`kvcompose_nixl.vllm_names`): push, then pull adds.
+    _scheduler_names: tuple[Mapping[str, str], ...] = (SCHEDULER,)
+    _worker_names: tuple[Mapping[str, str], ...] = (WORKER,)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        #: What this child believes and connects to (:mod:`kvcompose_nixl.trust`).
         self.trust = trust_policy(ktc)
         # Before vLLM's worker creates its NIXL agent.
         delay = ktc.get_from_extra_config(PROGRESS_DELAY_KEY, None)
@@ -284,11 +292,13 @@ class _SettingsMixin:
             set_ucx_error_handling(error_handling)
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         if self.connector_scheduler is not None:
+            check(self.connector_scheduler, *self._scheduler_names)
             apply_side_channel(self.connector_scheduler, vllm_config)
             # vLLM starts it as self._nixl_handshake_listener in set_xfer_handshake_metadata.
             self.connector_scheduler._nixl_handshake_listener = listener
         if self.connector_worker is not None:
             worker = self.connector_worker
+            check(worker, *self._worker_names)
             seal_agent_metadata(worker.nixl_wrapper, self.trust.keys, self.trust.accept_unsigned)
             tries = int(ktc.get_from_extra_config(HANDSHAKE_TRIES_KEY, 1))
             # The scheduler checked each request's side channel; this holds whatever reaches here.
@@ -300,6 +310,9 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
     prefill comes with no remote blocks, range loads, reads checked against the prefill's
     lease on their blocks, and params checked before vLLM reads them (a refused request is
     computed locally, or fails under ``kv_load_failure_policy: fail``; see the module docstring)."""
+
+    _scheduler_names = (SCHEDULER, PULL_SCHEDULER)
+    _worker_names = (WORKER, PULL_WORKER)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)

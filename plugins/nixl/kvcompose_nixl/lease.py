@@ -70,7 +70,7 @@ vllm_log = logging.getLogger("vllm.kvcompose.nixl")
 
 #: vLLM's ``kv_transfer_params`` key for the end of a lease on the sender's blocks
 #: (``nixl/metadata.py``: read into ``RemoteMeta.blocks_expiry_time``).
-EXPIRY_KEY = "remote_blocks_expiry_time"
+LEASE_END_KEY = "remote_blocks_expiry_time"
 #: How the decode's log starts the line of a read it refused (the soak matches it with the
 #: prefill's ``Potentially invalid KV blocks`` line for the same request).
 REFUSED = "NIXL read refused:"
@@ -139,11 +139,11 @@ def stamp(scheduler: Any, request_id: str, params: dict[str, Any] | None) -> Non
     """On the prefill instance: add the lease's end of ``request_id``'s blocks, and that this
     instance answers lease questions, to the ``kv_transfer_params`` vLLM's ``request_finished``
     returned for a decode instance."""
-    if not params or not params.get("do_remote_prefill") or params.get(EXPIRY_KEY) is not None:
+    if not params or not params.get("do_remote_prefill") or params.get(LEASE_END_KEY) is not None:
         return
     expires = scheduler._reqs_need_send.get(request_id)
     if expires is not None:
-        params[EXPIRY_KEY] = expires
+        params[LEASE_END_KEY] = expires
         params[LEASE_ANSWERS_KEY] = PROTOCOL
 
 
@@ -303,7 +303,7 @@ class LeaseDesk:
                 del self._reads[agent]
 
     def _answering(self, get_new_notifs: Callable[[], set[str]]) -> Callable[[], set[str]]:
-        def answered() -> set[str]:
+        def get_new_notifs_then_answer() -> set[str]:
             done = get_new_notifs()
             if self._questions:
                 self._answer()
@@ -311,7 +311,7 @@ class LeaseDesk:
                 self._answer_reads()
             return done
 
-        return answered
+        return get_new_notifs_then_answer
 
     def _answer_reads(self) -> None:
         """Tell each loaded decode agent whether its reads found their blocks held; keep the
@@ -434,7 +434,7 @@ class LeaseWatch:
                 per_agent[agent] = held and per_agent.get(agent, True)
 
     def _recording(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
-        def recorded(metadata: Any) -> None:
+        def start_load_kv_recorded(metadata: Any) -> None:
             answering = getattr(metadata, READ_ANSWERS_ATTR, None) or ()
             for req_id, meta in metadata.reqs_to_recv.items():
                 remote = meta.remote
@@ -454,7 +454,7 @@ class LeaseWatch:
                 self._greet(engine)
             start_load_kv(metadata)
 
-        return recorded
+        return start_load_kv_recorded
 
     def _greet(self, engine: str) -> None:
         """Send each agent of the prefill ``engine`` this decode's connection metadata (:data:`HELLO`,
@@ -488,13 +488,13 @@ class LeaseWatch:
         return None if None in told else True
 
     def _asking(self, send_heartbeats: Callable[[Any], None]) -> Callable[[Any], None]:
-        def asked(metadata: Any) -> None:
+        def send_heartbeats_then_ask(metadata: Any) -> None:
             send_heartbeats(metadata)
             engines = getattr(metadata, ANSWERING_ATTR, None)
             if engines:
                 self._ask(metadata.heartbeat_by_engine, engines)
 
-        return asked
+        return send_heartbeats_then_ask
 
     def _ask(self, beats: dict[str, Any], engines: set[str]) -> None:
         """After vLLM's heartbeats to ``engines``: ask each of their agents about the beaten requests."""
@@ -529,7 +529,7 @@ class LeaseWatch:
     def _checking(
         self, pop_done: Callable[[dict[str, list[int]]], tuple[set[str], set[str]]]
     ) -> Callable[[dict[str, list[int]]], tuple[set[str], set[str]]]:
-        def checked(transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        def pop_done_checked(transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
             done, failed = pop_done(transfers)
             if not self._leases:
                 return done, failed
@@ -560,7 +560,7 @@ class LeaseWatch:
                     self._forget_read(req_id)
             return done, failed
 
-        return checked
+        return pop_done_checked
 
     def _forget_read(self, req_id: str) -> None:
         lease = self._leases.pop(req_id, None)

@@ -46,8 +46,8 @@ from kvcompose_nixl import LEASE_ANSWERS_KEY
 #: blocks hold (with or without a key), and with a key the signature and its wall-clock end.
 PROMPT_KEY = "kvcompose_prompt"
 SIG_KEY = "kvcompose_sig"
-EXPIRES_KEY = "kvcompose_expires"
-SIGNED_KEYS: frozenset[str] = frozenset({SIG_KEY, EXPIRES_KEY, PROMPT_KEY})
+SIGNED_UNTIL_KEY = "kvcompose_expires"
+SIGNED_KEYS: frozenset[str] = frozenset({SIG_KEY, SIGNED_UNTIL_KEY, PROMPT_KEY})
 
 #: The P/D fields a signature covers: every field vLLM's decode reads to connect and read, but
 #: not ``do_remote_prefill`` / ``do_remote_decode`` (a proxy sets those per leg).
@@ -66,7 +66,7 @@ BOUND_KEYS: tuple[str, ...] = (
     "pp_size",
     "transfer_mode",
     LEASE_ANSWERS_KEY,
-    EXPIRES_KEY,
+    SIGNED_UNTIL_KEY,
     PROMPT_KEY,
 )
 
@@ -298,7 +298,7 @@ def sign_params(
     count = held if type(held) is int and 0 < held <= len(prompt) else len(prompt)
     params[PROMPT_KEY] = prompt_digest(prompt if count == len(prompt) else prompt[:count], context)
     if keys is not None:
-        params[EXPIRES_KEY] = expires
+        params[SIGNED_UNTIL_KEY] = expires
         params[SIG_KEY] = keys.sign(params)
 
 
@@ -577,9 +577,9 @@ class Policy:
 
     def _verify(self, params: Mapping[str, Any], now: float) -> None:
         assert self.keys is not None
-        expires = params.get(EXPIRES_KEY)
+        expires = params.get(SIGNED_UNTIL_KEY)
         if params.get(PROMPT_KEY) is None or type(expires) not in (int, float) or not math.isfinite(expires):
-            raise Refused("unsigned", f"no {PROMPT_KEY} and {EXPIRES_KEY}: the prefill instance does not sign")
+            raise Refused("unsigned", f"no {PROMPT_KEY} and {SIGNED_UNTIL_KEY}: the prefill instance does not sign")
         self.keys.verify(params)
         if now > expires + self.clock_skew_s:
             raise Refused(

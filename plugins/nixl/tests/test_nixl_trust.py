@@ -19,9 +19,9 @@ from kvcompose_nixl.connector import REFUSED_ATTR
 from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
     DROPPED,
-    EXPIRES_KEY,
     PROMPT_KEY,
     SIG_KEY,
+    SIGNED_UNTIL_KEY,
     Facts,
     Keyring,
     Peers,
@@ -93,7 +93,7 @@ PROMPT_B = [7 + (i * 13) % 400 for i in range(70)]
 def test_a_signed_prefill_and_a_keyed_decode_pull_only_what_was_signed_for_the_prompt(keyed: Any) -> None:
     prefill, decode = keyed("kv_producer"), keyed("kv_consumer")
     params = prefilled(prefill, PROMPT_A)
-    assert {SIG_KEY, EXPIRES_KEY, PROMPT_KEY} <= params.keys() and params["remote_num_tokens"] == len(PROMPT_A)
+    assert {SIG_KEY, SIGNED_UNTIL_KEY, PROMPT_KEY} <= params.keys() and params["remote_num_tokens"] == len(PROMPT_A)
     assert pulled(decode, PROMPT_A, dict(params))
     # The attacks of issue 51's table: A's params with prompt B; made-up blocks; a host of the
     # client's choosing; the same params again (replay).
@@ -624,7 +624,7 @@ def test_a_refused_request_fails_under_fail_and_is_computed_under_recompute_with
         (prompt_b, dict(params)),  # A's params, B's prompt
         (prompt_a, {**params, "remote_host": "10.9.9.9", "remote_port": 5600}),  # a host of the client's
         (prompt_a, {**params, "remote_block_ids": "0,1"}),  # one malformed field
-        (prompt_b, {k: v for k, v in params.items() if k not in (SIG_KEY, EXPIRES_KEY, PROMPT_KEY)}),  # unsigned
+        (prompt_b, {k: v for k, v in params.items() if k not in (SIG_KEY, SIGNED_UNTIL_KEY, PROMPT_KEY)}),  # unsigned
     ]
     transfers = len(worker.nixl_wrapper.called("transfer"))
     refused: Counter[str] = Counter()
