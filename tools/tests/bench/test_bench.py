@@ -200,7 +200,8 @@ def test_the_trust_sides_do_the_same_work_and_the_keyed_decode_verifies_every_ar
     assert drivers[TRUST_ON].pd_add_s == [] and math.isnan(drivers[TRUST_ON].take_pd_adds())
     signed = drivers[TRUST_ON].prefill.params("p-1", tuple(range(3, 131)))  # type: ignore[union-attr]
     unsigned = drivers[TRUST_OFF].prefill.params("p-1", tuple(range(3, 131)))  # type: ignore[union-attr]
-    assert signed["kvcompose_sig"] and signed["kvcompose_tokens"] == 128 and "kvcompose_sig" not in unsigned
+    assert signed["kvcompose_sig"] and signed["remote_num_tokens"] == 128 and "kvcompose_sig" not in unsigned
+    assert signed["kvcompose_prompt"] and unsigned["kvcompose_prompt"]  # the digest, with or without a key
     blocks = signed["remote_block_ids"]  # as JSON carries them: a list of the prompt's 8 blocks per group
     assert isinstance(blocks, list) and [len(g) for g in blocks] == [8]
 
