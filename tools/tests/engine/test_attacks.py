@@ -208,11 +208,17 @@ def test_an_attacker_on_the_network_steers_nothing_and_the_pair_serves_on(stack:
     assert cached.computed_tokens == len(PROMPTS[CACHED_ATTACK[1]]) - CACHED_BLOCKS * BLOCK_SIZE, cached
     setup = outcomes[f"plain: {CACHED_PREFIX}"]
     assert own_answer(stack, setup) and setup.refused == {} and setup.pulled_tokens == 0, setup
-    # NIXL notifications from an agent the prefill never loaded: they arrived, were dropped, and
-    # got no answer.
+    # NIXL notifications from an agent the prefill never loaded: they arrived, were dropped, each
+    # under the kind of the check that dropped it (the first of each kind is logged), and got no
+    # answer.
     assert outcomes["NIXL notification: answers received"].answer == "{}"
     prefill_log = stack.prefill.log_path.read_text(errors="replace")
-    for dropped in ("NIXL notification vLLM cannot parse", "NIXL lease hello whose agent does not load"):
+    for dropped in (
+        "NIXL notification vLLM cannot parse",  # not utf-8, no colon
+        "NIXL notification of an unknown kvcompose kind",
+        "NIXL lease hello that the deployment key does not open",  # a hello in clear
+        "NIXL lease question from an agent that said no hello",  # without a MAC, 10,000 ids
+    ):
         assert f"dropped a {dropped}" in prefill_log, dropped
     # The legitimate requests before, between and after the attacks (a's the control for the
     # malformed fields): pulled whole, their own answers.
