@@ -22,7 +22,7 @@ import pytest
 
 from engine.stack import Nodes, module_stack
 from kvcompose.examples import EXAMPLES
-from kvcompose_tools.e2e.hosts import DEFAULT_LINK, Hosts, kit_namespaces, unavailable
+from kvcompose_tools.e2e.hosts import DEFAULT_LINK, Hosts, kit_namespaces, skip_reason
 from kvcompose_tools.e2e.linkcut import cut_and_restore
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import wait_all_ready
@@ -31,7 +31,7 @@ from kvcompose_tools.e2e.router import RouterNode
 from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import EngineSpec
 
-NO_HOSTS = unavailable()
+NO_HOSTS = skip_reason()
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(NO_HOSTS is not None, reason=NO_HOSTS or "")]
 
 LEASE_S = 10

@@ -21,7 +21,7 @@ import pytest
 from engine.stack import Nodes, module_stack
 from kvcompose.examples import EXAMPLES
 from kvcompose_tools.e2e.chat import ChatTurn, baseline_chat, chat_through_router, load_tokenizer
-from kvcompose_tools.e2e.hosts import Hosts, LinkBytes, kit_namespaces, unavailable
+from kvcompose_tools.e2e.hosts import Hosts, LinkBytes, kit_namespaces, skip_reason
 from kvcompose_tools.e2e.linkprobe import off_network, ucx_lanes
 from kvcompose_tools.e2e.model import kv_bytes_per_token, make_model
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
@@ -30,7 +30,7 @@ from kvcompose_tools.e2e.router import RouterNode
 from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
-NO_HOSTS = unavailable()
+NO_HOSTS = skip_reason()
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(NO_HOSTS is not None, reason=NO_HOSTS or "")]
 
 MAX_TOKENS = 16
