@@ -17,12 +17,13 @@ another prompt of the same length), the params (the prefill's own, one field rep
 dropped), and the decode's state (cold, or its prefix cache holding some of Q's blocks). Each
 example runs vLLM's real schedulers: a prefill's, whose ``request_finished`` makes the params,
 and a decode's, whose queued read (``reqs_to_recv``) is checked. The decodes: kvcompose's with
-the deployment key (the shipped examples: the invariant holds for every draw), kvcompose's
-without a key (params from loopback: it holds for the prefill's own params with any prompt; a
-client that rewrites unauthenticated params chooses what is read, and only "no assert, no
-shift" holds), and vLLM's own NixlConnector, the control, which breaks the invariant with the
-prefill's real params (pinned below). A failure shrinks to a minimal example in the test
-output (hypothesis prints it).
+the deployment key (the shipped examples: the invariant holds for every draw), kvcompose's keyed
+decode under ``accept_unsigned`` with an unkeyed prefill, and kvcompose's without a key (params
+from loopback: it holds for the prefill's own params with any prompt; a client that rewrites
+unauthenticated params chooses what is read, and only "no assert, no shift" holds), and vLLM's
+own NixlConnector, the control, which breaks the invariant with the prefill's real params
+(pinned below). A failure shrinks to a minimal example in the test output (hypothesis prints
+it).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ OURS = "kvcompose_nixl.connector"
 BLOCKS = 4000
 
 
-def _scheduler(role: str, *, keyed: bool, ours: bool) -> Any:
+def _scheduler(role: str, *, keyed: bool, ours: bool, accept_unsigned: bool = False) -> Any:
     extra: dict[str, Any] = {"kvcompose_key_env": "KVCOMPOSE_INVARIANT_KEY"} if keyed else {}
+    if accept_unsigned:
+        extra["kvcompose_accept_unsigned"] = True
     ktc: dict[str, Any] = {
         "kv_connector": "NixlConnector",
         "kv_role": role,
@@ -63,7 +66,7 @@ class Pair:
     decode: Any
 
 
-DECODES = ("kvcompose keyed", "kvcompose unkeyed", "vllm")
+DECODES = ("kvcompose keyed", "kvcompose unkeyed", "kvcompose keyed, accept_unsigned", "vllm")
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,11 @@ def pairs() -> dict[str, Pair]:
             ),
             "kvcompose unkeyed": Pair(
                 _scheduler("kv_producer", keyed=False, ours=True), _scheduler("kv_consumer", keyed=False, ours=True)
+            ),
+            # A keyed decode that takes an unkeyed prefill's params (a rollout, vLLM's own prefill).
+            "kvcompose keyed, accept_unsigned": Pair(
+                _scheduler("kv_producer", keyed=False, ours=True),
+                _scheduler("kv_consumer", keyed=True, ours=True, accept_unsigned=True),
             ),
             "vllm": Pair(
                 _scheduler("kv_producer", keyed=False, ours=False), _scheduler("kv_consumer", keyed=False, ours=False)
@@ -217,7 +225,7 @@ SETTINGS = settings(
 )
 
 
-@pytest.mark.parametrize("decode", ["kvcompose keyed", "kvcompose unkeyed"])
+@pytest.mark.parametrize("decode", ["kvcompose keyed", "kvcompose unkeyed", "kvcompose keyed, accept_unsigned"])
 @SETTINGS
 @given(case=cases())
 def test_every_position_a_kvcompose_decode_counts_as_loaded_holds_the_prefills_kv(
@@ -234,7 +242,7 @@ def test_every_position_a_kvcompose_decode_counts_as_loaded_holds_the_prefills_k
         assert not verdict.asserts and not verdict.shifted, verdict
 
 
-@pytest.mark.parametrize("decode", ["kvcompose keyed", "kvcompose unkeyed"])
+@pytest.mark.parametrize("decode", ["kvcompose keyed", "kvcompose unkeyed", "kvcompose keyed, accept_unsigned"])
 def test_the_prompts_own_params_are_read_whatever_the_decode_caches(pairs: dict[str, Pair], decode: str) -> None:
     """The liveness beside the invariant: a prompt with its own params is read, cold or with its
     first blocks in the decode's prefix cache (else the invariant would hold by reading nothing)."""
@@ -263,7 +271,7 @@ def test_vllms_own_decode_breaks_the_invariant_with_the_prefills_real_params(pai
     case: Case = (signed, prompt, "extended", (None, "drop"), cached_blocks)
     verdict = run(pairs["vllm"], case)
     assert verdict.queued and getattr(verdict, broken), verdict
-    for ours in ("kvcompose keyed", "kvcompose unkeyed"):
+    for ours in ("kvcompose keyed", "kvcompose unkeyed", "kvcompose keyed, accept_unsigned"):
         assert not run(pairs[ours], case).queued, ours
 
 
