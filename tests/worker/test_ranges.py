@@ -22,7 +22,7 @@ from kvcompose.testing import inspector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request, prefill_request
 from kvcompose.testing.kv import fill_random
 from kvcompose.testing.worker import WorkerHarness
-from kvcompose_nixl.testing.fake_nixl import FakeNixl
+from kvcompose_nixl.testing.fake_nixl import FakeNixl, nixl_worker
 
 BLOCK = 32  # the CPU attention kernel's block size, which NIXL's worker checks
 PORT = 5641  # the prefill instance's side channel; the decode's is the next port
@@ -355,3 +355,26 @@ def test_a_preemption_during_the_load_leaves_the_ranges_whole(fake_nixl: FakeNix
     assert other.is_finished() and req.is_finished()
     d.drain()
     assert_scheduler_empty(d.scheduler)
+
+
+def test_a_range_loads_nothing_from_params_of_another_prompt(fake_nixl: FakeNixl) -> None:
+    """Issue 60 under ``ranges``: the host tier holds turn 1, the client sends turn 2 plus ten
+    tokens with turn 2's params. NIXL's range (the rest) would be the prefill's positions of
+    another prompt: the params are refused (``prompt``), the host tier loads its prefix, the rest
+    is computed here (``load_failure: recompute``; under ``fail`` the request ends with an
+    error), and nothing is read."""
+    fake_nixl.cycles_before_done = 1
+    p, d = fake_nixl.pair(prefill_yaml(), decode_yaml(policy="recompute"), num_blocks=32)
+    turn1 = tokens(4 * BLOCK)
+    host_holds(d, turn1)
+    turn2 = turn1 + tokens(2 * BLOCK, seed=11)
+    _, params = prefill(p, turn2)
+    longer = turn2 + tokens(10, seed=12)
+    req = decode(d, longer, params)
+    out, _ = d.engine_step()
+    assert inspector.loaders(d.scheduler.connector, req.request_id) == ("host",)
+    assert req.request_id not in out.kv_connector_metadata.children["pd"].reqs_to_recv
+    until_loaded(d, req, p)
+    assert_blocks_hold(d, req, longer, 4)  # the host tier's prefix
+    assert scheduled(d, req) == len(longer) - 4 * BLOCK  # the rest computed here
+    assert not nixl_worker(d).nixl_wrapper.called("transfer")  # nothing read
