@@ -286,13 +286,15 @@ def test_over_real_nixl_a_read_queued_past_its_first_deadline_is_taken_and_holds
             d.scheduler.finish_requests(local.request_id, RequestStatus.FINISHED_ABORTED)
 
             def read(_outs: object) -> bool:
+                released.update(prefill.step().finished_sending)  # it answers the read, frees the blocks
                 out = d.last_output
                 assert out is not None and not out.failed_recving, "the read was refused"
                 return "A" in (out.finished_recving or ())
 
             d.step_until(read, "the read did not finish", timeout_s=30, write_blocks=True)
             watch = d.child("pd").leases
-            assert watch is not None and watch.late_reads == 0
+            assert watch is not None and watch.late_reads == 0 and watch.unheld_reads == 0
+            assert released == {"prefill-A"}  # on the read's notification, held for it
             (ids,) = d.scheduler.kv_cache_manager.get_block_ids("A")
             assert all(d.holds_prefix(ids[k], prompt[: (k + 1) * BLOCK]) for k in range(len(prompt) // BLOCK))
         finally:
