@@ -170,6 +170,7 @@ def test_a_decode_worker_reads_through_a_side_channel_that_answers_7_s_late(trie
             invalid: set[int] = set()
 
             def settled(_outs: object) -> bool:
+                prefill.step()  # a running prefill: it answers the read (held) and frees the blocks
                 out = d.last_output
                 assert out is not None
                 failed.update(out.failed_recving or ())
@@ -215,6 +216,7 @@ def test_a_silent_prefill_instance_does_not_hold_the_reads_from_a_healthy_one() 
 
             def settled(rid: str) -> Callable[[object], bool]:
                 def check(_outs: object) -> bool:
+                    prefill.step()  # a running prefill: it answers the read (held) and frees the blocks
                     out = d.last_output
                     assert out is not None
                     finished.update(out.finished_recving or ())

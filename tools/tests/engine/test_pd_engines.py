@@ -9,6 +9,7 @@ each call 120 s) and every engine process group is killed on teardown. Run under
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,22 +196,27 @@ def test_attacks_on_the_decode_are_refused_and_under_policy_fail_end_with_an_err
     assert params["kvcompose_sig"]  # the shipped prefill signs
     listener = Listener("127.0.0.1")
     try:
+        # Each attack reaches the check it names: all but the first with A's own prompt.
         attacks = [
-            ("attack-b", params),  # A's params, B's prompt
-            ("attack-c", {**params, "remote_block_ids": [[b + 1 for b in params["remote_block_ids"][0]]]}),
-            ("attack-b", {**params, "remote_port": listener.port, "remote_engine_id": "client"}),
-            ("attack-c", {k: v for k, v in params.items() if not k.startswith("kvcompose_")}),  # unsigned
+            ("attack-b", params, "prompt"),  # A's params, B's prompt
+            ("attack-a", {**params, "remote_block_ids": [[b + 1 for b in params["remote_block_ids"][0]]]}, "signature"),
+            ("attack-a", {**params, "remote_port": listener.port, "remote_engine_id": "client"}, "signature"),
+            ("attack-a", {k: v for k, v in params.items() if not k.startswith("kvcompose_")}, "unsigned"),
         ]
-        attacks += [("attack-b", {**params, field: value}) for field, values in DEADLY.items() for value in values]
-        for prompt, attack in attacks:
+        attacks += [
+            ("attack-a", {**params, field: value}, "malformed") for field, values in DEADLY.items() for value in values
+        ]
+        for prompt, attack, reason in attacks:
             s = decode_request(decode, PROMPTS[prompt], MAX_TOKENS, attack)
             assert s.finish_reason == "error" and s.token_ids == [], (prompt, s.finish_reason)
             assert s.nixl_bytes == 0 and s.failed_transfers == 0, prompt  # nothing read, nothing tried
             refused = {k: n for k, n in s.counters.items() if k.startswith("vllm:kvcompose_refused_params")}
             assert sum(refused.values()) == 1, refused
+            (key,) = [k for k, n in refused.items() if n]
+            assert re.search(rf'reason="?{reason}\b', key), (reason, refused)  # the check it names
         assert listener.connections == 0
         told = decode.log_path.read_text()
-        for reason in ("signature", "unsigned", "malformed"):
+        for reason in ("prompt", "signature", "unsigned", "malformed"):
             assert f"kv_transfer_params refused ({reason}), the request fails (load_failure: fail): " in told
     finally:
         listener.close()
