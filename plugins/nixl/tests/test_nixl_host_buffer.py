@@ -114,14 +114,22 @@ def prefilled(p: PrefillProcess, prompt: list[int], request_id: str) -> Prefille
     return done
 
 
-def read(d: WorkerHarness, prompt: list[int], done: Prefilled, request_id: str) -> tuple[list[int], int]:
-    """The decode instance takes the proxy's request; engine steps until vLLM reports its load done.
-    Returns the request's blocks and the bytes NIXL's worker reported moving on the way."""
+#: Prefill requests whose blocks the prefill instance freed while the decode read (its read answer).
+RELEASED: set[str] = set()
+
+
+def read(
+    d: WorkerHarness, prompt: list[int], done: Prefilled, request_id: str, p: PrefillProcess
+) -> tuple[list[int], int]:
+    """The decode instance takes the proxy's request; engine steps until vLLM reports its load done,
+    the prefill instance stepping beside it (it answers the read and frees the blocks, noted in
+    :data:`RELEASED`). Returns the request's blocks and the bytes NIXL's worker reported moving."""
     d.scheduler.add_request(pulled(prompt, request_id, done.params, BLOCK))
     moved = 0
 
     def loaded(_outs: object) -> bool:
         nonlocal moved
+        RELEASED.update(p.step().finished_sending)
         out = d.last_output
         if out is None:
             return False
@@ -142,7 +150,8 @@ def finish(d: WorkerHarness, p: PrefillProcess, prefill_id: str) -> None:
     d.drain()
     assert_scheduler_empty(d.scheduler)
     stepped = p.step()
-    assert stepped.finished_sending == {prefill_id} and stepped.requests == 0
+    RELEASED.update(stepped.finished_sending)
+    assert prefill_id in RELEASED and stepped.requests == 0
 
 
 def check_blocks(d: WorkerHarness, ids: list[int], prompt: list[int], blocks: range, *, host_buffer: bool) -> None:
@@ -170,7 +179,7 @@ def test_prefill_to_decode_through_host_buffers_every_byte_then_the_host_tier_se
     done = prefilled(prefill, prompt, "prefill-A")
     fill_random(d.kv, seed=3)  # nothing the decode side held before can pass for the prompt's KV
     before = d.kv.snapshot()
-    ids, nixl_bytes = read(d, prompt, done, "decode-A")
+    ids, nixl_bytes = read(d, prompt, done, "decode-A", prefill)
 
     assert set(ids).isdisjoint(done.block_ids)
     # sync_recved_kv_to_device: one host -> device copy of exactly the request's blocks.
@@ -210,7 +219,7 @@ def test_ranges_assemble_a_request_from_the_host_tier_and_nixl_through_host_buff
     d = decode_side(composition(HOST, nixl_child("consumer"), load="ranges"))
     assert d.host_buffer_ops_to == ["pd"]
     turn1 = tokens(4 * BLOCK, 2)
-    ids, _ = read(d, turn1, prefilled(prefill, turn1, "prefill-T1"), "decode-T1")
+    ids, _ = read(d, turn1, prefilled(prefill, turn1, "prefill-T1"), "decode-T1", prefill)
     check_blocks(d, ids, turn1, range(4), host_buffer=True)
     finish(d, prefill, "prefill-T1")  # the host tier stores turn 1 as NIXL delivered it
 
@@ -219,7 +228,7 @@ def test_ranges_assemble_a_request_from_the_host_tier_and_nixl_through_host_buff
     copies = len(d.copy_op.copies)
     turn2 = turn1 + tokens(2 * BLOCK, 3)  # 6 blocks: 4 in the host tier, 2 new
     done = prefilled(prefill, turn2, "prefill-T2")
-    ids, nixl_bytes = read(d, turn2, done, "decode-T2")
+    ids, nixl_bytes = read(d, turn2, done, "decode-T2", prefill)
     assert inspector.loaders(d.scheduler.connector, "decode-T2") == ("host", "pd")
     # NIXL read the last two blocks only, through the host buffer, into the request's blocks 4 and 5.
     assert [(c.direction, list(c.blocks)) for c in d.copy_op.copies[copies:]] == [("h2d", ids[4:6])]
