@@ -40,21 +40,24 @@ and the peer allowlist of its handshakes (:class:`_SettingsMixin`):
 4. **No read used after the prefill released its blocks, none refused that it held** (pull
    mode, :mod:`kvcompose_nixl.lease`): the prefill stamps its lease's end in the
    ``kv_transfer_params`` and answers the decode's questions about the leases its heartbeats
-   renewed; the decode fails a read that ends after the last end it knows of.
+   renewed; the decode fails a read that ends after the last end it knows of. The prefill also
+   answers each read's notification, held or not, and the decode takes a read only once it is
+   answered held: a second decode's read of blocks already freed and reused counts failed.
 
-5. **Trust** (pull mode, :mod:`kvcompose_nixl.trust`): a decode checks each request's P/D
-   params on the scheduler before vLLM's code reads them (types, ranges, blocks against the
-   prompt, the peer allowlist and, with a deployment key, the prefill's signature over the
-   prompt); a refused set is dropped before vLLM sees it, counted by reason, and nothing is
-   connected to or read. Under ``kv_load_failure_policy`` ``recompute`` the prompt is computed
-   locally; under ``fail`` (vLLM's default) the request ends with an error, the way vLLM ends a
-   failed NIXL read: the scheduler half parks it as an asynchronous load of the prompt, the
-   step's metadata names it (:data:`REFUSED_ATTR`) instead of queuing a read, and the worker
-   half reports that load finished and failed, so vLLM's scheduler finishes it with
-   ``FINISHED_ERROR``. A signing prefill adds the signature in ``request_finished``. Both sides
-   answer the side channel with vLLM's protocol on a listener no frame can stop, seal the NIXL
-   agent metadata they publish with the key, and load no peer metadata the key does not open
-   (:mod:`kvcompose_nixl.side_channel`); no handshake leaves for a side channel off the list.
+5. **Trust** (pull mode, :mod:`kvcompose_nixl.trust`): a decode checks each request's P/D params
+   on the scheduler before vLLM's code reads them (types, ranges, exactly the blocks of their
+   token count, the prompt against the token count and digest the prefill stamped, the peer
+   allowlist and, with a deployment key, the prefill's signature); a refused set is dropped before
+   vLLM sees it, counted by reason, and nothing is connected to or read. Under
+   ``kv_load_failure_policy`` ``recompute`` the prompt is computed locally; under ``fail`` (vLLM's
+   default) the request ends with an error, the way vLLM ends a failed NIXL read: the scheduler
+   half parks it as an asynchronous load of the prompt, the step's metadata names it
+   (:data:`REFUSED_ATTR`) instead of queuing a read, and the worker half reports that load
+   finished and failed, so vLLM's scheduler finishes it with ``FINISHED_ERROR``. A signing prefill
+   adds the signature in ``request_finished``. Both sides answer the side channel with vLLM's
+   protocol on a listener no frame can stop, seal the NIXL agent metadata they publish with the
+   key, and load no peer metadata the key does not open (:mod:`kvcompose_nixl.side_channel`); no
+   handshake leaves for a side channel off the list.
 
 Before vLLM's worker creates its NIXL agent they also apply the agent settings vLLM has no
 option for (:mod:`kvcompose_nixl.agent`: the progress thread's sleep, UCX error handling), and
@@ -394,9 +397,10 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         self.refused_params[refused.reason] += 1
         source = params.get("remote_host")
         told = (refused.reason, source if isinstance(source, str) else "?")
-        outcome = "the request fails (load_failure: fail)" if self._fail_refused and load else "computed here instead"
         if not load:
             outcome = "served without it"
+        else:
+            outcome = "the request fails (load_failure: fail)" if self._fail_refused else "computed here instead"
         if told not in self._told and len(self._told) < 1024:  # once per reason and source
             self._told.add(told)
             log.warning(
