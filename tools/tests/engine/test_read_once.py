@@ -28,8 +28,8 @@ That the blocks were reused is checked on the prefill: G sent to it again afterw
 its device prefix cache (vLLM queues a request's full blocks for reuse last block first, so G's
 first block is the last of them to be given away).
 
-Each stack is three engines started together (120-165 s on this machine's two cores, the
-session's baseline engine beside the first); the module took 331 s, hence ``long``
+Each stack is three engines started together (120-175 s on this machine's two cores, the
+session's baseline engine beside the first); the module took 331 s and 403 s, hence ``long``
 (``make test-long``).
 """
 
