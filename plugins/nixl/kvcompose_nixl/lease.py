@@ -361,6 +361,8 @@ class LeaseWatch:
         self._asked: dict[int, tuple[str, float, frozenset[str]]] = {}
         self._numbers = itertools.count(1)
         self._greeted: set[str] = set()
+        #: prefill engines of reads that wait for answers, whose agents are not all greeted yet
+        self._to_greet: set[str] = set()
         #: prefill request id -> prefill agent -> whether its answer says the read found the blocks held
         self._read_answers: dict[str, dict[str, bool]] = {}
         #: finished reads waiting for the prefill's answer, since when (our clock)
@@ -449,20 +451,23 @@ class LeaseWatch:
                     )
                     if answered:
                         self._read_answers.setdefault(remote.request_id, {})
-            # Before vLLM's reads: the prefill loads this decode's agent to answer them.
-            for engine in {lease.engine_id for lease in self._leases.values() if lease.answered}:
-                self._greet(engine)
+                        self._to_greet.add(remote.engine_id)
+            # Before vLLM's reads (a handshake may complete between steps): the prefill loads this
+            # decode's agent to answer them. Only engines not greeted yet: most steps, none.
+            if self._to_greet:
+                self._to_greet = {engine for engine in self._to_greet if not self._greet(engine)}
             start_load_kv(metadata)
 
         return start_load_kv_recorded
 
-    def _greet(self, engine: str) -> None:
+    def _greet(self, engine: str) -> bool:
         """Send each agent of the prefill ``engine`` this decode's connection metadata (:data:`HELLO`,
-        sealed with a key), once: it answers to loaded agents only."""
+        sealed with a key), once: it answers to loaded agents only. Whether every agent is greeted."""
         agents = self._worker._remote_agents.get(engine)
         if not agents:
-            return  # the handshake is still pending
+            return False  # the handshake is still pending
         wrapper = self._worker.nixl_wrapper
+        greeted = True
         for agent in map(_name, agents.values()):
             if agent in self._greeted:
                 continue
@@ -472,8 +477,10 @@ class LeaseWatch:
                 wrapper.send_notif(agent, HELLO + (keys.seal(hello) if keys is not None else hello))
             except Exception as exc:  # asked again at the next read or beat
                 log.debug("NIXL hello to %s not sent: %s", agent, exc)
+                greeted = False
                 continue
             self._greeted.add(agent)
+        return greeted
 
     def _held_for_us(self, lease: _Lease) -> bool | None:
         """Whether every agent of the lease's prefill answered that the read found the blocks held:
