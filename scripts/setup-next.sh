@@ -15,7 +15,7 @@ PY=${PYTHON:-python3}
 VLLM_NEXT=0.33.0
 NIXL_NEXT=1.5.1
 
-stamp_inputs() { cat scripts/setup-next.sh pyproject.toml plugins/*/pyproject.toml tools/pyproject.toml; }
+stamp_inputs() { cat scripts/setup-next.sh scripts/requirements-test.txt pyproject.toml plugins/*/pyproject.toml tools/pyproject.toml; }
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 if [[ -x "$VENV/bin/python" && -f "$VENV/.kvcompose-setup" && "$(cat "$VENV/.kvcompose-setup")" == "$want" ]]; then
   exit 0
@@ -38,7 +38,7 @@ fi
 check "import vllm; assert vllm.__version__ == '$VLLM_NEXT'" || pip install --find-links "$VENV/wheels" "vllm==$VLLM_NEXT"
 check "import nixl_cu13" || pip install --no-deps "nixl-cu13==$NIXL_NEXT"
 check "import nixl._api" || pip install --no-deps "nixl==$NIXL_NEXT"
-pip install pluggy msgspec pyyaml "cryptography>=42" "pytest>=8"
+pip install -r scripts/requirements-test.txt
 # --deps-only: the third-party packages alone (.ci/run fetches them while the tests run). The
 # editable installs below build the cpu-offload plugin's C helper in place, under the tests' feet.
 [[ "${1:-}" == "--deps-only" ]] && exit 0

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV=${KVCOMPOSE_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-stamp_inputs() { cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml tools/pyproject.toml plugins/*/kvcompose_*/*.c; }
+stamp_inputs() { cat scripts/setup.sh scripts/requirements-test.txt pyproject.toml plugins/*/pyproject.toml tools/pyproject.toml plugins/*/kvcompose_*/*.c; }
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 if [[ -x "$VENV/bin/python" && -f "$VENV/.kvcompose-setup" && "$(cat "$VENV/.kvcompose-setup")" == "$want" ]]; then
   exit 0
@@ -33,7 +33,7 @@ else
   check "import nixl._api" || pip install --no-deps nixl
 fi
 # ruff and import-linter: `make lint` (the style, and the layers declared in pyproject.toml).
-pip install pluggy msgspec pyyaml "cryptography>=42" "pytest>=8" "hypothesis>=6.100" "ruff==0.17.6" "import-linter==2.17"
+pip install -r scripts/requirements-test.txt "ruff==0.17.6" "import-linter==2.17"
 check "import matplotlib" || pip install "matplotlib>=3.7"   # kvcompose-tools[bench]: bench --png
 # kvcompose-tools[serve]: vLLM's router for `kvcompose demo --http` and the router engine tests.
 check "import importlib.metadata as m; assert m.version('vllm-router') == '0.1.17'" || pip install "vllm-router==0.1.17"
