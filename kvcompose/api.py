@@ -14,7 +14,8 @@ import nothing else of kvcompose. Tests of a plugin also use the test kit
 from __future__ import annotations
 
 from kvcompose import NAME, hookimpl
-from kvcompose.catalog import Child, ConnectorType, Options, Plan, Rule, given_options
+from kvcompose.catalog import Child, ConnectorType, Listener, Options, Plan, Rule, given_options
+from kvcompose.config import convert
 from kvcompose.contract import (
     NO_HIT,
     NOT_READY,
@@ -47,6 +48,7 @@ __all__ = [
     "hookimpl",
     # connector types and the resolved composition
     "ConnectorType",
+    "Listener",
     "Options",
     "given_options",
     "Child",
@@ -56,6 +58,7 @@ __all__ = [
     "CompositionError",
     "Problem",
     "did_you_mean",
+    "convert",
     # sizes in options
     "ByteSize",
     "beyond_host_memory",

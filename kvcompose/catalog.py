@@ -85,6 +85,23 @@ def vllm_value(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class Listener:
+    """A TCP port a child's engine binds (a handshake side channel, a tier's control socket):
+    kvcompose refuses a composition in which two of them would bind the same one.
+
+    ``host`` and ``port`` as the engine resolves them; ``set_by`` says where they come from (the
+    option, or the environment variable and its default) and ``path`` locates the option.
+    vLLM adds the data-parallel index to every such base port, so equal bases clash at every index.
+    """
+
+    what: str
+    host: str
+    port: int
+    set_by: str
+    path: tuple[str | int, ...]
+
+
 class ConnectorType:
     """A kind of child connector, as a plugin describes it to kvcompose.
 
@@ -223,6 +240,10 @@ class ConnectorType:
 
         A problem with ``warning=True`` is reported without refusing the composition.
         """
+        return ()
+
+    def listeners(self, child: Child) -> Iterable[Listener]:
+        """The ports this child's engine binds (kvcompose refuses two children on one)."""
         return ()
 
     def kv_layout(self, child: Child) -> str | None:

@@ -9,7 +9,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -18,6 +18,8 @@ from kvcompose.errors import CompositionError, Locator, Problem, did_you_mean
 from kvcompose.errors import Path as DocPath
 from kvcompose.reader import KEY, MAX_BYTES, MAX_CONNECTORS, parse_yaml, plain_data_problem
 from kvcompose.units import ByteSize
+
+T = TypeVar("T")
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 #: A rule by name (``first-wins``) or with parameters (``{use: longest-hit, ...}``).
@@ -92,6 +94,16 @@ def schema_hook(type_: type) -> dict[str, Any]:
             "description": "a size: bytes, or a number with a unit (32GiB, 512MiB, 8GB)",
         }
     raise NotImplementedError
+
+
+def convert(raw: Any, type_: type[T], at: DocPath = ()) -> tuple[T | None, Problem | None]:
+    """``raw`` as ``type_`` (msgspec, with the file's sizes), or the problem located at ``at`` plus
+    msgspec's path: for options a plugin validates itself, e.g. a list whose entries' type
+    depends on a key."""
+    try:
+        return msgspec.convert(raw, type=type_, dec_hook=dec_hook), None
+    except msgspec.ValidationError as exc:
+        return None, msgspec_problem(exc, at, type_)
 
 
 _PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")

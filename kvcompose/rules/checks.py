@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
 from kvcompose import hookimpl
-from kvcompose.catalog import Plan
+from kvcompose.catalog import Listener, Plan
 from kvcompose.contract import RULE_KINDS
 from kvcompose.errors import Problem
 
@@ -58,6 +58,7 @@ def kvcompose_check(plan: Plan) -> list[Problem]:
             problems.append(
                 Problem(f"{c.name} and {claimants[0].name} both {what}", ("connectors", c.index, "type"), fix)
             )
+    problems.extend(_port_clashes(plan))
     for kind in RULE_KINDS:  # each rule checks what it needs itself
         rule = getattr(plan, kind)
         if isinstance(rule, ChecksPlan):
@@ -89,3 +90,29 @@ def kvcompose_check(plan: Plan) -> list[Problem]:
         odd = next(c for c in known if layouts[c.name] != layouts[known[0].name])
         problems.append(Problem(conflict, ("connectors", odd.index, "type")))
     return problems
+
+
+#: Names of this machine's loopback, and the wildcards that bind every address.
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARD = frozenset({"0.0.0.0", "::", "*", ""})
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Whether binding both ``a`` and ``b`` on one port of one machine collides."""
+    return a == b or bool({a, b} & _WILDCARD) or {a, b} <= _LOOPBACK
+
+
+def _port_clashes(plan: Plan) -> Iterable[Problem]:
+    """Two listeners of the engine on one port: the second fails to bind when the engine starts."""
+    seen: list[tuple[str, Listener]] = []
+    for c in plan.children:
+        for mine in c.type.listeners(c):
+            for owner, theirs in seen:
+                if mine.port == theirs.port and _same_address(mine.host, theirs.host):
+                    yield Problem(
+                        f"{mine.what} port {mine.port} ({mine.set_by}) is also the port of {owner}'s "
+                        f"{theirs.what}: the engine cannot bind both",
+                        mine.path,
+                        f"give the {mine.what} a port of its own",
+                    )
+            seen.append((c.name, mine))

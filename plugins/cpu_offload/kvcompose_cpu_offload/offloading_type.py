@@ -2,7 +2,8 @@
 
 vLLM's native KV offloading (``--kv-offloading-backend native``; ``vllm/v1/kv_offload/``): a
 host-memory tier with vLLM's manager and eviction policies (``lru``, ``arc``), optionally with a
-file-system tier behind it (vLLM's ``TieringOffloadingSpec`` and its ``fs`` secondary tier). The
+list of secondary tiers behind it (vLLM's ``TieringOffloadingSpec``: ``fs``, ``obj``, ``p2p``,
+``kvcr``, a class of your own; :mod:`kvcompose_cpu_offload.tiers`). The
 connector class is vLLM's, unchanged; the options pick vLLM's offloading spec through vLLM's own
 extension point (``spec_name`` / ``spec_module_path``, ``vllm/v1/kv_offload/factory.py``): the
 plugin's :mod:`kvcompose_cpu_offload.native` specs, which are vLLM's on CUDA and XPU and differ
@@ -14,17 +15,36 @@ Example::
     connectors:
       - name: host
         type: native-offload
-        options: {cpu_bytes: 4GiB, eviction: arc, disk_dir: /mnt/nvme/kv}
+        options:
+          cpu_bytes: 4GiB
+          eviction: arc
+          tiers:                       # behind host memory, in order
+            - {type: fs, root_dir: /mnt/nvme/kv}
+            - {type: p2p, port: 5710}
+
+``disk_dir: /mnt/nvme/kv`` is the short form of one ``fs`` tier.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta
 
-from kvcompose.api import ByteSize, ConnectorType, Options, Problem, beyond_host_memory, format_size, given_options
+from kvcompose.api import (
+    ByteSize,
+    ConnectorType,
+    Listener,
+    Options,
+    Problem,
+    beyond_host_memory,
+    format_size,
+    given_options,
+)
+from kvcompose_cpu_offload import tiers as tiers_
 
 if TYPE_CHECKING:
     from kvcompose.api import Child, Plan
@@ -77,6 +97,14 @@ class NativeOffloadOptions(Options):
         PositiveInt | None,
         Meta(description="with disk_dir: read and write threads each (n_read_threads, n_write_threads; vLLM's 16)"),
     ] = None
+    tiers: Annotated[
+        list[dict[str, Any]] | None,
+        Meta(
+            description="secondary tiers behind host memory, in order (vLLM's secondary_tiers, its keys): "
+            "{type: fs, root_dir: ...}, {type: obj, store_config: {...}}, {type: p2p, host: ..., port: ...}, "
+            "{type: kvcr, ...}, or {type: MyTierClass, module_path: my.module, ...}"
+        ),
+    ] = None
 
 
 class NativeOffloadType(ConnectorType):
@@ -108,13 +136,12 @@ class NativeOffloadType(ConnectorType):
         cfg = super().vllm_config(child)
         opts = child.options_as(NativeOffloadOptions)
         extra = cfg["kv_connector_extra_config"]
-        extra["spec_name"] = CPU_SPEC if opts.disk_dir is None else TIERING_SPEC
+        extra.pop("tiers", None)
+        tiers = secondary_tiers(opts)
+        extra["spec_name"] = TIERING_SPEC if tiers else CPU_SPEC
         extra["spec_module_path"] = SPEC_MODULE
-        if opts.disk_dir is not None:
-            tier: dict[str, Any] = {"type": "fs", "root_dir": opts.disk_dir}
-            if opts.disk_threads is not None:
-                tier["n_read_threads"] = tier["n_write_threads"] = opts.disk_threads
-            extra["secondary_tiers"] = [tier]
+        if tiers:
+            extra["secondary_tiers"] = [tiers_.render(t) for t in tiers]
         return cfg
 
     def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -130,12 +157,24 @@ class NativeOffloadType(ConnectorType):
             f"(vLLM's OffloadingConnector, {opts.eviction or 'lru'} eviction)",
             "stores are deferred to the next step (vLLM's own schedule)",
         ]
-        if opts.disk_dir is not None:
-            lines.append(
-                f"behind it, vLLM's fs tier at {opts.disk_dir}: blocks evicted from host memory are kept as files, "
-                "and any instance on that directory (this one restarted) loads them"
-            )
+        lines += [f"then tier {n}, {tiers_.describe(t)}" for n, t in enumerate(secondary_tiers(opts), 1)]
         return "\n".join(lines)
+
+    def listeners(self, child: Child) -> Iterator[Listener]:
+        """Each p2p tier's control socket (vLLM binds it in every worker; base port + DP index)."""
+        for j, tier in enumerate(secondary_tiers(child.options_as(NativeOffloadOptions))):
+            if isinstance(tier, tiers_.P2pTier):
+                at = ("connectors", child.index, "options", "tiers", j)
+                env_port = os.environ.get(tiers_.P2P_PORT_ENV)
+                yield Listener(
+                    what="p2p tier control socket",
+                    host=tier.host or os.environ.get(tiers_.P2P_HOST_ENV) or "localhost",
+                    port=tier.port or int(env_port or tiers_.P2P_DEFAULT_PORT),
+                    set_by="its port option"
+                    if tier.port
+                    else f"${tiers_.P2P_PORT_ENV}" + ("" if env_port else "'s default"),
+                    path=at + (("port",) if tier.port else ()),
+                )
 
     def save_hooks_needed(self, child: Child) -> str | None:
         """Always: its worker queues the stores its scheduler planned in ``wait_for_save``."""
@@ -169,3 +208,53 @@ class NativeOffloadType(ConnectorType):
                 path=at("disk_threads"),
                 hint="set disk_dir, or remove disk_threads",
             )
+        if opts.tiers is None:
+            return
+        if opts.disk_dir is not None:
+            yield Problem(
+                "disk_dir is the short form of one fs tier; with tiers, write that tier in the list",
+                path=at("disk_dir"),
+                hint="move it into tiers as {type: fs, root_dir: ...}, in the place you want it",
+            )
+        tiers, problems = tiers_.parse(opts.tiers, at("tiers"))
+        yield from problems
+        for j, tier in enumerate(tiers):
+            yield from _tier_problems(tier, at("tiers") + (j,), plan)
+
+
+def secondary_tiers(opts: NativeOffloadOptions) -> list[tiers_.AnyTier]:
+    """The child's tiers behind host memory, in order (``disk_dir``: one fs tier); the entries
+    :meth:`NativeOffloadType.check` refused are left out."""
+    if opts.tiers is not None:
+        return tiers_.parse(opts.tiers, ())[0]
+    if opts.disk_dir is None:
+        return []
+    threads = opts.disk_threads
+    return [tiers_.FsTier(root_dir=opts.disk_dir, n_read_threads=threads, n_write_threads=threads)]
+
+
+def _tier_problems(tier: tiers_.AnyTier, at: tuple[str | int, ...], plan: Plan | None) -> Iterator[Problem]:
+    """What vLLM would refuse at start, or what the file should not hold, in one valid entry."""
+    if isinstance(tier, tiers_.P2pTier) and tier.backpressure is not None:
+        yield Problem(
+            "vLLM's p2p tier refuses backpressure (it cannot fail fast in P/D mode)",
+            at + ("backpressure",),
+            "remove backpressure from the p2p tier",
+        )
+    if isinstance(tier, tiers_.Tier) and tier.backpressure is not None and "backpressure_cls" not in tier.backpressure:
+        yield Problem(
+            "backpressure needs backpressure_cls (vLLM's EMABackpressureDetector, or a class of your own)",
+            at + ("backpressure",),
+        )
+    if isinstance(tier, tiers_.ObjTier):
+        for key in ("access_key", "secret_key", "session_token"):
+            if getattr(tier.store_config, key):
+                yield Problem(
+                    f"store_config.{key} is written in the file, and so in vLLM's command line and its logs",
+                    at + ("store_config", key),
+                    "leave it empty: NIXL's OBJ backend then takes the AWS credential chain (AWS_* variables, "
+                    "a mounted credentials file, the pod's IAM role)",
+                    warning=True,
+                )
+    if plan is not None and plan.import_modules and importlib.util.find_spec("vllm") is not None:
+        yield from tiers_.import_problems(tier, at)

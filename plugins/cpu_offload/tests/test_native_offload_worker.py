@@ -9,6 +9,7 @@ import textwrap
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -220,9 +221,11 @@ def test_loads_wait_for_earlier_transfers_and_results_come_in_order() -> None:
     connector.shutdown()
 
 
-def test_tiering_spec_worker_uses_the_shared_region(tmp_path: Any) -> None:
-    """With the fs tier the worker's host tensors are views of vLLM's shared region, which the
-    scheduler-side fs tier reads; bytes stored through the worker are visible there."""
+def test_tiering_spec_worker_stores_where_the_secondary_tiers_read(tmp_path: Any) -> None:
+    """With a secondary tier the worker's host tensors are views of vLLM's shared region: a block
+    the worker stores into chunk 3 is in chunk 3 of the scheduler side's view of that region, which
+    is what every secondary tier reads (``TieringOffloadingManager`` hands ``view[c]`` to them);
+    chunk 4, never stored, holds none of it. A load from chunk 3 brings the block back."""
     cfg = _config(
         16,
         spec_name="PortableTieringOffloadingSpec",
@@ -233,13 +236,19 @@ def test_tiering_spec_worker_uses_the_shared_region(tmp_path: Any) -> None:
     connector, worker = _worker(kv)
     assert isinstance(worker, PortableCPUOffloadingWorker)
     spec = connector.connector_worker.spec  # type: ignore[union-attr]
-    assert worker._mmap_region is not None
     before = kv.snapshot()
-    assert worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([0]))
+    assert worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([3]))
     worker.wait({1})
-    assert worker.submit_load(2, CPULoadStoreSpec([0]), GPULoadStoreSpec([9], [1], [0]))
+    manager = spec.get_manager()  # the scheduler side: its own mapping of the region
+    view = manager.primary_tier.get_kv_memoryview()
+    rows = np.asarray(view)  # (chunks, bytes a chunk), as the tiers index it
+    stored, untouched = rows[3].tobytes(), rows[4].tobytes()
+    for name in kv.kv_caches:
+        block = _bytes(before[name][5]).numpy().tobytes()
+        assert block in stored and block not in untouched, name
+    assert worker.submit_load(2, CPULoadStoreSpec([3]), GPULoadStoreSpec([9], [1], [0]))
     assert len(_results(worker, 2)) == 2
-    for name, view in kv.kv_caches.items():
-        assert torch.equal(_bytes(view[9]), _bytes(before[name][5])), name
-    assert spec.num_chunks > 0
+    for name, view_ in kv.kv_caches.items():
+        assert torch.equal(_bytes(view_[9]), _bytes(before[name][5])), name
+    manager.shutdown()
     connector.shutdown()

@@ -96,7 +96,7 @@ def test_describe_says_one_fact_a_line() -> None:
         child({"cpu_bytes": "256MiB", "disk_dir": "/mnt/kv"})
     )
     assert lines.splitlines()[0].startswith("keeps prefix blocks in 256MiB of host memory")
-    assert "fs tier at /mnt/kv" in lines
+    assert "then tier 1, fs: block files in /mnt/kv" in lines
 
 
 def test_an_existing_offloadingconnector_entry_is_not_taken_as_this_type() -> None:

@@ -1,0 +1,253 @@
+"""The secondary tiers of a ``native-offload`` child: vLLM's ``secondary_tiers``, typed and checked.
+
+vLLM's ``TieringOffloadingSpec`` puts an ordered list of tiers behind its CPU tier
+(``vllm/v1/kv_offload/tiering/spec.py``); each entry is a ``type`` and the keyword arguments of
+that tier's manager (``tiering/factory.py`` ``create_secondary_tier``). The built-in types are
+vLLM's ``fs``, ``obj``, ``p2p`` and ``kvcr``; any other ``type`` is a ``SecondaryTierManager``
+class name that vLLM imports from the entry's ``module_path``.
+
+The composition file writes the entries with vLLM's own keys (what vLLM's documentation names),
+so each tier here is a struct whose fields are its manager's parameters: a typo or a wrong type is
+refused at its line before an engine starts, where vLLM would raise a ``TypeError`` in the worker.
+A test pins each struct's fields to its manager's signature in the installed vLLM.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvcompose.api import Problem, convert, did_you_mean
+
+PositiveInt = Annotated[int, Meta(gt=0)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+#: Where the tier's storage is, relative to this instance (vLLM's ``Locality``), in its KV events.
+Locality = Literal["LOCAL", "REMOTE"]
+Path = tuple[str | int, ...]
+
+#: vLLM's defaults for the p2p tier's control socket (``VLLM_P2P_SIDE_CHANNEL_HOST`` / ``_PORT``).
+P2P_HOST_ENV, P2P_PORT_ENV, P2P_DEFAULT_PORT = "VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", 5710
+
+
+class Tier(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True, tag_field="type"):
+    """One built-in tier: its manager's keyword arguments under vLLM's names; unset: vLLM's default."""
+
+    #: The manager class vLLM's factory registers for this ``type`` (``tiering/factory.py``).
+    manager: ClassVar[str]
+    #: The tier's own ``backpressure`` settings (vLLM's ``backpressure_cls`` and its options),
+    #: merged over the top-level ones by vLLM (``spec.py``).
+    backpressure: dict[str, Any] | None = None
+
+
+class StorageTier(Tier, kw_only=True):
+    """A tier that stores blocks somewhere and can announce them (hash-only ``BlockStored``
+    events, medium ``STORAGE``, when the engine publishes KV events)."""
+
+    enable_kv_events: bool | None = None
+    locality: Locality | None = None
+
+
+class FsTier(StorageTier, tag="fs", kw_only=True):
+    """Files under a directory that several instances may share (``tiering/fs/manager.py``)."""
+
+    manager: ClassVar[str] = "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager"
+    root_dir: Annotated[str, Meta(min_length=1)]
+    n_read_threads: PositiveInt | None = None
+    n_write_threads: PositiveInt | None = None
+
+
+class ObjStore(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """The object store's connection (vLLM's ``ObjStoreConfig``, ``tiering/obj/config.py``)."""
+
+    bucket: Annotated[str, Meta(min_length=1)]
+    endpoint_override: str
+    access_key: str = ""
+    secret_key: str = ""
+    session_token: str = ""
+    region: str = ""
+    scheme: Literal["http", "https"] = "http"
+    ca_bundle: str = ""
+
+
+class ObjTier(StorageTier, tag="obj", kw_only=True):
+    """An S3-compatible bucket through NIXL's OBJ backend (``tiering/obj/manager.py``)."""
+
+    manager: ClassVar[str] = "vllm.v1.kv_offload.tiering.obj.manager.ObjectStoreSecondaryTierManager"
+    store_config: ObjStore
+    prefix: str | None = None
+    io_threads: PositiveInt | None = None
+
+
+class P2pTier(Tier, tag="p2p", kw_only=True):
+    """KV between instances over NIXL, each request's role named by its ``kv_transfer_params``
+    (``remote_decoder``, ``remote_prefiller``, ``remote_kv_source``; ``tiering/p2p/manager.py``)."""
+
+    manager: ClassVar[str] = "vllm.v1.kv_offload.tiering.p2p.manager.P2PSecondaryTierManager"
+    host: Annotated[str, Meta(min_length=1)] | None = None
+    port: Port | None = None
+    backends: list[str] | None = None
+    num_threads: PositiveInt | None = None
+    unbound_store_timeout_s: Annotated[float, Meta(gt=0)] | None = None
+
+
+class KvcrTier(Tier, tag="kvcr", kw_only=True):
+    """The external ``kvcr`` service's tier (``tiering/kvcr/manager.py``; imports the ``kvcr`` package)."""
+
+    manager: ClassVar[str] = "vllm.v1.kv_offload.tiering.kvcr.manager.KVCRSecondaryTierManager"
+    #: The package vLLM's manager imports at start.
+    package: ClassVar[str] = "kvcr"
+    router_capabilities: list[str] | None = None
+    control_host: str | None = None
+    control_ports: list[Port] | None = None
+    control_advertise_host: str | None = None
+    eager_ctrl_connect: bool | None = None
+    opportunistic_query: bool | None = None
+    enable_telemetry: bool | None = None
+    operation_timeout_ms: PositiveInt | None = None
+    abandon_timeout_ms: PositiveInt | None = None
+    metadata_retry_interval_ms: PositiveInt | None = None
+    secondary_g2_slots: Annotated[int, Meta(ge=0)] | None = None
+    kvcr_service_socket_path: str | None = None
+    compatibility_digest: str | None = None
+    policy: str | None = None
+    g3: dict[str, Any] | None = None
+    local_dram_backend: str | None = None
+    remote_fw_dram_backend: str | None = None
+
+
+#: The built-in tier types, by vLLM's ``type``.
+BUILT_IN: Mapping[str, type[Tier]] = {cls.__struct_config__.tag: cls for cls in (FsTier, ObjTier, P2pTier, KvcrTier)}
+
+
+@dataclass(frozen=True)
+class ClassTier:
+    """An out-of-tree ``SecondaryTierManager``: vLLM imports ``type`` from ``module_path`` and
+    passes it the other keys as they are."""
+
+    type: str
+    module_path: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def vllm_config(self) -> dict[str, Any]:
+        return {"type": self.type, "module_path": self.module_path, **self.options}
+
+
+AnyTier = Tier | ClassTier
+
+
+def parse(entries: Sequence[Any], at: Path) -> tuple[list[AnyTier], list[Problem]]:
+    """The tiers of ``tiers:`` (at ``at`` in the document), and what is wrong with each entry."""
+    tiers: list[AnyTier] = []
+    problems: list[Problem] = []
+    for j, raw in enumerate(entries):
+        here = at + (j,)
+        tier, problem = _parse_one(raw, here)
+        if problem is not None:
+            problems.append(problem)
+        elif tier is not None:
+            tiers.append(tier)
+    return tiers, problems
+
+
+def _parse_one(raw: Any, at: Path) -> tuple[AnyTier | None, Problem | None]:
+    if not isinstance(raw, dict):
+        return None, Problem(
+            f"a tier is a mapping with a type, not {type(raw).__name__}", at, "e.g. {type: fs, root_dir: /mnt/kv}"
+        )
+    kind = raw.get("type")
+    if not isinstance(kind, str) or not kind:
+        return None, Problem(
+            "a tier needs a type", at, "one of " + ", ".join(BUILT_IN) + ", or a class name with module_path"
+        )
+    cls = BUILT_IN.get(kind)
+    if cls is not None:
+        if "module_path" in raw:
+            return None, Problem(
+                f"{kind} is one of vLLM's built-in tiers: vLLM ignores module_path for it",
+                at + ("module_path",),
+                "remove module_path, or give your class a name of its own",
+            )
+        return convert(raw, cls, at)
+    module_path = raw.get("module_path")
+    if module_path is None:
+        close = did_you_mean(kind, BUILT_IN)
+        return None, Problem(
+            f"unknown tier type {kind!r}",
+            at + ("type",),
+            (close + " " if close.startswith("did you mean") else "")
+            + "vLLM's tiers are "
+            + ", ".join(BUILT_IN)
+            + "; a class of your own also needs module_path",
+        )
+    if not isinstance(module_path, str) or not all(module_path.split(".")):
+        return None, Problem(
+            f"module_path {module_path!r} is not a module's full dotted name",
+            at + ("module_path",),
+            "write the module's full name from its top-level package, e.g. my_package.tiers",
+        )
+    options = {k: v for k, v in raw.items() if k not in ("type", "module_path")}
+    return ClassTier(kind, module_path, options), None
+
+
+def render(tier: AnyTier) -> dict[str, Any]:
+    """The tier as one entry of vLLM's ``secondary_tiers``: only the keys given, vLLM's names."""
+    if isinstance(tier, ClassTier):
+        return tier.vllm_config()
+    return msgspec.to_builtins(tier)
+
+
+def import_problems(tier: AnyTier, at: Path) -> Iterator[Problem]:
+    """What fails when vLLM imports the tier's code (``--import-modules``: importing runs it)."""
+    if isinstance(tier, KvcrTier) and importlib.util.find_spec(KvcrTier.package) is None:
+        yield Problem(
+            f"the kvcr tier imports the {KvcrTier.package!r} package, which is not installed here",
+            at + ("type",),
+            "install the kvcr client where the engine runs, or remove the tier",
+        )
+    if not isinstance(tier, ClassTier):
+        return
+    try:
+        module = importlib.import_module(tier.module_path)
+    except Exception as exc:  # whatever the module raises is what vLLM would meet at start
+        yield Problem(
+            f"module_path {tier.module_path!r} does not import: {type(exc).__name__}: {exc}",
+            at + ("module_path",),
+            "install the package that holds it where the engine runs",
+        )
+        return
+    cls = getattr(module, tier.type, None)
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+    if not (isinstance(cls, type) and issubclass(cls, SecondaryTierManager)):
+        what = "has no" if cls is None else "has a non-SecondaryTierManager"
+        yield Problem(
+            f"{tier.module_path} {what} {tier.type}",
+            at + ("type",),
+            "type names a vLLM SecondaryTierManager subclass in module_path",
+        )
+
+
+def describe(tier: AnyTier) -> str:
+    """One line: what the tier holds and where (``kvcompose check``)."""
+    if isinstance(tier, FsTier):
+        text = f"fs: block files in {tier.root_dir}, shared by the instances on it"
+    elif isinstance(tier, ObjTier):
+        text = f"obj: bucket {tier.store_config.bucket} at {tier.store_config.endpoint_override}"
+    elif isinstance(tier, P2pTier):
+        host = tier.host or f"${P2P_HOST_ENV} (localhost)"
+        port = tier.port or f"${P2P_PORT_ENV} ({P2P_DEFAULT_PORT})"
+        text = f"p2p: KV between instances over NIXL; control socket {host}:{port} + DP index"
+    elif isinstance(tier, KvcrTier):
+        text = "kvcr: the kvcr service (its client package, kvcr)"
+    else:
+        text = f"{tier.type} from {tier.module_path}"
+    if isinstance(tier, StorageTier) and tier.enable_kv_events:
+        text += "; stores published as KV events"
+    return text
