@@ -1,0 +1,118 @@
+"""vLLM's p2p tier composed as a ``native-offload`` tier, in two real engines on CPU (marker ``engine``).
+
+Each engine composes one child, ``native-offload`` with ``tiers: [{type: p2p, ...}]``: vLLM's
+``OffloadingConnector`` with its ``TieringOffloadingSpec`` (the plugin's portable spec on this
+CPU platform), whose p2p tier moves KV between the two instances' CPU tiers over NIXL. No NIXL
+connector and no MultiConnector: the path llm-d's sidecar drives, with the role keys it sets
+(``vllm/v1/kv_offload/tiering/p2p/manager.py``):
+
+* **P/D**: ``remote_decoder`` on the prefill's request, ``remote_prefiller`` (the prefill's
+  p2p address) on the decode's. The decode takes the prompt's full blocks from the prefill and
+  computes the rest.
+* **symmetric**: ``remote_kv_source`` (the decode's p2p address) on a later request to the
+  prefill, whose prompt extends what the decode computed: the prefill asks which blocks the
+  decode holds and fetches them.
+
+Every answer must be the single-engine baseline's, token ids and logprobs bit for bit, and the
+tokens the p2p tier brought must be counted as loaded (not computed) where they landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.stack import Nodes, module_stack
+from kvcompose_tools.e2e.flow import Served, decode_request, token_prompt
+from kvcompose_tools.e2e.model import make_model
+from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
+from kvcompose_tools.e2e.ports import free_ports
+from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 16
+PD_PROMPT = token_prompt(70, 450)
+SHARED = token_prompt(71, 300)
+EXTENDED = SHARED + token_prompt(72, 60)
+
+
+def p2p_yaml(port: int) -> str:
+    """One native-offload child whose only tier behind host memory is vLLM's p2p tier on ``port``."""
+    return (
+        "version: 1\n"
+        "connectors:\n"
+        "  - name: host\n"
+        "    type: native-offload\n"
+        "    options:\n"
+        "      cpu_bytes: 64MiB\n"
+        f"      tiers: [{{type: p2p, host: 127.0.0.1, port: {port}}}]\n"
+    )
+
+
+class Pair(Nodes):
+    """Two engines with a p2p tier each: ``prefill`` and ``decode`` (names for the P/D roles)."""
+
+    def __init__(self, tmp: Path, baseline: EngineNode) -> None:
+        super().__init__()
+        model = str(make_model(0))
+        self.baseline = baseline
+        ports = free_ports(4)
+        self.p2p_ports = {"prefill": ports[2], "decode": ports[3]}
+        for name, engine_port in zip(("prefill", "decode"), ports[:2], strict=True):
+            path = tmp / f"{name}.yaml"
+            path.write_text(p2p_yaml(self.p2p_ports[name]))
+            node = EngineNode(EngineSpec(name, model, str(path), engine_port), tmp)
+            self.nodes.append(node)
+            setattr(self, name, node)
+        wait_all_ready(self.nodes)
+
+    def address(self, name: str) -> dict[str, Any]:
+        return {"remote_host": "127.0.0.1", "remote_port": self.p2p_ports[name]}
+
+
+@pytest.fixture(scope="module")
+def pair(baseline: EngineNode) -> Iterator[Pair]:
+    yield from module_stack(Pair, "kvcompose-e2e-p2p-", baseline)
+
+
+def full(prompt: list[int]) -> int:
+    """Tokens of the prompt's full blocks but the last token's (vLLM always computes the last one)."""
+    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def show(label: str, s: Served) -> None:
+    print(
+        f"{label}: loaded {s.served_by()}, computed {s.computed_tokens}, {s.host_bytes:,} B from host, "
+        f"vLLM's sources {s.cached_by_source()}"
+    )
+
+
+def test_pd_through_the_p2p_tier_loads_the_prefills_blocks_and_answers_as_one_engine(pair: Pair) -> None:
+    expected = pair.baseline.generate([PD_PROMPT], MAX_TOKENS)[0]
+    kv_request_id = "p2p-pd-1"
+    prefill = decode_request(pair.prefill, PD_PROMPT, 1, {"remote_decoder": {"kv_request_id": kv_request_id}}, "P")
+    assert prefill.computed_tokens == len(PD_PROMPT)
+    params = {"remote_prefiller": {"kv_request_id": kv_request_id, **pair.address("prefill")}}
+    served = decode_request(pair.decode, PD_PROMPT, MAX_TOKENS, params, "D", ("host",))
+    show("P/D", served)
+    assert served.loaded == {"host": full(PD_PROMPT)}, served.loaded
+    assert served.computed_tokens == len(PD_PROMPT) - full(PD_PROMPT)
+    assert served.equals(expected)
+
+
+def test_symmetric_the_prefill_pulls_what_the_decode_holds_and_answers_as_one_engine(pair: Pair) -> None:
+    expected_shared = pair.baseline.generate([SHARED], MAX_TOKENS)[0]
+    expected = pair.baseline.generate([EXTENDED], MAX_TOKENS)[0]
+    local = decode_request(pair.decode, SHARED, MAX_TOKENS, None, "D local", ("host",))
+    assert local.loaded == {} and local.equals(expected_shared)
+    pair.decode.generate([token_prompt(73, BLOCK_SIZE)], 1)  # a step: vLLM starts the deferred stores
+    params = {"remote_kv_source": {"kv_request_id": "p2p-sym-1", **pair.address("decode")}}
+    pulled = decode_request(pair.prefill, EXTENDED, MAX_TOKENS, params, "P pulls", ("host",))
+    show("symmetric", pulled)
+    assert pulled.loaded == {"host": full(SHARED)}, pulled.loaded
+    assert pulled.computed_tokens == len(EXTENDED) - full(SHARED)
+    assert pulled.equals(expected)
