@@ -237,3 +237,47 @@ def test_tiers_pass_msgspec_round_trip_unchanged() -> None:
     for entry in _extra(loads(ALL_FOUR))["secondary_tiers"]:
         cls = tiers.BUILT_IN[entry["type"]]
         assert tiers.render(msgspec.convert(entry, cls)) == entry
+
+
+def test_a_tiers_kv_events_are_published_through_the_composite_like_the_host_tiers(tmp_path: Path) -> None:
+    """vLLM's real scheduler and worker around the composite over a native-offload child whose
+    host memory (64 KiB, 8 chunks) spills into an fs tier with ``enable_kv_events`` and a
+    ``locality``: the fs tier's stores reach the engine's publisher as ``BlockStored`` of medium
+    ``STORAGE`` with that locality, each a 16-token block with its token ids, after its parent."""
+    from vllm.distributed.kv_events import BlockStored
+
+    from kvcompose.testing.harness import make_request
+    from kvcompose.testing.worker import WorkerHarness
+
+    block = 16
+    text = _composition(f"- {{type: fs, root_dir: {tmp_path}, enable_kv_events: true, locality: REMOTE}}\n")
+    h = WorkerHarness.from_yaml(
+        text.replace("cpu_bytes: 64MiB", "cpu_bytes: 64KiB"),
+        num_layers=2,
+        num_blocks=24,
+        block_size=block,
+        kv_events_config={"enable_kv_cache_events": True, "publisher": "null"},
+    )
+    batches: list[Any] = []
+    h.scheduler.kv_event_publisher = type("Pub", (), {"publish": batches.append, "shutdown": lambda self: None})()
+    prompts = [[3 + (seed * 131 + i * 17) % 500 for i in range(4 * block + 8)] for seed in range(6)]
+    try:
+        for seed, p in enumerate(prompts):
+            req = make_request(prompt=p, max_tokens=2, block_size=block, request_id=f"r{seed}")
+            h.scheduler.add_request(req)
+            h.step_until(lambda _, r=req: r.is_finished(), f"r{seed} did not finish", max_steps=20, write_blocks=True)
+            h.drain(write_blocks=True)
+    finally:
+        h.shutdown()
+    assert any(tmp_path.rglob("*.bin")), "nothing reached the fs tier"
+    stored: set[object] = set()
+    on_disk = []
+    for batch in batches:
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                if e.medium == "STORAGE":
+                    assert e.locality == "REMOTE" and e.block_size == block and len(e.token_ids) == block, e
+                    assert e.parent_block_hash is None or e.parent_block_hash in stored, e
+                    on_disk.append(tuple(e.token_ids))
+                stored.update(e.block_hashes)
+    assert tuple(prompts[0][:block]) in on_disk
