@@ -232,8 +232,13 @@ class ConnectorType:
 
     def describe(self, child: Child) -> str:
         """What this child does in the composition, in plain words: one sentence, or one fact a
-        line (``check`` prints each line under the child)."""
+        line (``explain`` prints each line under the child; ``check`` too unless :meth:`brief`)."""
         return self.summary
+
+    def brief(self, child: Child) -> str:
+        """What ``check`` prints under the child: one short fact a line (under about 70 characters:
+        the screen's 100 less the indent); default :meth:`describe`, whose detail ``explain`` shows."""
+        return self.describe(child)
 
     def check(self, child: Child, plan: Plan) -> Iterable[Problem]:
         """Problems that only this type can see (conflicting ports, a missing path, ...).
@@ -310,8 +315,10 @@ class Rule(Generic[T]):
     build: Callable[[tuple[Child, ...], Any], T]
     #: Struct for the rule's parameters (``load: {use: longest-hit, ...}``); None: takes none.
     params: type[msgspec.Struct] | None = None
-    #: One line for ``kvcompose check``, given the children and params.
+    #: One line for ``kvcompose explain``, given the children and params (``check`` too without ``brief``).
     explain: Callable[[tuple[Child, ...], Any], str] | None = field(default=None, compare=False)
+    #: The same in under 100 characters, for ``kvcompose check`` (None: :attr:`explain`'s line).
+    brief: Callable[[tuple[Child, ...], Any], str] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -371,6 +378,21 @@ class Plan:
         """The P/D transport child, if any (checks allow at most one)."""
         return next((c for c in self.children if c.type.pd_transport), None)
 
+    def summary(self) -> list[str]:
+        """What ``kvcompose check`` prints: the children and rules, one short fact a line
+        (:meth:`explain` has the details)."""
+        lines = ["children, in load priority order:"]
+        for c in self.children:
+            first, *facts = c.type.brief(c).split("\n")
+            lines.append(f"  {c.index + 1}. {c.name} ({c.type.name}, {c.role}): {first}")
+            lines.extend(f"       {fact}" for fact in facts)
+        for kind in RULE_KINDS:
+            rule = self.rules[kind]
+            say = rule.brief or rule.explain
+            lines.append(say(self.children, self.rule_params[kind]) if say else f"{kind}: {rule.name}")
+        lines.append("a failed load: " + _LOAD_FAILURE[self.composition.load_failure])
+        return lines
+
     def explain(self) -> list[str]:
         """The plan in plain words: who loads first, who stores, who owns what."""
         lines = ["children, in load priority order:"]
@@ -383,14 +405,13 @@ class Plan:
             text = rule.explain(self.children, self.rule_params[kind]) if rule.explain else f"{kind}: {rule.name}"
             lines.append(text)
         owners = [self.children[i].name for i in self.handshake_children]
-        lines.append(
-            "handshake: "
-            + (
-                ", ".join(owners) + " exchange their own handshake metadata, kept apart per child"
-                if owners
-                else "no child uses a handshake"
-            )
-        )
+        if len(owners) == 1:
+            handshake = f"{owners[0]} exchanges its own handshake metadata"
+        elif owners:
+            handshake = ", ".join(owners) + " exchange their own handshake metadata, kept apart per child"
+        else:
+            handshake = "no child uses a handshake"
+        lines.append("handshake: " + handshake)
         pd = self.pd_transport
         lines.append("P/D kv_transfer_params: " + (pd.name if pd else "none (no P/D transport)"))
         if pd is not None and len(self.children) > 1:

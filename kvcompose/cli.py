@@ -75,15 +75,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     line = class_line(plan, "check", args.file)
     if line:
         print(f"{args.file}: {line}")
-    for line in plan.explain():
+    for line in plan.summary():
         print("  " + line)
     from kvcompose.vllm.sleep_mode import sleep_mode_line  # imports vLLM only where it has sleep mode
 
     print("  " + sleep_mode_line(plan))
-    from kvcompose.router import router_lines
+    from kvcompose.router import router_brief
 
-    for line in router_lines(plan):
+    for line in router_brief(plan):
         print("  " + line)
+    print(f"  the details: kvcompose explain {shlex.quote(args.file)}")
     return 0
 
 
@@ -113,8 +114,11 @@ def cmd_relay_events(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from kvcompose.router import router_lines
+
     plan = _plan(args)
     print("\n".join(plan.explain()))
+    print("\n".join(router_lines(plan)))
     print("\nvLLM child configs, in order:")
     for c in plan.children:
         print(f"  {c.name}: {json.dumps(c.vllm_config(), sort_keys=True)}")

@@ -70,8 +70,28 @@ def pd_router_args(
     return args
 
 
+#: The ``--kv-events-config`` a prefill needs for ``kv_aware`` (no topic: the router subscribes to none).
+KV_EVENTS_CONFIG = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:PORT"}'
+
+
+def router_brief(plan: Plan) -> list[str]:
+    """``kvcompose check``'s short lines on vllm-router in front of this composition's instances
+    (:func:`router_lines` has the reasons, for ``explain``)."""
+    pd = plan.pd_transport
+    if pd is None:
+        return []
+    if pd.role == "consumer":
+        return ["behind vllm-router: --decode URL; --decode-policy consistent_hash keeps a session's decode"]
+    return [
+        "behind vllm-router: --prefill URL --policy kv_aware --pd-kv-events URL=tcp://HOST:PORT",
+        "this prefill's vllm serve: --enable-scale-out --kv-events-config, for kv_aware:",
+        f"  '{KV_EVENTS_CONFIG}'",
+        f"vllm-router indexes {ROUTER_BLOCK_SIZE}-token blocks: another --block-size needs kvcompose relay-events",
+    ]
+
+
 def router_lines(plan: Plan) -> list[str]:
-    """``kvcompose check``'s lines on running vllm-router in front of this composition's
+    """``kvcompose explain``'s lines on running vllm-router in front of this composition's
     instances (none without a P/D transport)."""
     pd = plan.pd_transport
     if pd is None:
@@ -83,8 +103,8 @@ def router_lines(plan: Plan) -> list[str]:
             "--kv-aware-session-affinity-ttl-secs is soft: it moves a session to a less loaded decode)"
         ]
     return [
-        "behind vllm-router: --prefill URL --policy kv_aware --pd-kv-events URL=tcp://HOST:PORT, the "
-        "server started with --enable-scale-out (the router renders prompts there) and "
+        "behind vllm-router: --prefill URL --policy kv_aware --pd-kv-events URL=tcp://HOST:PORT, this "
+        "prefill's vllm serve started with --enable-scale-out (the router renders prompts there) and "
         '--kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq", '
         '"endpoint": "tcp://*:PORT"}\' (vLLM binds TCP only on every interface: firewall it; '
         "no topic: the router subscribes to none)",

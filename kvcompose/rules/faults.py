@@ -222,5 +222,9 @@ def kvcompose_rules() -> list[Rule[Any]]:
             _breaker,
             params=BreakerParams,
             explain=_explain_breaker,
+            brief=lambda ch, p: (
+                f"faults: {', '.join(p.children)} behind a circuit breaker ({p.failures} failures, "
+                f"{p.cooldown_s:g} s cooldown)"
+            ),
         ),
     ]

@@ -239,7 +239,16 @@ def _explain_longest(children: tuple[Any, ...], _: Any) -> str:
     return "load: every child is asked; the longest hit loads (ties: " + " > ".join(c.name for c in children) + ")"
 
 
-def _explain_ranges(children: tuple[Child, ...], _: Any) -> str:
+def _brief_first(children: tuple[Any, ...], _: Any) -> str:
+    return "load: first-wins, the first child with a hit loads (" + " > ".join(c.name for c in children) + ")"
+
+
+def _brief_longest(children: tuple[Any, ...], _: Any) -> str:
+    return "load: longest-hit, the longest hit loads (ties: " + " > ".join(c.name for c in children) + ")"
+
+
+def _ranges_parts(children: tuple[Child, ...]) -> list[str]:
+    """Who loads what under ``ranges``, child by child."""
     parts: list[str] = []
     for c in children:
         if not parts:
@@ -252,9 +261,17 @@ def _explain_ranges(children: tuple[Child, ...], _: Any) -> str:
             )
         else:
             parts.append(f"{c.name} loads only when nothing above it did (it cannot load a range)")
+    return parts
+
+
+def _brief_ranges(children: tuple[Child, ...], _: Any) -> str:
+    return "load: ranges, " + "; then ".join(_ranges_parts(children))
+
+
+def _explain_ranges(children: tuple[Child, ...], _: Any) -> str:
     return (
         "load: ranges, one request from several children: "
-        + "; then ".join(parts)
+        + "; then ".join(_ranges_parts(children))
         + " (a synchronous child's range loads when the request is scheduled after the asynchronous ones "
         "arrived; models with one KV cache group: an engine with sliding-window or hybrid layers, or context "
         "parallelism, refuses to start with this rule)"
@@ -271,6 +288,7 @@ def kvcompose_rules() -> list[Rule[Any]]:
             "(vLLM MultiConnector's rule, without its None and probing defects)",
             lambda children, params: FirstWins(),
             explain=_explain_first,
+            brief=_brief_first,
         ),
         Rule(
             "load",
@@ -278,6 +296,7 @@ def kvcompose_rules() -> list[Rule[Any]]:
             "every child is asked; the most matched tokens wins",
             lambda children, params: LongestHit(),
             explain=_explain_longest,
+            brief=_brief_longest,
         ),
         Rule(
             "load",
@@ -285,6 +304,7 @@ def kvcompose_rules() -> list[Rule[Any]]:
             "children in YAML order each load the range after the one above (host prefix + NIXL rest)",
             lambda children, params: Ranges(children),
             explain=_explain_ranges,
+            brief=_brief_ranges,
         ),
         Rule(
             "completion",
@@ -296,5 +316,6 @@ def kvcompose_rules() -> list[Rule[Any]]:
                 "completion: a load's completion is taken only from the children that load it, each once; "
                 "blocks held by several children are freed when the last one is done"
             ),
+            brief=lambda ch, p: "completion: taken from the children that load, each once; shared blocks freed last",
         ),
     ]

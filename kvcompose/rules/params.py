@@ -108,11 +108,24 @@ def _explain_owners(children: tuple[Child, ...], _: Any) -> str:
     text = "params: kv_transfer_params merged by declared owner; " + ("; ".join(owners) or "no child declares keys")
     undeclared = [c.name for c in children if not c.type.param_keys]
     if undeclared:
+        verb = "declares" if len(undeclared) == 1 else "declare"
         text += (
-            "; " + ", ".join(undeclared) + " declare no keys: a key no child declares goes to the first child "
+            f"; {', '.join(undeclared)} {verb} no keys: a key no child declares goes to the first child "
             "in YAML order that returns it"
         )
     return text
+
+
+def _brief_owners(children: tuple[Child, ...], _: Any) -> str:
+    owners = [
+        f"{c.name} owns {'the P/D params' if c.type.pd_transport else 'its params'} ({len(c.type.param_keys)} keys)"
+        for c in children
+        if c.type.param_keys
+    ]
+    undeclared = [c.name for c in children if not c.type.param_keys]
+    if undeclared:
+        owners.append(f"{', '.join(undeclared)} {'declares' if len(undeclared) == 1 else 'declare'} none")
+    return "params: by owner; " + ("; ".join(owners) or "no child declares keys")
 
 
 @hookimpl
@@ -124,6 +137,7 @@ def kvcompose_rules() -> list[Rule[Any]]:
             "each kv_transfer_params key comes from the child that declares it",
             lambda children, params: Owners(children),
             explain=_explain_owners,
+            brief=_brief_owners,
         ),
         Rule(
             "params",

@@ -70,10 +70,7 @@ def sleep_mode_line(plan: Plan) -> str:
         return "sleep mode: unknown (vLLM is not installed)"
     if not api:
         version = runtime_version(VLLM.import_name, providers())
-        return (
-            f"sleep mode: not in the connector API of vLLM {version} (0.33 added it); "
-            "the composite forwards unregister/restore_kv_caches to the children that have them"
-        )
+        return f"sleep mode: not in the connector API of vLLM {version} (0.33 added it)"
     from kvcompose.generic import unverified
 
     left, why = unverified(plan)

@@ -111,7 +111,9 @@ def test_check_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "1. host (cpu-offload, both)" in out and "2. pd (nixl, consumer)" in out
     assert "host loads the prefix it holds; then pd pulls the rest from the prefill instance" in out
-    assert "host-buffer copies: pd" in out
+    assert "host-buffer copies" not in out  # explain's detail
+    assert main(["explain", "examples/pd-decode.yaml"]) == 0
+    assert "host-buffer copies: pd" in capsys.readouterr().out
 
 
 def test_every_option_of_every_installed_type_is_in_the_yaml_reference() -> None:

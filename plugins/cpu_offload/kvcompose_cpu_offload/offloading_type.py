@@ -160,6 +160,16 @@ class NativeOffloadType(ConnectorType):
         lines += [f"then tier {n}, {tiers_.describe(t)}" for n, t in enumerate(secondary_tiers(opts), 1)]
         return "\n".join(lines)
 
+    def brief(self, child: Child) -> str:
+        """``check``'s lines, one short fact each (:meth:`describe` in full)."""
+        opts = child.options_as(NativeOffloadOptions)
+        lines = [
+            f"prefix blocks in {format_size(int(opts.cpu_bytes))} of host memory, loaded back on a hit",
+            f"vLLM's OffloadingConnector, {opts.eviction or 'lru'} eviction; stores deferred to the next step",
+        ]
+        lines += [f"then tier {n}, {tiers_.describe(t)}" for n, t in enumerate(secondary_tiers(opts), 1)]
+        return "\n".join(lines)
+
     def listeners(self, child: Child) -> Iterator[Listener]:
         """Each p2p tier's control socket (vLLM binds it in every worker; base port + DP index)."""
         for j, tier in enumerate(secondary_tiers(child.options_as(NativeOffloadOptions))):

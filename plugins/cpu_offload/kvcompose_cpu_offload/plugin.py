@@ -180,6 +180,21 @@ class CpuOffloadType(ConnectorType):
             return f"keeps evicted prefix blocks in {where} and loads them back on a hit ({mode}, {io} I/O)"
         return f"keeps evicted prefix blocks in {_host_size(opts)} of host memory and loads them back on a hit ({mode})"
 
+    def brief(self, child: Child) -> str:
+        """``check``'s lines: where the blocks are kept, then what is stored (:meth:`describe` in full)."""
+        opts = child.options_as(CpuOffloadOptions)
+        if opts.backend == "disk":
+            cap = format_size(int(opts.disk_capacity or VLLM_DEFAULT_DISK_CAPACITY))
+            io = "page cache" if opts.use_page_cache else "O_DIRECT"
+            first = f"prefix blocks in a {cap} file per rank, loaded back on a hit ({io} I/O)"
+            where = [f"disk_path: {opts.disk_path or '(not set)'}"]
+        else:
+            first, where = f"prefix blocks in {_host_size(opts)} of host memory, loaded back on a hit", []
+        stores = (
+            "the blocks it evicts (lazy offload)" if opts.lazy else "every block a request computes (eager offload)"
+        )
+        return "\n".join([first, *where, f"stores: {stores}"])
+
     def save_hooks_needed(self, child: Child) -> str | None:
         """Always: vLLM's scheduler half plans the stores and its worker starts them in ``wait_for_save``."""
         opts = child.options_as(CpuOffloadOptions)
