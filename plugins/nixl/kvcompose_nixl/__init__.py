@@ -38,6 +38,8 @@ KEY_ENV_KEY = "kvcompose_key_env"
 KEY_FILE_KEY = "kvcompose_key_file"
 ACCEPT_UNSIGNED_KEY = "kvcompose_accept_unsigned"
 PEERS_KEY = "kvcompose_peers"
+#: Without a key, whether the side channel may bind beyond loopback all the same (refused otherwise).
+INSECURE_SIDE_CHANNEL_KEY = "kvcompose_insecure_side_channel"
 #: The ``kv_transfer_params`` key a prefill instance of this type returns: it answers the lease
 #: questions of decode instances (kvcompose_nixl.lease; the value is the protocol's version).
 LEASE_ANSWERS_KEY = "kvcompose_lease_answers"
@@ -47,6 +49,7 @@ __all__ = [
     "CONNECTOR_MODULE",
     "HANDSHAKE_TRIES_KEY",
     "HANDSHAKE_TRY_S",
+    "INSECURE_SIDE_CHANNEL_KEY",
     "KEY_ENV_KEY",
     "KEY_FILE_KEY",
     "LEASE_ANSWERS_KEY",

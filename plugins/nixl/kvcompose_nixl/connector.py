@@ -76,6 +76,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPullConnector as _VllmNixlPullConnector,
 )
@@ -87,6 +88,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from kvcompose_nixl import (
     ACCEPT_UNSIGNED_KEY,
     HANDSHAKE_TRIES_KEY,
+    INSECURE_SIDE_CHANNEL_KEY,
     KEY_ENV_KEY,
     KEY_FILE_KEY,
     PEERS_KEY,
@@ -105,7 +107,13 @@ from kvcompose_nixl.lease import (
     stamp,
     watch_leases,
 )
-from kvcompose_nixl.plugin import DEFAULT_LEASE_SECONDS, INTERNAL_PARAM_KEYS, PARAM_KEYS
+from kvcompose_nixl.plugin import (
+    DEFAULT_LEASE_SECONDS,
+    EXPOSED_ADVICE,
+    INTERNAL_PARAM_KEYS,
+    PARAM_KEYS,
+    exposure_refused,
+)
 from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
     Facts,
@@ -113,6 +121,7 @@ from kvcompose_nixl.trust import (
     Peers,
     Policy,
     Refused,
+    TrustConfigError,
     request_context,
     sign_params,
 )
@@ -122,7 +131,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorMetadata,
-        KVConnectorRole,
         KVConnectorTransferResults,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
@@ -171,6 +179,17 @@ def trust_policy(ktc: Any) -> Policy:
         bool(ktc.get_from_extra_config(ACCEPT_UNSIGNED_KEY, False)),
         None if peers is None else Peers.parse(peers),
     )
+
+
+def refuse_exposed(ktc: Any) -> None:
+    """Raise :class:`TrustConfigError` for a keyless side channel beyond loopback, in the engine's
+    own environment (``kvcompose check`` may have run in another)."""
+    host = ktc.get_from_extra_config(SIDE_CHANNEL_HOST_KEY, None)
+    keyed = bool(ktc.get_from_extra_config(KEY_ENV_KEY, None) or ktc.get_from_extra_config(KEY_FILE_KEY, None))
+    insecure = bool(ktc.get_from_extra_config(INSECURE_SIDE_CHANNEL_KEY, False))
+    why = exposure_refused(None if host is None else str(host), keyed, insecure)
+    if why is not None:
+        raise TrustConfigError(f"the nixl child refuses to start: {why} ({EXPOSED_ADVICE})")
 
 
 def has_remote_blocks(remote_block_ids: Any) -> bool:
@@ -286,6 +305,8 @@ class _SettingsMixin:
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         self.trust = trust_policy(ktc)
+        if role == KVConnectorRole.SCHEDULER:  # the half that binds the side channel, before it exists
+            refuse_exposed(ktc)
         # Before vLLM's worker creates its NIXL agent.
         delay = ktc.get_from_extra_config(PROGRESS_DELAY_KEY, None)
         if delay is not None:
@@ -567,6 +588,7 @@ __all__ = [
     "NixlPushConnector",
     "REFUSED_ATTR",
     "apply_side_channel",
+    "refuse_exposed",
     "has_remote_blocks",
     "range_blocks",
 ]

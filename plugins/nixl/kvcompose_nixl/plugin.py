@@ -29,6 +29,7 @@ from kvcompose_nixl import (
     CONNECTOR_MODULE,
     HANDSHAKE_TRIES_KEY,
     HANDSHAKE_TRY_S,
+    INSECURE_SIDE_CHANNEL_KEY,
     KEY_ENV_KEY,
     KEY_FILE_KEY,
     LEASE_ANSWERS_KEY,
@@ -209,14 +210,34 @@ class NixlOptions(Options):
             "signature names with a key, loopback without"
         ),
     ] = None
+    insecure_side_channel: Annotated[
+        bool | None,
+        msgspec.Meta(
+            description="without a key, let the side channel bind beyond loopback all the same: its NIXL agent "
+            "metadata goes out in clear, and any host that reaches it can read this engine's KV (measurements on a "
+            "network nothing else reaches); false: refused"
+        ),
+    ] = None
 
 
 #: What a pull-mode consumer does about the prefill's lease (kvcompose_nixl.lease).
 LEASE_CHECK = (
     "lease: a read that ends after the prefill's lease on its blocks is refused (recomputed, or failed under "
-    "load_failure: fail)\nlease: behind vLLM's own NixlConnector (no lease stamped) reads are taken unchecked, as vLLM "
-    "does"
+    "load_failure: fail)"
 )
+#: What it does with params no lease was stamped on: only where it takes unsigned params.
+LEASE_UNSTAMPED = (
+    "lease: params with no lease stamped (a prefill running vLLM's own NixlConnector, taken unsigned) are read "
+    "without the lease check, as vLLM reads them"
+)
+
+
+def _lease_lines(o: NixlOptions) -> list[str]:
+    """The lease facts of a pull-mode consumer; a keyed one refuses unstamped (unsigned) params."""
+    unsigned_taken = _key_source(o) is None or bool(o.accept_unsigned)
+    return [LEASE_CHECK, *([LEASE_UNSTAMPED] if unsigned_taken else [])]
+
+
 #: What no option here protects (docs/security.md).
 NOT_PROTECTED = (
     "not protected: NIXL's own traffic (the reads and notifications) is neither authenticated nor encrypted: "
@@ -339,14 +360,87 @@ def _side_channel(o: NixlOptions) -> str:
     return f"side channel: {host}:{port} + data-parallel index ({reach})"
 
 
+def _side_channel_brief(o: NixlOptions) -> list[str]:
+    """``check``'s side-channel lines: where it binds, and which of it the environment chose."""
+    host = o.side_channel_host or env_side_channel_host()
+    port = o.side_channel_port or env_side_channel_port()
+    reach = LOOPBACK if reach_of(host) == LOOPBACK else "beyond loopback"
+    lines = [f"side channel: {host}:{port} + data-parallel rank ({reach})"]
+    if o.side_channel_host is None:
+        both = " and _PORT" if o.side_channel_port is None else ""
+        lines.append(f"side channel set by ${ENV_SIDE_CHANNEL_HOST}{both}")
+    elif o.side_channel_port is None:
+        lines.append(f"side channel port set by ${ENV_SIDE_CHANNEL_PORT}")
+    return lines
+
+
+def _trust_brief(o: NixlOptions, role: str | None) -> list[str]:
+    """``check``'s trust lines: one short fact each; :func:`_trust_lines` says them in full."""
+    key = _key_source(o)
+    lines = []
+    if role != "producer" and o.mode == "pull":
+        if key is None:
+            lines.append("params: not signed (no key): a client of this API picks which peer blocks it reads")
+        elif o.accept_unsigned:
+            lines.append(f"params: signed ones verified with {key}; unsigned ones taken too (accept_unsigned)")
+        else:
+            lines.append(f"params: only those signed with {key} for this prompt, unexpired and unused")
+        lines.append("params malformed or refused: nothing read; the prompt is computed here")
+        if o.peers is not None:
+            lines.append("peers: only side channels in " + ", ".join(o.peers))
+        elif key is not None:
+            lines.append("peers: only the side channel a valid signature names")
+        else:
+            lines.append("peers: loopback only (no key, no peers)")
+        lines.append("lease: a read that ends after the prefill's lease on its blocks is refused")
+    if role != "consumer" and key is not None:
+        lines.append(f"signs: its P/D params with {key}, bound to the prompt and the lease")
+    if key is not None:
+        unsealed = "; unsealed ones taken (accept_unsigned)" if o.accept_unsigned else ""
+        lines.append(f"agent metadata: sealed with {key}{unsealed}")
+    else:
+        lines.append("agent metadata: in clear on the side channel (no key)")
+    lines.append("not protected: NIXL's reads and notifications (docs/security.md)")
+    return lines
+
+
 LOOPBACK = "loopback only"
-#: The environment variable vLLM's NIXL scheduler binds to when the composition names no host.
+#: The environment variables vLLM's NIXL scheduler binds to when the composition names no host / port.
 ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+#: What check and the engine advise for a keyless side channel beyond loopback (docs/deploy.md's setup).
+EXPOSED_ADVICE = (
+    "across hosts: name the deployment key on every nixl child (key_env: KVCOMPOSE_PD_KEY, from a Secret), "
+    "leave side_channel_host unset and set $VLLM_NIXL_SIDE_CHANNEL_HOST to the instance's own address, the pod "
+    "IP (docs/deploy.md); on one host: side_channel_host: 127.0.0.1"
+)
 
 
 def env_side_channel_host() -> str:
     """What vLLM binds without ``side_channel_host``: the variable in this environment, else its default."""
     return os.environ.get(ENV_SIDE_CHANNEL_HOST) or DEFAULT_SIDE_CHANNEL_HOST
+
+
+def env_side_channel_port() -> str:
+    """The base port vLLM binds without ``side_channel_port``: the variable here, else its default."""
+    return os.environ.get(ENV_SIDE_CHANNEL_PORT) or str(DEFAULT_SIDE_CHANNEL_PORT)
+
+
+def exposure_refused(host: str | None, keyed: bool, insecure: bool) -> str | None:
+    """Why a side channel bound to ``host`` (None: ``$VLLM_NIXL_SIDE_CHANNEL_HOST``'s) must not
+    start, or None: beyond loopback without a key it hands out what reads this engine's KV.
+
+    ``check`` calls it where it runs and the connector again in the engine's own environment.
+    """
+    bound = host or env_side_channel_host()
+    reach = reach_of(bound)
+    if keyed or insecure or reach == LOOPBACK:
+        return None
+    where = f"side_channel_host {bound}" if host else f"${ENV_SIDE_CHANNEL_HOST}={bound} (side_channel_host unset)"
+    return (
+        f"{where} binds the side channel to {reach}, and without a key it hands this engine's NIXL agent "
+        "metadata (what reads its KV blocks) to any host that reaches it"
+    )
 
 
 def reach_of(host: str) -> str:
@@ -417,6 +511,7 @@ class NixlType(ConnectorType):
         "key_file": KEY_FILE_KEY,
         "accept_unsigned": ACCEPT_UNSIGNED_KEY,
         "peers": PEERS_KEY,
+        "insecure_side_channel": INSECURE_SIDE_CHANNEL_KEY,
     }
     top_level_keys: ClassVar[Mapping[str, str]] = {"buffer_device": "kv_buffer_device", "engine_id": "engine_id"}
 
@@ -439,8 +534,7 @@ class NixlType(ConnectorType):
         if o.mode == "pull":
             consume = (
                 f"pulls prompt KV from the prefill instance {_transport(o)}, {_into(o)}; "
-                "a request that arrives with no remote blocks is computed locally\n"
-                f"{LEASE_CHECK}"
+                "a request that arrives with no remote blocks is computed locally\n" + "\n".join(_lease_lines(o))
             )
             produce = (
                 f"serves its prompt KV to decode instances {_transport(o)}{_out_of(o)}; "
@@ -470,6 +564,33 @@ class NixlType(ConnectorType):
         if o.handshake_tries is not None:
             tries = f"; a peer's side channel is asked up to {o.handshake_tries} times, {HANDSHAKE_TRY_S} s each"
         return "\n".join([text, _side_channel(o) + tries, *_trust_lines(o, child.role)])
+
+    def brief(self, child: Child) -> str:
+        """What ``check`` prints: one short fact a line (:meth:`describe` has them in full)."""
+        o = child.options_as(NixlOptions)
+        transport = "over NIXL (" + ", ".join(o.backends) + ")"
+        into = {None: "into its KV cache", "cuda": "into VRAM", "xpu": "into VRAM", "cpu": "through a host buffer"}
+        if o.mode == "pull":
+            consume = f"pulls prompt KV from the prefill {transport}, {into.get(o.buffer_device, 'into a tpu buffer')}"
+            lease = o.lease_seconds or DEFAULT_LEASE_SECONDS
+            produce = f"serves prompt KV to decodes {transport}; unread blocks held {lease} s"
+        else:
+            consume = f"registers its blocks; the prefill writes prompt KV into them {transport}"
+            produce = f"writes prompt KV into the decodes' registered blocks {transport}"
+        if child.role == "consumer":
+            first = consume
+        elif child.role == "producer":
+            first = produce
+        else:
+            first = f"serves and pulls prompt KV {transport} (vLLM deprecates kv_both for NIXL)"
+        lines = [first]
+        if o.lease_seconds is not None and child.role != "consumer":
+            lines.append(f"lease: {o.lease_seconds} s, not vLLM's {DEFAULT_LEASE_SECONDS} s: give decodes the same")
+        if o.bidirectional:
+            lines.append("bidirectional: the prefill may read KV back from the decode")
+        if o.handshake_tries is not None:
+            lines.append(f"handshake: up to {o.handshake_tries} tries of {HANDSHAKE_TRY_S} s each")
+        return "\n".join([*lines, *_side_channel_brief(o), *_trust_brief(o, child.role)])
 
     def save_hooks_needed(self, child: Child) -> str | None:
         """A producer with a host buffer: NixlConnector copies the served KV there in ``wait_for_save``."""
@@ -576,39 +697,35 @@ class NixlType(ConnectorType):
             )
 
     def _exposed(self, o: NixlOptions, at: tuple[str | int, ...]) -> Iterator[Problem]:
-        """A side channel reachable from other hosts, which without a key hands out what reads
-        this engine's memory.
+        """A side channel reachable from other hosts without a key: refused, whether the file
+        writes ``side_channel_host`` or leaves it to ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (here; the
+        engine checks its own environment again at start), unless ``insecure_side_channel``.
 
-        Writing ``side_channel_host`` is asking for it (P/D across hosts needs a routable
-        address): refused without a key, since its NIXL agent metadata would go out in clear.
-        Leaving it unset takes the environment's ``VLLM_NIXL_SIDE_CHANNEL_HOST``, which exposes the
-        listener without the file saying so: a warning (the engine's environment may differ).
+        With a key it is docs/deploy.md's setup (the host from the environment, the metadata
+        sealed): nothing to say.
         """
         key = _key_source(o)
         host = o.side_channel_host or env_side_channel_host()
-        reach = reach_of(host)
-        if reach == LOOPBACK:
+        if key is not None:
+            if o.insecure_side_channel:
+                yield Problem(
+                    "insecure_side_channel changes nothing with a key: the agent metadata is sealed",
+                    at + ("insecure_side_channel",),
+                    "remove it",
+                    warning=True,
+                )
             return
-        if o.side_channel_host is None:
-            gives = (
-                f"its NIXL agent metadata is sealed with the key in {key}"
-                if key is not None
-                else "any host that reaches the port can read this engine's NIXL agent metadata and then its KV blocks"
-            )
+        why = exposure_refused(o.side_channel_host, keyed=False, insecure=bool(o.insecure_side_channel))
+        if why is not None:
+            # An unset host is not in the file: located at the options.
+            yield Problem(why, at + ("side_channel_host",), EXPOSED_ADVICE)
+        elif o.insecure_side_channel and reach_of(host) != LOOPBACK:
             yield Problem(
-                f"side_channel_host is unset, so the engine binds ${ENV_SIDE_CHANNEL_HOST}, which is {host!r} "
-                f"in this environment: {reach}; {gives}",
-                at + ("side_channel_host",),  # not in the file: located at its options
-                "write side_channel_host: 127.0.0.1 for one host, or the address you mean to expose",
+                f"insecure_side_channel: the side channel on {host} is beyond loopback without a key; any host "
+                "that reaches it can read this engine's KV",
+                at + ("insecure_side_channel",),
+                "only on a network nothing else reaches (a measurement); name a key for anything else",
                 warning=True,
-            )
-        elif key is None:
-            yield Problem(
-                f"the side channel on {o.side_channel_host} is reachable from other hosts, and without a key it hands "
-                "this engine's NIXL agent metadata (what reads its KV blocks) to any of them",
-                at + ("side_channel_host",),
-                "name a deployment key (key_env: KVCOMPOSE_PD_KEY, or key_file: PATH) on every nixl child of the "
-                "deployment, or bind 127.0.0.1",
             )
 
     def _port_clash(self, child: Child, plan: Plan, at: tuple[str | int, ...]) -> Iterator[Problem]:

@@ -331,8 +331,25 @@ def test_describe_each_role() -> None:
 def test_describe_says_a_consumer_checks_reads_only_behind_this_type() -> None:
     consumer = NixlType().describe(child("consumer"))
     assert "lease: a read that ends after the prefill's lease on its blocks is refused" in consumer
-    assert "behind vLLM's own NixlConnector (no lease stamped) reads are taken unchecked" in consumer
-    assert "unchecked" not in NixlType().describe(child("producer"))
+    unstamped = "params with no lease stamped (a prefill running vLLM's own NixlConnector, taken unsigned)"
+    assert unstamped in consumer  # no key: vLLM's prefill's params are taken, without a lease
+    assert unstamped in NixlType().describe(child("consumer", key_env="PD_KEY", accept_unsigned=True))
+    # With a key, unsigned params are refused: nothing is read unchecked, and it does not say so.
+    keyed = NixlType().describe(child("consumer", key_env="PD_KEY"))
+    assert "lease: a read that ends after" in keyed and "no lease stamped" not in keyed
+    assert "no lease stamped" not in NixlType().describe(child("producer"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"key_env": "PD_KEY"}, {"key_env": "PD_KEY", "accept_unsigned": True, "peers": ["10.0.0.0/8"]}],
+)
+@pytest.mark.parametrize("role", ["consumer", "producer", "both"])
+def test_brief_is_short_lines_that_describe_says_in_full(role: str, options: dict[str, Any]) -> None:
+    brief = NixlType().brief(child(role, **options)).split("\n")
+    assert max(len(line) for line in brief) <= 90  # check's screen of 100, less its indent
+    assert any(line.startswith("side channel: localhost:5600") for line in brief)
+    assert ("agent metadata: sealed with $PD_KEY" in brief[-2]) is ("key_env" in options)
 
 
 def test_describe_says_one_fact_a_line_what_is_and_is_not_protected() -> None:
@@ -435,20 +452,31 @@ def test_reach_of_a_bind_address(host: str, reach: str) -> None:
     assert reach_of(host) == reach
 
 
-def test_an_unset_host_that_the_environment_opens_to_all_interfaces_is_warned_of(
-    plugins: Plugins, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])
+def test_an_unset_host_that_the_environment_opens_is_refused_without_a_key(
+    plugins: Plugins, monkeypatch: pytest.MonkeyPatch, host: str
 ) -> None:
-    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0")
-    plan = compose(plugins, "  - name: pd\n    type: nixl\n    role: producer\n")  # a warning does not refuse it
-    (warning,) = plan.warnings
-    assert warning.warning and warning.path == ("connectors", 0, "options", "side_channel_host")
-    assert (warning.line, warning.column) == (3, 5)
-    assert "$VLLM_NIXL_SIDE_CHANNEL_HOST, which is '0.0.0.0' in this environment: all interfaces" in warning.message
-    assert "side_channel_host: 127.0.0.1" in (warning.hint or "")
-    assert "(all interfaces)" in NixlType().describe(plan.children[0])
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", host)
+    with pytest.raises(CompositionError) as refused:
+        compose(plugins, "  - name: pd\n    type: nixl\n    role: producer\n")
+    (problem,) = refused.value.problems
+    assert not problem.warning and problem.path == ("connectors", 0, "options", "side_channel_host")
+    assert (problem.line, problem.column) == (3, 5)
+    assert f"$VLLM_NIXL_SIDE_CHANNEL_HOST={host} (side_channel_host unset)" in problem.message
+    assert "without a key it hands this engine's NIXL agent metadata" in problem.message
+    # docs/deploy.md's advice: a key, the host from the environment; loopback on one host.
+    assert "leave side_channel_host unset and set $VLLM_NIXL_SIDE_CHANNEL_HOST" in (problem.hint or "")
+    assert "on one host: side_channel_host: 127.0.0.1" in (problem.hint or "")
+    # With a key it is docs/deploy.md's setup: accepted, nothing to warn of.
     keyed = compose(plugins, "  - {name: pd, type: nixl, role: producer, options: {key_env: PD_KEY}}\n")
-    (warning,) = keyed.warnings  # still exposed, but what it hands out is sealed
-    assert "all interfaces; its NIXL agent metadata is sealed with the key in $PD_KEY" in warning.message
+    assert [w for w in keyed.warnings if "side_channel" in w.render()] == []
+    brief = NixlType().brief(keyed.children[0])
+    assert f"side channel: {host}:5600 + data-parallel rank (beyond loopback)" in brief
+    assert "side channel set by $VLLM_NIXL_SIDE_CHANNEL_HOST and _PORT" in brief
+    # Without a key, only when the file says it is meant.
+    meant = compose(plugins, "  - {name: pd, type: nixl, role: producer, options: {insecure_side_channel: true}}\n")
+    (warning,) = meant.warnings
+    assert warning.path[-1] == "insecure_side_channel" and "beyond loopback without a key" in warning.message
 
 
 def test_the_default_side_channel_is_loopback_and_not_warned_of(

@@ -3,6 +3,7 @@ channel, against vLLM's real scheduler and real ZMQ sockets; vLLM's own classes 
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from collections import Counter
@@ -769,3 +770,43 @@ def test_each_lease_message_is_dropped_by_the_check_it_names_beside_a_control(
     assert dropped_after(ASK + keys.tag(question) + question, "attacker") == {
         "NIXL lease question from an agent that said no hello": 1
     }
+
+
+@pytest.mark.parametrize("placed_by", ["environment", "extra config"])
+def test_the_engine_refuses_a_keyless_side_channel_beyond_loopback_in_its_own_environment(
+    monkeypatch: pytest.MonkeyPatch, placed_by: str
+) -> None:
+    """``kvcompose check`` may have run where $VLLM_NIXL_SIDE_CHANNEL_HOST was unset: the scheduler
+    half checks again before vLLM binds the side channel, and says why and what to do."""
+    extra: dict[str, Any] = {}
+    if placed_by == "environment":
+        monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.1.2.3")
+    else:
+        monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+        extra["kvcompose_side_channel_host"] = "10.1.2.3"
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_connector_module_path": OURS,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra,
+    }
+    where = "$VLLM_NIXL_SIDE_CHANNEL_HOST=10.1.2.3" if placed_by == "environment" else "side_channel_host 10.1.2.3"
+    with pytest.raises(TrustConfigError, match=re.escape(f"the nixl child refuses to start: {where}")) as refused:
+        scheduler_for(config)
+    assert "name the deployment key on every nixl child" in str(refused.value)
+
+
+def test_a_composition_check_passed_elsewhere_stops_at_engine_start_with_checks_words(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rendered where the variable is unset (loopback, accepted), started where it opens the
+    side channel: the composite's own checks refuse it, located and naming the variable."""
+    from kvcompose.compose import loads
+    from kvcompose.errors import CompositionError
+    from kvcompose.vllm.args import kv_transfer_config
+
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    rendered = kv_transfer_config(loads("version: 1\nconnectors: [{name: pd, type: nixl, role: producer}]\n"))
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.1.2.3")
+    with pytest.raises(CompositionError, match=re.escape("$VLLM_NIXL_SIDE_CHANNEL_HOST=10.1.2.3 (side_channel_host")):
+        scheduler_for(rendered)

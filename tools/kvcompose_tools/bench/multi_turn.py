@@ -24,7 +24,8 @@ Sides, one at a time on the same two hosts, their order flipping every run:
 * ``kvcompose-trust-off`` (not run unless chosen, :data:`SIDES_ENV`): the examples without the
   deployment key on either instance (no signature, no sealed agent metadata, no MAC on lease
   messages; the decode's field checks run either way), for the cost of trust on TTFT (issue 51).
-  Without a key the nixl type refuses a side channel the file binds beyond loopback, so vLLM's
+  Without a key the nixl type refuses a side channel beyond loopback unless
+  ``insecure_side_channel: true`` says so (these hosts' network reaches nothing else); vLLM's
   ``VLLM_NIXL_SIDE_CHANNEL_HOST`` places both (as for ``bare``), and the decode's ``peers`` names
   the prefill's host (without a key it connects to loopback only, else).
 
@@ -181,6 +182,8 @@ def compositions(side: str, workload: Workload, work: Path) -> tuple[Path, Path]
             if child["type"] == "nixl" and side == TRUST_OFF:
                 for option in ("key_env", "key_file", "side_channel_host"):
                     child["options"].pop(option, None)
+                # Beyond loopback without a key is refused unless the file says it is meant.
+                child["options"]["insecure_side_channel"] = True
         if role == "decode" and side == "kvcompose-first-wins":
             data["rules"]["load"] = "first-wins"
         work.mkdir(parents=True, exist_ok=True)

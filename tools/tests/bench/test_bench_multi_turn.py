@@ -189,8 +189,8 @@ def test_a_load_sweep_runs_every_side_at_each_client_count(tmp_path: Path) -> No
 def test_trust_off_is_the_examples_without_a_key_placed_by_vllms_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No key on either instance; the side channels from VLLM_NIXL_SIDE_CHANNEL_HOST (a host the
-    file binds beyond loopback is refused without a key), the decode's peers the prefill's host."""
+    """No key on either instance; the side channels from VLLM_NIXL_SIDE_CHANNEL_HOST, beyond
+    loopback with insecure_side_channel (refused without it), the decode's peers the prefill's host."""
     from kvcompose_tools.e2e.hosts import Host
     from kvcompose_tools.e2e.spec import placed
 
@@ -200,6 +200,7 @@ def test_trust_off_is_the_examples_without_a_key_placed_by_vllms_environment(
     for spec, env, address in ((p, p_env, "10.0.0.2"), (d, d_env, "10.0.0.3")):
         text = Path(str(spec.composition)).read_text()
         assert "key_env" not in text and "side_channel_host" not in text
+        assert "insecure_side_channel: true" in text  # keyless beyond loopback is refused otherwise
         assert ("load: ranges" in text) is (spec is d)  # the examples' rules otherwise
         monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", env["VLLM_NIXL_SIDE_CHANNEL_HOST"])
         # As ServerNode places it in its host: the spec's unset host wins over the host's address.

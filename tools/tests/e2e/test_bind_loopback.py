@@ -34,13 +34,22 @@ def test_engines_started_here_do_not_inherit_a_side_channel_host(monkeypatch: py
     assert not any(k.startswith("VLLM_NIXL_SIDE_CHANNEL") for k in env)
 
 
-def test_check_warns_of_an_environment_that_opens_the_side_channel_and_still_accepts(
+def test_check_refuses_an_environment_that_opens_a_keyless_side_channel_and_accepts_a_keyed_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.1.2.3")
     f = tmp_path / "decode.yaml"
     f.write_text("version: 1\nconnectors:\n  - name: pd\n    type: nixl\n    role: consumer\n")
+    assert main(["check", str(f)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err.startswith(
+        f"{f}:3:5: connectors[0].options.side_channel_host: $VLLM_NIXL_SIDE_CHANNEL_HOST=10.1.2.3 "
+        "(side_channel_host unset) binds the side channel to the interface with address 10.1.2.3"
+    )
+    # docs/deploy.md's setup: a key, side_channel_host unset, the host from the environment.
+    monkeypatch.setenv("KVCOMPOSE_PD_KEY", "k" * 64)
+    f.write_text(f.read_text() + "    options: {key_env: KVCOMPOSE_PD_KEY}\n")
     assert main(["check", str(f)]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith(f"{f}: ok")
-    assert err.startswith(f"{f}:3:5: connectors[0].options.side_channel_host: warning: side_channel_host is unset")
+    assert err == "" and "side channel: 10.1.2.3:5600 + data-parallel rank (beyond loopback)" in out
