@@ -21,22 +21,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcompose.serving import KV_EVENTS_TOPIC
+from kvcompose.serving import kv_events_config as serving_kv_events_config
+
 #: The topic the servers publish on: vLLM's default, none. vllm-router 0.1.17's static
 #: ``--kv-event-source`` subscribers take in only batches published without a topic: with
 #: ``topic: kv-events`` its ``kv_aware`` received nothing at all (docs/e2e.md, KV events), and
 #: its command line has no option to name one.
-TOPIC = ""
+TOPIC = KV_EVENTS_TOPIC
 
 
 def kv_events_config(socket: Path) -> dict[str, Any]:
-    """vLLM's ``KVEventsConfig`` for a server publishing on the Unix socket ``socket``.
+    """vLLM's ``KVEventsConfig`` for a server publishing on the Unix socket ``socket``
+    (:func:`kvcompose.serving.kv_events_config`; ``deploy/kubernetes/``'s prefills: ``tcp://*:5557``).
 
     vLLM's publisher binds only wildcard TCP endpoints (``tcp://*:PORT``, every interface) and
     ``ipc://``/``inproc://`` ones, and *connects* to any other (``tcp://127.0.0.1:PORT`` would
     need the subscriber to bind, so one subscriber at most); an ``ipc://`` socket is bound, local
     to this host, and any number of subscribers (a router, :class:`EventListener`) connect to it.
     """
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{socket}", "topic": TOPIC}
+    return serving_kv_events_config(f"ipc://{socket}")
 
 
 @dataclass

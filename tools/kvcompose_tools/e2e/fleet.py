@@ -25,6 +25,7 @@ from typing import Any
 from kvcompose.examples import pd_pair
 from kvcompose.relay import ROUTER_BLOCK_SIZE, Relay
 from kvcompose.router import POLICIES
+from kvcompose.serving import HEALTH_ARGS
 from kvcompose_tools.e2e.events import kv_events_config
 from kvcompose_tools.e2e.flow import Served, routed_request
 from kvcompose_tools.e2e.node import wait_all_ready
@@ -33,13 +34,6 @@ from kvcompose_tools.e2e.processes import NodeError
 from kvcompose_tools.e2e.router import RouterNode
 from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
-
-#: The router's health checks in a fleet: every second, out after two failures, back after one
-#: success (its defaults: 60 s, 3, 2), and its circuit breaker open after two failed requests.
-HEALTH_ARGS = (
-    "--health-check-interval-secs", "1", "--health-failure-threshold", "2", "--health-success-threshold", "1",
-    "--health-check-timeout-secs", "2", "--cb-failure-threshold", "2",
-)  # fmt: skip
 
 
 class Fleet:

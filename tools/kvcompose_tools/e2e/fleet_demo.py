@@ -27,7 +27,7 @@ from kvcompose_tools.e2e.spec import EngineSpec
 
 MAX_TOKENS = 16
 #: After this long from the kill a failed turn counts against the run: the router's health
-#: window (:data:`~kvcompose_tools.e2e.fleet.HEALTH_ARGS`) and a check's timeout.
+#: window (:data:`~kvcompose.serving.HEALTH_ARGS`) and a check's timeout.
 DETECT_S = 6.0
 
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from kvcompose.serving import SIDE_CHANNEL_HOST_ENV
+
 #: Every namespace the kit creates starts with this, then the creating process's pid.
 PREFIX = "kvc-"
 #: The device a host reaches the others through (namespace-local names: every host has one).
@@ -201,12 +203,13 @@ class LinkBytes:
 #: What every process in a host gets on top of its environment (:meth:`Host.environ`; the address
 #: is filled in): UCX's tcp transport only, over the host's own device, so that NIXL between two
 #: hosts cannot use the shared memory (cma, posix, sysv) the namespaces do not separate; and vLLM's
-#: own address and NIXL side channel on the host's address.
+#: own address and NIXL side channel on the host's address (the compositions leave
+#: ``side_channel_host`` unset there, as ``deploy/kubernetes/`` does: :func:`~kvcompose_tools.e2e.spec.placed`).
 NETWORK_ENV = {
     "UCX_TLS": "tcp",
     "UCX_NET_DEVICES": DEVICE,
     "VLLM_HOST_IP": "{address}",
-    "VLLM_NIXL_SIDE_CHANNEL_HOST": "{address}",
+    SIDE_CHANNEL_HOST_ENV: "{address}",
 }
 
 

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcompose.router import SESSION_HEADER, pd_router_args
+from kvcompose.router import SESSION_HEADER
+from kvcompose.serving import router_args
 from kvcompose_tools.e2e.metrics import parse_metrics
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.processes import CALL_TIMEOUT_S, NodeError, ProcessNode
@@ -57,6 +58,9 @@ ROUTER_VERSION = "0.1.17"
 READY_TIMEOUT_S = 60.0
 #: Log lines of each server behind the router that a failed request's error quotes.
 WORKER_LINES = 15
+#: How long the router waits for the servers' ``/health`` at start, and how often it checks
+#: (seconds): the servers passed are already up (its defaults: 600 s, every 30 s).
+STARTUP = (60, 1)
 #: Terminal colour codes (the router's tracing output has them whatever NO_COLOR says).
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -70,8 +74,8 @@ def router_argv(
     host: str = HOST,
     prefill_events: dict[str, str] | None = None,
 ) -> list[str]:
-    """The router's command line: vLLM P/D mode over NIXL, bound to ``host`` (127.0.0.1, or a
-    host's address).
+    """The router's command line (:func:`kvcompose.serving.router_args`, as ``deploy/kubernetes/``
+    runs it): vLLM P/D mode over NIXL, bound to ``host`` (127.0.0.1, or a host's address).
 
     ``policy`` picks a prefill and a decode server per request. ``round_robin`` (the default
     here): with one prefill and one decode there is nothing to choose, and unlike the router's
@@ -83,13 +87,10 @@ def router_argv(
     (``prefill_events``: prefill URL -> ``tcp://`` endpoint) and prefers a session's decode
     (``kv_aware+hash``: keeps it, by hash). The Prometheus exporter gets a free port of its own
     (its default, 29000, would collide between two stacks on one host). Workers are checked every
-    second at start (default: every 30 s), and the workers passed are already up.
+    second at start (:data:`STARTUP`).
     """
-    argv = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
-    argv += pd_router_args(prefill_urls, decode_urls, policy, prefill_events)
-    argv += ["--prometheus-host", host, "--prometheus-port", str(metrics_port)]
-    argv += ["--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "60"]
-    return argv
+    flags = router_args(prefill_urls, decode_urls, policy, prefill_events, (host, port), (host, metrics_port), STARTUP)
+    return [sys.executable, "-m", ROUTER_MODULE, *flags]
 
 
 class RouterNode(ProcessNode):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcompose.serving import server_args
 from kvcompose_tools.e2e.affinity import engine_up
 from kvcompose_tools.e2e.flow import SETTLE_TIMEOUT_S, answered
 from kvcompose_tools.e2e.metrics import parse_metrics
@@ -57,26 +58,23 @@ def kv_transfer_value(spec: EngineSpec) -> str | None:
 
 def server_argv(spec: EngineSpec, port: int, host: str = HOST) -> list[str]:
     """The server's command line: the offline engine kwargs as flags, bound to ``host``
-    (127.0.0.1, or a host's address)."""
+    (127.0.0.1, or a host's address), then the P/D flags of :func:`kvcompose.serving.server_args`
+    (the ones ``deploy/kubernetes/`` gives its servers)."""
     argv = [sys.executable, "-m", SERVER_MODULE, "--host", host, "--port", str(port)]
     for key, value in spec.llm_kwargs().items():
         flag = "--" + key.replace("_", "-")
+        if key == "kv_events_config":
+            continue  # a P/D flag: server_args below, as the Kubernetes manifests spell it
         if value is True:
             argv.append(flag)
         elif value is False:
             # The server's switches are off unless given (disable_log_stats is off there by
             # default, unlike in vllm.LLM), and it has no --no-<flag> form for them.
             continue
-        else:  # a config given as a mapping (kv_events_config) is a JSON value on the command line
-            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    value = kv_transfer_value(spec)
-    if value is not None:
-        argv += ["--kv-transfer-config", value]
-    if spec.kv_events is not None:
-        # A router that routes by KV events (vllm-router's kv_aware) tokenizes each prompt through
-        # the server's /v1/completions/render (and the chat one), which answer 403 unless asked.
-        argv.append("--enable-scale-out")
-    return argv
+        else:
+            argv += [flag, str(value)]
+    # The composition's flags, and with KV events --enable-scale-out (the router renders there).
+    return argv + server_args(kv_transfer_value(spec), spec.kv_events)
 
 
 class HttpClient:

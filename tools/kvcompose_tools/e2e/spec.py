@@ -119,11 +119,14 @@ class EngineSpec:
 
 
 def placed(spec: EngineSpec, host: Host | None) -> EngineSpec:
-    """``spec`` as it runs in ``host`` (:mod:`kvcompose_tools.e2e.hosts`): its ``nixl`` children's side
-    channel on the host's address, unless the spec names one; as it is without a host."""
+    """``spec`` as it runs in ``host`` (:mod:`kvcompose_tools.e2e.hosts`): its ``nixl`` children's
+    ``side_channel_host`` unset, unless the spec names one, so that the engine binds the host's
+    address from ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (:data:`~kvcompose_tools.e2e.hosts.NETWORK_ENV`), as
+    a pod of ``deploy/kubernetes/`` binds its pod IP; as it is without a host."""
     if host is None:
         return spec
-    return replace(spec, nixl_options={"side_channel_host": host.address, **spec.nixl_options})
+    # The shipped examples write 127.0.0.1: across hosts the address comes from the environment.
+    return replace(spec, nixl_options={"side_channel_host": None, **spec.nixl_options})
 
 
 def composed_kv_transfer_config(

@@ -380,9 +380,11 @@ def test_servers_and_engines_in_a_host_bind_its_address_with_its_network_setting
     assert server.url == "http://10.213.9.3:8200"
     for argv, env in started:
         assert argv[:4] == ["ip", "netns", "exec", "kvc-1-0-decode"]
-        assert '"kvcompose_side_channel_host":"10.213.9.3"' in json.dumps(
-            json.loads(_kv_config(argv)), separators=(",", ":")
-        )
+        # The side channel's address from the environment, the composition's host unset (the
+        # example's 127.0.0.1 dropped), as deploy/kubernetes/ runs it with the pod IP.
+        rendered = json.dumps(json.loads(_kv_config(argv)), separators=(",", ":"))
+        assert "kvcompose_side_channel_host" not in rendered and "127.0.0.1" not in rendered
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.213.9.3"
         assert {k: env[k] for k in host.env()} == host.env()
     assert started[0][0][started[0][0].index("--host") + 1] == "10.213.9.3"
     server.proc.wait()

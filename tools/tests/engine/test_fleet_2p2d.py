@@ -1,6 +1,8 @@
 """2P2D (marker ``engine``): two prefill and two decode servers of the shipped compositions behind
-vLLM's router, prefills chosen by ``kv_aware`` over their composed KV events (relayed in the
-16-token blocks the router indexes), decodes kept per session by its affinity.
+vLLM's router, under the policy deploy/kubernetes/ runs (:data:`kvcompose.serving.FLEET_POLICY`):
+prefills chosen by ``kv_aware`` over their composed KV events (relayed in the 16-token blocks the
+router indexes), decodes by a hash of the session. The servers' P/D flags and the router's are
+built as the manifests spell them (:mod:`kvcompose.serving`; tools/tests/e2e/test_kubernetes.py).
 
 Two conversations, three turns each, interleaved: every later turn is computed by the prefill
 that computed the earlier ones (it holds their blocks: only the new part is computed) and
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from engine.stack import Nodes, module_stack
+from kvcompose.serving import FLEET_POLICY
 from kvcompose_tools.e2e.fleet import Fleet, first_prompt, kill_scenario
 from kvcompose_tools.e2e.flow import same_output
 from kvcompose_tools.e2e.model import make_model
@@ -35,7 +38,7 @@ DETECT_S = 6.0
 class Stack(Nodes):
     def __init__(self, logs: Path) -> None:
         super().__init__()
-        self.fleet = Fleet(make_model(0), logs, policy="kv_aware")
+        self.fleet = Fleet(make_model(0), logs, policy=FLEET_POLICY)
         self.nodes.append(self.fleet)
         self.fleet.start()
 
