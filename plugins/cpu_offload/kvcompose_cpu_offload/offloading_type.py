@@ -55,6 +55,8 @@ PositiveInt = Annotated[int, Meta(gt=0)]
 SPEC_MODULE = "kvcompose_cpu_offload.native"
 CPU_SPEC = "PortableCPUOffloadingSpec"
 TIERING_SPEC = "PortableTieringOffloadingSpec"
+#: The module of vLLM's ``OffloadingConnector`` mapping vLLM's P/D protocol onto the p2p tier's keys.
+P2P_MODULE = "kvcompose_cpu_offload.p2p"
 
 
 class NativeOffloadOptions(Options):
@@ -131,8 +133,9 @@ class NativeOffloadType(ConnectorType):
     }
 
     def vllm_config(self, child: Child) -> dict[str, Any]:
-        """vLLM's class, the options under vLLM's keys, the plugin's spec, and the fs tier (a
-        list of tier configs the key maps cannot express)."""
+        """vLLM's class, the options under vLLM's keys, the plugin's spec, and the secondary tiers
+        (a list the key maps cannot express); with a p2p tier, vLLM's class answering vLLM's
+        proxy and router through it (:mod:`kvcompose_cpu_offload.p2p`)."""
         cfg = super().vllm_config(child)
         opts = child.options_as(NativeOffloadOptions)
         extra = cfg["kv_connector_extra_config"]
@@ -142,6 +145,9 @@ class NativeOffloadType(ConnectorType):
         extra["spec_module_path"] = SPEC_MODULE
         if tiers:
             extra["secondary_tiers"] = [tiers_.render(t) for t in tiers]
+        if any(isinstance(t, tiers_.P2pTier) for t in tiers):
+            # vLLM's class, answering vLLM's proxy and router through the p2p tier (p2p.py)
+            cfg["kv_connector_module_path"] = P2P_MODULE
         return cfg
 
     def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -281,3 +281,27 @@ def test_a_tiers_kv_events_are_published_through_the_composite_like_the_host_tie
                     on_disk.append(tuple(e.token_ids))
                 stored.update(e.block_hashes)
     assert tuple(prompts[0][:block]) in on_disk
+
+
+def test_a_p2p_tier_makes_the_class_vllms_mapped_for_vllms_proxy_and_router() -> None:
+    """With a p2p tier the child's class is vLLM's ``OffloadingConnector`` from the plugin's p2p
+    module (the name vLLM knows; it maps ``do_remote_decode`` onto the tier's role keys); without
+    one, vLLM's own, no module path."""
+    from kvcompose_cpu_offload import p2p
+
+    with_p2p = loads(_composition("- {type: p2p, host: 10.0.0.7, port: 5711}\n")).child("host").vllm_config()
+    assert with_p2p["kv_connector"] == "OffloadingConnector" and with_p2p["kv_connector_module_path"] == p2p.__name__
+    assert issubclass(p2p.OffloadingConnector, p2p.offloading_connector.OffloadingConnector)
+    fs_only = loads(_composition("- {type: fs, root_dir: /kv}\n")).child("host").vllm_config()
+    assert "kv_connector_module_path" not in fs_only
+    extra = with_p2p["kv_connector_extra_config"]
+    assert p2p.p2p_address(extra, 0) == ("10.0.0.7", 5711) and p2p.p2p_address(extra, 2) == ("10.0.0.7", 5713)
+    assert p2p.p2p_address({"secondary_tiers": [{"type": "fs", "root_dir": "/kv"}]}, 0) is None
+
+
+def test_p2p_address_takes_vllms_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcompose_cpu_offload import p2p
+
+    monkeypatch.setenv(tiers.P2P_HOST_ENV, "10.9.8.7")
+    monkeypatch.setenv(tiers.P2P_PORT_ENV, "6000")
+    assert p2p.p2p_address({"secondary_tiers": [{"type": "p2p"}]}, 1) == ("10.9.8.7", 6001)

@@ -9,6 +9,9 @@ connector and no MultiConnector: the path llm-d's sidecar drives, with the role 
 * **P/D**: ``remote_decoder`` on the prefill's request, ``remote_prefiller`` (the prefill's
   p2p address) on the decode's. The decode takes the prompt's full blocks from the prefill and
   computes the rest.
+* **P/D the way vLLM's proxy and router ask**: ``do_remote_decode`` to the prefill, whose answer's
+  params (``remote_prefiller``, mapped by the composition: ``kvcompose_cpu_offload/p2p.py``) go
+  to the decode as they are.
 * **symmetric**: ``remote_kv_source`` (the decode's p2p address) on a later request to the
   prefill, whose prompt extends what the decode computed: the prefill asks which blocks the
   decode holds and fetches them.
@@ -26,7 +29,7 @@ from typing import Any
 import pytest
 
 from engine.stack import Nodes, module_stack
-from kvcompose_tools.e2e.flow import Served, decode_request, token_prompt
+from kvcompose_tools.e2e.flow import Served, decode_request, pd_request, token_prompt
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
@@ -36,6 +39,7 @@ pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 16
 PD_PROMPT = token_prompt(70, 450)
+PROXY_PROMPT = token_prompt(74, 420)
 SHARED = token_prompt(71, 300)
 EXTENDED = SHARED + token_prompt(72, 60)
 
@@ -101,6 +105,17 @@ def test_pd_through_the_p2p_tier_loads_the_prefills_blocks_and_answers_as_one_en
     show("P/D", served)
     assert served.loaded == {"host": full(PD_PROMPT)}, served.loaded
     assert served.computed_tokens == len(PD_PROMPT) - full(PD_PROMPT)
+    assert served.equals(expected)
+
+
+def test_pd_as_vllms_proxy_asks_the_prefill_answers_with_the_p2p_role_the_decode_loads(pair: Pair) -> None:
+    expected = pair.baseline.generate([PROXY_PROMPT], MAX_TOKENS)[0]
+    served = pd_request(pair.prefill, pair.decode, PROXY_PROMPT, MAX_TOKENS, "proxy", ("host",))
+    show("proxy P/D", served)
+    role = (served.prefill_params or {}).get("remote_prefiller")
+    assert role is not None and set(role) == {"kv_request_id", "remote_host", "remote_port"}, served.prefill_params
+    assert role["remote_port"] == pair.p2p_ports["prefill"] and role["kv_request_id"].startswith("kvcompose-p2p-")
+    assert served.loaded == {"host": full(PROXY_PROMPT)}, served.loaded
     assert served.equals(expected)
 
 
