@@ -305,3 +305,15 @@ def test_p2p_address_takes_vllms_environment_defaults(monkeypatch: pytest.Monkey
     monkeypatch.setenv(tiers.P2P_HOST_ENV, "10.9.8.7")
     monkeypatch.setenv(tiers.P2P_PORT_ENV, "6000")
     assert p2p.p2p_address({"secondary_tiers": [{"type": "p2p"}]}, 1) == ("10.9.8.7", 6001)
+
+
+def test_a_p2p_tier_on_the_nixl_side_channels_port_clashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    pd = (
+        "  - {name: pd, type: nixl, role: consumer, options: {side_channel_host: 127.0.0.1, side_channel_port: PORT}}\n"
+    )
+    text = _composition("- {type: p2p, host: 127.0.0.1, port: 5711}\n") + pd.replace("PORT", "5711")
+    message = _refused(text)
+    assert "NIXL side channel port 5711 (its side_channel_port) is also the port of host's p2p tier" in message
+    assert "c.yaml:9:" in message
+    loads(_composition("- {type: p2p, host: 127.0.0.1, port: 5711}\n") + pd.replace("PORT", "5712"))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from kvcompose.api import ConnectorType, Options, Problem, hookimpl
+from kvcompose.api import ConnectorType, Listener, Options, Problem, hookimpl
 from kvcompose_nixl import (
     ACCEPT_UNSIGNED_KEY,
     CONNECTOR_MODULE,
@@ -652,7 +652,6 @@ class NixlType(ConnectorType):
                 "instance's lease_seconds is longer",
                 warning=True,
             )
-        yield from self._port_clash(child, plan, at)
         yield from self._exposed(o, at)
         yield from self._trust(o, child.role, at)
 
@@ -728,26 +727,20 @@ class NixlType(ConnectorType):
                 warning=True,
             )
 
-    def _port_clash(self, child: Child, plan: Plan, at: tuple[str | int, ...]) -> Iterator[Problem]:
-        """Two NIXL children of one engine cannot listen on the same side channel.
-
-        An unset host or port is the same environment variable for every child of the engine,
-        so two children that both leave the port unset collide too.
-        """
+    def listeners(self, child: Child) -> Iterator[Listener]:
+        """The side channel's listener (vLLM binds base port + data-parallel index); kvcompose
+        refuses a composition in which another child's listener takes the same port."""
         o = child.options_as(NixlOptions)
-        mine = (o.side_channel_host, o.side_channel_port)
-        for other in plan.children:
-            if other.index >= child.index or not isinstance(other.options, NixlOptions):
-                continue  # report a clash once, on the later child
-            theirs = (other.options.side_channel_host, other.options.side_channel_port)
-            if _same_listener(mine, theirs):
-                port = o.side_channel_port or f"$VLLM_NIXL_SIDE_CHANNEL_PORT ({DEFAULT_SIDE_CHANNEL_PORT})"
-                yield Problem(
-                    f"side channel port {port} is already used by {other.name}",
-                    at + ("side_channel_port",),
-                    "give each nixl child its own side_channel_port",
-                )
-                return
+        env_port = os.environ.get(ENV_SIDE_CHANNEL_PORT)
+        yield Listener(
+            what="NIXL side channel",
+            host=o.side_channel_host or env_side_channel_host(),
+            port=o.side_channel_port or int(env_side_channel_port()),
+            set_by="its side_channel_port"
+            if o.side_channel_port
+            else f"${ENV_SIDE_CHANNEL_PORT}" + ("" if env_port else "'s default"),
+            path=("connectors", child.index, "options", "side_channel_port"),
+        )
 
     def kv_layout(self, child: Child) -> str | None:
         """None: NIXL's layout depends on the model, which a composition does not know.
@@ -759,16 +752,6 @@ class NixlType(ConnectorType):
         the vLLM class with the real ``VllmConfig`` at engine start instead.
         """
         return None
-
-
-def _same_listener(a: tuple[str | None, int | None], b: tuple[str | None, int | None]) -> bool:
-    """Whether two (host, port) side-channel settings bind the same socket in one engine."""
-    (host_a, port_a), (host_b, port_b) = a, b
-    if port_a != port_b:  # both None: both the same environment variable
-        return False
-    # Different explicit hosts can share a port (different interfaces); an unset host is the
-    # environment's, which may be either, so treat it as the same.
-    return host_a is None or host_b is None or host_a == host_b
 
 
 @hookimpl

@@ -299,7 +299,7 @@ def test_check_side_channel_port_clash(plugins: Plugins, a: str, b: str, clash: 
     port = found.get(("connectors", 1, "options", "side_channel_port"))
     assert (port is not None) == clash
     if clash:
-        assert "already used by a" in port
+        assert "is also the port of a's NIXL side channel" in port
 
 
 def test_valid_child_has_no_problem(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:
