@@ -256,3 +256,16 @@ def test_the_router_runs_the_kits_fleet_flags_for_every_pod_which_vllm_router_pa
     assert (args.health_check_interval_secs, args.health_failure_threshold) == (1, 2)
     service = DOCS[("Service", "kvcompose-router")]["spec"]
     assert {p["targetPort"] for p in service["ports"]} == {p["name"] for p in c["ports"]}
+
+
+def test_deploy_md_quotes_the_manifests_and_names_every_router_flag() -> None:
+    """docs/deploy.md, "Kubernetes: 2P2D behind vllm-router": its server block is prefill.yaml's
+    text, and its router table names every flag router.yaml passes."""
+    page = (ROOT / "docs" / "deploy.md").read_text()
+    section = page.split("## Kubernetes: 2P2D behind vllm-router\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```yaml\n(.*?)^```$", section, flags=re.M | re.S)
+    (server,) = [b for b in blocks if "command:" in b]
+    assert server in (DEPLOY / "prefill.yaml").read_text()
+    flags = {a for a in _container("Deployment", "kvcompose-router")["args"] if a.startswith("--")}
+    table = section.split("### vllm-router's flags for a fleet", 1)[1]
+    assert sorted(f for f in flags if f"`{f}" not in table and f" {f} " not in table) == []
