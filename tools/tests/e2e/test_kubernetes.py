@@ -269,3 +269,20 @@ def test_deploy_md_quotes_the_manifests_and_names_every_router_flag() -> None:
     flags = {a for a in _container("Deployment", "kvcompose-router")["args"] if a.startswith("--")}
     table = section.split("### vllm-router's flags for a fleet", 1)[1]
     assert sorted(f for f in flags if f"`{f}" not in table and f" {f} " not in table) == []
+
+
+def test_the_router_subscribes_to_kv_events_at_a_host_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """router.yaml names each prefill's events endpoint by its pod's DNS name: vllm-router's
+    subscriber resolves a name (``localhost`` here; regular mode's sources, the same indexer as
+    P/D's) and takes in what is published there."""
+    import kvcompose_tools.e2e.kv_replay as kv_replay
+
+    built = kv_replay.router_argv
+
+    def named(*args: Any, **kwargs: Any) -> list[str]:
+        return [a.replace("=tcp://127.0.0.1:", "=tcp://localhost:") for a in built(*args, **kwargs)]
+
+    monkeypatch.setattr(kv_replay, "router_argv", named)
+    seen = kv_replay.replay([], [], tmp_path, block_size=32)
+    assert "on tcp://localhost:" in seen.log
+    assert kv_replay.SEQUENCE.search(seen.log), "the router took in no batch published at localhost"
