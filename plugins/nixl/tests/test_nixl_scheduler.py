@@ -270,7 +270,10 @@ def test_prefill_returns_params_with_side_channel_from_options(
     make_nixl_scheduler: SchedulerFactory,
 ) -> None:
     scheduler = make_nixl_scheduler(
-        "kv_producer", kvcompose_side_channel_host="10.1.2.3", kvcompose_side_channel_port=6123
+        "kv_producer",
+        kvcompose_side_channel_host="10.1.2.3",
+        kvcompose_side_channel_port=6123,
+        kvcompose_insecure_side_channel=True,  # keyless beyond loopback is refused otherwise
     )
     num_tokens = 2 * BLOCK_SIZE + 3
     request = prefill_request(num_tokens, block_size=BLOCK_SIZE)
@@ -329,6 +332,7 @@ def test_push_connector_uses_side_channel_options(make_nixl_scheduler: Scheduler
         connector="NixlPushConnector",
         kvcompose_side_channel_host="10.9.9.9",
         kvcompose_side_channel_port=7000,
+        kvcompose_insecure_side_channel=True,  # keyless beyond loopback is refused otherwise
     )
     assert isinstance(scheduler.connector, NixlPushConnector)
     # Push mode never reads remote_block_ids on the decode side: empty is the normal case.
