@@ -99,6 +99,17 @@ class NativeOffloadOptions(Options):
         PositiveInt | None,
         Meta(description="with disk_dir: read and write threads each (n_read_threads, n_write_threads; vLLM's 16)"),
     ] = None
+    key_env: Annotated[
+        Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None,
+        Meta(
+            description="with a p2p tier: the environment variable holding the deployment key that signs its P/D "
+            "params (the nixl child's key; the first signs, all verify); the key itself never goes in the file"
+        ),
+    ] = None
+    key_file: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(description="with a p2p tier: a file holding the deployment key, instead of key_env"),
+    ] = None
     tiers: Annotated[
         list[dict[str, Any]] | None,
         Meta(
@@ -139,7 +150,8 @@ class NativeOffloadType(ConnectorType):
         cfg = super().vllm_config(child)
         opts = child.options_as(NativeOffloadOptions)
         extra = cfg["kv_connector_extra_config"]
-        extra.pop("tiers", None)
+        for key in ("tiers", "key_env", "key_file"):
+            extra.pop(key, None)
         tiers = secondary_tiers(opts)
         extra["spec_name"] = TIERING_SPEC if tiers else CPU_SPEC
         extra["spec_module_path"] = SPEC_MODULE
@@ -148,6 +160,10 @@ class NativeOffloadType(ConnectorType):
         if any(isinstance(t, tiers_.P2pTier) for t in tiers):
             # vLLM's class, answering vLLM's proxy and router through the p2p tier (p2p.py)
             cfg["kv_connector_module_path"] = P2P_MODULE
+            if opts.key_env is not None:
+                extra[tiers_.P2P_KEY_ENV_KEY] = opts.key_env
+            if opts.key_file is not None:
+                extra[tiers_.P2P_KEY_FILE_KEY] = opts.key_file
         return cfg
 
     def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -223,6 +239,24 @@ class NativeOffloadType(ConnectorType):
                 "disk_threads only applies with disk_dir; vLLM would have no fs tier to give them",
                 path=at("disk_threads"),
                 hint="set disk_dir, or remove disk_threads",
+            )
+        has_p2p = any(isinstance(t, tiers_.P2pTier) for t in secondary_tiers(opts))
+        for key in ("key_env", "key_file"):
+            if key in given and not has_p2p:
+                yield Problem(
+                    f"{key} signs the p2p tier's P/D params; this child has no p2p tier",
+                    path=at(key),
+                    hint=f"add a p2p tier, or remove {key}",
+                )
+        if opts.key_env is not None and opts.key_file is not None:
+            yield Problem("give key_env or key_file, not both", path=at("key_file"))
+        if opts.key_env is not None and has_p2p and not os.environ.get(opts.key_env):
+            yield Problem(
+                f"key_env names ${opts.key_env}, which is not set in this process's environment: an engine "
+                "started in this environment stops at start",
+                path=at("key_env"),
+                hint="give every engine of the deployment the same key (`openssl rand -hex 32`), e.g. from a Secret",
+                warning=True,
             )
         if opts.tiers is None:
             return

@@ -32,6 +32,9 @@ Port = Annotated[int, Meta(ge=1, le=65535)]
 Locality = Literal["LOCAL", "REMOTE"]
 Path = tuple[str | int, ...]
 
+#: The ``kv_connector_extra_config`` keys naming the deployment key that signs the p2p tier's
+#: P/D params (the child's ``key_env`` / ``key_file``; :mod:`kvcompose_cpu_offload.p2p` reads them).
+P2P_KEY_ENV_KEY, P2P_KEY_FILE_KEY = "kvcompose_p2p_key_env", "kvcompose_p2p_key_file"
 #: vLLM's defaults for the p2p tier's control socket (``VLLM_P2P_SIDE_CHANNEL_HOST`` / ``_PORT``).
 P2P_HOST_ENV, P2P_PORT_ENV, P2P_DEFAULT_PORT = "VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", 5710
 

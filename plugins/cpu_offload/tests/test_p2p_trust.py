@@ -1,0 +1,161 @@
+"""The p2p tier's role keys are client input: what vLLM's tier believes, and what the composition's
+class (``kvcompose_cpu_offload.p2p``) refuses, each attack pinned by its reason beside a control
+that passes the checks before it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from vllm.v1.kv_offload.tiering.p2p import manager as vllm_p2p
+
+from kvcompose_cpu_offload.p2p import DECODER, PREFILLER, SOURCE, decoder_params, screen
+from kvcompose_nixl.trust import Keyring, Refused, Replays, prompt_digest
+
+KEY = "k" * 64
+OTHER_KEY = "o" * 64
+PROMPT = list(range(3, 403))
+DIGEST = prompt_digest(PROMPT)
+NOW = 1_000_000.0
+
+
+def keys(secret: str = KEY) -> Keyring:
+    return Keyring.parse(secret, "test")
+
+
+def role(host: str = "127.0.0.1", port: int = 5711, kv_request_id: str = "kvcompose-p2p-1") -> dict[str, Any]:
+    return {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": port}
+
+
+def signed(**kw: Any) -> dict[str, Any]:
+    """What a keyed prefill answers for its decode (the control of the keyed attacks)."""
+    return decoder_params(None, role(**kw), DIGEST, keys(), NOW)
+
+
+def reason(params: dict[str, Any], keyring: Keyring | None = None, digest: str = DIGEST, **kw: Any) -> str | None:
+    try:
+        screen(params, digest, keyring, kw.pop("replays", Replays()), kw.pop("now", NOW))
+    except Refused as refused:
+        return refused.reason
+    return None
+
+
+# -- vLLM's tier alone
+
+
+def test_vllms_tier_believes_a_client_chosen_peer() -> None:
+    source = vllm_p2p._parse_source({PREFILLER: role(host="10.9.9.9", port=22)})
+    assert source is not None and "10.9.9.9" in str(source)
+
+
+@pytest.mark.parametrize("bad", [5, "x", ["kv_request_id"]])
+def test_vllms_tier_raises_on_a_role_that_is_not_a_mapping(bad: Any) -> None:
+    """In the engine this runs in the scheduler (``_annotate_req_context`` from ``on_new_request``)."""
+    with pytest.raises(AttributeError):
+        vllm_p2p._parse_source({PREFILLER: bad})
+
+
+# -- malformed roles, with or without a key
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {PREFILLER: 5},
+        {PREFILLER: "x"},
+        {PREFILLER: {**role(), "remote_port": "5711"}},
+        {PREFILLER: {**role(), "remote_port": 70000}},
+        {PREFILLER: {**role(), "remote_port": True}},
+        {PREFILLER: {**role(), "kv_request_id": ""}},
+        {PREFILLER: {**role(), "kv_request_id": "x" * 257}},
+        {PREFILLER: {**role(), "remote_host": "a\nb"}},
+        {PREFILLER: {**role(), "extra": 1}},
+        {PREFILLER: {"kv_request_id": "a"}},
+        {DECODER: {"kv_request_id": 7}},
+        {PREFILLER: role(), SOURCE: role()},
+        {PREFILLER: role(), DECODER: {"kv_request_id": "a"}},
+    ],
+)
+def test_a_malformed_role_is_refused(params: dict[str, Any]) -> None:
+    assert reason(params) == "malformed"
+    assert reason(params, keys()) == "malformed"
+
+
+def test_controls_well_formed_roles_pass_without_a_key() -> None:
+    assert reason({PREFILLER: role()}) is None
+    assert reason({SOURCE: role()}) is None
+    assert reason({DECODER: {"kv_request_id": "a"}, SOURCE: role()}) is None
+
+
+# -- peers
+
+
+@pytest.mark.parametrize("name", [PREFILLER, SOURCE])
+def test_without_a_key_a_role_naming_a_peer_beyond_loopback_is_refused(name: str) -> None:
+    assert reason({name: role()}) is None  # control: loopback
+    assert reason({name: role(host="10.9.9.9")}) == "peer"
+
+
+def test_with_a_key_an_unsigned_source_beyond_loopback_is_refused() -> None:
+    assert reason({SOURCE: role()}, keys()) is None
+    assert reason({SOURCE: role(host="10.9.9.9")}, keys()) == "peer"
+
+
+# -- with a key: the prefill's signature binds the role, its end and the prompt
+
+
+def test_with_a_key_a_client_written_remote_decoder_is_refused() -> None:
+    assert reason({DECODER: {"kv_request_id": "a"}}) is None  # control: no key, as vLLM
+    assert reason({DECODER: {"kv_request_id": "a"}}, keys()) == "role"
+
+
+def test_control_the_prefills_signed_answer_passes_even_for_a_peer_beyond_loopback() -> None:
+    assert reason(signed(), keys()) is None
+    assert reason(signed(host="10.1.2.3"), keys()) is None
+
+
+def test_an_unsigned_prefiller_is_refused_with_a_key() -> None:
+    assert reason({PREFILLER: role()}, keys()) == "unsigned"
+
+
+def test_params_signed_for_another_prompt_are_refused() -> None:
+    assert reason(signed(), keys(), digest=prompt_digest([*PROMPT, 7])) == "prompt"
+    assert reason(signed(), keys(), digest=prompt_digest(PROMPT[:-1])) == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("remote_host", "10.9.9.9"), ("remote_port", 22), ("kv_request_id", "kvcompose-p2p-2")]
+)
+def test_a_field_changed_after_signing_is_refused(field: str, value: Any) -> None:
+    params = signed()
+    params[PREFILLER] = {**params[PREFILLER], field: value}
+    assert reason(params, keys()) == "signature"
+
+
+def test_a_role_signed_with_another_key_is_refused() -> None:
+    assert reason(signed(), keys(OTHER_KEY)) == "signature"
+    assert reason(signed(), Keyring.parse(f"{OTHER_KEY},{KEY}", "rotation")) is None  # control: the key held
+
+
+def test_a_signature_past_its_end_is_refused() -> None:
+    assert reason(signed(), keys(), now=NOW + 60) is None
+    assert reason(signed(), keys(), now=NOW + 60 + 10.5) == "expired"
+
+
+def test_a_signed_role_is_taken_once() -> None:
+    replays = Replays()
+    assert reason(signed(), keys(), replays=replays) is None
+    assert reason(signed(), keys(), replays=replays) == "replayed"
+    assert reason(signed(kv_request_id="kvcompose-p2p-2"), keys(), replays=replays) is None
+
+
+def test_a_nixl_signature_does_not_pass_for_a_p2p_role() -> None:
+    """The signature binds ``transfer_mode: p2p``: NIXL params signed with the same key, holding
+    the same host, port and request id, are not a p2p role's signature."""
+    from kvcompose_nixl.trust import PROMPT_KEY, SIG_KEY, SIGNED_UNTIL_KEY
+
+    nixl = {"remote_request_id": "kvcompose-p2p-1", "remote_host": "127.0.0.1", "remote_port": 5711}
+    nixl |= {PROMPT_KEY: DIGEST, SIGNED_UNTIL_KEY: int(NOW + 60), "transfer_mode": "pull"}
+    sig = keys().sign(nixl)
+    forged = {PREFILLER: role(), PROMPT_KEY: DIGEST, SIGNED_UNTIL_KEY: int(NOW + 60), SIG_KEY: sig}
+    assert reason(forged, keys()) == "signature"
