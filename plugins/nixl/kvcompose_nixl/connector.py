@@ -114,6 +114,7 @@ from kvcompose_nixl.plugin import (
     PARAM_KEYS,
     exposure_refused,
 )
+from kvcompose_nixl.push import PUSH_PROMPTS_ATTR, PushGuard, computed_digest, guard_pushes, stamp_registration
 from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
     Facts,
@@ -125,7 +126,15 @@ from kvcompose_nixl.trust import (
     request_context,
     sign_params,
 )
-from kvcompose_nixl.vllm_names import PULL_SCHEDULER, PULL_WORKER, SCHEDULER, WORKER, check
+from kvcompose_nixl.vllm_names import (
+    PULL_SCHEDULER,
+    PULL_WORKER,
+    PUSH_SCHEDULER,
+    PUSH_WORKER,
+    SCHEDULER,
+    WORKER,
+    check,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -571,12 +580,74 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
 
 
 class NixlPushConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPushConnector):
-    """vLLM's push-mode NixlPushConnector, plus side-channel options and range loads (the decode
-    instance registers only its range's blocks; the prefill instance writes its tail into them).
+    """vLLM's push-mode NixlPushConnector, plus side-channel options, range loads (the decode
+    instance registers only its range's blocks; the prefill instance writes its tail into them)
+    and the prompt binding (:mod:`kvcompose_nixl.push`): the decode registers its prompt's
+    digest, the prefill writes only when it is the digest of what it computed, and a refused
+    load is computed on the decode (or fails under ``kv_load_failure_policy: fail``).
 
     Push mode needs no empty-blocks fix: the decode instance never reads ``remote_block_ids``
     (the prefill instance learns the decode blocks from the registration and WRITEs them).
     """
+
+    _scheduler_names = (SCHEDULER, PUSH_SCHEDULER)
+    _worker_names = (WORKER, PUSH_WORKER)
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        #: The prompt binding's worker half; None on a scheduler.
+        self.push_guard: PushGuard | None = (
+            guard_pushes(self.connector_worker, self.trust.keys, self.trust.accept_unsigned)
+            if self.connector_worker is not None
+            else None
+        )
+        #: Prefill scheduler: digests of the requests finished since the last step's metadata.
+        self._push_prompts: dict[str, str] = {}
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """vLLM's, then the decode's registration (if it staged one) stamped with its prompt's digest."""
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        cs = self.connector_scheduler
+        assert cs is not None
+        registration = cs._push_pending_registrations.get(request.request_id)
+        if registration is not None:
+            prompt = request.prompt_token_ids or []
+            loaded = cs._get_remote_prefill_token_count(len(prompt))
+            stamp_registration(registration, prompt, loaded, request_context(request))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's, then the digest of what the prefill's blocks hold, for its workers."""
+        delay, params = super().request_finished(request, block_ids)
+        if delay:
+            self._note_computed(request)
+        return delay, params
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """See :meth:`request_finished`."""
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        if delay:
+            self._note_computed(request)
+        return delay, params
+
+    def _note_computed(self, request: Request) -> None:
+        cs = self.connector_scheduler
+        assert cs is not None
+        if request.request_id in cs._newly_finished_push_blocks:  # blocks the workers will write
+            tokens = request.all_token_ids
+            self._push_prompts[request.request_id] = computed_digest(
+                tokens, request.num_computed_tokens, request_context(request)
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """vLLM's metadata, with the digests of the requests whose blocks it hands the workers
+        (:data:`~kvcompose_nixl.push.PUSH_PROMPTS_ATTR`)."""
+        meta = super().build_connector_meta(scheduler_output)
+        if self._push_prompts:
+            setattr(meta, PUSH_PROMPTS_ATTR, self._push_prompts)
+            self._push_prompts = {}
+        return meta
 
 
 #: vLLM registers the pull connector under both names; accept ``NixlPullConnector`` too.

@@ -526,6 +526,26 @@ def check_prompt(params: Mapping[str, Any], facts: Facts, prompt: Sequence[int],
             raise Refused("prompt", "the prompt's tokens (or salt, LoRA, media) are not those the prefill computed")
 
 
+def check_push(registered: Any, computed: str | None, keyed: bool) -> None:
+    """Push mode, on the prefill before it writes: :class:`Refused` unless the decode's
+    registration digest (``registered``, :data:`PROMPT_KEY` of what the decode registered, the
+    digest of the tokens it counts as loaded) is the digest of the tokens this prefill computed
+    for the request (``computed``). A registration without a digest comes from a decode without
+    kvcompose's push binding: refused under a deployment key (``keyed``: only kvcompose opens
+    sealed metadata, so such a decode is a bug), written as vLLM writes it without one. The
+    other side of :func:`check_prompt`, for the blocks a prefill WRITEs."""
+    if registered is None:
+        if keyed:
+            raise Refused("prompt", f"the decode's registration carries no {PROMPT_KEY}: its prompt is not known")
+        return
+    if not (isinstance(registered, str) and len(registered) == 32):
+        raise Refused("malformed", f"{PROMPT_KEY} must be 32 hex digits, not {_show(registered)}")
+    if computed is None:
+        raise Refused("prompt", "this prefill holds no digest of what it computed for the request")
+    if not hmac.compare_digest(registered, computed):
+        raise Refused("prompt", "the decode's prompt (or salt, LoRA, media) is not the one this prefill computed")
+
+
 @dataclass
 class Policy:
     """What a decode's nixl child accepts: ``keys`` (None: no key), unsigned params or not, and

@@ -51,6 +51,28 @@ PULL_WORKER: Mapping[str, str] = {
     "xfer_stats.record_kv_expired_req": "a late read counted as vLLM counts an expired one",
 }
 
+#: The push scheduler half: the prompt binding's digests (kvcompose_nixl.push).
+PUSH_SCHEDULER: Mapping[str, str] = {
+    "_push_pending_registrations": "the decode's registration, stamped with its prompt's digest",
+    "_newly_finished_push_blocks": "the prefill's finished requests, whose computed tokens' digests go to its workers",
+    "_get_remote_prefill_token_count": "the tokens the decode counts as loaded, whose digest it registers",
+}
+#: The push worker half: the prefill writes only on a matching digest (push.PushGuard).
+PUSH_WORKER: Mapping[str, str] = {
+    "start_load_kv": "wrapped: takes the step's digests of what the prefill computed",
+    "get_transfer_results": "wrapped: forgets the digests of requests written or expired",
+    "_do_start_push_kv": "wrapped: writes only when the decode's digest is the computed one",
+    "_ensure_handshake": "the handshake to a refused decode (vLLM's own, as for the write)",
+    "_deferred_push_inbox": "a refusal re-driven once that handshake is done",
+    "_push_writer_wake": "wakes the push writer for it",
+    "_handshake_lock": "guards _remote_agents, as vLLM reads it",
+    "_remote_agents": "the decode agents told of a refusal; the prefill agents a refusal may come from",
+    "_push_finished_blocks": "a refused request's blocks, kept for a registration that matches",
+    "_pop_matching_registration": "another registration for the same request, checked in turn",
+    "_recving_metadata": "the decode's waiting loads, which a refusal names",
+    "_failed_recv_reqs": "a refused push fails the decode's load (recomputed, or failed under fail)",
+}
+
 
 class MissingName(RuntimeError):
     """A private name of vLLM's NIXL classes that this plugin needs is missing."""
@@ -79,4 +101,8 @@ def check(obj: Any, *tables: Mapping[str, str]) -> None:
 
 def every_name() -> set[str]:
     """Every name the tables hold (for the docs' table and its test)."""
-    return {name for table in (SCHEDULER, PULL_SCHEDULER, WORKER, PULL_WORKER) for name in table}
+    return {
+        name
+        for table in (SCHEDULER, PULL_SCHEDULER, PUSH_SCHEDULER, WORKER, PULL_WORKER, PUSH_WORKER)
+        for name in table
+    }
