@@ -18,6 +18,11 @@ connector and no MultiConnector: the path llm-d's sidecar drives, with the role 
 
 Every answer must be the single-engine baseline's, token ids and logprobs bit for bit, and the
 tokens the p2p tier brought must be counted as loaded (not computed) where they landed.
+
+The role keys are client input (``kvcompose_cpu_offload/p2p.py``): a role naming a peer beyond
+loopback (no key here) and a role that is not a mapping (vLLM's tier raises on it in the
+scheduler) are refused, the prompt computed here, the engine still serving; the keyed checks are
+``plugins/cpu_offload/tests/test_p2p_trust.py``'s.
 """
 
 from __future__ import annotations
@@ -117,6 +122,26 @@ def test_pd_as_vllms_proxy_asks_the_prefill_answers_with_the_p2p_role_the_decode
     assert role["remote_port"] == pair.p2p_ports["prefill"] and role["kv_request_id"].startswith("kvcompose-p2p-")
     assert served.loaded == {"host": full(PROXY_PROMPT)}, served.loaded
     assert served.equals(expected)
+
+
+@pytest.mark.parametrize(
+    ("seed", "label", "role"),
+    [
+        (75, "peer", {"kv_request_id": "x", "remote_host": "10.9.9.9", "remote_port": 5711}),
+        (76, "malformed", 5),
+    ],
+)
+def test_a_refused_role_computes_the_prompt_here_and_the_engine_serves_on(
+    pair: Pair, seed: int, label: str, role: Any
+) -> None:
+    """The engine's log names the check that refused (``p2p roles refused (REASON)``)."""
+    prompt = token_prompt(seed, 300)  # a prompt of its own: no tier holds it
+    expected = pair.baseline.generate([prompt], MAX_TOKENS)[0]
+    served = decode_request(pair.decode, prompt, MAX_TOKENS, {"remote_prefiller": role}, label, ("host",))
+    show(label, served)
+    assert served.loaded == {} and served.computed_tokens == len(prompt) and served.equals(expected)
+    refusals = [line for line in pair.decode.log_tail(200).splitlines() if "p2p roles refused" in line]
+    assert refusals and f"p2p roles refused ({label})" in refusals[-1], refusals
 
 
 def test_symmetric_the_prefill_pulls_what_the_decode_holds_and_answers_as_one_engine(pair: Pair) -> None:
