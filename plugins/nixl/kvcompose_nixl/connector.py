@@ -7,8 +7,9 @@ vLLM imports ``kv_connector_module_path`` and takes ``getattr(module, kv_connect
 would silently turn those checks off.
 
 Both subclass vLLM's connectors. The pull connector changes the five things below; the push
-connector items 1 and 3, and of item 5 the side channel's listener, the sealed agent metadata
-and the peer allowlist of its handshakes (:class:`_SettingsMixin`):
+connector items 1 and 3, of item 5 the side channel's listener, the sealed agent metadata and
+the peer allowlist of its handshakes (:class:`_SettingsMixin`), and binds the prompt its prefill
+writes to the one its decode holds (:mod:`kvcompose_nixl.push`):
 
 1. **Side channel from the config.** vLLM reads the handshake listener's host and port only from
    ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (``base_scheduler.py``), one
