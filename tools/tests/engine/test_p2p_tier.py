@@ -9,9 +9,9 @@ connector and no MultiConnector: the path llm-d's sidecar drives, with the role 
 * **P/D**: ``remote_decoder`` on the prefill's request, ``remote_prefiller`` (the prefill's
   p2p address) on the decode's. The decode takes the prompt's full blocks from the prefill and
   computes the rest.
-* **P/D the way vLLM's proxy and router ask**: ``do_remote_decode`` to the prefill, whose answer's
-  params (``remote_prefiller``, mapped by the composition: ``kvcompose_cpu_offload/p2p.py``) go
-  to the decode as they are.
+* **P/D behind vLLM's router**: the request goes to ``vllm-router`` in P/D mode, which sends
+  ``do_remote_decode`` to the prefill and the params of its answer (``remote_prefiller``, mapped
+  by the composition: ``kvcompose_cpu_offload/p2p.py``) to the decode as they are.
 * **symmetric**: ``remote_kv_source`` (the decode's p2p address) on a later request to the
   prefill, whose prompt extends what the decode computed: the prefill asks which blocks the
   decode holds and fetches them.
@@ -34,10 +34,12 @@ from typing import Any
 import pytest
 
 from engine.stack import Nodes, module_stack
-from kvcompose_tools.e2e.flow import Served, decode_request, pd_request, token_prompt
+from kvcompose_tools.e2e.flow import Served, decode_request, routed_request, token_prompt
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
+from kvcompose_tools.e2e.router import RouterNode
+from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
 pytestmark = pytest.mark.engine
@@ -63,7 +65,8 @@ def p2p_yaml(port: int) -> str:
 
 
 class Pair(Nodes):
-    """Two engines with a p2p tier each: ``prefill`` and ``decode`` (names for the P/D roles)."""
+    """Two API servers with a p2p tier each, ``prefill`` and ``decode`` (names for the P/D roles),
+    and vLLM's router in P/D mode in front of them."""
 
     def __init__(self, tmp: Path, baseline: EngineNode) -> None:
         super().__init__()
@@ -74,10 +77,13 @@ class Pair(Nodes):
         for name, engine_port in zip(("prefill", "decode"), ports[:2], strict=True):
             path = tmp / f"{name}.yaml"
             path.write_text(p2p_yaml(self.p2p_ports[name]))
-            node = EngineNode(EngineSpec(name, model, str(path), engine_port), tmp)
+            node = ServerNode(EngineSpec(name, model, str(path), engine_port), tmp)
             self.nodes.append(node)
             setattr(self, name, node)
         wait_all_ready(self.nodes)
+        self.router = RouterNode([self.prefill], [self.decode], model, tmp)
+        self.nodes.append(self.router)
+        self.router.wait_ready()
 
     def address(self, name: str) -> dict[str, Any]:
         return {"remote_host": "127.0.0.1", "remote_port": self.p2p_ports[name]}
@@ -113,14 +119,15 @@ def test_pd_through_the_p2p_tier_loads_the_prefills_blocks_and_answers_as_one_en
     assert served.equals(expected)
 
 
-def test_pd_as_vllms_proxy_asks_the_prefill_answers_with_the_p2p_role_the_decode_loads(pair: Pair) -> None:
+def test_pd_behind_vllms_router_the_prefill_answers_with_the_p2p_role_the_decode_loads(pair: Pair) -> None:
     expected = pair.baseline.generate([PROXY_PROMPT], MAX_TOKENS)[0]
-    served = pd_request(pair.prefill, pair.decode, PROXY_PROMPT, MAX_TOKENS, "proxy", ("host",))
-    show("proxy P/D", served)
-    role = (served.prefill_params or {}).get("remote_prefiller")
-    assert role is not None and set(role) == {"kv_request_id", "remote_host", "remote_port"}, served.prefill_params
-    assert role["remote_port"] == pair.p2p_ports["prefill"] and role["kv_request_id"].startswith("kvcompose-p2p-")
+    served = routed_request(
+        pair.router, [pair.decode], PROXY_PROMPT, MAX_TOKENS, "router", ("host",), prefills=[pair.prefill]
+    )
+    show("P/D behind the router", served)
+    assert served.prefill_computed_tokens == len(PROXY_PROMPT)
     assert served.loaded == {"host": full(PROXY_PROMPT)}, served.loaded
+    assert served.cached_by_source() == {"p2p": full(PROXY_PROMPT)}
     assert served.equals(expected)
 
 
