@@ -317,3 +317,19 @@ def test_a_p2p_tier_on_the_nixl_side_channels_port_clashes(monkeypatch: pytest.M
     assert "NIXL side channel port 5711 (its side_channel_port) is also the port of host's p2p tier" in message
     assert "c.yaml:9:" in message
     loads(_composition("- {type: p2p, host: 127.0.0.1, port: 5711}\n") + pd.replace("PORT", "5712"))
+
+
+def test_the_p2p_key_renders_for_the_p2p_class_and_is_refused_without_a_p2p_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcompose_cpu_offload.p2p import P2P_KEY_ENV_KEY
+
+    monkeypatch.setenv("KVCOMPOSE_PD_KEY", "k" * 64)
+    keyed = _composition("- {type: p2p}\n", extra="      key_env: KVCOMPOSE_PD_KEY\n")
+    extra = _extra(loads(keyed))
+    assert extra[P2P_KEY_ENV_KEY] == "KVCOMPOSE_PD_KEY" and "key_env" not in extra
+    message = _refused(_composition("- {type: fs, root_dir: /kv}\n", extra="      key_env: KVCOMPOSE_PD_KEY\n"))
+    assert "c.yaml:7:" in message and "this child has no p2p tier" in message
+    monkeypatch.delenv("KVCOMPOSE_PD_KEY")
+    (warning,) = loads(keyed).warnings
+    assert "KVCOMPOSE_PD_KEY" in warning.message and "stops at start" in warning.message
