@@ -153,7 +153,7 @@ class PushGuard:
             def told_later(
                 f: Future[Any], entry: tuple[str, Any, dict[str, Any]] = (request_id, blocks, registration)
             ) -> None:
-                if f.exception() is not None:  # as vLLM's own write: the decode's watchdog ends its wait
+                if f.exception() is not None:  # as vLLM's own write after a failed handshake: logged only
                     log.warning(
                         "%s: push refused (%s); the decode cannot be told: no handshake", request_id, refused.reason
                     )
@@ -189,7 +189,7 @@ class PushGuard:
         for agent in agents.values():
             try:
                 worker.nixl_wrapper.send_notif(agent, notif_msg=msg)
-            except Exception as exc:  # a decode gone away: its watchdog ends the wait
+            except Exception as exc:  # as vLLM's own notifications: a failed send is logged only
                 log.debug("push refusal for %s to %s not sent: %s", decode_request, _name(agent), exc)
 
     # ---- decode

@@ -356,6 +356,8 @@ VLLMS_PUSH_DECODE = {
     "engine_id": "vllm-decode",
     "kv_load_failure_policy": "recompute",
 }
+#: ... and on a prefill (the other control: it ignores the digest a kvcompose decode registers).
+VLLMS_PUSH_PREFILL = {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "engine_id": "vllm-prefill"}
 
 
 def prompt_of(seed: int, blocks: int = 3) -> list[int]:
@@ -363,23 +365,24 @@ def prompt_of(seed: int, blocks: int = 3) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("decode", "sent", "outcome"),
+    ("prefill_side", "decode_side", "sent", "outcome"),
     [
-        pytest.param("kvcompose", "a", "written", id="control: the prompt the prefill computed"),
-        pytest.param("kvcompose", "b", "refused", id="another prompt of equal length"),
-        pytest.param("kvcompose", "a changed", "refused", id="one token changed in the last block"),
-        pytest.param("vllm", "b", "taken", id="vLLM's own decode, another prompt: A's KV taken for B"),
+        pytest.param("kvcompose", "kvcompose", "a", "written", id="control: the prompt the prefill computed"),
+        pytest.param("kvcompose", "kvcompose", "b", "refused", id="another prompt of equal length"),
+        pytest.param("kvcompose", "kvcompose", "a changed", "refused", id="one token changed in the last block"),
+        pytest.param("kvcompose", "vllm", "b", "taken", id="vLLM's own decode: A's KV taken for B"),
+        pytest.param("vllm", "kvcompose", "b", "taken", id="vLLM's own prefill: A's KV written for B"),
     ],
 )
 def test_a_push_writes_only_the_prompt_the_decode_holds(
-    fake_nixl: FakeNixl, decode: str, sent: str, outcome: str
+    fake_nixl: FakeNixl, prefill_side: str, decode_side: str, sent: str, outcome: str
 ) -> None:
     """vLLM's real push workers and schedulers over the fake agent: the prefill computes A for a
     request id, the decode registers that id for ``sent``. kvcompose's prefill writes A only into a
     decode that registered A; otherwise its decode's load fails and it computes its own prompt."""
     p, d = fake_nixl.pair(
-        push_composition("producer", 5941),
-        push_composition("consumer", 5942) if decode == "kvcompose" else VLLMS_PUSH_DECODE,
+        push_composition("producer", 5941) if prefill_side == "kvcompose" else VLLMS_PUSH_PREFILL,
+        push_composition("consumer", 5942) if decode_side == "kvcompose" else VLLMS_PUSH_DECODE,
     )
     fake_nixl.handshake(p, d)  # the prefill's handshake to the decode, which it makes to write
     a = prompt_of(1)
@@ -416,4 +419,4 @@ def test_a_push_writes_only_the_prompt_the_decode_holds(
         assert d.child("pd").push_guard.refusals_taken == 1
         d.step_until(lambda _o: dreq.num_computed_tokens >= len(prompt), "the prompt was not computed", eos=True)
     else:
-        assert not seen["failed"] and holds_a  # written: A's KV, for A (the control) or for B (vLLM's decode)
+        assert not seen["failed"] and holds_a  # written: A's KV, for A (the control) or for B (vLLM's own side)
