@@ -159,6 +159,13 @@ class EngineNode(ProcessNode):
         on disk, keeps it)."""
         return self.call("reset_prefix_cache", reset_connector=connectors)
 
+    def next_request_id(self) -> int:
+        """The id ``vllm.LLM`` gives the next prompt it is sent: its request counter, which each
+        prompt of a :meth:`generate` takes in turn (a prompt vLLM refuses too). vLLM's push mode
+        matches a decode's registration to the prefill's request of the same id, its random
+        suffix aside: two offline engines in push P/D must be sent prompts in step."""
+        return self.call("next_request_id")
+
     def ask_exit(self) -> None:
         """Ask the engine process to exit (it shuts its engine down)."""
         assert self.proc.stdin is not None
@@ -282,6 +289,7 @@ def _serve(spec: EngineSpec, reply: Callable[[dict[str, Any]], None]) -> None:
         "reset_prefix_cache": lambda reset_connector=False: bool(
             llm.reset_prefix_cache(reset_connector=reset_connector)
         ),
+        "next_request_id": lambda: llm.request_counter.counter,
     }
     for line in sys.stdin:
         cmd = json.loads(line)
