@@ -116,6 +116,7 @@ from kvcompose_nixl.plugin import (
     exposure_refused,
 )
 from kvcompose_nixl.push import PUSH_PROMPTS_ATTR, PushGuard, computed_digest, guard_pushes, stamp_registration
+from kvcompose_nixl.refusals import REFUSED_ATTR, Refusals
 from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
     Facts,
@@ -156,7 +157,6 @@ log = logging.getLogger("kvcompose.nixl")
 #: The attribute of vLLM's ``NixlConnectorMetadata`` that carries, from the decode's scheduler to
 #: its workers, the requests refused under ``kv_load_failure_policy`` ``fail`` (request id ->
 #: reason): each worker reports their loads failed without reading anything.
-REFUSED_ATTR = "kvcompose_refused"
 
 
 def apply_side_channel(scheduler: NixlBaseConnectorScheduler, vllm_config: VllmConfig) -> None:
@@ -365,20 +365,17 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         self._reads_answered: set[str] = set()
         self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
-        #: Requests whose P/D params this decode refused, by reason (:data:`kvcompose_nixl.trust.REASONS`).
-        self.refused_params: Counter[str] = Counter()
-        self._told: set[tuple[str, str]] = set()
         #: A consumer-only instance: ``do_remote_decode`` (a prefill leg's flag) is never a client's to set.
         self._decode_only = ktc.kv_role == "kv_consumer"
-        #: Under ``kv_load_failure_policy: fail`` a refused request ends with an error (else it is
-        #: computed here). The composite hands its children the engine's policy.
-        self._fail_refused = ktc.kv_load_failure_policy == "fail"
-        #: Scheduler: refused requests to end with an error, by id (their reason) until allocated...
-        self._refused: dict[str, str] = {}
-        #: ... then until this step's metadata names them to the workers.
-        self._refused_allocated: dict[str, str] = {}
-        #: Worker: refused requests named by the metadata, reported failed by the next results.
-        self._refused_loads: dict[str, str] = {}
+        #: The refused params, both halves (:mod:`kvcompose_nixl.refusals`). Under
+        #: ``kv_load_failure_policy: fail`` a refused request ends with an error (else it is
+        #: computed here); the composite hands its children the engine's policy.
+        self.refusals = Refusals(ktc.kv_load_failure_policy == "fail", PARAM_KEYS)
+
+    @property
+    def refused_params(self) -> Counter[str]:
+        """Refusals by reason: what the composite reports as ``vllm:kvcompose_refused_params``."""
+        return self.refusals.counts
 
     def on_new_request(self, request: Request) -> None:
         """vLLM starts lease heartbeats to the prefill instance for every remote prefill; there
@@ -392,7 +389,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
                 # vLLM would hold this decode's blocks for the lease, for a reader that never comes.
                 params["do_remote_decode"] = False
                 refused = Refused("role", "do_remote_decode sent to a decode-only instance")
-                self._refuse(request, params, refused, load=False)
+                self.refusals.refuse(request.request_id, params, refused, load=False)
             if params.get("do_remote_prefill"):  # vLLM reads the fields here already, blocks or none
                 self._screen(request, params)
         super().on_new_request(request)
@@ -420,35 +417,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         try:
             self.trust.screen(params, facts, prompt, request_context(request))
         except Refused as refused:
-            self._refuse(request, params, refused)
-
-    def _refuse(self, request: Request, params: dict[str, Any], refused: Refused, load: bool = True) -> None:
-        """Count and log ``refused``; for a refused load (``load``), drop the P/D fields, and under
-        ``load_failure: fail`` keep the request to end with an error."""
-        self.refused_params[refused.reason] += 1
-        source = params.get("remote_host")
-        told = (refused.reason, source if isinstance(source, str) else "?")
-        if not load:
-            outcome = "served without it"
-        else:
-            outcome = "the request fails (load_failure: fail)" if self._fail_refused else "computed here instead"
-        if told not in self._told and len(self._told) < 1024:  # once per reason and source
-            self._told.add(told)
-            log.warning(
-                "%s: kv_transfer_params refused (%s), %s: %s",
-                request.request_id,
-                refused.reason,
-                outcome,
-                refused.detail,
-            )
-        else:
-            log.debug("%s: kv_transfer_params refused (%s), %s", request.request_id, refused.reason, outcome)
-        if not load:
-            return
-        for key in [k for k in params if k in PARAM_KEYS]:
-            del params[key]
-        if self._fail_refused:
-            self._refused[request.request_id] = refused.reason
+            self.refusals.refuse(request.request_id, params, refused)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """vLLM's metadata, naming the prefill engines of this step's heartbeats that answer
@@ -463,9 +432,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
             if answered:
                 setattr(meta, READ_ANSWERS_ATTR, answered)
                 self._reads_answered -= answered
-        if self._refused_allocated:
-            setattr(meta, REFUSED_ATTR, self._refused_allocated)
-            self._refused_allocated = {}
+        self.refusals.name_in(meta)
         return meta
 
     # ---- worker: a refused request's load, reported failed with nothing read
@@ -473,9 +440,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """vLLM's reads of this step, and the refused requests the scheduler named: their loads
         are failed at once (no handshake, no read), in this step's results."""
-        refused = getattr(self._connector_metadata, REFUSED_ATTR, None)
-        if refused:
-            self._refused_loads.update(refused)
+        self.refusals.take_from(self._connector_metadata)
         super().start_load_kv(forward_context, **kwargs)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -483,13 +448,9 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         reports a read that failed: the scheduler then ends the request with ``FINISHED_ERROR``
         (``kv_load_failure_policy: fail``)."""
         results = super().get_transfer_results(finished_req_ids)
-        if self._refused_loads:
-            for req_id, reason in self._refused_loads.items():
-                log.debug("%s: load reported failed: its kv_transfer_params were refused (%s)", req_id, reason)
-            failed = set(self._refused_loads)
-            self._refused_loads = {}
-            results.finished_recving = set(results.finished_recving) | failed
-            results.failed_recving = set(results.failed_recving) | failed
+        results.finished_recving, results.failed_recving = self.refusals.fail_loads(
+            results.finished_recving, results.failed_recving
+        )
         return results
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -509,12 +470,9 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         ``do_remote_prefill`` must stay set until then: with ``bidirectional_kv_xfer`` vLLM
         tracks a remote-prefill request there for the prefill instance's later readback.
         """
-        if self._refused and request.request_id in self._refused:
-            count = request.num_tokens - num_computed_tokens
-            if count > 0:
-                return count, True
-            del self._refused[request.request_id]
-            return 0, False
+        refused = self.refusals.matched(request.request_id, request.num_tokens - num_computed_tokens)
+        if refused is not None:
+            return refused
         if request.kv_transfer_params and _nothing_to_pull(request):
             return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -525,10 +483,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         instance, a handshake with a peer that has nothing to free. Spell it ``[]`` so vLLM
         takes its no-blocks branch. Everything else, including the bidirectional bookkeeping
         of a remote-prefill request, stays vLLM's."""
-        if self._refused:
-            reason = self._refused.pop(request.request_id, None)
-            if reason is not None and num_external_tokens > 0:  # else loaded or computed otherwise
-                self._refused_allocated[request.request_id] = reason
+        self.refusals.allocated(request.request_id, num_external_tokens)
         if request.kv_transfer_params and _nothing_to_pull(request):
             assert request.kv_transfer_params is not None
             request.kv_transfer_params["remote_block_ids"] = []
@@ -536,8 +491,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """See :meth:`request_finished_all_groups`."""
-        if self._refused:
-            self._refused.pop(request.request_id, None)
+        self.refusals.finished(request.request_id)
         if request.kv_transfer_params:  # most requests have none: no call then
             self._reads_answered.discard(request.request_id)
             self._forget_unserved_prefill(request)
@@ -553,8 +507,7 @@ class NixlConnector(_SettingsMixin, _RangeLoadsMixin, _VllmNixlPullConnector):
         vLLM then queues an empty read so the worker notifies the prefill instance to free its
         blocks, which means a handshake with it. With no remote blocks there is nothing to
         free: clear the flag first so vLLM finishes the request like a local one."""
-        if self._refused:  # refused under fail and aborted before it was allocated
-            self._refused.pop(request.request_id, None)
+        self.refusals.finished(request.request_id)  # refused under fail and aborted before it was allocated
         if request.kv_transfer_params:  # most requests have none: no call then
             self._reads_answered.discard(request.request_id)
             self._forget_unserved_prefill(request)

@@ -647,7 +647,7 @@ def test_a_refused_request_fails_under_fail_and_is_computed_under_recompute_with
         assert f"kv_transfer_params refused ({reason}), {outcome}: " in message
     (pd,) = [c for c in d.scheduler.connector.sub_connectors if hasattr(c, "refused_params")]
     assert handshakes == [] and len(worker.nixl_wrapper.called("transfer")) == transfers == 0
-    assert not pd._refused and not pd._refused_allocated  # nothing left behind
+    assert pd.refusals.kept() == 0  # nothing left behind
     # The decode serves on: A with its own params is read from the prefill.
     dreq, outputs, failed = _served(d, prompt_a, dict(params), refused, prefill=p)
     assert dreq.status == RequestStatus.FINISHED_LENGTH_CAPPED and not failed
