@@ -73,6 +73,12 @@ class Engine(Protocol):
     def reset_prefix_cache(self) -> bool: ...
 
 
+def full_blocks(prompt: list[int], block_size: int) -> int:
+    """Tokens of the prompt's full blocks but the last token's: what a connector can load (vLLM
+    always computes the last token)."""
+    return (len(prompt) - 1) // block_size * block_size
+
+
 def token_prompt(seed: int, length: int) -> list[int]:
     """``length`` random token ids in [3, 500) from ``seed`` (the tiny model's vocabulary is 512)."""
     rng = random.Random(seed)

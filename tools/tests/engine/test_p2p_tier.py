@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from engine.stack import Nodes, module_stack
-from kvcompose_tools.e2e.flow import Served, decode_request, routed_request, token_prompt
+from kvcompose_tools.e2e.flow import Served, decode_request, full_blocks, routed_request, token_prompt
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
@@ -95,8 +95,7 @@ def pair(baseline: EngineNode) -> Iterator[Pair]:
 
 
 def full(prompt: list[int]) -> int:
-    """Tokens of the prompt's full blocks but the last token's (vLLM always computes the last one)."""
-    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    return full_blocks(prompt, BLOCK_SIZE)
 
 
 def show(label: str, s: Served) -> None:
