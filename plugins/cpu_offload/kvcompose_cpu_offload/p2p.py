@@ -49,6 +49,8 @@ from vllm.logger import init_logger
 from kvcompose_cpu_offload.tiers import P2P_KEY_ENV_KEY, P2P_KEY_FILE_KEY
 from kvcompose_nixl.trust import (
     LOOPBACK_PEERS,
+    MAX_HOST_CHARS,
+    MAX_ID_CHARS,
     PROMPT_KEY,
     SIG_KEY,
     SIGNED_UNTIL_KEY,
@@ -75,8 +77,6 @@ DO_REMOTE_DECODE = "do_remote_decode"
 REQUEST_ID_PREFIX = "kvcompose-p2p-"
 #: The role combinations vLLM's tier takes (``tiering/p2p/manager.py``: only these two together).
 LEGAL = ({DECODER}, {PREFILLER}, {SOURCE}, {DECODER, SOURCE})
-#: Bounds of a role's fields (far beyond any real value, far below what breaks anything).
-MAX_ID_CHARS, MAX_HOST_CHARS = 256, 253
 #: vLLM's default time a prefill's p2p tier holds blocks for the decode (``unbound_store_timeout_s``).
 HOLD_S = 60.0
 
