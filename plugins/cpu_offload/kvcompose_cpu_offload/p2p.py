@@ -35,7 +35,6 @@ Everything else is vLLM's class. The class keeps vLLM's name (vLLM looks connect
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from collections.abc import Mapping
@@ -59,6 +58,8 @@ from kvcompose_nixl.trust import (
     Replays,
     prompt_digest,
     request_context,
+    text_field,
+    verify_signed,
 )
 
 if TYPE_CHECKING:
@@ -81,13 +82,6 @@ LEGAL = ({DECODER}, {PREFILLER}, {SOURCE}, {DECODER, SOURCE})
 HOLD_S = 60.0
 
 
-def _text(role: Mapping[str, Any], key: str, limit: int, name: str) -> str:
-    value = role.get(key)
-    if not isinstance(value, str) or not 0 < len(value) <= limit or not value.isprintable():
-        raise Refused("malformed", f"{name}.{key} must be printable text of 1 to {limit} characters")
-    return value
-
-
 def check_roles(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The p2p roles of ``params``, each checked field by field (``malformed`` otherwise)."""
     present = {key for key in ROLE_KEYS if key in params}
@@ -101,9 +95,9 @@ def check_roles(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         fields = {"kv_request_id"} if name == DECODER else {"kv_request_id", "remote_host", "remote_port"}
         if set(role) != fields:
             raise Refused("malformed", f"{name} must hold exactly {sorted(fields)}")
-        _text(role, "kv_request_id", MAX_ID_CHARS, name)
+        text_field(role, "kv_request_id", MAX_ID_CHARS, f"{name}.")
         if name != DECODER:
-            _text(role, "remote_host", MAX_HOST_CHARS, name)
+            text_field(role, "remote_host", MAX_HOST_CHARS, f"{name}.")
             port = role["remote_port"]
             if type(port) is not int or not 0 < port < 65536:
                 raise Refused("malformed", f"{name}.remote_port must be a whole number from 1 to 65535")
@@ -155,18 +149,8 @@ def screen(
     prefiller = roles.get(PREFILLER)
     signed = False
     if prefiller is not None and keys is not None:
-        view = signed_view(prefiller, params)
-        expires = view[SIGNED_UNTIL_KEY]
-        if view[PROMPT_KEY] is None or type(expires) not in (int, float) or not math.isfinite(expires):
-            raise Refused(
-                "unsigned", f"no {PROMPT_KEY} and {SIGNED_UNTIL_KEY}: no prefill of this deployment signed it"
-            )
-        if not isinstance(view[PROMPT_KEY], str) or view[PROMPT_KEY] != digest:
-            raise Refused("prompt", "the prompt's tokens (or salt, LoRA, media) are not those the prefill computed")
-        keys.verify(view)
-        if now > expires + clock_skew_s:
-            raise Refused("expired", f"signed until {now - expires:.1f} s ago; the prefill no longer holds the blocks")
-        replays.take(f"{prefiller['remote_host']}:{prefiller['remote_port']}", prefiller["kv_request_id"], expires, now)
+        read = (f"{prefiller['remote_host']}:{prefiller['remote_port']}", prefiller["kv_request_id"])
+        verify_signed(signed_view(prefiller, params), keys, replays, read, now, clock_skew_s, digest)
         signed = True
     for name in (PREFILLER, SOURCE):
         role = roles.get(name)

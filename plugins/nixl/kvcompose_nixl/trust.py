@@ -432,10 +432,14 @@ def _int(params: Mapping[str, Any], key: str, low: int, high: int) -> int | None
     return value
 
 
-def _str(params: Mapping[str, Any], key: str, limit: int) -> str:
+def text_field(params: Mapping[str, Any], key: str, limit: int, where: str = "") -> str:
+    """``params[key]``: printable text of 1 to ``limit`` characters, else :class:`Refused`
+    (``malformed``); ``where`` names the mapping holding it in the message (``remote_prefiller.``)."""
     value = params.get(key)
     if not isinstance(value, str) or not 0 < len(value) <= limit or not value.isprintable():
-        raise Refused("malformed", f"{key} must be printable text of 1 to {limit} characters, not {_show(value)}")
+        raise Refused(
+            "malformed", f"{where}{key} must be printable text of 1 to {limit} characters, not {_show(value)}"
+        )
     return value
 
 
@@ -471,9 +475,9 @@ def check_fields(params: Mapping[str, Any], facts: Facts) -> Sequence[Sequence[i
     or connect somewhere it cannot. Returns the remote block ids, one list per KV-cache group."""
     if params.get("do_remote_prefill") is not True:
         raise Refused("malformed", f"do_remote_prefill must be true, not {_show(params.get('do_remote_prefill'))}")
-    _str(params, "remote_engine_id", MAX_ID_CHARS)
-    _str(params, "remote_request_id", MAX_ID_CHARS)
-    host = _str(params, "remote_host", MAX_HOST_CHARS)
+    text_field(params, "remote_engine_id", MAX_ID_CHARS)
+    text_field(params, "remote_request_id", MAX_ID_CHARS)
+    host = text_field(params, "remote_host", MAX_HOST_CHARS)
     if _address(host) is None and not _HOSTNAME.match(host):
         raise Refused("malformed", f"remote_host must be an address or a host name, not {_show(host)}")
     _int(params, "remote_port", 1, 65535)
@@ -597,17 +601,36 @@ class Policy:
 
     def _verify(self, params: Mapping[str, Any], now: float) -> None:
         assert self.keys is not None
-        expires = params.get(SIGNED_UNTIL_KEY)
-        if params.get(PROMPT_KEY) is None or type(expires) not in (int, float) or not math.isfinite(expires):
-            raise Refused("unsigned", f"no {PROMPT_KEY} and {SIGNED_UNTIL_KEY}: the prefill instance does not sign")
-        self.keys.verify(params)
-        if now > expires + self.clock_skew_s:
-            raise Refused(
-                "expired",
-                f"signed for reads until {now - expires:.1f} s ago; the prefill's lease on its blocks has ended "
-                "(if it has not, this host's clock runs ahead of the prefill's)",
-            )
-        self.replays.take(params["remote_engine_id"], params["remote_request_id"], expires + self.clock_skew_s, now)
+        issuer, request = params["remote_engine_id"], params["remote_request_id"]
+        verify_signed(params, self.keys, self.replays, (issuer, request), now, self.clock_skew_s)
+
+
+def verify_signed(
+    view: Mapping[str, Any],
+    keys: Keyring,
+    replays: Replays,
+    read: tuple[str, str],
+    now: float,
+    clock_skew_s: float,
+    digest: str | None = None,
+) -> None:
+    """Raise :class:`Refused` unless ``view`` (the fields a signature binds) is signed with
+    ``keys``, for a prompt of ``digest`` when one is given, unexpired, and ``read`` (the issuer,
+    its request id) not read here before: ``unsigned``, ``prompt``, ``signature``, ``expired``,
+    ``replayed``, in that order. The NIXL child's params and the p2p tier's roles both pass here."""
+    expires = view.get(SIGNED_UNTIL_KEY)
+    if view.get(PROMPT_KEY) is None or type(expires) not in (int, float) or not math.isfinite(expires):
+        raise Refused("unsigned", f"no {PROMPT_KEY} and {SIGNED_UNTIL_KEY}: no prefill of this deployment signed it")
+    if digest is not None and not (isinstance(view[PROMPT_KEY], str) and hmac.compare_digest(view[PROMPT_KEY], digest)):
+        raise Refused("prompt", "the prompt's tokens (or salt, LoRA, media) are not those the prefill computed")
+    keys.verify(view)
+    if now > expires + clock_skew_s:
+        raise Refused(
+            "expired",
+            f"signed for reads until {now - expires:.1f} s ago; the prefill's hold on its blocks has ended "
+            "(if it has not, this host's clock runs ahead of the prefill's)",
+        )
+    replays.take(read[0], read[1], expires + clock_skew_s, now)
 
 
 def request_context(request: Any) -> tuple[Any, ...]:
