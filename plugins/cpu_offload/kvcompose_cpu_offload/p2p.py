@@ -179,7 +179,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._address = p2p_address(extra, vllm_config.parallel_config.data_parallel_index)
-        self._keys = Keyring.load(extra.get(P2P_KEY_ENV_KEY), extra.get(P2P_KEY_FILE_KEY))
+        self._keys = Keyring.load(extra.get(P2P_KEY_ENV_KEY), extra.get(P2P_KEY_FILE_KEY), owner="native-offload")
         self._replays = Replays()
         #: request id -> the kv_request_id this engine gave it as a prefill for a remote decode
         self._to_decoder: dict[str, str] = {}

@@ -159,3 +159,11 @@ def test_a_nixl_signature_does_not_pass_for_a_p2p_role() -> None:
     sig = keys().sign(nixl)
     forged = {PREFILLER: role(), PROMPT_KEY: DIGEST, SIGNED_UNTIL_KEY: int(NOW + 60), SIG_KEY: sig}
     assert reason(forged, keys()) == "signature"
+
+
+def test_a_named_key_that_is_missing_stops_the_p2p_class_naming_its_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcompose_nixl.trust import TrustConfigError
+
+    monkeypatch.delenv("KVC_P2P_KEY_UNSET", raising=False)
+    with pytest.raises(TrustConfigError, match=r"the native-offload option key_env names \$KVC_P2P_KEY_UNSET"):
+        Keyring.load("KVC_P2P_KEY_UNSET", None, owner="native-offload")

@@ -170,21 +170,22 @@ class Keyring:
         return cls(tuple(_Key.of(s.encode()) for s in secrets), source)
 
     @classmethod
-    def load(cls, env: str | None = None, file: str | None = None) -> Keyring | None:
+    def load(cls, env: str | None = None, file: str | None = None, owner: str = "nixl") -> Keyring | None:
         """The keys from the environment variable ``env`` or the file ``file`` (None: neither
-        named); a named source that is missing or empty is an error, never "no key"."""
+        named); a named source that is missing or empty is an error, never "no key", naming the
+        ``owner`` type whose option named it."""
         if env:
             text = os.environ.get(env)
             if not text:
                 raise TrustConfigError(
-                    f"the nixl option key_env names ${env}, which is not set in this process's environment"
+                    f"the {owner} option key_env names ${env}, which is not set in this process's environment"
                 )
             return cls.parse(text, f"${env}")
         if file:
             try:
                 text = Path(file).read_text()
             except OSError as exc:
-                raise TrustConfigError(f"the nixl option key_file: cannot read {file}: {exc.strerror}") from None
+                raise TrustConfigError(f"the {owner} option key_file: cannot read {file}: {exc.strerror}") from None
             return cls.parse(text, file)
         return None
 
