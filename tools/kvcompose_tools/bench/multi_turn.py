@@ -28,6 +28,17 @@ Sides, one at a time on the same two hosts, their order flipping every run:
   ``insecure_side_channel: true`` says so (these hosts' network reaches nothing else); vLLM's
   ``VLLM_NIXL_SIDE_CHANNEL_HOST`` places both (as for ``bare``), and the decode's ``peers`` names
   the prefill's host (without a key it connects to loopback only, else).
+* ``vllm-p2p`` (not run unless chosen, issue 61): vLLM's ``OffloadingConnector`` alone on both
+  (the name vLLM registers; its CPU tier the host tier's size, ``secondary_tiers`` one ``p2p``
+  tier on each host's address, :func:`vllm_p2p`), P/D through that tier: in the router's place
+  :mod:`kvcompose_tools.e2e.p2p_proxy` sets the role keys as llm-d's routing sidecar does
+  (``remote_decoder`` on the prefill leg, ``remote_prefiller`` naming the prefill's p2p socket on
+  the decode leg), which vllm-router 0.1.17 does not know;
+* ``kvcompose-p2p`` (not run unless chosen, issue 61): the native examples' host tier alone with a
+  ``p2p`` tier, signed with the examples' key (:func:`p2p_only`), behind vllm-router unchanged:
+  the plugin's class maps the router's ``do_remote_decode`` onto the tier's roles. No NIXL child,
+  so that it and ``vllm-p2p`` move KV the same way and differ in the composite, the signing and
+  the router only.
 
 A single engine without P/D answers the same conversations first (the baseline the answers are
 compared with, token ids). :data:`WORKLOADS` sizes everything by model: the conversations' KV
@@ -54,7 +65,7 @@ from typing import Any
 from kvcompose_tools.bench.measure import Samples, paired, ratio
 from kvcompose_tools.bench.pd_ttft import engine_lock
 from kvcompose_tools.bench.report import AllTargets, Case, CaseTarget, Result
-from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES, delta
+from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NATIVE_LOADED_BYTES, NIXL_BYTES, delta
 from kvcompose_tools.e2e.load import Load, Turn, chat_load, prefix_load
 from kvcompose_tools.e2e.router import SESSION_HEADER
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
@@ -70,7 +81,14 @@ NATIVE = "kvcompose-native"
 MULTI_NATIVE = "MultiConnector-native"
 #: The sides run unless :data:`SIDES_ENV` names others.
 SIDES = (BARE, "nixl-plugin", MULTI, SUBJECT, "kvcompose-first-wins", MULTI_NATIVE, NATIVE)
-ALL_SIDES = (*SIDES, TRUST_OFF)
+#: vLLM's OffloadingConnector alone on both, P/D through its p2p tier, the role keys set by
+#: :mod:`kvcompose_tools.e2e.p2p_proxy` in the router's place (issue 61).
+VLLM_P2P = "vllm-p2p"
+#: kvcompose's ``native-offload`` with a ``p2p`` tier alone, keyed, behind vllm-router (issue 61).
+P2P = "kvcompose-p2p"
+#: The sides that move KV through vLLM's p2p tier instead of a NIXL connector.
+P2P_SIDES = (VLLM_P2P, P2P)
+ALL_SIDES = (*SIDES, TRUST_OFF, *P2P_SIDES)
 #: Comma-separated sides to run instead of :data:`SIDES`, e.g. ``kvcompose,kvcompose-trust-off``
 #: (``KVCOMPOSE_BENCH_SIDES=kvcompose,kvcompose-trust-off kvcompose bench --only multi-turn``).
 SIDES_ENV = "KVCOMPOSE_BENCH_SIDES"
@@ -78,7 +96,14 @@ SIDES_ENV = "KVCOMPOSE_BENCH_SIDES"
 BASELINES = (BARE, "nixl-plugin", MULTI, TRUST_OFF)
 #: The ratios taken, (subject, baseline), where both ran: kvcompose against each baseline, and
 #: each kvcompose composition against vLLM's MultiConnector of the same children.
-PAIRS = (*((SUBJECT, b) for b in BASELINES), (NATIVE, MULTI_NATIVE), (NATIVE, BARE))
+PAIRS = (
+    *((SUBJECT, b) for b in BASELINES),
+    (NATIVE, MULTI_NATIVE),
+    (NATIVE, BARE),
+    # P/D through vLLM's p2p tier: against NIXL P/D with a host tier, and kvcompose's composition of it.
+    (NATIVE, VLLM_P2P),
+    (P2P, VLLM_P2P),
+)
 #: Comma-separated client counts to run every side at instead of the workload's (a load sweep),
 #: e.g. ``KVCOMPOSE_BENCH_CLIENTS=1,5,10``.
 LOADS_ENV = "KVCOMPOSE_BENCH_CLIENTS"
@@ -150,6 +175,11 @@ BREAKDOWN = (
     ("decode: first step less the read (host-tier load, compute)", "decode", "prefill_step"),
     ("decode: later tokens", "decode", "decode_step"),
 )
+#: vLLM's counts of what its secondary tiers moved (``tiering/metrics.py``: completed blocks x the
+#: CPU tier's chunk size, per ``tier``): into the CPU tier (read; the decode's p2p fetches) and out
+#: of it (write; the prefill's blocks handed to the p2p tier).
+TIER_READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
+TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
 #: The issue's targets, turns 2+ TTFT p50 on the slow link, and requests/s.
 TARGET_BARE = 0.5
 TARGET_MULTI = 0.8
@@ -163,19 +193,27 @@ def scaled_rate(real_bits_per_s: float, kv_per_token: int = TINY_KV_PER_TOKEN) -
     return round(real_bits_per_s * kv_per_token / LLAMA_8B_KV_PER_TOKEN / 1e6) * 10**6
 
 
-def compositions(side: str, workload: Workload, work: Path) -> tuple[Path, Path]:
+def compositions(
+    side: str, workload: Workload, work: Path, p2p: Mapping[str, tuple[str, int]] | None = None
+) -> tuple[Path, Path]:
     """The examples' prefill and decode compositions as ``side`` runs them (the native examples for
-    :data:`NATIVE` and :data:`MULTI_NATIVE`): the host tiers sized for ``workload``, ``load:
-    first-wins`` on the decode for ``kvcompose-first-wins``, no key and no side-channel host
-    (vLLM's environment places it) for :data:`TRUST_OFF`."""
+    :data:`NATIVE`, :data:`MULTI_NATIVE` and :data:`P2P`): the host tiers sized for ``workload``,
+    ``load: first-wins`` on the decode for ``kvcompose-first-wins``, no key and no side-channel
+    host (vLLM's environment places it) for :data:`TRUST_OFF`; for :data:`P2P` the native
+    examples' host-tier child alone with a ``p2p`` tier on ``p2p[role]`` (host, port), signed
+    with the examples' NIXL key (:func:`p2p_only`)."""
     import yaml
 
     from kvcompose.examples import pd_pair
 
-    shipped = pd_pair("native" if side in (NATIVE, MULTI_NATIVE) else "simple")
+    shipped = pd_pair("native" if side in (NATIVE, MULTI_NATIVE, P2P) else "simple")
     out = []
     for role, example in zip(("prefill", "decode"), shipped, strict=True):
         data = yaml.safe_load(example.read_text())
+        if side == P2P:
+            if p2p is None:
+                raise ValueError(f"{P2P} needs each instance's p2p socket (host, port)")
+            data = p2p_only(data, *p2p[role])
         for child in data["connectors"]:
             if child["type"] in ("cpu-offload", "native-offload"):
                 child["options"]["cpu_bytes"] = workload.host_bytes
@@ -193,6 +231,56 @@ def compositions(side: str, workload: Workload, work: Path) -> tuple[Path, Path]
     return out[0], out[1]
 
 
+def p2p_only(example: dict[str, Any], host: str, port: int) -> dict[str, Any]:
+    """A native example (its YAML as data) as P/D through vLLM's p2p tier: its ``native-offload``
+    child alone, with ``tiers: [{type: p2p, host, port}]`` and the NIXL child's ``key_env`` (a role
+    naming another host is refused as ``peer`` unless the prefill signed it), ``load: first-wins``
+    (one child: nothing to range over); the example's other rules and ``load_failure`` kept."""
+    children = example["connectors"]
+    (nixl,) = [c for c in children if c["type"] == "nixl"]
+    (host_tier,) = [dict(c) for c in children if c["type"] == "native-offload"]
+    options = dict(host_tier.get("options") or {})
+    options["tiers"] = [{"type": "p2p", "host": host, "port": port}]
+    options["key_env"] = nixl["options"]["key_env"]
+    host_tier["options"] = options
+    rules = {**example.get("rules", {}), "load": "first-wins"}
+    return {**example, "connectors": [host_tier], "rules": rules}
+
+
+def vllm_p2p(host_bytes: str, host: str, port: int, load_failure: str | None = None) -> dict[str, Any]:
+    """vLLM's ``OffloadingConnector`` as vLLM registers it (no module path: no kvcompose class),
+    its CPU tier ``host_bytes`` and one secondary tier, vLLM's ``p2p`` on ``host:port``.
+
+    The spec is vLLM's ``TieringOffloadingSpec`` through the plugin's
+    ``PortableTieringOffloadingSpec`` (``kvcompose_cpu_offload.native``), named by vLLM's own
+    ``spec_name``/``spec_module_path`` keys: on CUDA and XPU it builds vLLM's worker unchanged,
+    and vLLM's own raises on a CPU platform (``docs/native-offload.md``). ``load_failure``:
+    vLLM's ``kv_load_failure_policy`` (the native decode example's ``recompute``)."""
+    from kvcompose.units import ByteSize
+
+    extra = {
+        "cpu_bytes_to_use": ByteSize.parse(host_bytes),
+        "spec_name": "PortableTieringOffloadingSpec",
+        "spec_module_path": "kvcompose_cpu_offload.native",
+        "secondary_tiers": [{"type": "p2p", "host": host, "port": port}],
+    }
+    config: dict[str, Any] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    config["kv_connector_extra_config"] = extra
+    if load_failure is not None:
+        config["kv_load_failure_policy"] = load_failure
+    return config
+
+
+def native_load_failure(role: str) -> str | None:
+    """The shipped native example's ``load_failure`` for ``role`` (``prefill`` or ``decode``)."""
+    import yaml
+
+    from kvcompose.examples import pd_pair
+
+    prefill, decode = pd_pair("native")
+    return yaml.safe_load((prefill if role == "prefill" else decode).read_text()).get("load_failure")
+
+
 def specs(
     side: str,
     model: str,
@@ -204,7 +292,8 @@ def specs(
     workload: Workload = WORKLOADS["tiny"],
 ) -> tuple[tuple[EngineSpec, dict[str, str]], tuple[EngineSpec, dict[str, str]]]:
     """The prefill and decode servers of ``side`` with the environment each needs, their NIXL side
-    channels on ``p_host:p_port`` and ``d_host:d_port``."""
+    channels (the p2p sides: their p2p tiers' control sockets) on ``p_host:p_port`` and
+    ``d_host:d_port``."""
     from kvcompose.vllm.args import vllm_multiconnector
     from kvcompose_tools.bench.overload import side_channel_env, vllm_nixl
     from kvcompose_tools.bench.pd_ttft import nixl_alone
@@ -212,8 +301,10 @@ def specs(
 
     if side not in ALL_SIDES:
         raise ValueError(f"unknown side {side!r}; choose from {ALL_SIDES}")
-    # vLLM's own NixlConnector reads no composition.
-    prefill_yaml, decode_yaml = compositions(side, workload, work) if side != BARE else (Path(), Path())
+    sockets = {"prefill": (p_host, p_port), "decode": (d_host, d_port)}
+    # vLLM's own connectors read no composition.
+    own = side in (BARE, VLLM_P2P)
+    prefill_yaml, decode_yaml = compositions(side, workload, work, sockets) if not own else (Path(), Path())
     sizes = {"num_gpu_blocks": workload.device_blocks, "max_model_len": workload.max_model_len}
     out = []
     for role, yaml_path, port, host, kv_role in (
@@ -223,6 +314,13 @@ def specs(
         name, opts = f"{side}-{role}", {"side_channel_host": host}
         if side in (SUBJECT, "kvcompose-first-wins", NATIVE):
             out.append((EngineSpec(name, model, str(yaml_path), port, opts, **sizes), {}))
+        elif side == P2P:
+            # No NIXL child: the tier's socket is in the composition.
+            out.append((EngineSpec(name, model, str(yaml_path), **sizes), {}))
+        elif side == VLLM_P2P:
+            # The native example's load_failure (the decode's recompute), as kvcompose-p2p keeps it.
+            kv = vllm_p2p(workload.host_bytes, host, port, native_load_failure(role))
+            out.append((EngineSpec(name, model, kv_config=kv, **sizes), {}))
         elif side == TRUST_OFF:
             # No side_channel_host (not even the host's: the spec's None wins over it), vLLM's
             # environment instead; the decode connects to the prefill's host by peers.
@@ -279,9 +377,27 @@ class SideRun:
             "prefill_computed_tokens": int(self.prefill.get(COMPUTED, 0)),
             "decode_computed_tokens": int(self.decode.get(COMPUTED, 0)),
             "nixl_bytes_per_request": int(self.decode.get(NIXL_BYTES, 0) / requests),
+            # vLLM's OffloadingConnector's loads into device memory (its CPU tier, where the p2p
+            # tier lands what it fetched): the native sides' host path.
+            "offload_load_bytes_per_request": {
+                "prefill": int(summed(self.prefill, NATIVE_LOADED_BYTES) / requests),
+                "decode": int(summed(self.decode, NATIVE_LOADED_BYTES) / requests),
+            },
+            # vLLM's own count of the secondary tiers' moves (the p2p sides': the p2p tier).
+            "tier_bytes_per_request": {
+                "prefill_write": int(summed(self.prefill, TIER_WRITE_BYTES) / requests),
+                "decode_read": int(summed(self.decode, TIER_READ_BYTES) / requests),
+            },
+            # All that reached the decode's host (KV over NIXL or the p2p tier, and the HTTP requests).
+            "decode_link_rx_bytes_per_request": int(self.decode_link_rx / requests),
             "host_hit_tokens": {
                 "prefill": int(self.prefill.get(f"{CACHED_BY_SOURCE}host}}", 0)),
                 "decode": int(self.decode.get(f"{CACHED_BY_SOURCE}host}}", 0)),
+            },
+            # vLLM's source ``p2p``: tokens a NIXL connector or the p2p tier brought from the peer.
+            "p2p_hit_tokens": {
+                "prefill": int(self.prefill.get(f"{CACHED_BY_SOURCE}p2p}}", 0)),
+                "decode": int(self.decode.get(f"{CACHED_BY_SOURCE}p2p}}", 0)),
             },
             "decode_link_rx_bytes": self.decode_link_rx,
             "fixed_ttft_p50_s": round(quantile(self.fixed_ttft_s, 0.5), 4) if self.fixed_ttft_s else None,
@@ -309,6 +425,11 @@ class SideRun:
             )
             for i in range(turns)
         ]
+
+
+def summed(moved: dict[str, float], name: str) -> float:
+    """A counter's value over all its labels (``name`` and ``name{...}``)."""
+    return sum(v for k, v in moved.items() if k == name or k.startswith(name + "{"))
 
 
 def phases(moved: dict[str, float], requests: int) -> dict[str, float]:
@@ -441,23 +562,33 @@ def baseline_answers(model: str, tokenizer: Any, logs: Path, seed: int, workload
 def side_run(
     side: str, link: str, hosts: Any, model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload
 ) -> SideRun:
-    """Start ``side``'s servers in the hosts and its router here; warm the pair; the fixed-cost
-    probes, the conversations, then (tiny model) the prefix load, then the long probes; stop
-    everything."""
+    """Start ``side``'s servers in the hosts and its router here (:data:`VLLM_P2P`: the p2p
+    proxy, :mod:`kvcompose_tools.e2e.p2p_proxy`); warm the pair; the fixed-cost probes, the
+    conversations, then (tiny model) the prefix load, then the long probes; stop everything."""
     from kvcompose_tools.e2e.node import wait_all_ready
+    from kvcompose_tools.e2e.p2p_proxy import P2pProxyNode
     from kvcompose_tools.e2e.ports import free_ports
     from kvcompose_tools.e2e.router import RouterNode
     from kvcompose_tools.e2e.server import ServerNode
 
+    p_port, d_port = free_ports(2)
+    p_host = hosts["prefill"].address
     (p_spec, p_env), (d_spec, d_env) = specs(
-        side, model, logs, *free_ports(2), hosts["prefill"].address, hosts["decode"].address, workload=workload
+        side, model, logs, p_port, d_port, p_host, hosts["decode"].address, workload=workload
     )
     prefill = ServerNode(p_spec, logs, extra_env=p_env, host=hosts["prefill"])
     decode = ServerNode(d_spec, logs, extra_env=d_env, host=hosts["decode"])
     nodes: list[Any] = [prefill, decode]
     try:
         wait_all_ready([prefill, decode])
-        router = RouterNode([prefill], [decode], model, logs, policy="consistent_hash", name=f"router-{side}-{link}")
+        router: RouterNode | P2pProxyNode
+        if side == VLLM_P2P:
+            # vllm-router 0.1.17 sets no p2p role key: the proxy sets them as llm-d's sidecar does.
+            at = (p_host, p_port)
+            router = P2pProxyNode(prefill.url, decode.url, at, logs, free_ports(1)[0], f"proxy-{side}-{link}")
+        else:
+            name = f"router-{side}-{link}"
+            router = RouterNode([prefill], [decode], model, logs, policy="consistent_hash", name=name)
         nodes.append(router)
         router.wait_ready()
         # The pair's first use (handshake, first READ) and each engine's first pass: not measured.
@@ -547,7 +678,11 @@ def run(
                             f"turn 1 TTFT p50 {f['turn1_ttft_p50_s']} s, "
                             f"turns 2+ p50 {f['later_ttft_p50_s']} p90 {f['later_ttft_p90_s']} s, "
                             f"{f['requests_per_s']} req/s, one-token TTFT {f['fixed_ttft_p50_s']} s, "
-                            f"NIXL {f['nixl_bytes_per_request']} B/req, failed {f['failed']}, "
+                            f"NIXL {f['nixl_bytes_per_request']} B/req, "
+                            f"decode link rx {f['decode_link_rx_bytes_per_request']} B/req, "
+                            f"computed P {f['prefill_computed_tokens']} D {f['decode_computed_tokens']} tokens, "
+                            f"p2p-source tokens D {f['p2p_hit_tokens']['decode']}, "
+                            f"p2p tier {f['tier_bytes_per_request']['decode_read']} B/req, failed {f['failed']}, "
                             f"answers: {answers[f'{at}/{side}'][-1].summary()}"
                         )
     return summarize(done, runs, quick, logs, answers, time.monotonic() - t0, model, kv_per_token)
@@ -737,6 +872,13 @@ def summarize(
                 f"kvcompose/{TRUST_OFF} is what trust costs"
                 if any(TRUST_OFF in by_side for by_side in done.values())
                 else ""
+            )
+            + (
+                f"; {VLLM_P2P}: vLLM's OffloadingConnector alone on both, P/D through its p2p tier, the role keys "
+                "(remote_decoder, remote_prefiller) set by a proxy in the router's place as llm-d's sidecar sets "
+                f"them; {P2P}: the native examples' host tier alone with a p2p tier, keyed, behind vllm-router"
+                if any(s in by_side for by_side in done.values() for s in P2P_SIDES)
+                else ""
             ),
             "a sample: one run's TTFT p50 (client side, first streamed token) or requests/s; ratio = subject / "
             "baseline; an ordering is claimed only where every run's ratio lies on the same side of 1: "
@@ -753,6 +895,21 @@ def summarize(
             ),
             "answers compared with one engine without P/D, token ids (a turn whose prompt is the baseline's): "
             + answers_note(answers),
+            "bytes per request by path, median over runs (NIXL: NixlConnector's count on the decode; offload: "
+            "vLLM's OffloadingConnector's loads into the decode's device memory, host tier and p2p tier alike; "
+            "tier: vLLM's count of what the decode's secondary tiers (the p2p tier) brought into its CPU tier; "
+            "link: all the decode's host received, KV and HTTP): "
+            + "; ".join(
+                f"{link}: "
+                + ", ".join(
+                    f"{s} NIXL {median_of(f['nixl_bytes_per_request'] for f in fs):.0f}, offload "
+                    f"{median_of(f['offload_load_bytes_per_request']['decode'] for f in fs):.0f}, tier "
+                    f"{median_of(f['tier_bytes_per_request']['decode_read'] for f in fs):.0f}, link "
+                    f"{median_of(f['decode_link_rx_bytes_per_request'] for f in fs):.0f}"
+                    for s, fs in by_side.items()
+                )
+                for link, by_side in figs.items()
+            ),
         ],
         {
             "ttft_by_turn": by_turn,

@@ -17,11 +17,13 @@ from kvcompose_tools.bench.multi_turn import (
     LOADS_ENV,
     MULTI_NATIVE,
     NATIVE,
+    P2P,
     PAIRS,
     SIDES,
     SIDES_ENV,
     SUBJECT,
     TRUST_OFF,
+    VLLM_P2P,
     WORKLOADS,
     Answers,
     SideRun,
@@ -39,7 +41,7 @@ from kvcompose_tools.bench.multi_turn import (
 )
 from kvcompose_tools.bench.report import AllTargets
 from kvcompose_tools.bench.runner import BENCHMARKS, FULL_ONLY
-from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES
+from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NATIVE_LOADED_BYTES, NIXL_BYTES
 from kvcompose_tools.e2e.load import Load, Turn
 
 
@@ -150,7 +152,7 @@ def test_the_native_sides_are_the_native_examples_under_each_composite(tmp_path:
     children = config["kv_connector_extra_config"]["connectors"]
     assert [c["kv_connector"] for c in children] == ["OffloadingConnector", "NixlConnector"]
     assert "kv_connector_module_path" not in children[0]  # vLLM's own class, the plugin's spec on CPU
-    assert {(s, b) for s, b in PAIRS if s == NATIVE} == {(NATIVE, MULTI_NATIVE), (NATIVE, "bare")}
+    assert {(s, b) for s, b in PAIRS if s == NATIVE} == {(NATIVE, MULTI_NATIVE), (NATIVE, "bare"), (NATIVE, VLLM_P2P)}
 
 
 def test_a_load_sweep_runs_every_side_at_each_client_count(tmp_path: Path) -> None:
@@ -382,3 +384,75 @@ def test_the_png_is_ttft_by_turn_one_line_per_side(tmp_path: Path) -> None:
     assert "a 700-token prompt's compute over the fixed cost" in result.table()
     path = draw(result, tmp_path)
     assert path.name == "multi_turn.png" and path.stat().st_size > 10_000
+
+
+def test_vllm_p2p_is_vllms_offloading_connector_alone_with_a_p2p_tier_on_each_host(tmp_path: Path) -> None:
+    """No kvcompose class and no MultiConnector: the name vLLM registers, vLLM's keys; the p2p
+    tier's socket on each instance's host, the CPU tier the workload's host tier."""
+    from kvcompose.units import ByteSize
+
+    (p, p_env), (d, d_env) = specs(VLLM_P2P, "m", tmp_path, 5601, 5602, "10.0.0.2", "10.0.0.3")
+    assert p_env == d_env == {} and p.composition is None and d.composition is None
+    for spec, socket in ((p, ("10.0.0.2", 5601)), (d, ("10.0.0.3", 5602))):
+        config = spec.kv_transfer_config()
+        assert config is not None
+        assert config["kv_connector"] == "OffloadingConnector" and config["kv_role"] == "kv_both"
+        assert "kv_connector_module_path" not in config  # vLLM's own class
+        extra = config["kv_connector_extra_config"]
+        assert extra["secondary_tiers"] == [{"type": "p2p", "host": socket[0], "port": socket[1]}]
+        assert extra["cpu_bytes_to_use"] == ByteSize.parse(WORKLOADS["tiny"].host_bytes)
+        # vLLM's TieringOffloadingSpec (the portable subclass, which runs vLLM's worker on CUDA):
+        # the only kvcompose name in the config, no composite, no kvcompose keys.
+        assert (extra["spec_name"], extra["spec_module_path"]) == (
+            "PortableTieringOffloadingSpec",
+            "kvcompose_cpu_offload.native",
+        )
+        rest = json.dumps({**config, "kv_connector_extra_config": {**extra, "spec_module_path": None}})
+        assert "kvcompose" not in rest and "MultiConnector" not in rest
+    # The native decode example's load_failure, on the decode only.
+    assert d.kv_transfer_config()["kv_load_failure_policy"] == "recompute"  # type: ignore[index]
+    assert "kv_load_failure_policy" not in p.kv_transfer_config()  # type: ignore[operator]
+
+
+def test_kvcompose_p2p_is_the_native_examples_host_tier_alone_with_a_keyed_p2p_tier(tmp_path: Path) -> None:
+    import yaml
+
+    (p, p_env), (d, d_env) = specs(P2P, "m", tmp_path, 5601, 5602, "10.0.0.2", "10.0.0.3", WORKLOADS["medium"])
+    assert p_env == d_env == {}
+    for spec, socket in ((p, ("10.0.0.2", 5601)), (d, ("10.0.0.3", 5602))):
+        data = yaml.safe_load(Path(str(spec.composition)).read_text())
+        (child,) = data["connectors"]  # no NIXL child: KV moves through the p2p tier only
+        assert child["type"] == "native-offload" and child["options"]["cpu_bytes"] == "1GiB"
+        assert child["options"]["tiers"] == [{"type": "p2p", "host": socket[0], "port": socket[1]}]
+        # The examples' key: a role naming the other host is refused as ``peer`` unless signed.
+        assert child["options"]["key_env"] == "KVCOMPOSE_PD_KEY"
+        assert data["rules"]["load"] == "first-wins"
+        config = spec.kv_transfer_config()
+        assert config is not None
+        (inner,) = config["kv_connector_extra_config"]["connectors"]
+        assert inner["kv_connector_module_path"] == "kvcompose_cpu_offload.p2p"  # maps the router's protocol
+        assert inner["kv_connector_extra_config"]["kvcompose_p2p_key_env"] == "KVCOMPOSE_PD_KEY"
+    assert "load_failure: recompute" in Path(str(d.composition)).read_text()
+    with pytest.raises(ValueError, match="p2p socket"):
+        multi_turn.compositions(P2P, WORKLOADS["tiny"], tmp_path)
+
+
+def test_the_p2p_sides_run_only_when_chosen_and_are_divided_by_vllm_p2p(tmp_path: Path) -> None:
+    assert VLLM_P2P not in SIDES and P2P not in SIDES
+    assert chosen_sides({SIDES_ENV: "vllm-p2p,kvcompose-p2p"}) == (VLLM_P2P, P2P)
+    assert (NATIVE, VLLM_P2P) in PAIRS and (P2P, VLLM_P2P) in PAIRS
+    ran = {NATIVE: 0.3, VLLM_P2P: 0.6, P2P: 0.45}
+    done = {"slow": {s: [side(s, {0: 1.0, 1: t, 2: t})] for s, t in ran.items()}}
+    done["slow"][VLLM_P2P][0].decode[NATIVE_LOADED_BYTES + "{transfer_type=CPU_to_GPU}"] = 60000.0
+    done["slow"][VLLM_P2P][0].decode[multi_turn.TIER_READ_BYTES + "{tier=1:p2p}"] = 54000.0
+    r = summarize(done, 1, False, tmp_path, {}, 1.0)
+    later = {(x.subject, x.baseline): round(x.by_median, 2) for x in r.ratios if x.case == "slow link, turns 2+"}
+    assert later == {(NATIVE, VLLM_P2P): 0.5, (P2P, VLLM_P2P): 0.75}
+    table = r.table()
+    assert "vllm-p2p: vLLM's OffloadingConnector alone on both" in table
+    # Per request of 6: 6,000 B over NIXL, 60,000 B loaded, 54,000 B from the tier, 8,000 B received.
+    assert "vllm-p2p NIXL 1000, offload 10000, tier 9000, link 1333" in table
+    f = done["slow"][VLLM_P2P][0].figures()
+    assert f["offload_load_bytes_per_request"] == {"prefill": 0, "decode": 10000}
+    assert f["tier_bytes_per_request"] == {"prefill_write": 0, "decode_read": 9000}
+    assert f["decode_link_rx_bytes_per_request"] == 1333 and f["p2p_hit_tokens"] == {"prefill": 0, "decode": 0}
