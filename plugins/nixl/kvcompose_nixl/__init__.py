@@ -21,9 +21,9 @@ CONNECTOR_MODULE = "kvcompose_nixl.connector"
 #: never collide with a key a later vLLM adds.
 SIDE_CHANNEL_HOST_KEY = "kvcompose_side_channel_host"
 SIDE_CHANNEL_PORT_KEY = "kvcompose_side_channel_port"
-#: Microseconds NIXL's progress thread sleeps between polls (kvcompose_nixl.agent).
+#: Microseconds NIXL's progress thread sleeps between polls (kvcompose_nixl.patches).
 PROGRESS_DELAY_KEY = "kvcompose_progress_delay_us"
-#: UCX endpoint error-handling mode of the NIXL agent's UCX backend (kvcompose_nixl.agent).
+#: UCX endpoint error-handling mode of the NIXL agent's UCX backend (kvcompose_nixl.patches).
 UCX_ERROR_HANDLING_KEY = "kvcompose_ucx_error_handling"
 #: How many times the worker asks a peer's side channel for its agent metadata (kvcompose_nixl.handshake).
 HANDSHAKE_TRIES_KEY = "kvcompose_handshake_tries"

@@ -61,8 +61,10 @@ writes to the one its decode holds (:mod:`kvcompose_nixl.push`):
    handshake leaves for a side channel off the list.
 
 Before vLLM's worker creates its NIXL agent they also apply the agent settings vLLM has no
-option for (:mod:`kvcompose_nixl.agent`: the progress thread's sleep, UCX error handling), and
-once it exists they let it ask a slow peer's side channel again (:mod:`kvcompose_nixl.handshake`).
+option for (the progress thread's sleep, UCX error handling), and once it exists they let it ask
+a slow peer's side channel again (:mod:`kvcompose_nixl.handshake`). Every name of vLLM's or
+NIXL's replaced or wrapped on the way is assigned in one module, :mod:`kvcompose_nixl.patches`,
+which checks first that each exists.
 Everything else is vLLM's: GPUDirect, host buffers, memory registration, and the leases
 themselves (the prefill's timers and reaping, the decode's heartbeats that renew them); item 4
 only asks the prefill how long it still holds them.
@@ -95,17 +97,23 @@ from kvcompose_nixl import (
     PEERS_KEY,
     PROGRESS_DELAY_KEY,
     SIDE_CHANNEL_HOST_KEY,
-    SIDE_CHANNEL_PORT_KEY,
     UCX_ERROR_HANDLING_KEY,
 )
-from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
-from kvcompose_nixl.handshake import ask_patiently
-from kvcompose_nixl.lease import (
-    ANSWERING_ATTR,
-    READ_ANSWERS_ATTR,
-    answering_engine,
-    answers_reads,
-    stamp,
+from kvcompose_nixl.lease import ANSWERING_ATTR, READ_ANSWERS_ATTR, answering_engine, answers_reads, stamp
+from kvcompose_nixl.patches import (
+    PULL_SCHEDULER,
+    PULL_WORKER,
+    PUSH_SCHEDULER,
+    PUSH_WORKER,
+    SCHEDULER,
+    WORKER,
+    ask_patiently,
+    calm_progress_thread,
+    check,
+    guard_pushes,
+    patch_scheduler,
+    seal_agent_metadata,
+    set_ucx_error_handling,
     watch_leases,
 )
 from kvcompose_nixl.plugin import (
@@ -115,9 +123,8 @@ from kvcompose_nixl.plugin import (
     PARAM_KEYS,
     exposure_refused,
 )
-from kvcompose_nixl.push import PUSH_PROMPTS_ATTR, PushGuard, computed_digest, guard_pushes, stamp_registration
+from kvcompose_nixl.push import PUSH_PROMPTS_ATTR, PushGuard, computed_digest, stamp_registration
 from kvcompose_nixl.refusals import REFUSED_ATTR, Refusals
-from kvcompose_nixl.side_channel import listener, seal_agent_metadata
 from kvcompose_nixl.trust import (
     Facts,
     Keyring,
@@ -127,15 +134,6 @@ from kvcompose_nixl.trust import (
     TrustConfigError,
     request_context,
     sign_params,
-)
-from kvcompose_nixl.vllm_names import (
-    PULL_SCHEDULER,
-    PULL_WORKER,
-    PUSH_SCHEDULER,
-    PUSH_WORKER,
-    SCHEDULER,
-    WORKER,
-    check,
 )
 
 if TYPE_CHECKING:
@@ -157,25 +155,6 @@ log = logging.getLogger("kvcompose.nixl")
 #: The attribute of vLLM's ``NixlConnectorMetadata`` that carries, from the decode's scheduler to
 #: its workers, the requests refused under ``kv_load_failure_policy`` ``fail`` (request id ->
 #: reason): each worker reports their loads failed without reading anything.
-
-
-def apply_side_channel(scheduler: NixlBaseConnectorScheduler, vllm_config: VllmConfig) -> None:
-    """Point the scheduler's handshake listener at the configured host and port.
-
-    Must run before the listener thread starts, which vLLM does later, in
-    ``set_xfer_handshake_metadata``; the push scheduler also reads these attributes when it
-    stages a registration for the prefill instance, and ``request_finished`` returns them to
-    the router as ``remote_host`` / ``remote_port``.
-    """
-    ktc = vllm_config.kv_transfer_config
-    assert ktc is not None
-    host = ktc.get_from_extra_config(SIDE_CHANNEL_HOST_KEY, None)
-    port = ktc.get_from_extra_config(SIDE_CHANNEL_PORT_KEY, None)
-    if host is not None:
-        scheduler.side_channel_host = str(host)
-    if port is not None:
-        # Same meaning as VLLM_NIXL_SIDE_CHANNEL_PORT: a base port, one listener per DP rank.
-        scheduler.side_channel_port = int(port) + vllm_config.parallel_config.data_parallel_index
 
 
 def trust_policy(ktc: Any) -> Policy:
@@ -299,15 +278,15 @@ class _RangeLoadsMixin:
 
 
 class _SettingsMixin:
-    """Applies the NIXL agent settings (:mod:`kvcompose_nixl.agent`) before vLLM builds its
-    halves, the side-channel options once it has built the scheduler half, and the handshake's
-    tries (:mod:`kvcompose_nixl.handshake`) once it has built the worker half."""
+    """Applies the NIXL agent settings before vLLM builds its halves, the side-channel options
+    once it has built the scheduler half, and the handshake's tries (:mod:`kvcompose_nixl.handshake`)
+    once it has built the worker half, each by :mod:`kvcompose_nixl.patches`."""
 
     connector_scheduler: NixlBaseConnectorScheduler | None
     connector_worker: NixlBaseConnectorWorker | None
     #: What this child believes and connects to (:mod:`kvcompose_nixl.trust`), set here.
     trust: Policy
-    #: vLLM's private names each half must have (:mod:`kvcompose_nixl.vllm_names`): push, then pull adds.
+    #: vLLM's private names each half must have (:mod:`kvcompose_nixl.patches`): push, then pull adds.
     _scheduler_names: tuple[Mapping[str, str], ...] = (SCHEDULER,)
     _worker_names: tuple[Mapping[str, str], ...] = (WORKER,)
 
@@ -327,9 +306,7 @@ class _SettingsMixin:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
         if self.connector_scheduler is not None:
             check(self.connector_scheduler, *self._scheduler_names)
-            apply_side_channel(self.connector_scheduler, vllm_config)
-            # vLLM starts it as self._nixl_handshake_listener in set_xfer_handshake_metadata.
-            self.connector_scheduler._nixl_handshake_listener = listener
+            patch_scheduler(self.connector_scheduler, vllm_config)
         if self.connector_worker is not None:
             worker = self.connector_worker
             check(worker, *self._worker_names)
@@ -612,7 +589,6 @@ __all__ = [
     "NixlPullConnector",
     "NixlPushConnector",
     "REFUSED_ATTR",
-    "apply_side_channel",
     "refuse_exposed",
     "has_remote_blocks",
     "range_blocks",

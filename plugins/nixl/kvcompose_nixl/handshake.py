@@ -18,7 +18,7 @@ every healthy peer for ``tries`` x 5 s. :class:`WaitingExecutor` takes that exec
 first waits for the peer's side channel to answer (:func:`ask_side_channel`, ZMQ only, on a
 thread per peer), and only then hands vLLM's ``_nixl_handshake`` to vLLM's thread, where the
 peer, just heard from, answers at once. The connector installs both on its worker
-(:func:`ask_patiently`).
+(:func:`kvcompose_nixl.patches.ask_patiently`).
 """
 
 from __future__ import annotations
@@ -151,17 +151,3 @@ def only_peers(handshake: Callable[..., T], allowed: Callable[[str, int], bool])
         return handshake(host, port, *args, **kwargs)
 
     return checked
-
-
-def ask_patiently(worker: Any, tries: int, allowed: Callable[[str, int], bool] = lambda host, port: True) -> None:
-    """Make vLLM's NIXL ``worker`` wait for a peer's side channel, up to ``tries`` requests, off
-    its handshake thread (:class:`WaitingExecutor`), then run vLLM's handshake there; neither
-    connects to a side channel ``allowed`` refuses.
-
-    vLLM submits ``self._nixl_handshake`` to ``self._handshake_initiation_executor`` by attribute
-    at each new peer (``_ensure_handshake``), so both are replaced on the instance; the class
-    stays vLLM's. The handshake itself keeps vLLM's one request, with the clearer error."""
-    worker._nixl_handshake = only_peers(patient(worker._nixl_handshake, 1), allowed)
-    worker._handshake_initiation_executor = WaitingExecutor(
-        worker._handshake_initiation_executor, only_peers(patient(ask_side_channel, tries), allowed)
-    )

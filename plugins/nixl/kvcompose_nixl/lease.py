@@ -61,7 +61,6 @@ from typing import Any
 import msgspec
 
 from kvcompose_nixl import LEASE_ANSWERS_KEY
-from kvcompose_nixl.agent import connection_metadata
 from kvcompose_nixl.trust import MAX_ID_CHARS, Keyring, Refused, drop
 
 log = logging.getLogger("kvcompose.nixl")
@@ -164,6 +163,17 @@ def _name(agent: str | bytes) -> str:
     return agent.decode() if isinstance(agent, bytes) else agent
 
 
+def connection_metadata(agent: Any) -> bytes:
+    """``agent``'s connection info without its memory (NIXL's partial metadata): what a peer
+    loads to send it notifications, a few hundred bytes where the whole metadata of a decode
+    instance's KV is kilobytes."""
+    import nixl._api as api
+    import numpy as np
+
+    no_memory = api.nixlBind.nixlRegDList(agent.nixl_mems["DRAM"], np.zeros((0, 3), dtype=np.uint64))
+    return agent.get_partial_agent_metadata(no_memory, True, [])  # type: ignore[no-any-return]
+
+
 class _Messages:
     """The protocol's notifications, each with a MAC when there is a deployment key."""
 
@@ -178,24 +188,31 @@ class _Messages:
         return body if self.keys is None else self.keys.untag(body)
 
 
-def watch_leases(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0) -> LeaseWatch:
-    """Both halves on vLLM's pull-mode NIXL worker (its class stays vLLM's; a worker may serve and
-    read), and the filter that hands them the protocol's notifications before vLLM reads its own.
+def lease_halves(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0) -> tuple[LeaseWatch, LeaseDesk]:
+    """Both halves for vLLM's pull-mode NIXL worker (a worker may serve and read), sharing the
+    protocol's messages; :func:`kvcompose_nixl.patches.watch_leases` installs their wrappers.
     ``keys``: the deployment key, if any; ``lease_s``: the most seconds an answer may grant."""
     messages = _Messages(keys)
-    watch, desk = LeaseWatch(worker, messages, lease_s), LeaseDesk(worker, messages)
+    return LeaseWatch(worker, messages, lease_s), LeaseDesk(worker, messages)
+
+
+def notification_filter(
+    get_new_notifs: Callable[..., dict[str, list[bytes]]], watch: LeaseWatch, desk: LeaseDesk
+) -> Callable[..., dict[str, list[bytes]]]:
+    """The agent's ``get_new_notifs`` that hands the protocol's notifications to ``watch`` and
+    ``desk``, and tells ``desk`` of vLLM's read notifications, before vLLM reads its own; a
+    notification vLLM cannot parse is dropped."""
     handlers: dict[bytes, Callable[[str, bytes], None]] = {
         HELLO: desk.hello,
         ASK: desk.asked,
         ANSWER: watch.answered,
         READS: watch.reads_answered,
     }
-    get_new_notifs = worker.nixl_wrapper.get_new_notifs
 
     def vllms_notifs(*args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
         notifs = get_new_notifs(*args, **kwargs)
         if not notifs:
-            return notifs  # type: ignore[no-any-return]
+            return notifs
         kept: dict[str, list[bytes]] = {}
         reads: list[tuple[str, str]] = []
         for agent, msgs in notifs.items():
@@ -216,8 +233,7 @@ def watch_leases(worker: Any, keys: Keyring | None = None, lease_s: float = 30.0
             desk.reads(reads)
         return kept
 
-    worker.nixl_wrapper.get_new_notifs = vllms_notifs
-    return watch
+    return vllms_notifs
 
 
 @dataclass
@@ -232,7 +248,8 @@ class _Lease:
 
 class LeaseDesk:
     """The prefill's half: loads the address of each decode agent that says hello, and answers
-    its lease questions after vLLM's ``_get_new_notifs`` applied the heartbeats before them."""
+    its lease questions after vLLM's ``_get_new_notifs`` applied the heartbeats before them
+    (:meth:`answering`, which :func:`kvcompose_nixl.patches.watch_leases` installs)."""
 
     def __init__(self, worker: Any, messages: _Messages) -> None:
         self._worker = worker
@@ -242,7 +259,6 @@ class LeaseDesk:
         self._questions: list[tuple[str, int, list[str]]] = []
         #: decode agent -> (since when, [(prefill request id, held)]): read answers to send
         self._reads: dict[str, tuple[float, list[tuple[str, bool]]]] = {}
-        worker._get_new_notifs = self._answering(worker._get_new_notifs)
 
     def hello(self, agent: str, msg: bytes) -> None:
         if agent in self._peers:
@@ -302,7 +318,9 @@ class LeaseDesk:
             elif not answers:
                 del self._reads[agent]
 
-    def _answering(self, get_new_notifs: Callable[[], set[str]]) -> Callable[[], set[str]]:
+    def answering(self, get_new_notifs: Callable[[], set[str]]) -> Callable[[], set[str]]:
+        """vLLM's worker's ``_get_new_notifs``, then the answers to the questions and reads it applied."""
+
         def get_new_notifs_then_answer() -> set[str]:
             done = get_new_notifs()
             if self._questions:
@@ -343,12 +361,14 @@ class LeaseDesk:
 
 
 class LeaseWatch:
-    """The decode's half. Wraps three methods of vLLM's pull-mode NIXL worker, on the instance:
+    """The decode's half. Makes the wrappers of three methods of vLLM's pull-mode NIXL worker,
+    which :func:`kvcompose_nixl.patches.watch_leases` installs on the instance:
     ``start_load_kv`` records each read's lease (and logs a release made without a read) and
-    greets the prefill agents it reads from, ``_send_heartbeats`` asks the prefill how long the
-    beaten leases now run, ``_pop_done_transfers`` holds a finished read until the prefill
-    answered that its notification found the blocks held (:data:`READS`), and fails a read that
-    ended after its lease, was not held, or was not answered in :data:`READ_ANSWER_WAIT_S`."""
+    greets the prefill agents it reads from (:meth:`recording`), ``_send_heartbeats`` asks the
+    prefill how long the beaten leases now run (:meth:`asking`), ``_pop_done_transfers`` holds a
+    finished read until the prefill answered that its notification found the blocks held
+    (:data:`READS`), and fails a read that ended after its lease, was not held, or was not
+    answered in :data:`READ_ANSWER_WAIT_S` (:meth:`checking`)."""
 
     def __init__(self, worker: Any, messages: _Messages, lease_s: float) -> None:
         self._worker = worker
@@ -372,9 +392,6 @@ class LeaseWatch:
         #: Reads reported failed because the prefill did not hold their blocks for them (another
         #: reader, or the lease, freed them first) or did not say so in time.
         self.unheld_reads = 0
-        worker.start_load_kv = self._recording(worker.start_load_kv)
-        worker._send_heartbeats = self._asking(worker._send_heartbeats)
-        worker._pop_done_transfers = self._checking(worker._pop_done_transfers)
 
     def deadline(self, request_id: str) -> float | None:
         """Until when, in this process's ``perf_counter``, the prefill holds ``request_id``'s
@@ -435,7 +452,10 @@ class LeaseWatch:
             if per_agent is not None:  # a read of ours that waits: a "not held" is never undone
                 per_agent[agent] = held and per_agent.get(agent, True)
 
-    def _recording(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
+    def recording(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
+        """vLLM's worker's ``start_load_kv``, after each read's lease is recorded and the prefill's
+        agents are greeted."""
+
         def start_load_kv_recorded(metadata: Any) -> None:
             answering = getattr(metadata, READ_ANSWERS_ATTR, None) or ()
             for req_id, meta in metadata.reqs_to_recv.items():
@@ -494,7 +514,9 @@ class LeaseWatch:
             return False
         return None if None in told else True
 
-    def _asking(self, send_heartbeats: Callable[[Any], None]) -> Callable[[Any], None]:
+    def asking(self, send_heartbeats: Callable[[Any], None]) -> Callable[[Any], None]:
+        """vLLM's worker's ``_send_heartbeats``, then the questions about the beaten leases."""
+
         def send_heartbeats_then_ask(metadata: Any) -> None:
             send_heartbeats(metadata)
             engines = getattr(metadata, ANSWERING_ATTR, None)
@@ -533,9 +555,12 @@ class LeaseWatch:
         for number in [n for n, (_, at, _ids) in self._asked.items() if now - at > FORGET_S]:
             del self._asked[number]
 
-    def _checking(
+    def checking(
         self, pop_done: Callable[[dict[str, list[int]]], tuple[set[str], set[str]]]
     ) -> Callable[[dict[str, list[int]]], tuple[set[str], set[str]]]:
+        """vLLM's worker's ``_pop_done_transfers``, with late, unheld and unanswered reads failed
+        and reads that wait for the prefill's answer held back."""
+
         def pop_done_checked(transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
             done, failed = pop_done(transfers)
             if not self._leases:

@@ -15,11 +15,11 @@ one id has the decode answer B from A's KV. Here:
   registration (:func:`stamp_registration`, :data:`~kvcompose_nixl.trust.PROMPT_KEY`);
 - the prefill's scheduler sends its workers, with each finished request's blocks, the digest of
   the tokens its blocks hold (:func:`computed_digest`, :data:`PUSH_PROMPTS_ATTR`);
-- the prefill's worker (:class:`PushGuard`) checks the two before vLLM's ``_do_start_push_kv``
-  (:func:`kvcompose_nixl.trust.check_push`): it writes on a match; on a mismatch it writes
-  nothing, tells each agent of the decode (:data:`NOPUSH`, after vLLM's own handshake to the
-  decode, a MAC under a key) and keeps the blocks for a registration that matches, until vLLM's
-  lease frees them;
+- the prefill's worker (:class:`PushGuard`, installed by :func:`kvcompose_nixl.patches.guard_pushes`)
+  checks the two before vLLM's ``_do_start_push_kv`` (:func:`kvcompose_nixl.trust.check_push`):
+  it writes on a match; on a mismatch it writes nothing, tells each agent of the decode
+  (:data:`NOPUSH`, after vLLM's own handshake to the decode, a MAC under a key) and keeps the
+  blocks for a registration that matches, until vLLM's lease frees them;
 - the decode's worker fails that request's load on the prefill's word (vLLM's
   ``_failed_recv_reqs``, as for a failed handshake): vLLM marks its blocks invalid and computes
   the prompt locally, or ends the request with an error under ``kv_load_failure_policy: fail``.
@@ -79,11 +79,13 @@ def _name(agent: str | bytes) -> str:
 
 
 class PushGuard:
-    """Both halves on vLLM's push-mode NIXL worker (its class stays vLLM's; an instance may
-    prefill and decode). Wraps, on the instance: ``start_load_kv`` (the step's digests, before
-    vLLM hands the writer the finished blocks), ``get_transfer_results`` (digests of requests
-    written or expired forgotten), ``_do_start_push_kv`` (the check) and the agent's
-    ``get_new_notifs`` (refusals taken out before vLLM reads its own notifications)."""
+    """Both halves for vLLM's push-mode NIXL worker (its class stays vLLM's; an instance may
+    prefill and decode). Makes the wrappers that :func:`kvcompose_nixl.patches.guard_pushes`
+    installs on the instance: ``start_load_kv`` (:meth:`taking_digests`: the step's digests,
+    before vLLM hands the writer the finished blocks), ``get_transfer_results``
+    (:meth:`forgetting`: digests of requests written or expired forgotten),
+    ``_do_start_push_kv`` (:meth:`checked_write`: the check) and the agent's ``get_new_notifs``
+    (:meth:`filtering`: refusals taken out before vLLM reads its own notifications)."""
 
     def __init__(self, worker: Any, keys: Keyring | None, keyed: bool) -> None:
         self._worker = worker
@@ -96,15 +98,14 @@ class PushGuard:
         self.refused: Counter[str] = Counter()
         #: Decode: loads failed because the prefill refused to write them.
         self.refusals_taken = 0
+        #: vLLM's own ``_do_start_push_kv``, which :meth:`checked_write` calls on a match.
         self._write = worker._do_start_push_kv
-        worker._do_start_push_kv = self.checked_write
-        worker.start_load_kv = self._taking_digests(worker.start_load_kv)
-        worker.get_transfer_results = self._forgetting(worker.get_transfer_results)
-        worker.nixl_wrapper.get_new_notifs = self._filtering(worker.nixl_wrapper.get_new_notifs)
 
     # ---- prefill
 
-    def _taking_digests(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
+    def taking_digests(self, start_load_kv: Callable[[Any], None]) -> Callable[[Any], None]:
+        """vLLM's worker's ``start_load_kv``, after the step's digests of what the prefill computed are kept."""
+
         def start_load_kv_with_digests(metadata: Any) -> None:
             digests = getattr(metadata, PUSH_PROMPTS_ATTR, None)
             if digests:  # before vLLM queues the blocks for the writer thread, which reads them
@@ -113,7 +114,9 @@ class PushGuard:
 
         return start_load_kv_with_digests
 
-    def _forgetting(self, get_transfer_results: Callable[[], Any]) -> Callable[[], Any]:
+    def forgetting(self, get_transfer_results: Callable[[], Any]) -> Callable[[], Any]:
+        """vLLM's worker's ``get_transfer_results``, then the digests of requests written or expired forgotten."""
+
         def get_transfer_results_forgetting() -> Any:
             results = get_transfer_results()
             if self.computed:
@@ -194,7 +197,10 @@ class PushGuard:
 
     # ---- decode
 
-    def _filtering(self, get_new_notifs: Callable[..., Mapping[Any, list[bytes]]]) -> Callable[..., Any]:
+    def filtering(self, get_new_notifs: Callable[..., Mapping[Any, list[bytes]]]) -> Callable[..., Any]:
+        """The agent's ``get_new_notifs`` with the prefill's refusals taken (:meth:`refusal`) and
+        notifications vLLM cannot parse dropped, before vLLM reads its own."""
+
         def vllms_notifs(*args: Any, **kwargs: Any) -> Mapping[Any, list[bytes]]:
             notifs = get_new_notifs(*args, **kwargs)
             if not notifs:
@@ -246,10 +252,4 @@ class PushGuard:
         self._worker._failed_recv_reqs.put(request_id)
 
 
-def guard_pushes(worker: Any, keys: Keyring | None, accept_unsigned: bool) -> PushGuard:
-    """:class:`PushGuard` on vLLM's push-mode NIXL worker ``worker``: with ``keys`` and not
-    ``accept_unsigned`` a registration without a digest is refused."""
-    return PushGuard(worker, keys, keys is not None and not accept_unsigned)
-
-
-__all__ = ["NOPUSH", "PUSH_PROMPTS_ATTR", "PushGuard", "computed_digest", "guard_pushes", "stamp_registration"]
+__all__ = ["NOPUSH", "PUSH_PROMPTS_ATTR", "PushGuard", "computed_digest", "stamp_registration"]

@@ -10,10 +10,11 @@ or a frame over :data:`MAX_FRAME` bytes (ZMQ drops the connection before reading
 dropped, counted and logged once per kind; the listener goes on answering.
 
 The payload it answers with holds the NIXL agent metadata, which is what a peer needs to read
-this engine's registered memory. With a deployment key the worker seals it
-(:func:`seal_agent_metadata`: AES-GCM, :meth:`kvcompose_nixl.trust.Keyring.seal`) before vLLM
-puts it in that payload, and a decode's worker opens it before NIXL loads it: the listener may
-answer anyone, only a key holder can use the answer.
+this engine's registered memory. With a deployment key the worker seals it (:func:`sealing_publish`:
+AES-GCM, :meth:`kvcompose_nixl.trust.Keyring.seal`) before vLLM puts it in that payload, and a
+decode's worker opens it before NIXL loads it (:func:`checked_load`): the listener may answer
+anyone, only a key holder can use the answer. :mod:`kvcompose_nixl.patches` installs the
+listener and both on vLLM's objects.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -94,17 +96,22 @@ def _answer(frames: list[bytes], encoded_data: dict[tuple[int, int], Any]) -> li
     return [identity, b"", payload, msgspec.msgpack.encode(time.perf_counter())]
 
 
-def seal_agent_metadata(wrapper: Any, keys: Keyring | None, accept_unsealed: bool) -> None:
-    """On vLLM's NIXL worker's agent (``nixl_wrapper``): with ``keys``, the metadata it publishes
-    is sealed (``get_agent_metadata``); every peer metadata it loads (``add_remote_agent``: a
-    prefill's from the side channel, a decode's lease hello) must open with ``keys``, or be
-    unsealed and ``accept_unsealed``. Without keys, sealed metadata is refused by name (NIXL
-    would fail on it with a parse error)."""
-    publish, load = wrapper.get_agent_metadata, wrapper.add_remote_agent
+def sealing_publish(publish: Callable[..., bytes], keys: Keyring | None) -> Callable[..., bytes]:
+    """The agent's ``get_agent_metadata`` (``publish``) whose metadata is sealed with ``keys``
+    (as is without keys); :func:`kvcompose_nixl.patches.seal_agent_metadata` installs it."""
 
     def get_agent_metadata(*args: Any, **kwargs: Any) -> bytes:
         data = publish(*args, **kwargs)
         return keys.seal(data) if keys is not None else data
+
+    return get_agent_metadata
+
+
+def checked_load(load: Callable[..., Any], keys: Keyring | None, accept_unsealed: bool) -> Callable[..., Any]:
+    """The agent's ``add_remote_agent`` (``load``) for peer metadata that opens with ``keys``, or
+    is unsealed and ``accept_unsealed``; without keys, sealed metadata is refused by name (NIXL
+    would fail on it with a parse error). :func:`kvcompose_nixl.patches.seal_agent_metadata`
+    installs it."""
 
     def add_remote_agent(metadata: bytes, *args: Any, **kwargs: Any) -> Any:
         if is_sealed(metadata):
@@ -119,5 +126,4 @@ def seal_agent_metadata(wrapper: Any, keys: Keyring | None, accept_unsealed: boo
             )
         return load(metadata, *args, **kwargs)
 
-    wrapper.get_agent_metadata = get_agent_metadata
-    wrapper.add_remote_agent = add_remote_agent
+    return add_remote_agent

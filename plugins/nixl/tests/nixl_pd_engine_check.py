@@ -54,7 +54,7 @@ def kv_config(role: str, port: int, upstream: bool = False) -> dict[str, Any]:
     config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
     if not upstream:
         config["kv_connector_module_path"] = "kvcompose_nixl.connector"
-        # The progress-thread delay keeps NIXL from spinning both cores (kvcompose_nixl.agent).
+        # The progress-thread delay keeps NIXL from spinning both cores (kvcompose_nixl.patches).
         config["kv_connector_extra_config"] = {
             "kvcompose_side_channel_port": port,
             "kvcompose_progress_delay_us": 100,

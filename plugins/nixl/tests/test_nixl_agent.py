@@ -1,4 +1,5 @@
-"""NIXL agent settings vLLM has no option for: ``progress_delay_us`` and ``ucx_error_handling``."""
+"""NIXL agent settings vLLM has no option for: ``progress_delay_us`` and ``ucx_error_handling``
+(kvcompose_nixl.patches)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvcompose_nixl.agent import UCX_ERROR_HANDLING_PARAM, calm_progress_thread, set_ucx_error_handling
+from kvcompose_nixl.patches import UCX_ERROR_HANDLING_PARAM, calm_progress_thread, set_ucx_error_handling
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def test_every_setting_the_plugin_applies_exists_in_the_installed_nixl() -> None
     from importlib import metadata
 
     from kvcompose.versions import NIXL, distribution_version, providers_of
-    from kvcompose_nixl.agent import missing_settings
+    from kvcompose_nixl.patches import missing_settings
 
     pytest.importorskip("nixl._api")
     installed = [distribution_version(d) for d in providers_of("nixl", metadata.packages_distributions())]
@@ -112,11 +113,11 @@ def test_every_setting_the_plugin_applies_exists_in_the_installed_nixl() -> None
 
 def test_a_nixl_without_a_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     api = pytest.importorskip("nixl._api")
-    from kvcompose_nixl import agent
+    from kvcompose_nixl import patches
 
-    monkeypatch.setattr(agent, "_ucx_params", lambda api: {"num_workers": "1"})
+    monkeypatch.setattr(patches, "_ucx_params", lambda api: {"num_workers": "1"})
     monkeypatch.setattr(api.nixlBind, "nixlAgentConfig", type("OldConfig", (), {}))
-    assert agent.missing_settings() == [
+    assert patches.missing_settings() == [
         "progress_delay_us: nixl._api.nixlBind.nixlAgentConfig has no settable pthrDelay",
         "ucx_error_handling: NIXL's UCX plugin takes no 'ucx_error_handling_mode' parameter",
     ]

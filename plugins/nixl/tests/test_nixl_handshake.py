@@ -21,8 +21,8 @@ import zmq
 
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S
-from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.handshake import HandshakeTimeout, WaitingExecutor, ask_side_channel, patient
+from kvcompose_nixl.patches import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.testing.prefill_process import PrefillProcess
 from kvcompose_nixl.testing.side_channel import LateListener, pulled
 

@@ -32,7 +32,7 @@ from kvcompose.testing import inspector
 from kvcompose.testing.harness import assert_scheduler_empty, make_request
 from kvcompose.testing.kv import fill_random
 from kvcompose.testing.worker import WorkerHarness
-from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
+from kvcompose_nixl.patches import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.testing.host_buffer import host_buffer_setting
 from kvcompose_nixl.testing.prefill_process import Prefilled, PrefillProcess
 from kvcompose_nixl.testing.side_channel import pulled

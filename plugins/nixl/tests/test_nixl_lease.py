@@ -14,8 +14,8 @@ from vllm.v1.request import RequestStatus
 from kvcompose.testing.harness import make_request, prefill_request
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_nixl import HANDSHAKE_TRY_S, LEASE_ANSWERS_KEY
-from kvcompose_nixl.agent import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.lease import ASK, HELLO, PREFIX, PROTOCOL, RELEASED
+from kvcompose_nixl.patches import calm_progress_thread, set_ucx_error_handling
 from kvcompose_nixl.testing.fake_nixl import PRODUCER, FakeNixl, nixl_worker
 from kvcompose_nixl.testing.prefill_process import PrefillProcess
 from kvcompose_nixl.testing.side_channel import LateListener, pulled

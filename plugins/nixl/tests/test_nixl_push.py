@@ -22,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPu
 from vllm.v1.request import RequestStatus
 
 from kvcompose.testing.harness import decode_request, make_request, prefill_request, scheduler_for, step
-from kvcompose_nixl.push import NOPUSH, PUSH_PROMPTS_ATTR, PushGuard, computed_digest, guard_pushes
+from kvcompose_nixl.patches import guard_pushes
+from kvcompose_nixl.push import NOPUSH, PUSH_PROMPTS_ATTR, PushGuard, computed_digest
 from kvcompose_nixl.testing.fake_nixl import FakeNixl
 from kvcompose_nixl.trust import PROMPT_KEY, Keyring, Refused, check_push, prompt_digest
 

@@ -344,7 +344,7 @@ def test_push_connector_uses_side_channel_options(make_nixl_scheduler: Scheduler
     assert (registration["decode_host"], registration["decode_port"]) == ("10.9.9.9", 7000)
 
 
-def test_classes_keep_vllm_names_and_base_classes() -> None:
+def test_classes_keep_vllms_class_names_and_base_classes() -> None:
     """vLLM resolves ``getattr(module, kv_connector)`` and checks names like "NixlConnector"."""
     import importlib
 

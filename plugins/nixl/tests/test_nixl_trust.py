@@ -17,7 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import Nix
 
 from kvcompose.testing.harness import decode_request, make_request, prefill_request, scheduler_for, step
 from kvcompose_nixl.connector import REFUSED_ATTR
-from kvcompose_nixl.side_channel import listener, seal_agent_metadata
+from kvcompose_nixl.patches import seal_agent_metadata
+from kvcompose_nixl.side_channel import listener
 from kvcompose_nixl.trust import (
     DROPPED,
     PROMPT_KEY,
@@ -393,7 +394,7 @@ def test_the_worker_opens_no_handshake_to_a_side_channel_off_the_list() -> None:
     both refuse before they connect."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvcompose_nixl.handshake import ask_patiently
+    from kvcompose_nixl.patches import ask_patiently
 
     class Worker:
         def __init__(self) -> None:
