@@ -152,10 +152,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcompose.nixl")
 
-#: The attribute of vLLM's ``NixlConnectorMetadata`` that carries, from the decode's scheduler to
-#: its workers, the requests refused under ``kv_load_failure_policy`` ``fail`` (request id ->
-#: reason): each worker reports their loads failed without reading anything.
-
 
 def trust_policy(ktc: Any) -> Policy:
     """The trust settings of a nixl child's ``kv_connector_extra_config`` (``ktc``: vLLM's

@@ -251,6 +251,8 @@ def calm_progress_thread(delay_us: int) -> bool:
     except ImportError:
         return False
     base = getattr(api.nixlBind.nixlAgentConfig, "_kvcompose_base", api.nixlBind.nixlAgentConfig)
+    if delay_us and not _settable_delay(base):  # else the subclass would take the option and do nothing
+        raise MissingName(f"progress_delay_us: {_PTHR_DELAY_MISSING}")
     if delay_us == 0:
         api.nixlBind.nixlAgentConfig = base
         return True
@@ -282,6 +284,8 @@ def set_ucx_error_handling(mode: UcxErrorHandling | None) -> bool:
         return False
     agent = api.nixl_agent
     base = getattr(agent.create_backend, "_kvcompose_base", agent.create_backend)
+    if mode is not None and not _takes_params(base):
+        raise MissingName(f"ucx_error_handling: {_CREATE_BACKEND_MISSING}")
     if mode is None:
         agent.create_backend = base
         return True
@@ -309,17 +313,31 @@ def missing_settings() -> list[str]:
     except ImportError:
         return []
     missing = []
-    config = getattr(getattr(api, "nixlBind", None), "nixlAgentConfig", None)
-    delay = inspect.getattr_static(config, "pthrDelay", None) if config is not None else None
-    if not (isinstance(delay, property) or hasattr(delay, "__set__")):
-        missing.append("progress_delay_us: nixl._api.nixlBind.nixlAgentConfig has no settable pthrDelay")
-    agent_cls = getattr(api, "nixl_agent", None)
-    create = getattr(agent_cls, "create_backend", None)
-    if create is None or not {"backend", "initParams"} <= set(inspect.signature(create).parameters):
-        missing.append("ucx_error_handling: nixl._api.nixl_agent has no create_backend(backend, initParams)")
+    if not _settable_delay(getattr(getattr(api, "nixlBind", None), "nixlAgentConfig", None)):
+        missing.append(f"progress_delay_us: {_PTHR_DELAY_MISSING}")
+    if not _takes_params(getattr(getattr(api, "nixl_agent", None), "create_backend", None)):
+        missing.append(f"ucx_error_handling: {_CREATE_BACKEND_MISSING}")
     elif UCX_ERROR_HANDLING_PARAM not in _ucx_params(api):
         missing.append(f"ucx_error_handling: NIXL's UCX plugin takes no {UCX_ERROR_HANDLING_PARAM!r} parameter")
     return missing
+
+
+_PTHR_DELAY_MISSING = "nixl._api.nixlBind.nixlAgentConfig has no settable pthrDelay"
+_CREATE_BACKEND_MISSING = "nixl._api.nixl_agent has no create_backend(self, backend, initParams)"
+
+
+def _settable_delay(config: Any) -> bool:
+    delay = inspect.getattr_static(config, "pthrDelay", None) if config is not None else None
+    return isinstance(delay, property) or hasattr(delay, "__set__")
+
+
+def _takes_params(create_backend: Any) -> bool:
+    """Whether ``create_backend`` takes (self, backend, params), as the patch calls it."""
+    try:
+        inspect.signature(create_backend).bind(None, "UCX", {})
+    except (TypeError, ValueError):  # None, or another signature
+        return False
+    return True
 
 
 def _ucx_params(api: Any) -> dict[str, str]:

@@ -121,3 +121,21 @@ def test_a_nixl_without_a_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> N
         "progress_delay_us: nixl._api.nixlBind.nixlAgentConfig has no settable pthrDelay",
         "ucx_error_handling: NIXL's UCX plugin takes no 'ucx_error_handling_mode' parameter",
     ]
+
+
+def test_a_setting_whose_nixl_name_is_missing_stops_the_connector_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connector applies the settings in its ``__init__``: a NIXL without the name they patch
+    stops it there by name, instead of taking the option and changing nothing."""
+    api = pytest.importorskip("nixl._api")
+    from kvcompose_nixl.patches import MissingName
+
+    monkeypatch.setattr(api.nixlBind, "nixlAgentConfig", type("OldConfig", (), {}))
+    with pytest.raises(MissingName, match="progress_delay_us: .*no settable pthrDelay"):
+        calm_progress_thread(100)
+    assert calm_progress_thread(0)  # restoring NIXL's own needs no name
+
+    def create_backend(self: object, name: str) -> None: ...
+
+    monkeypatch.setattr(api.nixl_agent, "create_backend", create_backend)
+    with pytest.raises(MissingName, match=r"ucx_error_handling: .*create_backend\(self, backend, initParams\)"):
+        set_ucx_error_handling("none")
