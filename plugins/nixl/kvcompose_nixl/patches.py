@@ -30,7 +30,8 @@ nixl type uses"); a test keeps the two equal.
 
 **NIXL's names** (``nixlBind.nixlAgentConfig.pthrDelay``, ``nixl_agent.create_backend``, the UCX
 plugin's ``ucx_error_handling_mode`` parameter): :func:`missing_settings` names those the
-installed NIXL lacks (a test runs it against the installed NIXL). vLLM builds its agent with
+installed NIXL lacks (a test runs it against the installed NIXL), and the two setters raise
+:class:`MissingName` at start for a NIXL without the name they patch. vLLM builds its agent with
 ``nixl_agent(name, nixl_agent_config(...))`` and no way to pass more (``base_worker.py``), so the
 connector applies both settings in ``__init__``, before vLLM's worker creates its agent. Both are
 process-wide patches of NIXL's Python wrapper: vLLM's CPU worker is a spawned process, so a
