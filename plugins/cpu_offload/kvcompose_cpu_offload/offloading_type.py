@@ -164,6 +164,9 @@ class NativeOffloadType(ConnectorType):
                 extra[tiers_.P2P_KEY_ENV_KEY] = opts.key_env
             if opts.key_file is not None:
                 extra[tiers_.P2P_KEY_FILE_KEY] = opts.key_file
+            pools = [tiers_.pool_config(t) for t in tiers if isinstance(t, tiers_.P2pTier) and t.pool is not None]
+            if pools:
+                extra[tiers_.P2P_POOL_KEY] = pools[0]
         return cfg
 
     def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -268,8 +271,16 @@ class NativeOffloadType(ConnectorType):
             )
         tiers, problems = tiers_.parse(opts.tiers, at("tiers"))
         yield from problems
+        keyed = opts.key_env is not None or opts.key_file is not None
+        pooled = [j for j, t in enumerate(tiers) if isinstance(t, tiers_.P2pTier) and t.pool is not None]
+        for j in pooled[1:]:
+            yield Problem(
+                "one pool a child: its connector runs one index of the fleet's peers",
+                at("tiers") + (j, "pool"),
+                "keep the pool on one p2p tier",
+            )
         for j, tier in enumerate(tiers):
-            yield from _tier_problems(tier, at("tiers") + (j,), plan)
+            yield from _tier_problems(tier, at("tiers") + (j,), plan, keyed)
 
 
 def secondary_tiers(opts: NativeOffloadOptions) -> list[tiers_.AnyTier]:
@@ -283,8 +294,13 @@ def secondary_tiers(opts: NativeOffloadOptions) -> list[tiers_.AnyTier]:
     return [tiers_.FsTier(root_dir=opts.disk_dir, n_read_threads=threads, n_write_threads=threads)]
 
 
-def _tier_problems(tier: tiers_.AnyTier, at: tuple[str | int, ...], plan: Plan | None) -> Iterator[Problem]:
-    """What vLLM would refuse at start, or what the file should not hold, in one valid entry."""
+def _tier_problems(
+    tier: tiers_.AnyTier, at: tuple[str | int, ...], plan: Plan | None, keyed: bool = False
+) -> Iterator[Problem]:
+    """What vLLM would refuse at start, or what the file should not hold, in one valid entry
+    (``keyed``: the child names the deployment key)."""
+    if isinstance(tier, tiers_.P2pTier) and tier.pool is not None:
+        yield from _pool_problems(tier.pool, at + ("pool",), keyed)
     if isinstance(tier, tiers_.P2pTier) and tier.backpressure is not None:
         yield Problem(
             "vLLM's p2p tier refuses backpressure (it cannot fail fast in P/D mode)",
@@ -308,3 +324,26 @@ def _tier_problems(tier: tiers_.AnyTier, at: tuple[str | int, ...], plan: Plan |
                 )
     if plan is not None and plan.import_modules and importlib.util.find_spec("vllm") is not None:
         yield from tiers_.import_problems(tier, at)
+
+
+def _pool_problems(pool: tiers_.Pool, at: tuple[str | int, ...], keyed: bool) -> Iterator[Problem]:
+    """A pool's peers: each once, each endpoint's port in range, and the deployment key unless
+    every peer is this machine."""
+    seen: set[tuple[str, int]] = set()
+    for j, peer in enumerate(pool.peers):
+        here = at + ("peers", j)
+        if (peer.host, peer.p2p_port) in seen:
+            yield Problem(f"peer {peer.host}:{peer.p2p_port} is listed twice", here, "list each peer once")
+        seen.add((peer.host, peer.p2p_port))
+        for key in ("kv_events", "kv_events_replay"):
+            endpoint = getattr(peer, key)
+            if endpoint is not None and not 0 < int(endpoint.rpartition(":")[2]) < 65536:
+                yield Problem(f"{key} {endpoint!r}: the port is not 1-65535", here + (key,))
+    remote = [p for p in pool.peers if not tiers_.is_loopback(p.host)]
+    if remote and not keyed:
+        yield Problem(
+            f"a pool with peers beyond this machine ({remote[0].host}, ...) needs the deployment key: a source "
+            "must be a deployment peer that holds the key, as the p2p tier's P/D params are signed with it",
+            at + ("peers",),
+            "set key_env (or key_file) on this child, the same key on every instance, or list only loopback peers",
+        )

@@ -27,7 +27,20 @@ that is not a mapping raises in the scheduler. Here every role is screened in
   ``remote_prefiller`` must carry the prefill's signature over the role, its end, and the
   digest of the prompt it computed (this prompt's), and be taken once;
 * ``peer``: the peer a role names must be reachable under the NIXL child's rule: a signed
-  role's, else loopback (``remote_kv_source`` is never signed: it names loopback only).
+  role's, else loopback; a ``remote_kv_source`` may also name a peer of the tier's pool.
+
+**The fleet's pool.** With a ``pool`` on the p2p tier, the scheduler half keeps a
+:class:`~kvcompose_cpu_offload.pool.PeerIndex` of what each configured peer holds, from the
+peers' KV events. A request that arrives with no p2p role and no NixlConnector P/D key, whose
+prefix (in the tier's chunks) a peer holds further than this instance's device cache or CPU tier
+does, gets ``remote_kv_source`` naming that peer's p2p socket and a fresh id
+(:meth:`OffloadingConnector.on_new_request`, before vLLM's tier parses the params), and vLLM's
+tier looks the blocks up there and fetches the hits. A ``remote_kv_source`` that arrives naming a
+peer of the pool (a router's choice, as llm-d's header) is used instead of the index. vLLM bounds
+a dead peer (ZMQ heartbeat, handshake and load timeouts) but not an unanswered lookup on a live
+connection (``tiering/p2p/session/client.py``: "Lookups have no timeout"); so a source's lookup
+that has not answered within the pool's ``wait_ms`` is given up the way vLLM gives up a dead
+peer's (the id marked failed: its lookups answer miss) and the prompt is computed here.
 
 Everything else is vLLM's class. The class keeps vLLM's name (vLLM looks connectors up by it);
 ``kv_connector_module_path`` points here.
@@ -37,15 +50,18 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
-from kvcompose_cpu_offload.tiers import P2P_KEY_ENV_KEY, P2P_KEY_FILE_KEY
+from kvcompose_cpu_offload.pool import Peer, PeerIndex
+from kvcompose_cpu_offload.tiers import P2P_KEY_ENV_KEY, P2P_KEY_FILE_KEY, P2P_POOL_KEY
 from kvcompose_nixl.trust import (
     LOOPBACK_PEERS,
     MAX_HOST_CHARS,
@@ -74,6 +90,8 @@ DECODER, PREFILLER, SOURCE = "remote_decoder", "remote_prefiller", "remote_kv_so
 ROLE_KEYS = (DECODER, PREFILLER, SOURCE)
 #: The keys vLLM's proxy and router send the prefill (NixlConnector's protocol).
 DO_REMOTE_DECODE = "do_remote_decode"
+#: NixlConnector's P/D keys: a request carrying one is a P/D leg, which the pool leaves alone.
+NIXL_PD_KEYS = (DO_REMOTE_DECODE, "do_remote_prefill", "remote_engine_id", "remote_block_ids")
 #: Prefix of the ids this class gives (the p2p tier needs nothing of them but uniqueness).
 REQUEST_ID_PREFIX = "kvcompose-p2p-"
 #: The role combinations vLLM's tier takes (``tiering/p2p/manager.py``: only these two together).
@@ -139,10 +157,12 @@ def screen(
     replays: Replays,
     now: float,
     clock_skew_s: float = 10.0,
+    peers: Collection[tuple[str, int]] = (),
 ) -> None:
     """Raise :class:`Refused` unless this engine may act on the p2p roles of ``params`` for a
-    prompt of ``digest`` (:func:`prompt_digest`). The checks run in this order, each reason
-    pinned by a test beside a control that passes the checks before it."""
+    prompt of ``digest`` (:func:`prompt_digest`); ``peers``: the pool's (host, p2p port), which a
+    ``remote_kv_source`` may name. The checks run in this order, each reason pinned by a test
+    beside a control that passes the checks before it."""
     roles = check_roles(params)
     if keys is not None and DECODER in roles:
         raise Refused("role", "a remote_decoder role from a client: this engine gives a prefill its own")
@@ -154,7 +174,9 @@ def screen(
         signed = True
     for name in (PREFILLER, SOURCE):
         role = roles.get(name)
-        if role is not None and not signed and not LOOPBACK_PEERS.allows(role["remote_host"], role["remote_port"]):
+        if role is None or signed or (name == SOURCE and (role["remote_host"], role["remote_port"]) in peers):
+            continue
+        if not LOOPBACK_PEERS.allows(role["remote_host"], role["remote_port"]):
             raise Refused(
                 "peer", f"{name} names {role['remote_host']}:{role['remote_port']}, which no signature vouches for"
             )
@@ -185,24 +207,123 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         self._to_decoder: dict[str, str] = {}
         #: roles refused, by reason (the log says each; tests and operators read the counts)
         self.refused: dict[str, int] = {}
+        pool = extra.get(P2P_POOL_KEY) if self._address is not None else None
+        peers = [Peer(**peer) for peer in pool["peers"]] if pool else []
+        self._peers = frozenset((peer.host, peer.p2p_port) for peer in peers)
+        self._wait_s = pool["wait_ms"] / 1000 if pool else 0.0
+        #: the peers' blocks; the scheduler half only (the worker never chooses a source)
+        self.pool: PeerIndex | None = None
+        if peers and role == KVConnectorRole.SCHEDULER:
+            self.pool = PeerIndex(peers, max_blocks=pool["max_blocks"], silent_s=pool["silent_s"])
+        #: request id -> (kv_request_id, the time its source's lookup is given up)
+        self._waiting: dict[str, tuple[str, float]] = {}
+        #: sources used, by who chose them ("index", "router") and lookups given up ("gave_up")
+        self.sources: Counter[str] = Counter()
 
     def on_new_request(self, request: Request) -> None:
         """Screen the request's p2p roles, or give a prefill asked for a remote decode the NIXL way
         the tier's producer role; then vLLM's."""
         params = request.kv_transfer_params
-        if self._address is not None and params:
-            if any(key in params for key in ROLE_KEYS):
-                self._screen(request, params)
-            elif params.get(DO_REMOTE_DECODE) is True:
-                kv_request_id = REQUEST_ID_PREFIX + secrets.token_hex(16)
-                params[DECODER] = {"kv_request_id": kv_request_id}
-                self._to_decoder[request.request_id] = kv_request_id
+        if self._address is not None and params and any(key in params for key in ROLE_KEYS):
+            self._screen(request, params)
+            source = params.get(SOURCE)
+            if source is not None and (source["remote_host"], source["remote_port"]) in self._peers:
+                self._wait(request, source["kv_request_id"], "router")
+        elif self._address is not None and params and params.get(DO_REMOTE_DECODE) is True:
+            kv_request_id = REQUEST_ID_PREFIX + secrets.token_hex(16)
+            params[DECODER] = {"kv_request_id": kv_request_id}
+            self._to_decoder[request.request_id] = kv_request_id
+        elif self.pool is not None and not (params and any(key in params for key in NIXL_PD_KEYS)):
+            self._choose_source(request)
         super().on_new_request(request)
+
+    def _choose_source(self, request: Request) -> None:
+        """Name the peer that holds the request's prefix further than this instance does as its
+        ``remote_kv_source`` (vLLM's tier then looks the blocks up there and fetches the hits)."""
+        assert self.pool is not None
+        if request.skip_reading_prefix_cache:
+            return
+        per_chunk = self.connector_scheduler.config.kv_group_configs[0].hashes_per_chunk
+        # A chunk is named by its last block's hash (vLLM's OffloadKey), in its events as here.
+        keys = request.block_hashes[per_chunk - 1 :: per_chunk]
+        found = self.pool.longest(keys)
+        if found is None:
+            return
+        peer, chunks = found
+        if chunks <= self._local_chunks(request, keys, per_chunk):
+            return
+        kv_request_id = REQUEST_ID_PREFIX + secrets.token_hex(16)
+        role = {"kv_request_id": kv_request_id, "remote_host": peer.host, "remote_port": peer.p2p_port}
+        if request.kv_transfer_params is None:
+            request.kv_transfer_params = {}
+        request.kv_transfer_params[SOURCE] = role
+        self._wait(request, kv_request_id, "index")
+
+    def _local_chunks(self, request: Request, keys: Sequence[bytes], per_chunk: int) -> int:
+        """How many of the request's chunks this instance holds from the start: the longer of its
+        device prefix (vLLM's own longest hit, which has no side effect) and its CPU tier's run of
+        chunks (the eviction policy's ``get``, which touches nothing)."""
+        device_blocks = 0
+        kv_cache_manager = self._kv_cache_manager
+        if kv_cache_manager is not None and kv_cache_manager.enable_caching:
+            _, tokens, _ = kv_cache_manager.coordinator.find_longest_cache_hit(
+                request.block_hashes, request.num_tokens - 1
+            )
+            device_blocks = tokens // self.connector_scheduler.config.tokens_per_hash
+        manager = self.connector_scheduler.manager
+        primary = getattr(manager, "primary_tier", manager)
+        context = ReqContext(req_id=request.request_id)
+        host = 0
+        for key in keys:
+            if primary.lookup(make_offload_key(key, 0), context) is LookupResult.MISS:
+                break
+            host += 1
+        return max(device_blocks // per_chunk, host)
+
+    def _wait(self, request: Request, kv_request_id: str, chosen_by: str) -> None:
+        self.sources[chosen_by] += 1
+        self._waiting[request.request_id] = (kv_request_id, time.monotonic() + self._wait_s)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's answer; for a request whose source's lookup has not answered within the pool's
+        ``wait_ms``, the source given up (its lookups then miss) and vLLM's answer without it."""
+        count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        waiting = self._waiting.get(request.request_id)
+        if waiting is None:
+            return count, load_async
+        if count is not None or time.monotonic() < waiting[1]:
+            if count is not None:
+                del self._waiting[request.request_id]
+            return count, load_async
+        del self._waiting[request.request_id]
+        self._give_up(request, waiting[0])
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _give_up(self, request: Request, kv_request_id: str) -> None:
+        """Mark the source's id failed in vLLM's p2p tier, as vLLM does for a dead peer's requests
+        (``P2PSecondaryTierManager._failed_req_ids``: its ``lookup`` then answers miss)."""
+        from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
+
+        for tier in getattr(self.connector_scheduler.manager, "secondary_tiers", ()):
+            if isinstance(tier, P2PSecondaryTierManager):
+                tier._failed_req_ids.add(kv_request_id)
+        self.sources["gave_up"] += 1
+        logger.warning(
+            "p2p pool: request %s: its source did not answer the lookup within %.0f ms; its prompt is computed here",
+            request.request_id,
+            self._wait_s * 1000,
+        )
+
+    def shutdown(self) -> None:
+        """Close the pool's index, then vLLM's."""
+        if self.pool is not None:
+            self.pool.close()
+        super().shutdown()
 
     def _screen(self, request: Request, params: dict[str, Any]) -> None:
         digest = prompt_digest(list(request.prompt_token_ids or ()), request_context(request))
         try:
-            screen(params, digest, self._keys, self._replays, time.time())
+            screen(params, digest, self._keys, self._replays, time.time(), peers=self._peers)
         except Refused as refused:
             for key in ROLE_KEYS:
                 params.pop(key, None)
@@ -226,6 +347,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
 
     def _answer(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
         """The decode's params for a request this engine prefilled for it: the p2p consumer role."""
+        self._waiting.pop(request.request_id, None)
         kv_request_id = self._to_decoder.pop(request.request_id, None)
         if kv_request_id is None or self._address is None:
             return params

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import ipaddress
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
@@ -35,6 +36,9 @@ Path = tuple[str | int, ...]
 #: The ``kv_connector_extra_config`` keys naming the deployment key that signs the p2p tier's
 #: P/D params (the child's ``key_env`` / ``key_file``; :mod:`kvcompose_cpu_offload.p2p` reads them).
 P2P_KEY_ENV_KEY, P2P_KEY_FILE_KEY = "kvcompose_p2p_key_env", "kvcompose_p2p_key_file"
+#: The ``kv_connector_extra_config`` key of the p2p tier's pool (kvcompose's, not vLLM's: the
+#: tier's own entry keeps vLLM's keys only; :mod:`kvcompose_cpu_offload.p2p` reads it).
+P2P_POOL_KEY = "kvcompose_p2p_pool"
 #: vLLM's defaults for the p2p tier's control socket (``VLLM_P2P_SIDE_CHANNEL_HOST`` / ``_PORT``).
 P2P_HOST_ENV, P2P_PORT_ENV, P2P_DEFAULT_PORT = "VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", 5710
 
@@ -44,6 +48,8 @@ class Tier(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaul
 
     #: The manager class vLLM's factory registers for this ``type`` (``tiering/factory.py``).
     manager: ClassVar[str]
+    #: Fields that are kvcompose's, not the manager's parameters (never rendered into vLLM's entry).
+    own_fields: ClassVar[frozenset[str]] = frozenset()
     #: The tier's own ``backpressure`` settings (vLLM's ``backpressure_cls`` and its options),
     #: merged over the top-level ones by vLLM (``spec.py``).
     backpressure: dict[str, Any] | None = None
@@ -88,16 +94,60 @@ class ObjTier(StorageTier, tag="obj", kw_only=True):
     io_threads: PositiveInt | None = None
 
 
+#: A ZMQ TCP endpoint a peer publishes on: ``tcp://HOST:PORT`` (vLLM binds ``tcp://*:PORT``).
+Endpoint = Annotated[str, Meta(pattern=r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}$")]
+
+
+class PoolPeer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """A peer of the fleet's pool: its p2p tier's control socket and its KV events publisher."""
+
+    host: Annotated[str, Meta(min_length=1, max_length=253)]
+    p2p_port: Port
+    kv_events: Endpoint
+    #: vLLM's replay endpoint of that publisher (``replay_endpoint``), to fill a sequence gap.
+    kv_events_replay: Endpoint | None = None
+
+
+class Pool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """The fleet's pool (kvcompose's, not vLLM's): which peer holds a request's prefix, from the
+    peers' KV events, names the tier's ``remote_kv_source`` (:mod:`kvcompose_cpu_offload.pool`)."""
+
+    peers: Annotated[list[PoolPeer], Meta(min_length=1)]
+    #: how long a request waits for a source's lookup answer before it is computed here
+    wait_ms: PositiveInt | None = None
+    #: seconds without a peer's events before it is no longer offered as a source
+    silent_s: PositiveInt | None = None
+    #: hashes kept per peer (the oldest stored dropped past it)
+    max_blocks: PositiveInt | None = None
+
+
+#: The pool's defaults: wait for a source's answer, silence before a peer is not offered, entries a peer.
+POOL_WAIT_MS, POOL_SILENT_S, POOL_MAX_BLOCKS = 1000, 60, 1_000_000
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine (an address in 127.0.0.0/8 or ::1, or ``localhost``)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class P2pTier(Tier, tag="p2p", kw_only=True):
     """KV between instances over NIXL, each request's role named by its ``kv_transfer_params``
-    (``remote_decoder``, ``remote_prefiller``, ``remote_kv_source``; ``tiering/p2p/manager.py``)."""
+    (``remote_decoder``, ``remote_prefiller``, ``remote_kv_source``; ``tiering/p2p/manager.py``);
+    ``pool`` is kvcompose's, rendered beside the tier (:data:`P2P_POOL_KEY`), not in it."""
 
     manager: ClassVar[str] = "vllm.v1.kv_offload.tiering.p2p.manager.P2PSecondaryTierManager"
+    own_fields: ClassVar[frozenset[str]] = frozenset({"pool"})
     host: Annotated[str, Meta(min_length=1)] | None = None
     port: Port | None = None
     backends: list[str] | None = None
     num_threads: PositiveInt | None = None
     unbound_store_timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    pool: Pool | None = None
 
 
 class KvcrTier(Tier, tag="kvcr", kw_only=True):
@@ -203,7 +253,22 @@ def render(tier: AnyTier) -> dict[str, Any]:
     """The tier as one entry of vLLM's ``secondary_tiers``: only the keys given, vLLM's names."""
     if isinstance(tier, ClassTier):
         return tier.vllm_config()
-    return msgspec.to_builtins(tier)
+    entry = msgspec.to_builtins(tier)
+    for key in tier.own_fields:
+        entry.pop(key, None)  # kvcompose's: vLLM's manager would refuse the keyword
+    return entry
+
+
+def pool_config(tier: P2pTier) -> dict[str, Any] | None:
+    """The tier's pool as :mod:`kvcompose_cpu_offload.p2p` reads it (defaults filled in), or None."""
+    if tier.pool is None:
+        return None
+    return {
+        "peers": [msgspec.to_builtins(peer) for peer in tier.pool.peers],
+        "wait_ms": tier.pool.wait_ms or POOL_WAIT_MS,
+        "silent_s": tier.pool.silent_s or POOL_SILENT_S,
+        "max_blocks": tier.pool.max_blocks or POOL_MAX_BLOCKS,
+    }
 
 
 def import_problems(tier: AnyTier, at: Path) -> Iterator[Problem]:
@@ -247,6 +312,8 @@ def describe(tier: AnyTier) -> str:
         host = tier.host or f"${P2P_HOST_ENV} (localhost)"
         port = tier.port or f"${P2P_PORT_ENV} ({P2P_DEFAULT_PORT})"
         text = f"p2p: KV between instances over NIXL; control socket {host}:{port} + DP index"
+        if tier.pool is not None:
+            text += "\n" + "\n".join(describe_pool(tier.pool))
     elif isinstance(tier, KvcrTier):
         text = "kvcr: the kvcr service (its client package, kvcr)"
     else:
@@ -254,3 +321,24 @@ def describe(tier: AnyTier) -> str:
     if isinstance(tier, StorageTier) and tier.enable_kv_events:
         text += "; stores published as KV events"
     return text
+
+
+def describe_pool(pool: Pool) -> list[str]:
+    """The pool, one fact a line (``kvcompose check``)."""
+    lines = [
+        f"  pool: {len(pool.peers)} peer(s); a request whose longest prefix a peer holds in its CPU or storage "
+        "tier, and this instance does not, loads it from that peer (remote_kv_source)",
+    ]
+    lines += [
+        f"  pool peer {p.host}:{p.p2p_port}, its KV events from {p.kv_events}"
+        + (f" (replay {p.kv_events_replay})" if p.kv_events_replay else " (no replay: a gap forgets its entries)")
+        for p in pool.peers
+    ]
+    lines.append(
+        f"  pool: a source's lookup waits {pool.wait_ms or POOL_WAIT_MS} ms at most, then the prompt is computed here"
+    )
+    lines.append(
+        f"  pool: a peer silent {pool.silent_s or POOL_SILENT_S} s is not offered; "
+        f"{pool.max_blocks or POOL_MAX_BLOCKS} entries a peer at most, the oldest dropped"
+    )
+    return lines

@@ -90,7 +90,8 @@ def test_disk_dir_stays_the_short_form_of_one_fs_tier() -> None:
 @pytest.mark.parametrize("cls", [tiers.FsTier, tiers.ObjTier, tiers.P2pTier, tiers.KvcrTier])
 def test_each_tier_struct_is_its_vllm_managers_parameters(cls: type[tiers.Tier]) -> None:
     """Every key the file takes is one the manager accepts, and every parameter of the manager is a
-    key (those vLLM fills in itself aside); the manager is the class vLLM's factory picks for the type."""
+    key (those vLLM fills in itself, and kvcompose's own fields such as the p2p tier's ``pool``,
+    aside); the manager is the class vLLM's factory picks for the type."""
     params = set(_manager_parameters(cls)) - {
         "self",
         "offloading_spec",
@@ -99,7 +100,7 @@ def test_each_tier_struct_is_its_vllm_managers_parameters(cls: type[tiers.Tier])
         "backpressure_detector",  # vLLM builds it from the entry's `backpressure`
         "kwargs",
     }
-    fields = set(cls.__struct_fields__) - {"backpressure"}
+    fields = set(cls.__struct_fields__) - {"backpressure"} - cls.own_fields
     assert fields == params
 
 
