@@ -326,8 +326,8 @@ def describe(tier: AnyTier) -> str:
 def describe_pool(pool: Pool) -> list[str]:
     """The pool, one fact a line (``kvcompose check``)."""
     lines = [
-        f"  pool: {len(pool.peers)} peer(s); a request whose longest prefix a peer holds in its CPU or storage "
-        "tier, and this instance does not, loads it from that peer (remote_kv_source)",
+        f"  pool: {len(pool.peers)} peer(s); a prefix a peer's CPU or storage tier holds further than this "
+        "instance is loaded from it (remote_kv_source)",
     ]
     lines += [
         f"  pool peer {p.host}:{p.p2p_port}, its KV events from {p.kv_events}"
