@@ -32,7 +32,9 @@ from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import EngineSpec
 
 NO_HOSTS = skip_reason()
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(NO_HOSTS is not None, reason=NO_HOSTS or "")]
+#: Long (``make test-long``), kept out of CI's hour for time; test_two_hosts.py and test_attacks.py
+#: keep the hosts in ``make test``.
+pytestmark = [pytest.mark.engine, pytest.mark.long, pytest.mark.skipif(NO_HOSTS is not None, reason=NO_HOSTS or "")]
 
 LEASE_S = 10
 #: Longer than the lease: the prefill frees the blocks nobody could read.
@@ -66,7 +68,7 @@ class Stack(Nodes):
 
 
 # The examples' own setting in `make test`; the other, a second pair of servers, in `make test-long`.
-@pytest.fixture(params=["none", pytest.param("peer", marks=pytest.mark.long)], ids=lambda v: f"ucx_error_handling-{v}")
+@pytest.fixture(params=["none", "peer"], ids=lambda v: f"ucx_error_handling-{v}")
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     assert kit_namespaces(os.getpid()) == []
     with Hosts(["prefill", "decode"], link=DEFAULT_LINK) as hosts:

@@ -23,13 +23,15 @@ from kvcompose_tools.e2e.chat import load_tokenizer, render
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode
 
-pytestmark = pytest.mark.engine
+#: Long (``make test-long``), kept out of CI's hour for time: the lease under load is held in
+#: ``make test`` by test_overload.py's burst and the lease tests of plugins/nixl.
+pytestmark = [pytest.mark.engine, pytest.mark.long]
 
 SAMPLE = 4
 
 
-#: `make test` runs the examples' side alone; the controls (vLLM's MultiConnector over the same
-#: children, the NIXL child alone: three more decode servers and routers) are `make test-long`.
+#: The examples' side, and the controls (vLLM's MultiConnector over the same children, the NIXL
+#: child alone: three more decode servers and routers) in a run of their own.
 @pytest.fixture(
     scope="module", params=[(SUBJECT,), pytest.param(SIDES, marks=pytest.mark.long)], ids=["examples", "controls"]
 )

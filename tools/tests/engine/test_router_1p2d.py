@@ -32,7 +32,9 @@ from kvcompose_tools.e2e.router import RouterNode
 from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
-pytestmark = pytest.mark.engine
+#: Long (``make test-long``), kept out of CI's hour for time; test_fleet_2p2d.py keeps a fleet
+#: behind the router in ``make test``.
+pytestmark = [pytest.mark.engine, pytest.mark.long]
 
 MAX_TOKENS = 16
 
