@@ -205,6 +205,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         self._replays = Replays()
         #: request id -> the kv_request_id this engine gave it as a prefill for a remote decode
         self._to_decoder: dict[str, str] = {}
+        self._unlinger()
         #: roles refused, by reason (the log says each; tests and operators read the counts)
         self.refused: dict[str, int] = {}
         pool = extra.get(P2P_POOL_KEY) if self._address is not None else None
@@ -243,14 +244,15 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         assert self.pool is not None
         if request.skip_reading_prefix_cache:
             return
-        per_chunk = self.connector_scheduler.config.kv_group_configs[0].hashes_per_chunk
+        group = self.connector_scheduler.config.kv_group_configs[0]
+        per_chunk = group.hashes_per_chunk
         # A chunk is named by its last block's hash (vLLM's OffloadKey), in its events as here.
         keys = request.block_hashes[per_chunk - 1 :: per_chunk]
         found = self.pool.longest(keys)
         if found is None:
             return
         peer, chunks = found
-        if chunks <= self._local_chunks(request, keys, per_chunk):
+        if chunks <= self._local_chunks(request, keys, per_chunk, group.group_idx):
             return
         kv_request_id = REQUEST_ID_PREFIX + secrets.token_hex(16)
         role = {"kv_request_id": kv_request_id, "remote_host": peer.host, "remote_port": peer.p2p_port}
@@ -259,23 +261,22 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         request.kv_transfer_params[SOURCE] = role
         self._wait(request, kv_request_id, "index")
 
-    def _local_chunks(self, request: Request, keys: Sequence[bytes], per_chunk: int) -> int:
+    def _local_chunks(self, request: Request, keys: Sequence[bytes], per_chunk: int, group_idx: int) -> int:
         """How many of the request's chunks this instance holds from the start: the longer of its
         device prefix (vLLM's own longest hit, which has no side effect) and its CPU tier's run of
         chunks (the eviction policy's ``get``, which touches nothing)."""
         device_blocks = 0
         kv_cache_manager = self._kv_cache_manager
         if kv_cache_manager is not None and kv_cache_manager.enable_caching:
-            _, tokens, _ = kv_cache_manager.coordinator.find_longest_cache_hit(
-                request.block_hashes, request.num_tokens - 1
-            )
-            device_blocks = tokens // self.connector_scheduler.config.tokens_per_hash
+            # (blocks, hit tokens, ...): the tuple's length is not the same in every vLLM.
+            hit = kv_cache_manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+            device_blocks = hit[1] // self.connector_scheduler.config.tokens_per_hash
         manager = self.connector_scheduler.manager
         primary = getattr(manager, "primary_tier", manager)
         context = ReqContext(req_id=request.request_id)
         host = 0
         for key in keys:
-            if primary.lookup(make_offload_key(key, 0), context) is LookupResult.MISS:
+            if primary.lookup(make_offload_key(key, group_idx), context) is LookupResult.MISS:
                 break
             host += 1
         return max(device_blocks // per_chunk, host)
@@ -319,6 +320,20 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         if self.pool is not None:
             self.pool.close()
         super().shutdown()
+
+    def _unlinger(self) -> None:
+        """No linger for the p2p tier's control sockets (the context's default for every socket
+        it makes): vLLM closes a dead peer's connection with ZMQ's default, forever
+        (``tiering/p2p/control/zmq.py`` ``ZmqConnection.close``), and at shutdown destroys the
+        context, which then waits forever for what was queued to a peer that never connected (a
+        source or a prefill that died): the engine would hang at shutdown."""
+        import zmq
+
+        manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
+        for tier in getattr(manager, "secondary_tiers", ()):
+            context = getattr(getattr(tier, "_control", None), "_zmq_ctx", None)
+            if isinstance(context, zmq.Context):
+                context.setsockopt(zmq.LINGER, 0)
 
     def _screen(self, request: Request, params: dict[str, Any]) -> None:
         digest = prompt_digest(list(request.prompt_token_ids or ()), request_context(request))
