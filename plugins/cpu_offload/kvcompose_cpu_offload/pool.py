@@ -255,10 +255,10 @@ class PeerIndex:
                         self._on_frames(state, sock.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 continue
-            except zmq.ZMQError as exc:
+            except Exception as exc:  # the index must outlive anything one message does to it
                 if self._stop.is_set():
                     return
-                logger.warning("kvcompose pool: index socket error %s; going on", exc)
+                logger.warning("kvcompose pool: index error %s: %s; going on", type(exc).__name__, exc)
                 time.sleep(0.1)  # a failing socket must not spin the thread
 
     def _on_monitor(self, state: _PeerState) -> None:
