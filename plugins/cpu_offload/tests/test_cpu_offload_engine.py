@@ -20,8 +20,10 @@ SCRIPT = Path(__file__).with_name("cpu_offload_engine_check.py")
 
 
 @pytest.mark.engine
-# The disk backend as a child of a composition runs in `make test` (tools/tests/engine/test_three_tiers.py).
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("disk", marks=pytest.mark.long)])
+# Both backends are `make test-long`, out of CI's hour: as children of a composition they run in
+# `make test` (tools/tests/engine/test_three_tiers.py, test_pd_engines.py).
+@pytest.mark.long
+@pytest.mark.parametrize("backend", ["cpu", "disk"])
 def test_engine_serves_a_prefix_from_the_offload_tier(request: pytest.FixtureRequest, backend: str) -> None:
     markexpr = request.config.getoption("markexpr", "") or ""
     selected = "engine" in markexpr or "long" in markexpr  # make test-long selects -m long

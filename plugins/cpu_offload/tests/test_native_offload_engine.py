@@ -29,7 +29,10 @@ from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
-pytestmark = pytest.mark.engine
+#: Long (``make test-long``), out of CI's hour: the same tiers through the native examples'
+#: composition, the fs tier after a restart included, run in ``make test``
+#: (tools/tests/engine/test_native_tier.py).
+pytestmark = [pytest.mark.engine, pytest.mark.long]
 
 MAX_TOKENS = 8
 PROMPT = token_prompt(60, 300)

@@ -144,6 +144,9 @@ def test_ranges_host_prefix_then_nixl_and_every_answer_is_the_baselines(engines:
     assert t2.children == ("host", "pd") and t2.equals(engines.expect("turn 2", turn_2))
 
 
+# `make test-long`, out of CI's hour (a decode of its own): first-wins through the native host tier;
+# test_three_tiers.py keeps first-wins in an engine in `make test`.
+@pytest.mark.long
 def test_first_wins_the_host_tier_alone_serves_the_repeat(engines: Engines) -> None:
     decode = engines.decode_with("decode-first-wins", decode_yaml("first-wins"))
     b = PROMPTS["b"]
