@@ -189,7 +189,15 @@ def test_a_restarted_publisher_counting_from_0_leaves_no_stale_entry(make_publis
     send(index, a, stored(H[4:5]))
     assert index.longest(H) == (a.peer, 5)
     a.close()
-    restarted = make_publisher(port=a.port, p2p_port=a.peer.p2p_port, replay=False)
+    restarted = None
+    deadline = time.monotonic() + 10
+    while restarted is None:  # the old publisher's port is released after its shutdown returns (vLLM 0.33)
+        try:
+            restarted = make_publisher(port=a.port, p2p_port=a.peer.p2p_port, replay=False)
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
     # The new publisher counts from 0; the SUB reconnects on its own.
     wait_until(lambda: (restarted.publish(stored([H[7]])), time.sleep(0.1), index.longest([H[7]]))[-1])
     assert index.longest(H) is None and index.held(a.peer) == 1
