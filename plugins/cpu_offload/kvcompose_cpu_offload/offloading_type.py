@@ -45,6 +45,7 @@ from kvcompose.api import (
     given_options,
 )
 from kvcompose_cpu_offload import tiers as tiers_
+from kvcompose_nixl.trust import LOOPBACK_PEERS
 
 if TYPE_CHECKING:
     from kvcompose.api import Child, Plan
@@ -339,7 +340,8 @@ def _pool_problems(pool: tiers_.Pool, at: tuple[str | int, ...], keyed: bool) ->
             endpoint = getattr(peer, key)
             if endpoint is not None and not 0 < int(endpoint.rpartition(":")[2]) < 65536:
                 yield Problem(f"{key} {endpoint!r}: the port is not 1-65535", here + (key,))
-    remote = [p for p in pool.peers if not tiers_.is_loopback(p.host)]
+    # The loopback the p2p class lets a role name without a key (kvcompose_nixl.trust), one definition.
+    remote = [p for p in pool.peers if not LOOPBACK_PEERS.allows(p.host, p.p2p_port)]
     if remote and not keyed:
         yield Problem(
             f"a pool with peers beyond this machine ({remote[0].host}, ...) needs the deployment key: a source "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import ipaddress
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
@@ -123,16 +122,6 @@ class Pool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaul
 
 #: The pool's defaults: wait for a source's answer, silence before a peer is not offered, entries a peer.
 POOL_WAIT_MS, POOL_SILENT_S, POOL_MAX_BLOCKS = 1000, 60, 1_000_000
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is this machine (an address in 127.0.0.0/8 or ::1, or ``localhost``)."""
-    if host.lower().rstrip(".") == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class P2pTier(Tier, tag="p2p", kw_only=True):
