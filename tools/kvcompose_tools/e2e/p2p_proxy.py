@@ -37,10 +37,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvcompose_tools.e2e.processes import NodeError, ProcessNode
 from kvcompose_tools.e2e.server import HOST, HttpClient
+from kvcompose_tools.e2e.stream import address
 
 #: The p2p tier's role keys (``tiering/p2p/manager.py``).
 DECODER, PREFILLER = "remote_decoder", "remote_prefiller"
@@ -109,10 +109,7 @@ class P2pProxy(ThreadingHTTPServer):
 
 
 def _connect(url: str) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    if parts.hostname is None or parts.port is None:
-        raise ValueError(f"{url!r}: expected http://host:port")
-    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=LEG_TIMEOUT_S)
+    return http.client.HTTPConnection(*address(url), timeout=LEG_TIMEOUT_S)
 
 
 def _open(leg: str, url: str, method: str, path: str, body: dict[str, Any] | None, headers: dict[str, str]) -> Any:
