@@ -263,6 +263,9 @@ class NativeOffloadType(ConnectorType):
                 warning=True,
             )
         if opts.tiers is None:
+            for tier in secondary_tiers(opts):  # disk_dir, the short form of one fs tier
+                assert isinstance(tier, tiers_.FsTier)
+                yield from tiers_.fs_problems(tier, at("disk_dir"))
             return
         if opts.disk_dir is not None:
             yield Problem(
@@ -302,6 +305,8 @@ def _tier_problems(
     (``keyed``: the child names the deployment key)."""
     if isinstance(tier, tiers_.P2pTier) and tier.pool is not None:
         yield from _pool_problems(tier.pool, at + ("pool",), keyed)
+    if isinstance(tier, tiers_.FsTier):
+        yield from tiers_.fs_problems(tier, at + ("root_dir",))
     if isinstance(tier, tiers_.P2pTier) and tier.backpressure is not None:
         yield Problem(
             "vLLM's p2p tier refuses backpressure (it cannot fail fast in P/D mode)",
@@ -328,8 +333,8 @@ def _tier_problems(
 
 
 def _pool_problems(pool: tiers_.Pool, at: tuple[str | int, ...], keyed: bool) -> Iterator[Problem]:
-    """A pool's peers: each once, each endpoint's port in range, and the deployment key unless
-    every peer is this machine."""
+    """A pool's peers: each once, each endpoint's port in range (an ``ipc://`` one for a peer on
+    this host only), and the deployment key unless every peer is this machine."""
     seen: set[tuple[str, int]] = set()
     for j, peer in enumerate(pool.peers):
         here = at + ("peers", j)
@@ -338,7 +343,15 @@ def _pool_problems(pool: tiers_.Pool, at: tuple[str | int, ...], keyed: bool) ->
         seen.add((peer.host, peer.p2p_port))
         for key in ("kv_events", "kv_events_replay"):
             endpoint = getattr(peer, key)
-            if endpoint is not None and not 0 < int(endpoint.rpartition(":")[2]) < 65536:
+            if endpoint is None:
+                continue
+            if endpoint.startswith("ipc://") and not LOOPBACK_PEERS.allows(peer.host, peer.p2p_port):
+                yield Problem(
+                    f"{key} {endpoint!r} is a socket of this host, but the peer is {peer.host}",
+                    here + (key,),
+                    "give a peer beyond this host its publisher's tcp://HOST:PORT",
+                )
+            elif endpoint.startswith("tcp://") and not 0 < int(endpoint.rpartition(":")[2]) < 65536:
                 yield Problem(f"{key} {endpoint!r}: the port is not 1-65535", here + (key,))
     # The loopback the p2p class lets a role name without a key (kvcompose_nixl.trust), one definition.
     remote = [p for p in pool.peers if not LOOPBACK_PEERS.allows(p.host, p.p2p_port)]

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import pathlib
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
@@ -93,8 +96,9 @@ class ObjTier(StorageTier, tag="obj", kw_only=True):
     io_threads: PositiveInt | None = None
 
 
-#: A ZMQ TCP endpoint a peer publishes on: ``tcp://HOST:PORT`` (vLLM binds ``tcp://*:PORT``).
-Endpoint = Annotated[str, Meta(pattern=r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}$")]
+#: A ZMQ endpoint a peer publishes on: ``tcp://HOST:PORT`` (vLLM binds ``tcp://*:PORT``), or
+#: ``ipc:///PATH`` for a peer on this host (vLLM binds it as given; nothing beyond the host reaches it).
+Endpoint = Annotated[str, Meta(pattern=r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}|ipc:///[^\s]{1,200})$")]
 
 
 class PoolPeer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -292,24 +296,70 @@ def import_problems(tier: AnyTier, at: Path) -> Iterator[Problem]:
 
 
 def describe(tier: AnyTier) -> str:
-    """One line: what the tier holds and where (``kvcompose check``)."""
+    """What the tier holds and where, its first line; then the fs tier's sharing and the p2p
+    tier's pool, a fact a line (``kvcompose check``)."""
+    more: list[str] = []
     if isinstance(tier, FsTier):
         text = f"fs: block files in {tier.root_dir}, shared by the instances on it"
+        more = describe_shared(tier)
     elif isinstance(tier, ObjTier):
         text = f"obj: bucket {tier.store_config.bucket} at {tier.store_config.endpoint_override}"
     elif isinstance(tier, P2pTier):
         host = tier.host or f"${P2P_HOST_ENV} (localhost)"
         port = tier.port or f"${P2P_PORT_ENV} ({P2P_DEFAULT_PORT})"
         text = f"p2p: KV between instances over NIXL; control socket {host}:{port} + DP index"
-        if tier.pool is not None:
-            text += "\n" + "\n".join(describe_pool(tier.pool))
+        more = describe_pool(tier.pool) if tier.pool is not None else []
     elif isinstance(tier, KvcrTier):
         text = "kvcr: the kvcr service (its client package, kvcr)"
     else:
         text = f"{tier.type} from {tier.module_path}"
     if isinstance(tier, StorageTier) and tier.enable_kv_events:
         text += "; stores published as KV events"
-    return text
+    return "\n".join([text, *more])
+
+
+#: Where vLLM's fs tier writes a block (``kv_offload/file_mapper.py``: ``FileMapper``).
+FS_LAYOUT = "<model>_<digest>_r0/<hhh>/<hh>_g<group>/<block hash>.bin"
+
+
+def describe_shared(tier: FsTier) -> list[str]:
+    """What instances sharing the fs tier's directory must agree on, and who may write it
+    (``kvcompose check``; the checks are :func:`fs_problems`)."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    return [
+        f"  fs: each block a file {FS_LAYOUT}; the digest is of the model's name as given to vLLM, its "
+        "dtype, tokens per block, blocks per file and KV groups: instances that differ in one write beside each other",
+        "  fs: a block's file is named by vLLM's prefix hash: sha256 (vLLM's default) is seeded alike everywhere, "
+        "or by PYTHONHASHSEED where it is set: give every instance on the directory the same PYTHONHASHSEED, or "
+        f"none (here: {'PYTHONHASHSEED=' + seed if seed is not None else 'not set'}); xxhash without it never shares",
+        "  fs: vLLM trusts every file there as KV: whoever may write the directory decides what the instances on "
+        "it load; let only the fleet's instances write it",
+    ]
+
+
+def fs_problems(tier: FsTier, at: Path) -> Iterator[Problem]:
+    """A shared directory any user may write, one that is not a directory, or a relative one
+    (each engine resolves it in its own working directory); ``at``: the key that names it
+    (``root_dir``, or ``disk_dir`` in the short form)."""
+    root, key = pathlib.Path(tier.root_dir), at[-1]
+    if not root.is_absolute():
+        yield Problem(
+            f"{key} {tier.root_dir!r} is relative: each engine resolves it in its own working directory, "
+            "so instances started elsewhere do not share it",
+            at,
+            "give an absolute path",
+            warning=True,
+        )
+    if root.exists() and not root.is_dir():
+        yield Problem(f"{key} {tier.root_dir} exists and is not a directory", at)
+    elif root.is_dir() and root.stat().st_mode & stat.S_IWOTH:
+        yield Problem(
+            f"{key} {tier.root_dir} may be written by any user of this host, and vLLM loads every block "
+            "file there as KV: any of them could put KV under an instance's answers",
+            at,
+            f"chmod o-w {tier.root_dir} (the fleet's instances run as one user or group), or give a directory of "
+            "their own",
+        )
 
 
 def describe_pool(pool: Pool) -> list[str]:

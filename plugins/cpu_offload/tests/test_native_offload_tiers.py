@@ -334,3 +334,43 @@ def test_the_p2p_key_renders_for_the_p2p_class_and_is_refused_without_a_p2p_tier
     monkeypatch.delenv("KVCOMPOSE_PD_KEY")
     (warning,) = loads(keyed).warnings
     assert "KVCOMPOSE_PD_KEY" in warning.message and "stops at start" in warning.message
+
+
+# -- the fs tier as the fleet's shared directory (issue 62, item 3)
+
+
+def test_check_says_what_instances_sharing_the_fs_directory_must_agree_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "4242")
+    plan = loads(_composition("- {type: fs, root_dir: /mnt/kv}\n"))
+    lines = [line.strip() for line in plan.child("host").type.brief(plan.child("host")).splitlines()]
+    shared = [line for line in lines if line.startswith("fs:")]
+    assert len(shared) == 3, lines
+    assert tiers.FS_LAYOUT in shared[0] and "model's name" in shared[0]
+    assert "PYTHONHASHSEED=4242" in shared[1] and "sha256" in shared[1]
+    assert "whoever may write the directory" in shared[2]
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["tiers", "disk_dir"])
+def test_a_shared_directory_any_user_may_write_is_refused_at_its_key(tmp_path: Path, short: bool) -> None:
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    kv.chmod(0o777)
+    text = (
+        _composition("", extra=f"      disk_dir: {kv}\n").replace("      tiers:\n", "")
+        if short
+        else _composition(f"- {{type: fs, root_dir: {kv}}}\n")
+    )
+    message = _refused(text)
+    assert ("c.yaml:7:" if short else "c.yaml:8:") in message and "may be written by any user" in message, message
+    assert f"chmod o-w {kv}" in message
+    kv.chmod(0o770)  # the control: the fleet's group may write it
+    assert loads(text).child("host").vllm_config()
+
+
+def test_a_relative_or_non_directory_root_is_said(tmp_path: Path) -> None:
+    plan = loads(_composition("- {type: fs, root_dir: kv-cache}\n"))
+    (warning,) = plan.warnings
+    assert "relative" in warning.message and warning.path[-1] == "root_dir"
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    assert "is not a directory" in _refused(_composition(f"- {{type: fs, root_dir: {not_a_dir}}}\n"))

@@ -384,6 +384,13 @@ def test_the_pool_renders_beside_the_tier_never_into_vllms_entry() -> None:
     }
 
 
+def test_a_peer_on_this_host_may_publish_on_a_unix_socket() -> None:
+    """vLLM's publisher binds an ``ipc://`` endpoint as given (a TCP one only as ``tcp://*``)."""
+    peer = LOCAL_PEER.replace("tcp://127.0.0.1:5557", "ipc:///run/kvc/peer-b.sock")
+    extra = loads(_pool_yaml(peer)).child("host").vllm_config()["kv_connector_extra_config"]
+    assert extra[tiers.P2P_POOL_KEY]["peers"][0]["kv_events"] == "ipc:///run/kvc/peer-b.sock"
+
+
 def test_check_says_the_pool_one_fact_a_line() -> None:
     plan = loads(_pool_yaml(LOCAL_PEER))
     lines = plan.child("host").type.brief(plan.child("host")).splitlines()
@@ -404,6 +411,8 @@ def test_check_says_the_pool_one_fact_a_line() -> None:
         (LOCAL_PEER, "            peer: []\n", "c.yaml:", "unknown key 'peer'"),
         (LOCAL_PEER + LOCAL_PEER, "", "c.yaml:14:", "listed twice"),
         (REMOTE_PEER, "", "c.yaml:13:", "needs the deployment key"),
+        (LOCAL_PEER.replace("tcp://127.0.0.1:5557", "ipc://relative"), "", "c.yaml:13:", "kv_events"),
+        (REMOTE_PEER.replace("tcp://10.0.0.8:5557", "ipc:///tmp/p.sock"), "", "c.yaml:13:", "a socket of this host"),
     ],
 )
 def test_a_bad_pool_is_refused_at_its_line_saying_why(peers: str, pool_extra: str, at: str, says: str) -> None:
@@ -489,14 +498,14 @@ def test_the_scheduler_sets_a_source_when_a_peer_holds_more_and_gives_it_up_afte
         assert child.sources["index"] == 1
 
         started = time.monotonic()
-        while remote.num_computed_tokens == 0 and time.monotonic() - started < 5:
+        while remote.num_computed_tokens == 0 and time.monotonic() - started < 60:
             out, _ = step(scheduler)
             if remote.request_id in out.num_scheduled_tokens:
                 break
             time.sleep(0.05)
         waited = time.monotonic() - started
         assert remote.request_id in out.num_scheduled_tokens, "the request never ran"
-        assert 0.3 <= waited < 3, waited
+        assert waited >= 0.3, waited  # not before wait_ms (no upper bound: a loaded machine is slow)
         assert child.sources["gave_up"] == 1
         assert out.num_scheduled_tokens[remote.request_id] == len(remote.prompt_token_ids)  # computed here
         assert mute.poll(0), "vLLM's tier did not contact the source"
