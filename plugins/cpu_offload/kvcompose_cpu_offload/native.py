@@ -24,8 +24,10 @@ See docs/native-offload.md for what differs and why.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
+import os
 import queue
 import threading
 import time
@@ -38,7 +40,7 @@ import torch
 from typing_extensions import override
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingWorker
 from vllm.v1.kv_offload.cpu.gpu_worker import (
     CPUOffloadingWorker,
     SingleDirectionOffloadingHandler,
@@ -357,6 +359,26 @@ class PortableTieringOffloadingSpec(TieringOffloadingSpec, PortableCPUOffloading
     kvcompose_cpu_offload.native``, ``cpu_bytes_to_use``, ``secondary_tiers: [{type: fs,
     root_dir: ...}]``.
     """
+
+    @override
+    def get_manager(self) -> OffloadingManager:
+        """vLLM's manager; then the shared region's file in ``/dev/shm`` is unlinked once the
+        scheduler has joined it.
+
+        vLLM's tiering spec maps the region by name from every worker and the scheduler with no
+        barrier, so only its creator (a worker) removes the name, at a cleanup that a killed or
+        hastily stopped engine never runs: each such engine left ``cpu_bytes`` of host memory
+        in ``/dev/shm`` (20 GiB of them filled this machine after 19 benchmark runs). The engine
+        core initialises every worker's KV caches, which maps the region, before it builds the
+        scheduler: a scheduler that joined an existing file is the last to map it, and the name
+        can go (the mappings stay valid; the memory is freed when the last process exits). A
+        scheduler that created the file (no worker mapped it yet) leaves it."""
+        manager = super().get_manager()
+        region = getattr(self, "_scheduler_mmap", None)  # vLLM's (tiering/spec.py), private
+        if region is not None and getattr(region, "_creator", True) is False:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(region.mmap_path)
+        return manager
 
     @override
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:

@@ -4,7 +4,9 @@ engine-layout KV blocks through vLLM's own ``OffloadingConnector`` worker path b
 from __future__ import annotations
 
 import ast
+import glob
 import inspect
+import os
 import textwrap
 import time
 from typing import Any
@@ -225,7 +227,9 @@ def test_tiering_spec_worker_stores_where_the_secondary_tiers_read(tmp_path: Any
     """With a secondary tier the worker's host tensors are views of vLLM's shared region: a block
     the worker stores into chunk 3 is in chunk 3 of the scheduler side's view of that region, which
     is what every secondary tier reads (``TieringOffloadingManager`` hands ``view[c]`` to them);
-    chunk 4, never stored, holds none of it. A load from chunk 3 brings the block back."""
+    chunk 4, never stored, holds none of it. A load from chunk 3 brings the block back. Once the
+    scheduler side has mapped the region (the engine's order: workers first), its file in
+    ``/dev/shm`` is gone, so no exit of the engine leaves it behind; the mappings still share it."""
     cfg = _config(
         16,
         spec_name="PortableTieringOffloadingSpec",
@@ -233,13 +237,17 @@ def test_tiering_spec_worker_stores_where_the_secondary_tiers_read(tmp_path: Any
     )
     kv = make_engine_kv(kv_transfer_config=cfg, block_size=16)
     fill_random(kv)
+    others = set(glob.glob("/dev/shm/vllm_offload_*.mmap"))
     connector, worker = _worker(kv)
     assert isinstance(worker, PortableCPUOffloadingWorker)
     spec = connector.connector_worker.spec  # type: ignore[union-attr]
     before = kv.snapshot()
     assert worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([3]))
     worker.wait({1})
+    mine = set(glob.glob("/dev/shm/vllm_offload_*.mmap")) - others  # the worker's region, by name
+    assert len(mine) == 1, mine
     manager = spec.get_manager()  # the scheduler side: its own mapping of the region
+    assert not any(os.path.exists(path) for path in mine), "the region's name outlives the engine"
     view = manager.primary_tier.get_kv_memoryview()
     rows = np.asarray(view)  # (chunks, bytes a chunk), as the tiers index it
     stored, untouched = rows[3].tobytes(), rows[4].tobytes()
