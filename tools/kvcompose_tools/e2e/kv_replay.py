@@ -76,6 +76,17 @@ def decode(payload: bytes) -> list[Any]:
     return list(msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload).events)
 
 
+def without_stores(payloads: Sequence[bytes], medium: str) -> list[bytes]:
+    """The payloads less every store on ``medium``: what a relay that lost that tier's stores
+    passes on (the control of a test that credits the tier)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    def kept(e: Any) -> bool:
+        return not (isinstance(e, BlockStored) and e.medium == medium)
+
+    return [encode([e for e in decode(p) if kept(e)]) for p in payloads]
+
+
 def save_recording(path: Path, payloads: Sequence[bytes], prompts: Sequence[Sequence[int]], **about: Any) -> None:
     """Write a recording: the payloads (base64) in the order they were published, the prompts
     whose blocks they describe, and ``about`` (what engine, which composition, block size)."""

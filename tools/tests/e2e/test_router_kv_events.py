@@ -17,7 +17,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from kvcompose.testing.harness import make_request
 from kvcompose.testing.worker import WorkerHarness
 from kvcompose_tools.e2e.events import TOPIC
-from kvcompose_tools.e2e.kv_replay import encode, load_recording, replay
+from kvcompose_tools.e2e.kv_replay import encode, load_recording, replay, without_stores
 
 DATA = Path(__file__).parent / "data"
 #: Recorded from a real server of pd-decode.yaml, its host tier lazy
@@ -147,6 +147,9 @@ def test_a_real_composed_engines_recorded_events_are_credited(tmp_path: Path) ->
     # the device's 192 alone (measured on a server run without it); with it, the host's blocks
     # 6-9 too, at 0.8.
     assert decision.credited_prefix_tokens > 192, decision
+    # the control: the same batches less the host tier's stores credit the device's 192 alone
+    control = replay(without_stores(payloads, "CPU"), prompts, tmp_path, block_size=about["block_size"])
+    assert control.decisions[0].credited_prefix_tokens == 192, control.decisions
     # the same batches on a topic: nothing taken in, nothing credited (the docs' first finding)
     result = replay(payloads, prompts, tmp_path, block_size=about["block_size"], topic="kv-events")
     assert result.batches_seen == 0 and all(d.credited_prefix_tokens == 0 for d in result.decisions)

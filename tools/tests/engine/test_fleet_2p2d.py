@@ -4,7 +4,14 @@ prefills chosen by ``kv_aware`` over their composed KV events (relayed in the 16
 router indexes), decodes by a hash of the session. The servers' P/D flags and the router's are
 built as the manifests spell them (:mod:`kvcompose.serving`; tools/tests/e2e/test_kubernetes.py).
 
-Two conversations, three turns each, interleaved: every later turn is computed by the prefill
+First the routing's control: two conversations whose first turns were computed on one prefill
+each, sent to it directly (not through the router), go on through the router in the order
+C, D, D, C, all under one session. ``kv_aware`` sends each turn to the prefill whose events say
+it holds the history; ``round_robin`` alternates (D's second turn would land on C's prefill) and
+``consistent_hash`` sends one session to one prefill (C's or D's turns would land on the other's),
+so either policy, or a relay that passes the router nothing, fails it.
+
+Then two conversations, three turns each, interleaved: every later turn is computed by the prefill
 that computed the earlier ones (it holds their blocks: only the new part is computed) and
 answered by the same decode. Then that prefill is killed: within the router's health window
 (one check a second, two failures) a request may fail with the router's own error, after it
@@ -21,7 +28,7 @@ import pytest
 
 from engine.stack import Nodes, module_stack
 from kvcompose.serving import FLEET_POLICY
-from kvcompose_tools.e2e.fleet import Fleet, first_prompt, kill_scenario
+from kvcompose_tools.e2e.fleet import TURN_TOKENS, Fleet, first_prompt, kill_scenario
 from kvcompose_tools.e2e.flow import same_output
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode
@@ -46,6 +53,28 @@ class Stack(Nodes):
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     yield from module_stack(Stack, "kvcompose-e2e-fleet-")
+
+
+def test_each_turn_goes_to_the_prefill_that_holds_its_history_not_to_its_sessions(
+    stack: Stack, baseline: EngineNode
+) -> None:
+    placed = dict(zip(("conv-c", "conv-d"), stack.fleet.prefills, strict=True))
+    prompts: dict[str, list[int]] = {}
+    held: dict[str, int] = {}  # the full blocks of the history the conversation's prefill holds
+    for seed, (name, prefill) in enumerate(placed.items(), start=3):
+        prompt = first_prompt(seed)
+        (answer,) = prefill.generate([prompt], 1)  # computed there alone: no router, no decode
+        held[name] = len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+        prompts[name] = prompt + answer["token_ids"] + [7] * TURN_TOKENS
+    for name in ("conv-c", "conv-d", "conv-d", "conv-c"):
+        prompt = prompts[name]
+        served = stack.fleet.turn(prompt, MAX_TOKENS, "one-user")
+        assert served.prefill == placed[name].name, (name, served.prefill, served)
+        assert served.prefill_computed_tokens == len(prompt) - held[name], (name, served)
+        (want,) = baseline.generate([prompt], MAX_TOKENS)
+        assert served.equals(want), (name, served.token_ids, want)
+        held[name] = len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+        prompts[name] = prompt + served.token_ids + [8] * TURN_TOKENS
 
 
 def test_turns_follow_their_history_and_move_once_when_its_prefill_dies(stack: Stack, baseline: EngineNode) -> None:

@@ -16,6 +16,11 @@ connector and no MultiConnector: the path llm-d's sidecar drives, with the role 
   prefill, whose prompt extends what the decode computed: the prefill asks which blocks the
   decode holds and fetches them.
 
+* **the fleet's pool**: each tier's ``pool`` names the other engine (its p2p socket, its KV
+  events on a Unix socket); a request with no role at all, whose prefix only the other engine's
+  CPU tier holds, is given ``remote_kv_source`` by the composition from the peer's events, and
+  loads that prefix from it (issue 62). Its control: a prompt nobody holds is computed here.
+
 Every answer must be the single-engine baseline's, token ids and logprobs bit for bit, and the
 tokens the p2p tier brought must be counted as loaded (not computed) where they landed.
 
@@ -27,6 +32,7 @@ scheduler) are refused, the prompt computed here, the engine still serving; the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ from typing import Any
 import pytest
 
 from engine.stack import Nodes, module_stack
+from kvcompose_tools.e2e.events import EventListener, kv_events_config
 from kvcompose_tools.e2e.flow import Served, decode_request, full_blocks, routed_request, token_prompt
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
@@ -49,10 +56,16 @@ PD_PROMPT = token_prompt(70, 450)
 PROXY_PROMPT = token_prompt(74, 420)
 SHARED = token_prompt(71, 300)
 EXTENDED = SHARED + token_prompt(72, 60)
+POOLED = token_prompt(77, 300)
+POOLED_EXTENDED = POOLED + token_prompt(78, 60)
+#: How long the decode's CPU-tier stores may take to be published.
+EVENTS_WAIT_S = 30.0
 
 
-def p2p_yaml(port: int) -> str:
-    """One native-offload child whose only tier behind host memory is vLLM's p2p tier on ``port``."""
+def p2p_yaml(port: int, peer_port: int, peer_events: str) -> str:
+    """One native-offload child whose only tier behind host memory is vLLM's p2p tier on ``port``,
+    its pool the peer whose p2p tier is on ``peer_port`` and who publishes on ``peer_events``."""
+    peer = f'{{host: 127.0.0.1, p2p_port: {peer_port}, kv_events: "{peer_events}"}}'
     return (
         "version: 1\n"
         "connectors:\n"
@@ -60,7 +73,7 @@ def p2p_yaml(port: int) -> str:
         "    type: native-offload\n"
         "    options:\n"
         "      cpu_bytes: 64MiB\n"
-        f"      tiers: [{{type: p2p, host: 127.0.0.1, port: {port}}}]\n"
+        f"      tiers: [{{type: p2p, host: 127.0.0.1, port: {port}, pool: {{peers: [{peer}]}}}}]\n"
     )
 
 
@@ -74,13 +87,17 @@ class Pair(Nodes):
         self.baseline = baseline
         ports = free_ports(4)
         self.p2p_ports = {"prefill": ports[2], "decode": ports[3]}
-        for name, engine_port in zip(("prefill", "decode"), ports[:2], strict=True):
+        events = {name: kv_events_config(tmp / f"{name}.events") for name in self.p2p_ports}
+        for (name, other), engine_port in zip((("prefill", "decode"), ("decode", "prefill")), ports[:2], strict=True):
             path = tmp / f"{name}.yaml"
-            path.write_text(p2p_yaml(self.p2p_ports[name]))
-            node = ServerNode(EngineSpec(name, model, str(path), engine_port), tmp)
+            path.write_text(p2p_yaml(self.p2p_ports[name], self.p2p_ports[other], events[other]["endpoint"]))
+            node = ServerNode(EngineSpec(name, model, str(path), engine_port, kv_events=events[name]), tmp)
             self.nodes.append(node)
             setattr(self, name, node)
         wait_all_ready(self.nodes)
+        #: what the decode publishes, heard as its peer hears it
+        self.decode_events = EventListener(events["decode"]["endpoint"])
+        self.nodes.append(self.decode_events)
         self.router = RouterNode([self.prefill], [self.decode], model, tmp)
         self.nodes.append(self.router)
         self.router.wait_ready()
@@ -162,3 +179,42 @@ def test_symmetric_the_prefill_pulls_what_the_decode_holds_and_answers_as_one_en
     assert pulled.loaded == {"host": full(SHARED)}, pulled.loaded
     assert pulled.computed_tokens == len(EXTENDED) - full(SHARED)
     assert pulled.equals(expected)
+
+
+def wait_for_cpu_store(events: EventListener, prompt: list[int]) -> None:
+    """Until the publisher has said that its CPU tier holds ``prompt``'s last full block."""
+    end = full(prompt)
+    deadline = time.monotonic() + EVENTS_WAIT_S
+    while time.monotonic() < deadline:
+        for block in events.stored():
+            size = len(block.token_ids)
+            if block.medium == "CPU" and size and block.token_ids == prompt[end - size : end]:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"no CPU store of the prompt's last full block published in {EVENTS_WAIT_S} s")
+
+
+def test_the_pool_loads_a_prefix_from_the_peer_its_events_say_holds_it(pair: Pair) -> None:
+    """No role from anyone: the prefill's pool reads the decode's KV events, names the decode as
+    the request's ``remote_kv_source``, and vLLM's tier loads the prefix from it."""
+    expected_pooled = pair.baseline.generate([POOLED], MAX_TOKENS)[0]
+    expected = pair.baseline.generate([POOLED_EXTENDED], MAX_TOKENS)[0]
+    local = decode_request(pair.decode, POOLED, MAX_TOKENS, None, "D local", ("host",))
+    assert local.loaded == {} and local.equals(expected_pooled)
+    pair.decode.generate([token_prompt(79, BLOCK_SIZE)], 1)  # a step: vLLM starts the deferred stores
+    wait_for_cpu_store(pair.decode_events, POOLED)
+    pooled = decode_request(pair.prefill, POOLED_EXTENDED, MAX_TOKENS, None, "P from the pool", ("host",))
+    show("pool", pooled)
+    assert pooled.loaded == {"host": full(POOLED)}, pooled.loaded
+    assert pooled.cached_by_source() == {"p2p": full(POOLED)}
+    assert pooled.computed_tokens == len(POOLED_EXTENDED) - full(POOLED)
+    assert pooled.equals(expected)
+
+
+def test_the_pools_control_a_prefix_no_peer_holds_is_computed_here(pair: Pair) -> None:
+    """The control of the test above: the same flow with a prompt the decode never saw."""
+    prompt = token_prompt(80, 360)
+    expected = pair.baseline.generate([prompt], MAX_TOKENS)[0]
+    served = decode_request(pair.prefill, prompt, MAX_TOKENS, None, "P, nobody holds it", ("host",))
+    show("pool control", served)
+    assert served.loaded == {} and served.computed_tokens == len(prompt) and served.equals(expected)

@@ -24,7 +24,7 @@ import pytest
 
 from kvcompose.examples import EXAMPLES
 from kvcompose_tools.e2e.events import EventListener, kv_events_config
-from kvcompose_tools.e2e.kv_replay import decode, replay, save_recording
+from kvcompose_tools.e2e.kv_replay import decode, replay, save_recording, without_stores
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
@@ -76,15 +76,19 @@ def test_the_router_credits_a_prefix_that_only_the_lazy_host_tier_holds(tmp_path
         server.close()
 
     events = [e for p in payloads for e in decode(p)]
-    a_blocks = {tuple(prompts[0][k : k + BLOCK_SIZE]) for k in range(0, PROMPT_BLOCKS * BLOCK_SIZE, BLOCK_SIZE)}
+    a_blocks = [tuple(prompts[0][k : k + BLOCK_SIZE]) for k in range(0, PROMPT_BLOCKS * BLOCK_SIZE, BLOCK_SIZE)]
     host = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     assert host, "the host tier published no store"
     seen: set[object] = set()
-    for e in host:  # each a block's token ids, its parent stored before it (or a first block)
-        assert len(e.token_ids) == BLOCK_SIZE * len(e.block_hashes), e
-        assert e.parent_block_hash is None or e.parent_block_hash in seen or _device_stored(events, e), e
+    for e in events:  # each host store a block's token ids, its parent stored earlier (or a first block)
+        if not isinstance(e, BlockStored):
+            continue
+        if e.medium == "CPU":
+            assert len(e.token_ids) == BLOCK_SIZE * len(e.block_hashes), e
+            assert e.parent_block_hash is None or e.parent_block_hash in seen, e
         seen.update(e.block_hashes)
-    assert a_blocks <= {tuple(e.token_ids) for e in host}
+    host_blocks = {tuple(e.token_ids[k : k + BLOCK_SIZE]) for e in host for k in range(0, len(e.token_ids), BLOCK_SIZE)}
+    assert set(a_blocks) <= host_blocks
     removed = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU" for h in e.block_hashes}
     assert removed, "the device evicted nothing"
 
@@ -96,11 +100,34 @@ def test_the_router_credits_a_prefix_that_only_the_lazy_host_tier_holds(tmp_path
     result = replay(payloads, [prompts[0]], tmp_path, block_size=BLOCK_SIZE, topic=config["topic"])
     (decision,) = result.decisions
     assert decision.worker == result.workers[0], result.log[-3000:]
-    assert decision.credited_prefix_tokens > 0, result.log[-3000:]
+    # The control: the same batches less the host tier's stores (a relay that lost them). The
+    # router then credits what the device still holds and no more; with them, more.
+    control = replay(
+        without_stores(payloads, "CPU"), [prompts[0]], tmp_path, block_size=BLOCK_SIZE, topic=config["topic"]
+    )
+    device_held = device_prefix(events, a_blocks) * BLOCK_SIZE
+    print(f"credited {decision.credited_prefix_tokens}, device alone {control.decisions[0].credited_prefix_tokens}, "
+          f"A's prefix on the device {device_held} tokens")  # fmt: skip
+    assert control.decisions[0].credited_prefix_tokens <= device_held, control.log[-3000:]
+    assert decision.credited_prefix_tokens > control.decisions[0].credited_prefix_tokens, result.log[-3000:]
 
 
-def _device_stored(events: list[object], store: object) -> bool:
-    from vllm.distributed.kv_events import BlockStored
+def device_prefix(events: list[object], blocks: list[tuple[int, ...]]) -> int:
+    """How many of ``blocks`` (a prompt's, in order) the device holds from the start at the end of
+    ``events``: stored on ``GPU`` and not removed since."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-    parent = getattr(store, "parent_block_hash", None)
-    return any(isinstance(e, BlockStored) and e.medium == "GPU" and parent in e.block_hashes for e in events)
+    held: dict[tuple[int, ...], object] = {}
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium == "GPU":
+            for i, h in enumerate(e.block_hashes):
+                held[tuple(e.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])] = h
+        elif isinstance(e, BlockRemoved) and e.medium == "GPU":
+            gone = set(e.block_hashes)
+            held = {tokens: h for tokens, h in held.items() if h not in gone}
+        elif isinstance(e, AllBlocksCleared):
+            held = {}
+    n = 0
+    while n < len(blocks) and blocks[n] in held:
+        n += 1
+    return n
