@@ -278,6 +278,9 @@ class Child:
     type: ConnectorType
     role: Role
     options: Options
+    #: The composition's P/D transport where it is another child (its name), else None: a child
+    #: that could also carry P/D (native-offload's p2p tier) then leaves the P/D legs to it.
+    transport: str | None = None
 
     @property
     def vllm_role(self) -> str:

@@ -62,6 +62,8 @@ def build(source: Source, plugins: Plugins | None = None, *, import_modules: boo
             problems.append(msgspec_problem(exc, ("connectors", i, "options"), ctype.options))
             continue
         children.append(Child(i, spec.name, ctype.specialised(options), spec.role, options))
+    transport = next((c.name for c in children if c.type.pd_transport), None)
+    children = [c if c.type.pd_transport else dataclasses.replace(c, transport=transport) for c in children]
     chosen: dict[str, Rule] = {}
     params: dict[str, Any] = {}
     built: dict[str, Any] = {}

@@ -168,6 +168,11 @@ class NativeOffloadType(ConnectorType):
             pools = [tiers_.pool_config(t) for t in tiers if isinstance(t, tiers_.P2pTier) and t.pool is not None]
             if pools:
                 extra[tiers_.P2P_POOL_KEY] = pools[0]
+            delays = [t.progress_delay_us for t in tiers if isinstance(t, tiers_.P2pTier) and t.progress_delay_us]
+            if delays:
+                extra[tiers_.P2P_PROGRESS_DELAY_KEY] = delays[0]
+            if child.transport is not None:
+                extra[tiers_.P2P_PD_TRANSPORT_KEY] = child.transport
         return cfg
 
     def options_from_vllm(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -184,6 +189,7 @@ class NativeOffloadType(ConnectorType):
             "stores are deferred to the next step (vLLM's own schedule)",
         ]
         lines += [f"then tier {n}, {tiers_.describe(t)}" for n, t in enumerate(secondary_tiers(opts), 1)]
+        lines += p2p_pd_lines(child)
         return "\n".join(lines)
 
     def brief(self, child: Child) -> str:
@@ -194,6 +200,7 @@ class NativeOffloadType(ConnectorType):
             f"vLLM's OffloadingConnector, {opts.eviction or 'lru'} eviction; stores deferred to the next step",
         ]
         lines += [f"then tier {n}, {tiers_.describe(t)}" for n, t in enumerate(secondary_tiers(opts), 1)]
+        lines += p2p_pd_lines(child)
         return "\n".join(lines)
 
     def listeners(self, child: Child) -> Iterator[Listener]:
@@ -285,6 +292,15 @@ class NativeOffloadType(ConnectorType):
             )
         for j, tier in enumerate(tiers):
             yield from _tier_problems(tier, at("tiers") + (j,), plan, keyed)
+
+
+def p2p_pd_lines(child: Child) -> list[str]:
+    """Who carries the P/D legs when the child has a p2p tier (``kvcompose check``)."""
+    if not any(isinstance(t, tiers_.P2pTier) for t in secondary_tiers(child.options_as(NativeOffloadOptions))):
+        return []
+    if child.transport is not None:
+        return [f"  p2p: P/D is {child.transport}'s; the p2p tier carries no P/D leg, it serves the pool"]
+    return ["  p2p: carries the P/D legs of vLLM's proxy and router (do_remote_decode -> remote_decoder)"]
 
 
 def secondary_tiers(opts: NativeOffloadOptions) -> list[tiers_.AnyTier]:

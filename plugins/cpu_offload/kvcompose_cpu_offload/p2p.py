@@ -10,7 +10,8 @@ prefill's answer carries. This class maps one onto the other, so that a composit
 
 * a request that arrives with ``do_remote_decode`` and no role key gets ``remote_decoder`` with a
   fresh, unguessable ``kv_request_id`` (:meth:`on_new_request`, before vLLM's scheduler reads
-  the request's params);
+  the request's params), unless the composition has another P/D transport (NIXL): the tier then
+  carries no P/D leg and serves the pool only;
 * when such a request finishes, its answer's params are ``remote_prefiller`` naming this engine's
   p2p control socket and that id (:meth:`request_finished`), which the router passes to the decode.
 
@@ -22,7 +23,8 @@ that is not a mapping raises in the scheduler. Here every role is screened in
 
 * ``malformed``: a role that is not a mapping of the tier's fields, of their types and sizes,
   or a combination vLLM's tier does not take;
-* ``role``: with a key, a ``remote_decoder`` a client wrote (this class gives prefills theirs);
+* ``role``: beside another P/D transport, any P/D role; with a key, a ``remote_decoder`` a client
+  wrote (this class gives prefills theirs);
 * ``prompt``, ``unsigned``, ``signature``, ``expired``, ``replayed``: with a key, a
   ``remote_prefiller`` must carry the prefill's signature over the role, its end, and the
   digest of the prompt it computed (this prompt's), and be taken once;
@@ -31,9 +33,10 @@ that is not a mapping raises in the scheduler. Here every role is screened in
 
 **The fleet's pool.** With a ``pool`` on the p2p tier, the scheduler half keeps a
 :class:`~kvcompose_cpu_offload.pool.PeerIndex` of what each configured peer holds, from the
-peers' KV events. A request that arrives with no p2p role and no NixlConnector P/D key, whose
-prefix (in the tier's chunks) a peer holds further than this instance's device cache or CPU tier
-does, gets ``remote_kv_source`` naming that peer's p2p socket and a fresh id
+peers' KV events. A request that arrives with no p2p role and is not a decode leg
+(``do_remote_prefill``: its KV comes from its prefill), a prefill leg included, whose prefix (in
+the tier's chunks) a peer holds further than this instance's device cache or CPU tier does, gets
+``remote_kv_source`` naming that peer's p2p socket and a fresh id
 (:meth:`OffloadingConnector.on_new_request`, before vLLM's tier parses the params), and vLLM's
 tier looks the blocks up there and fetches the hits. A ``remote_kv_source`` that arrives naming a
 peer of the pool (a router's choice, as llm-d's header) is used instead of the index. vLLM bounds
@@ -61,7 +64,14 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
 from kvcompose_cpu_offload.pool import Peer, PeerIndex
-from kvcompose_cpu_offload.tiers import P2P_KEY_ENV_KEY, P2P_KEY_FILE_KEY, P2P_POOL_KEY
+from kvcompose_cpu_offload.tiers import (
+    P2P_KEY_ENV_KEY,
+    P2P_KEY_FILE_KEY,
+    P2P_PD_TRANSPORT_KEY,
+    P2P_POOL_KEY,
+    P2P_PROGRESS_DELAY_KEY,
+)
+from kvcompose_nixl.patches import calm_progress_thread
 from kvcompose_nixl.trust import (
     LOOPBACK_PEERS,
     MAX_HOST_CHARS,
@@ -90,8 +100,9 @@ DECODER, PREFILLER, SOURCE = "remote_decoder", "remote_prefiller", "remote_kv_so
 ROLE_KEYS = (DECODER, PREFILLER, SOURCE)
 #: The keys vLLM's proxy and router send the prefill (NixlConnector's protocol).
 DO_REMOTE_DECODE = "do_remote_decode"
-#: NixlConnector's P/D keys: a request carrying one is a P/D leg, which the pool leaves alone.
-NIXL_PD_KEYS = (DO_REMOTE_DECODE, "do_remote_prefill", "remote_engine_id", "remote_block_ids")
+#: The key vLLM's proxy and router send a decode (NixlConnector's protocol): the pool leaves a
+#: decode leg alone, its prompt's KV comes from its prefill.
+DO_REMOTE_PREFILL = "do_remote_prefill"
 #: Prefix of the ids this class gives (the p2p tier needs nothing of them but uniqueness).
 REQUEST_ID_PREFIX = "kvcompose-p2p-"
 #: The role combinations vLLM's tier takes (``tiering/p2p/manager.py``: only these two together).
@@ -158,12 +169,16 @@ def screen(
     now: float,
     clock_skew_s: float = 10.0,
     peers: Collection[tuple[str, int]] = (),
+    transport: str | None = None,
 ) -> None:
     """Raise :class:`Refused` unless this engine may act on the p2p roles of ``params`` for a
     prompt of ``digest`` (:func:`prompt_digest`); ``peers``: the pool's (host, p2p port), which a
-    ``remote_kv_source`` may name. The checks run in this order, each reason pinned by a test
-    beside a control that passes the checks before it."""
+    ``remote_kv_source`` may name; ``transport``: the composition's P/D transport where it is
+    another child (no P/D role is then taken). The checks run in this order, each reason pinned
+    by a test beside a control that passes the checks before it."""
     roles = check_roles(params)
+    if transport is not None and roles.keys() & {DECODER, PREFILLER}:
+        raise Refused("role", f"a P/D role for the p2p tier: P/D is {transport}'s in this composition")
     if keys is not None and DECODER in roles:
         raise Refused("role", "a remote_decoder role from a client: this engine gives a prefill its own")
     prefiller = roles.get(PREFILLER)
@@ -198,8 +213,11 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
     """vLLM's ``OffloadingConnector``, answering NixlConnector's P/D protocol through its p2p tier."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        delay = extra.get(P2P_PROGRESS_DELAY_KEY)
+        if delay:  # before vLLM's tier makes its NIXL agent (process-wide, as the nixl child's)
+            calm_progress_thread(int(delay))
+        super().__init__(vllm_config, role, kv_cache_config)
         self._address = p2p_address(extra, vllm_config.parallel_config.data_parallel_index)
         self._keys = Keyring.load(extra.get(P2P_KEY_ENV_KEY), extra.get(P2P_KEY_FILE_KEY), owner="native-offload")
         self._replays = Replays()
@@ -208,6 +226,8 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         self._unlinger()
         #: roles refused, by reason (the log says each; tests and operators read the counts)
         self.refused: dict[str, int] = {}
+        #: the composition's P/D transport where it is another child: the tier then takes no P/D leg
+        self._transport: str | None = extra.get(P2P_PD_TRANSPORT_KEY)
         pool = extra.get(P2P_POOL_KEY) if self._address is not None else None
         peers = [Peer(**peer) for peer in pool["peers"]] if pool else []
         self._peers = frozenset((peer.host, peer.p2p_port) for peer in peers)
@@ -222,19 +242,24 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         self.sources: Counter[str] = Counter()
 
     def on_new_request(self, request: Request) -> None:
-        """Screen the request's p2p roles, or give a prefill asked for a remote decode the NIXL way
-        the tier's producer role; then vLLM's."""
+        """Screen the request's p2p roles; else give a prefill asked for a remote decode the NIXL way
+        the tier's producer role (where the tier carries P/D) and, with a pool, a source for its
+        prefix (on any request but a decode leg); then vLLM's."""
         params = request.kv_transfer_params
         if self._address is not None and params and any(key in params for key in ROLE_KEYS):
             self._screen(request, params)
             source = params.get(SOURCE)
             if source is not None and (source["remote_host"], source["remote_port"]) in self._peers:
                 self._wait(request, source["kv_request_id"], "router")
-        elif self._address is not None and params and params.get(DO_REMOTE_DECODE) is True:
+        # What the roles left: a prefill leg of vLLM's proxy and router, a decode leg, neither.
+        params = request.kv_transfer_params or {}
+        carries_pd = self._address is not None and self._transport is None
+        if carries_pd and params.get(DO_REMOTE_DECODE) is True and not params.keys() & {DECODER, PREFILLER}:
             kv_request_id = REQUEST_ID_PREFIX + secrets.token_hex(16)
-            params[DECODER] = {"kv_request_id": kv_request_id}
+            params[DECODER] = {"kv_request_id": kv_request_id}  # vLLM's tier takes a source beside it
             self._to_decoder[request.request_id] = kv_request_id
-        elif self.pool is not None and not (params and any(key in params for key in NIXL_PD_KEYS)):
+        decode_leg = params.get(DO_REMOTE_PREFILL) is True or PREFILLER in params
+        if self.pool is not None and not decode_leg and SOURCE not in params:
             self._choose_source(request)
         super().on_new_request(request)
 
@@ -338,7 +363,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
     def _screen(self, request: Request, params: dict[str, Any]) -> None:
         digest = prompt_digest(list(request.prompt_token_ids or ()), request_context(request))
         try:
-            screen(params, digest, self._keys, self._replays, time.time(), peers=self._peers)
+            screen(params, digest, self._keys, self._replays, time.time(), peers=self._peers, transport=self._transport)
         except Refused as refused:
             for key in ROLE_KEYS:
                 params.pop(key, None)

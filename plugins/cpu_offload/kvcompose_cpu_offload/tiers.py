@@ -41,6 +41,12 @@ P2P_KEY_ENV_KEY, P2P_KEY_FILE_KEY = "kvcompose_p2p_key_env", "kvcompose_p2p_key_
 #: The ``kv_connector_extra_config`` key of the p2p tier's pool (kvcompose's, not vLLM's: the
 #: tier's own entry keeps vLLM's keys only; :mod:`kvcompose_cpu_offload.p2p` reads it).
 P2P_POOL_KEY = "kvcompose_p2p_pool"
+#: The ``kv_connector_extra_config`` key naming the composition's P/D transport where another child
+#: is it (NIXL): the p2p tier then leaves the P/D legs to it and serves the pool only.
+P2P_PD_TRANSPORT_KEY = "kvcompose_pd_transport"
+#: The ``kv_connector_extra_config`` key of the p2p tier's NIXL progress-thread delay (kvcompose's:
+#: vLLM's tier builds its agent with NIXL's default, a thread that polls without sleeping).
+P2P_PROGRESS_DELAY_KEY = "kvcompose_p2p_progress_delay_us"
 #: vLLM's defaults for the p2p tier's control socket (``VLLM_P2P_SIDE_CHANNEL_HOST`` / ``_PORT``).
 P2P_HOST_ENV, P2P_PORT_ENV, P2P_DEFAULT_PORT = "VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT", 5710
 
@@ -131,15 +137,18 @@ POOL_WAIT_MS, POOL_SILENT_S, POOL_MAX_BLOCKS = 1000, 60, 1_000_000
 class P2pTier(Tier, tag="p2p", kw_only=True):
     """KV between instances over NIXL, each request's role named by its ``kv_transfer_params``
     (``remote_decoder``, ``remote_prefiller``, ``remote_kv_source``; ``tiering/p2p/manager.py``);
-    ``pool`` is kvcompose's, rendered beside the tier (:data:`P2P_POOL_KEY`), not in it."""
+    ``pool`` and ``progress_delay_us`` are kvcompose's, rendered beside the tier
+    (:data:`P2P_POOL_KEY`, :data:`P2P_PROGRESS_DELAY_KEY`), not in it."""
 
     manager: ClassVar[str] = "vllm.v1.kv_offload.tiering.p2p.manager.P2PSecondaryTierManager"
-    own_fields: ClassVar[frozenset[str]] = frozenset({"pool"})
+    own_fields: ClassVar[frozenset[str]] = frozenset({"pool", "progress_delay_us"})
     host: Annotated[str, Meta(min_length=1)] | None = None
     port: Port | None = None
     backends: list[str] | None = None
     num_threads: PositiveInt | None = None
     unbound_store_timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    #: µs the tier's NIXL progress thread sleeps between polls (unset: NIXL's 0, a core per engine)
+    progress_delay_us: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
     pool: Pool | None = None
 
 
@@ -308,7 +317,12 @@ def describe(tier: AnyTier) -> str:
         host = tier.host or f"${P2P_HOST_ENV} (localhost)"
         port = tier.port or f"${P2P_PORT_ENV} ({P2P_DEFAULT_PORT})"
         text = f"p2p: KV between instances over NIXL; control socket {host}:{port} + DP index"
-        more = describe_pool(tier.pool) if tier.pool is not None else []
+        more = [
+            f"  p2p: NIXL's progress thread sleeps {tier.progress_delay_us} µs between polls"
+            if tier.progress_delay_us
+            else "  p2p: NIXL's progress thread polls without sleeping (a core per engine): set progress_delay_us"
+        ]
+        more += describe_pool(tier.pool) if tier.pool is not None else []
     elif isinstance(tier, KvcrTier):
         text = "kvcr: the kvcr service (its client package, kvcr)"
     else:

@@ -541,3 +541,117 @@ def test_the_scheduler_uses_a_routers_source_naming_a_pool_peer(make_publisher) 
         done.start()
         done.join(30)
         assert not done.is_alive(), "the connector's shutdown hung on a peer that never connected"
+
+
+# -- beside NIXL: the p2p tier serves the pool, NIXL carries the P/D legs
+
+#: What vLLM's proxy and router send a prefill (NixlConnector's protocol, vllm-router 0.1.17).
+PREFILL_LEG = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+NIXL_SIBLING = (
+    "  - {name: pd, type: nixl, role: producer, options: {side_channel_host: 127.0.0.1, side_channel_port: %d}}\n"
+    "rules: {load: first-wins, store: all, metadata: merge}\n"
+)
+
+
+def test_beside_nixl_the_p2p_tier_renders_and_says_that_pd_is_nixls() -> None:
+    alone = loads(_pool_yaml(LOCAL_PEER))
+    beside = loads(_pool_yaml(LOCAL_PEER) + NIXL_SIBLING % 5600)
+    assert tiers.P2P_PD_TRANSPORT_KEY not in alone.child("host").vllm_config()["kv_connector_extra_config"]
+    assert beside.child("host").vllm_config()["kv_connector_extra_config"][tiers.P2P_PD_TRANSPORT_KEY] == "pd"
+    said = beside.child("host").type.brief(beside.child("host"))
+    assert "P/D is pd's; the p2p tier carries no P/D leg, it serves the pool" in said
+    assert "carries the P/D legs" in alone.child("host").type.brief(alone.child("host"))
+
+
+def test_the_tiers_progress_delay_renders_beside_it_and_check_says_it() -> None:
+    calm = loads(_pool_yaml(LOCAL_PEER).replace("port: 5711\n", "port: 5711\n          progress_delay_us: 100\n"))
+    extra = calm.child("host").vllm_config()["kv_connector_extra_config"]
+    assert extra["secondary_tiers"] == [{"type": "p2p", "host": "127.0.0.1", "port": 5711}]
+    assert extra[tiers.P2P_PROGRESS_DELAY_KEY] == 100
+    assert "progress thread sleeps 100 µs between polls" in calm.child("host").type.brief(calm.child("host"))
+    spinning = loads(_pool_yaml(LOCAL_PEER))
+    assert tiers.P2P_PROGRESS_DELAY_KEY not in spinning.child("host").vllm_config()["kv_connector_extra_config"]
+    assert "polls without sleeping (a core per engine)" in spinning.child("host").type.brief(spinning.child("host"))
+
+
+def test_the_progress_delay_is_set_before_vllms_tier_makes_its_nixl_agent() -> None:
+    """The class patches NIXL's agent config (the nixl child's patch) before vLLM's tier builds its
+    agent: the tier's agent is made while the patched config is NIXL's."""
+    import nixl._api as api
+
+    from kvcompose_nixl.patches import calm_progress_thread
+
+    made: list[type] = []
+    base = api.nixl_agent.__init__
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(api.nixlBind.nixlAgentConfig)
+        base(self, *args, **kwargs)
+
+    text = _pool_yaml(LOCAL_PEER).replace("port: 5711\n", f"port: {free_port()}\n          progress_delay_us: 100\n")
+    api.nixl_agent.__init__ = record
+    try:
+        scheduler = scheduler_from_yaml(text, block_size=16)
+        scheduler.connector.shutdown()
+    finally:
+        api.nixl_agent.__init__ = base
+        calm_progress_thread(0)  # process-wide: restore NIXL's own for the tests after
+    assert made and all(getattr(config, "_kvcompose_base", None) is not None for config in made), made
+
+
+def test_screen_beside_nixl_refuses_a_pd_role_and_takes_a_source() -> None:
+    peers = {("127.0.0.1", 5712)}
+    source = {p2p.SOURCE: {"kv_request_id": "kvcompose-p2p-1", "remote_host": "127.0.0.1", "remote_port": 5712}}
+    p2p.screen(source, "d", None, Replays(), 0.0, peers=peers, transport="pd")  # control: the pool's role
+    prefiller = {p2p.PREFILLER: {**source[p2p.SOURCE]}}
+    p2p.screen(prefiller, "d", None, Replays(), 0.0, peers=peers)  # control: a p2p P/D composition takes it
+    for roles in (prefiller, {p2p.DECODER: {"kv_request_id": "x"}}):
+        with pytest.raises(Refused) as info:
+            p2p.screen(roles, "d", None, Replays(), 0.0, peers=peers, transport="pd")
+        assert info.value.reason == "role" and "P/D is pd's" in info.value.detail
+
+
+@pytest.mark.parametrize("beside_nixl", [True, False])
+def test_a_prefill_leg_gets_a_source_from_the_pool_and_a_decode_leg_none(make_publisher, beside_nixl: bool) -> None:
+    """vLLM's scheduler: a prefill leg (``do_remote_decode``) whose prefix a peer holds gets
+    ``remote_kv_source``; beside NIXL it gets no p2p P/D role (NIXL serves its decode), in a
+    p2p-only composition it also gets the tier's ``remote_decoder`` (vLLM's tier takes both). A
+    decode leg (``do_remote_prefill``) gets no source: its KV comes from its prefill."""
+    peer_pub = make_publisher()
+    peer = peer_pub.peer
+    text = _pool_yaml(
+        f'              - {{host: 127.0.0.1, p2p_port: {peer.p2p_port}, kv_events: "{peer.kv_events}"}}\n'
+    ).replace("port: 5711", f"port: {free_port()}")
+    scheduler = scheduler_from_yaml(text + (NIXL_SIBLING % free_port() if beside_nixl else ""), block_size=16)
+    host = scheduler.connector.sub_connectors[0]
+    assert isinstance(host, p2p.OffloadingConnector) and host.pool is not None
+    try:
+        prompt = [11 + i % 300 for i in range(8 * 16 + 5)]
+        probe = make_request(prompt=prompt, max_tokens=2)
+        held = stored([maybe_convert_block_hash(h) for h in probe.block_hashes[:4]])
+        # Published until heard: a SUB misses what is sent before it joins.
+        wait_until(lambda: (peer_pub.publish(held), time.sleep(0.05), host.pool.longest(probe.block_hashes))[-1])
+        found = host.pool.longest(probe.block_hashes)
+        assert found is not None and found[0].p2p_port == peer.p2p_port and found[1] == 4
+
+        prefill = make_request(prompt=prompt, max_tokens=2, kv_transfer_params=dict(PREFILL_LEG))
+        scheduler.add_request(prefill)
+        params = prefill.kv_transfer_params
+        assert params[p2p.SOURCE]["remote_port"] == peer.p2p_port and host.sources["index"] == 1
+        assert (p2p.DECODER in params) is not beside_nixl
+
+        decode = make_request(prompt=prompt, max_tokens=2, kv_transfer_params={"do_remote_prefill": True})
+        host.on_new_request(decode)  # the host child alone: the decode leg's NIXL fields are not the point
+        assert p2p.SOURCE not in decode.kv_transfer_params and host.sources["index"] == 1
+    finally:
+        done = threading.Thread(target=scheduler.connector.shutdown, daemon=True)
+        done.start()
+        done.join(30)
+        assert not done.is_alive(), "the connector's shutdown hung"
