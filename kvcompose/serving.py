@@ -35,6 +35,8 @@ SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 #: turns 2+ TTFT p50 0.74x ``round_robin``'s, every run; ``kv_aware``'s soft decode affinity
 #: moved 9 % of later turns off the decode that held them).
 FLEET_POLICY = "kv_aware+hash"
+#: vLLM's ``--middleware`` that maps a router's source header onto the params (kvcompose.vllm.headers).
+SOURCE_HEADER_MIDDLEWARE = "kvcompose.vllm.headers.SourceHeader"
 #: The KV events topic: none, vLLM's default (vllm-router 0.1.17's subscribers take in only
 #: batches published without one; docs/e2e.md, KV events).
 KV_EVENTS_TOPIC = ""
@@ -54,13 +56,19 @@ def kv_events_config(endpoint: str) -> dict[str, Any]:
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": KV_EVENTS_TOPIC}
 
 
-def server_args(kv_transfer_config: str | None, kv_events: Mapping[str, Any] | None = None) -> list[str]:
+def server_args(
+    kv_transfer_config: str | None, kv_events: Mapping[str, Any] | None = None, source_header: bool = False
+) -> list[str]:
     """A vLLM server's flags for P/D behind vllm-router, after its model and engine settings.
 
     ``kv_transfer_config``: the ``--kv-transfer-config`` value (``kvcompose vllm-args FILE``; None:
     a server without a connector). ``kv_events``: the server's ``KVEventsConfig``
-    (:func:`kv_events_config`; None: it publishes none)."""
+    (:func:`kv_events_config`; None: it publishes none). ``source_header``: a router's
+    ``x-kv-cache-source-host-port`` becomes the p2p tier's ``remote_kv_source``
+    (:data:`SOURCE_HEADER_MIDDLEWARE`; a composition whose p2p tier has a pool)."""
     args: list[str] = []
+    if source_header:
+        args += ["--middleware", SOURCE_HEADER_MIDDLEWARE]
     if kv_events is not None:
         # The router's kv_aware tokenizes each prompt through this server's render routes.
         args += ["--kv-events-config", json.dumps(dict(kv_events)), "--enable-scale-out"]

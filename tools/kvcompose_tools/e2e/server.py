@@ -74,7 +74,7 @@ def server_argv(spec: EngineSpec, port: int, host: str = HOST) -> list[str]:
         else:
             argv += [flag, str(value)]
     # The composition's flags, and with KV events --enable-scale-out (the router renders there).
-    return argv + server_args(kv_transfer_value(spec), spec.kv_events)
+    return argv + server_args(kv_transfer_value(spec), spec.kv_events, spec.source_header)
 
 
 class HttpClient:
@@ -233,9 +233,10 @@ class ServerClient:
         max_tokens: int,
         kv_transfer_params: list[dict[str, Any] | None] | None = None,
         timeout: float = CALL_TIMEOUT_S,
+        headers: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """One ``/v1/completions`` request per prompt (:func:`completion_body`); dicts shaped like
-        the offline node's (:func:`parse_completion`)."""
+        """One ``/v1/completions`` request per prompt (:func:`completion_body`), with ``headers``;
+        dicts shaped like the offline node's (:func:`parse_completion`)."""
         results = []
         for i, prompt in enumerate(prompts):
             body = completion_body(self.model, prompt, max_tokens)
@@ -243,7 +244,7 @@ class ServerClient:
             if kv is not None:
                 body["kv_transfer_params"] = kv
             t0 = time.perf_counter()
-            answer = self._http.post("/v1/completions", body, timeout)
+            answer = self._http.post("/v1/completions", body, timeout, headers)
             self._answered += 1
             results.append(parse_completion(answer, time.perf_counter() - t0))
         return results

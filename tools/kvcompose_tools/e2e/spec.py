@@ -79,6 +79,9 @@ class EngineSpec:
     max_model_len: int = MAX_MODEL_LEN
     #: Tokens per KV block (vllm-router 0.1.17's P/D ``kv_aware`` indexes 16-token blocks only).
     block_size: int = BLOCK_SIZE
+    #: The server maps a router's ``x-kv-cache-source-host-port`` onto ``remote_kv_source``
+    #: (:func:`kvcompose.serving.server_args`).
+    source_header: bool = False
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         """The ``KVTransferConfig`` kwargs: ``kv_config``, or the composition's with this spec's

@@ -41,7 +41,7 @@ import pytest
 
 from engine.stack import Nodes, module_stack
 from kvcompose_tools.e2e.events import EventListener, kv_events_config
-from kvcompose_tools.e2e.flow import Served, decode_request, full_blocks, routed_request, token_prompt
+from kvcompose_tools.e2e.flow import Served, decode_request, full_blocks, measured, routed_request, token_prompt
 from kvcompose_tools.e2e.model import make_model
 from kvcompose_tools.e2e.node import EngineNode, wait_all_ready
 from kvcompose_tools.e2e.ports import free_ports
@@ -91,7 +91,8 @@ class Pair(Nodes):
         for (name, other), engine_port in zip((("prefill", "decode"), ("decode", "prefill")), ports[:2], strict=True):
             path = tmp / f"{name}.yaml"
             path.write_text(p2p_yaml(self.p2p_ports[name], self.p2p_ports[other], events[other]["endpoint"]))
-            node = ServerNode(EngineSpec(name, model, str(path), engine_port, kv_events=events[name]), tmp)
+            spec = EngineSpec(name, model, str(path), engine_port, kv_events=events[name], source_header=True)
+            node = ServerNode(spec, tmp)
             self.nodes.append(node)
             setattr(self, name, node)
         wait_all_ready(self.nodes)
@@ -209,6 +210,34 @@ def test_the_pool_loads_a_prefix_from_the_peer_its_events_say_holds_it(pair: Pai
     assert pooled.cached_by_source() == {"p2p": full(POOLED)}
     assert pooled.computed_tokens == len(POOLED_EXTENDED) - full(POOLED)
     assert pooled.equals(expected)
+
+
+def test_a_routers_header_names_the_source_and_one_naming_no_peer_is_refused(pair: Pair) -> None:
+    """llm-d's ``x-kv-cache-source-host-port`` through vLLM's server (the middleware): naming the
+    decode, the prefill loads the prefix from it; naming a host that is no peer (the control), the
+    header reaches the ``peer`` check and is refused there, the engine serving on (its pool then
+    finds the decode by the events)."""
+    cases = ((81, f"127.0.0.1:{pair.p2p_ports['decode']}", False), (83, "10.9.9.9:5710", True))
+    for seed, source, refused in cases:
+        held, prompt = token_prompt(seed, 300), token_prompt(seed, 300) + token_prompt(seed + 1, 40)
+        expected = pair.baseline.generate([prompt], MAX_TOKENS)[0]
+        decode_request(pair.decode, held, MAX_TOKENS, None, "D local", ("host",))
+        pair.decode.generate([token_prompt(seed + 100, BLOCK_SIZE)], 1)  # a step: vLLM starts the deferred stores
+        wait_for_cpu_store(pair.decode_events, held)
+        header = {"x-kv-cache-source-host-port": source}
+        served = measured(
+            pair.prefill,
+            lambda p=prompt, h=header: pair.prefill.generate([p], MAX_TOKENS, headers=h)[0],
+            len(prompt),
+            f"P, header {source}",
+            ("host",),
+        )
+        show(f"header {source}", served)
+        refusals = [line for line in pair.prefill.log_tail(200).splitlines() if "p2p roles refused" in line]
+        said = bool(refusals) and "p2p roles refused (peer)" in refusals[-1] and "10.9.9.9" in refusals[-1]
+        assert said is refused, refusals
+        assert served.cached_by_source() == {"p2p": full(held)}
+        assert served.equals(expected)
 
 
 def test_the_pools_control_a_prefix_no_peer_holds_is_computed_here(pair: Pair) -> None:
