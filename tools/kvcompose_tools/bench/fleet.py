@@ -22,15 +22,27 @@ prompt tokens each prefill computed, the tokens the host tiers served (vLLM's
 p50/p90 of turns 2+, requests/s, and the answers against a single engine's (token ids). Runs are
 interleaved, the sides' order flipping every run; a ratio's ordering is claimed only where every
 run lies on one side of 1.
+
+The fleet's pool (issue 62): a side ``POLICY@POOL`` runs the native examples with a pool of
+:data:`kvcompose_tools.e2e.fleet.POOLS` (``off``: none; ``peers``: vLLM's p2p tier, each
+prefill's pool naming the other servers; ``shared``: one ``fs`` directory); ``POLICY`` alone is
+issue 53's side, the shipped cpu-offload examples. The issue's sides are :data:`POOL_SIDES`;
+``KVCOMPOSE_BENCH_SIDES`` (comma-separated) picks others, the routing sides of issue 53
+(:data:`ROUTING_SIDES`) among them. Per side also the
+fewest prompt tokens the fleet could compute (:func:`minimum_tokens`): each conversation's first
+prompt and each later turn's tokens past what the fleet already computed for it (its previous
+prompt and answer), exactly and in whole blocks (vLLM reuses whole blocks only, and never a
+prompt's last token).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +52,26 @@ from kvcompose_tools.bench.measure import Samples, paired, ratio
 from kvcompose_tools.bench.multi_turn import WORKLOADS, Answers, Workload, baseline_answers, chat, mismatches, ordering
 from kvcompose_tools.bench.pd_ttft import engine_lock
 from kvcompose_tools.bench.report import Case, Result
+from kvcompose_tools.e2e.fleet import POOLS
 from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES, delta
 from kvcompose_tools.e2e.load import Load, chat_load
 from kvcompose_tools.e2e.stats import quantile
 
-#: (subject, baseline): each routing by the prefills' events over each policy without them.
-PAIRS = tuple((s, b) for s in ("kv_aware+hash", "kv_aware") for b in ("round_robin", "consistent_hash"))
+#: Issue 53's sides: each policy, the shipped examples (``simple`` host tier), no pool.
+ROUTING_SIDES = POLICIES
+#: Issue 62's sides: three policies, each with the native examples and no pool, the peer pool, the
+#: shared directory.
+POOL_POLICIES = ("round_robin", "consistent_hash", "kv_aware+hash")
+POOL_SIDES = tuple(f"{p}@{pool}" for pool in POOLS for p in POOL_POLICIES)
+SIDES_ENV = "KVCOMPOSE_BENCH_SIDES"
+#: (subject, baseline): each routing by the prefills' events over each policy without them; each
+#: pool over no pool under its policy; round_robin with a pool against consistent_hash (the
+#: issue's target: the pool frees routing from finding the cache).
+PAIRS = (
+    *((s, b) for s in ("kv_aware+hash", "kv_aware") for b in ("round_robin", "consistent_hash")),
+    *((f"{p}@{pool}", f"{p}@off") for pool in POOLS[1:] for p in POOL_POLICIES),
+    *((f"round_robin@{pool}", c) for pool in POOLS[1:] for c in ("consistent_hash@off", f"consistent_hash@{pool}")),
+)
 #: The request id vllm-router 0.1.17 sends prefill and decode in P/D mode (vllm_pd_router.rs:1700).
 ROUTED_ID = re.compile(r"___prefill_addr_(?P<prefill>[^_]+)___decode_addr_(?P<decode>[^_]+)_")
 HOST_CACHED = f"{CACHED_BY_SOURCE}host}}"
@@ -54,6 +80,50 @@ HOST_CACHED = f"{CACHED_BY_SOURCE}host}}"
 PREPARE = "vllm_router_pd_kv_prepare_seconds"
 #: Runs per side: five for the medium model (the issue's), two for the tiny one.
 RUNS = {"tiny": 2, "medium": 5}
+
+
+def side_of(name: str) -> tuple[str, str, str]:
+    """``(policy, host tier, pool)`` of a side's name: ``POLICY`` (the shipped cpu-offload
+    examples) or ``POLICY@POOL`` (the native ones); a ValueError for another."""
+    policy, at, pool = name.partition("@")
+    if policy not in POLICIES or (at and pool not in POOLS):
+        raise ValueError(f"fleet side {name!r}: POLICY or POLICY@POOL, of {', '.join(POLICIES)} and {', '.join(POOLS)}")
+    return policy, "native" if at else "simple", pool or "off"
+
+
+def chosen_sides(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The sides :data:`SIDES_ENV` names (comma-separated), else :data:`POOL_SIDES`."""
+    text = (os.environ if environ is None else environ).get(SIDES_ENV, "")
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for name in names:
+        side_of(name)
+    return names or POOL_SIDES
+
+
+def minimum_tokens(load: Load, tokenizer: Any, block_size: int) -> tuple[int, int]:
+    """The fewest prompt tokens a fleet could compute for ``load``'s served turns, in the order
+    they were sent: each prompt's tokens past its longest common prefix with anything computed
+    before it (every earlier prompt with its answer's ids: a conversation's history, and a
+    system prompt that conversations share), exactly and in whole blocks of ``block_size`` (a
+    cache hit is whole blocks), never the prompt's last token. A lower bound: a turn sent while
+    an earlier one still ran is credited with it."""
+    from kvcompose_tools.e2e.chat import render
+
+    exact = whole = 0
+    computed: list[list[int]] = []
+    for t in sorted(load.turns, key=lambda t: t.sent_s):
+        if t.error is not None:
+            continue
+        prompt = render(tokenizer, t.messages)
+        common = min(max((_common(prompt, known) for known in computed), default=0), len(prompt) - 1)
+        exact += len(prompt) - common
+        whole += len(prompt) - min(common // block_size, (len(prompt) - 1) // block_size) * block_size
+        computed.append(prompt + t.token_ids)
+    return exact, whole
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def served_by(response_id: str) -> tuple[str, str] | None:
@@ -65,8 +135,9 @@ def served_by(response_id: str) -> tuple[str, str] | None:
 
 @dataclass
 class SideRun:
-    """One policy's run: the conversations' load and each server's counters across it."""
+    """One side's run: the conversations' load and each server's counters across it."""
 
+    #: the side's name (:func:`side_of`)
     policy: str
     load: Load
     #: server name -> its counters' change across the conversations
@@ -76,6 +147,8 @@ class SideRun:
     answers: Answers = field(default_factory=Answers)
     #: the router's own counters after the conversations (its :data:`PREPARE` summary)
     router: dict[str, float] = field(default_factory=dict)
+    #: :func:`minimum_tokens` of the load (exact, whole blocks)
+    minimum: tuple[int, int] = (0, 0)
 
     def placements(self) -> dict[tuple[int, int], tuple[str, str] | None]:
         """(conversation, turn) -> (prefill, decode) names, of every served turn."""
@@ -96,13 +169,25 @@ class SideRun:
         prefills = sorted(n for n in self.moved if n.startswith("prefill"))
         decodes = sorted(n for n in self.moved if n.startswith("decode"))
         served = [t for t in self.load.turns if t.error is None]
+        computed = int(sum(self.moved[n].get(COMPUTED, 0) for n in prefills))
+        sources: dict[str, int] = {}
+        for counters in self.moved.values():
+            for key, n in counters.items():
+                if key.startswith(CACHED_BY_SOURCE):
+                    source = key[len(CACHED_BY_SOURCE) : -1]
+                    sources[source] = sources.get(source, 0) + int(n)
         return {
             "turns_2plus": len(later),
             "home_share": round(len(home) / len(later), 3) if later else None,
             "same_prefill_share": round(len(same_prefill) / len(later), 3) if later else None,
             "unplaced": sum(v is None for v in where.values()),
             "computed_by_prefill": {n: int(self.moved[n].get(COMPUTED, 0)) for n in prefills},
-            "computed_tokens": int(sum(self.moved[n].get(COMPUTED, 0) for n in prefills)),
+            "computed_tokens": computed,
+            "computed_by_decodes": int(sum(self.moved[n].get(COMPUTED, 0) for n in decodes)),
+            "minimum_tokens": self.minimum[0],
+            "minimum_whole_blocks": self.minimum[1],
+            "over_minimum": round(computed / self.minimum[1], 3) if self.minimum[1] else None,
+            "cached_by_source": sources,
             "host_tokens": int(sum(m.get(HOST_CACHED, 0) for m in self.moved.values())),
             "nixl_bytes": int(sum(self.moved[n].get(NIXL_BYTES, 0) for n in decodes)),
             "later_ttft_p50_s": round(quantile(ttft, 0.5), 4) if ttft else None,
@@ -116,12 +201,14 @@ class SideRun:
         }
 
 
-def side_run(policy: str, model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload) -> SideRun:
-    """Start a 2P2D fleet under ``policy``, warm it, run the conversations, stop it."""
+def side_run(side: str, model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload) -> SideRun:
+    """Start side's 2P2D fleet (:func:`side_of`), warm it, run the conversations, stop it."""
     from kvcompose_tools.e2e.fleet import Fleet
+    from kvcompose_tools.e2e.spec import BLOCK_SIZE
 
+    policy, host_tier, pool = side_of(side)
     spec = {"num_gpu_blocks": workload.device_blocks, "max_model_len": workload.max_model_len}
-    fleet = Fleet(model, logs, policy=policy, **spec)
+    fleet = Fleet(model, logs, policy=policy, host_tier=host_tier, pool=pool, **spec)
     try:
         fleet.start()
         assert fleet.router is not None
@@ -132,7 +219,8 @@ def side_run(policy: str, model: str, tokenizer: Any, logs: Path, seed: int, wor
         load = chat(fleet.router.url, model, tokenizer, seed, workload)
         moved = {s.name: delta(before[s.name], s.metrics()) for s in servers}
         names = {s.url.removeprefix("http://"): s.name for s in servers}
-        return SideRun(policy, load, moved, names, router=fleet.router.router_metrics())
+        minimum = minimum_tokens(load, tokenizer, BLOCK_SIZE)
+        return SideRun(side, load, moved, names, router=fleet.router.router_metrics(), minimum=minimum)
     finally:
         fleet.close()
 
@@ -143,10 +231,12 @@ def run(
     echo: Callable[[str], None] = print,
     work: Path | None = None,
     model: str = "tiny",
-    policies: tuple[str, ...] = POLICIES,
+    sides: tuple[str, ...] | None = None,
 ) -> Result:
-    """Every policy's side, ``repeats`` (else :data:`RUNS`) interleaved runs; the table, the
-    ratios of :data:`PAIRS` and whether every run lies on one side of 1."""
+    """Every side's (``sides``, else :func:`chosen_sides`) ``repeats`` (else :data:`RUNS`)
+    interleaved runs; the table, the ratios of :data:`PAIRS` and whether every run lies on one
+    side of 1."""
+    policies = sides or chosen_sides()
     from kvcompose_tools.e2e.chat import load_tokenizer
     from kvcompose_tools.e2e.model import make_model, model_config
 
@@ -168,7 +258,9 @@ def run(
                 f = one.figures()
                 echo(
                     f"   run {r + 1} {policy}: turns 2+ at home {f['home_share']} (prefill {f['same_prefill_share']}), "
-                    f"computed {f['computed_tokens']} {f['computed_by_prefill']}, host {f['host_tokens']} tokens, "
+                    f"computed {f['computed_tokens']} {f['computed_by_prefill']} (decodes {f['computed_by_decodes']}; "
+                    f"minimum {f['minimum_tokens']}, in whole blocks {f['minimum_whole_blocks']}: "
+                    f"{f['over_minimum']}x), cached by source {f['cached_by_source']}, host {f['host_tokens']} tokens, "
                     f"NIXL {f['nixl_bytes']} B, turns 2+ TTFT p50 {f['later_ttft_p50_s']} "
                     f"p90 {f['later_ttft_p90_s']} s, "
                     f"{f['requests_per_s']} req/s, failed {f['failed']}, router's kv preparation "
@@ -189,7 +281,16 @@ def answers_total(runs: list[SideRun]) -> str:
 
 
 #: The figures whose median over the runs each policy's note gives.
-MEDIANS = ("home_share", "same_prefill_share", "host_tokens", "nixl_bytes", "later_ttft_p90_s", "prepare_mean_s")
+MEDIANS = (
+    "home_share",
+    "same_prefill_share",
+    "host_tokens",
+    "nixl_bytes",
+    "later_ttft_p90_s",
+    "prepare_mean_s",
+    "over_minimum",
+    "computed_by_decodes",
+)
 
 
 def summarize(done: dict[str, list[SideRun]], runs: int, quick: bool, logs: Path, wall_s: float, model: str) -> Result:
@@ -212,17 +313,18 @@ def summarize(done: dict[str, list[SideRun]], runs: int, quick: bool, logs: Path
     per_policy = {p: {k: statistics.median(float(f[k] or 0.0) for f in fs) for k in MEDIANS} for p, fs in figs.items()}
     notes = [
         f"{p}: turns 2+ on the previous turn's prefill and decode {v['home_share']:.0%} "
-        f"(prefill {v['same_prefill_share']:.0%}), host tiers served {v['host_tokens']:,.0f} tokens, "
+        f"(prefill {v['same_prefill_share']:.0%}), prefills computed {v['over_minimum']}x the whole-block minimum "
+        f"(decodes {v['computed_by_decodes']:,.0f} tokens), host tiers served {v['host_tokens']:,.0f} tokens, "
         f"NIXL {v['nixl_bytes']:,.0f} B, turns 2+ TTFT p90 {v['later_ttft_p90_s']} s, the router's kv_aware "
         f"preparation {v['prepare_mean_s'] * 1000:.0f} ms a request (medians of {len(figs[p])} runs); "
         f"answers over the runs: {answers_total(done[p])}"
         for p, v in per_policy.items()
     ]
     notes += [f"ordering, {kind}: {o}" for kind, o in orderings.items()]
-    notes.append(f"2P2D on one host, {model} model, shipped examples; {runs} interleaved run(s); logs: {logs}")
+    notes.append(f"2P2D on one host, {model} model; {runs} interleaved run(s); logs: {logs}")
     return Result(
         name="fleet",
-        title=f"2P2D behind vllm-router: kv_aware over the composed tiers' events vs the other policies ({model})",
+        title=f"2P2D behind vllm-router: routing policies and the fleet's pool ({model})",
         unit="s | tokens | req/s",
         scale=1.0,
         cases=cases,

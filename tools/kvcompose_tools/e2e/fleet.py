@@ -10,12 +10,20 @@ events (every composed tier's: device and host) on a Unix socket, and a
 CPU attention takes no fewer). :meth:`Fleet.turn` sends one request through the router and says
 which prefill computed it (and how many prompt tokens it computed) and which decode answered.
 
+``pool`` (issue 62; :data:`POOLS`) adds a tier behind every server's native host tier, so that a
+turn computed away from its history finds it: ``peers``, vLLM's p2p tier on each server, each
+prefill's ``pool`` naming the other three servers (their p2p sockets and KV events, every server
+publishing on a Unix socket of its own); ``shared``, vLLM's ``fs`` tier on one directory for all
+four. The P/D legs stay NIXL's (the p2p tier beside a NIXL child carries none).
+
 The router checks a worker's ``/health`` every second here (its default: every 60 s) and takes
 it out after two failures, so that a killed prefill leaves the rotation within seconds.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +43,56 @@ from kvcompose_tools.e2e.router import RouterNode
 from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
+#: Where a turn's history is found when another server holds it: nowhere, a peer's host tier
+#: through the p2p tier's pool, or one ``fs`` directory for the fleet.
+POOLS = ("off", "peers", "shared")
+
+
+def fleet_compositions(
+    prefills: list[str],
+    decodes: list[str],
+    host_tier: str,
+    pool: str,
+    work: Path,
+    p2p_ports: dict[str, int] | None = None,
+    events: dict[str, dict[str, Any]] | None = None,
+    shared: Path | None = None,
+) -> dict[str, Path]:
+    """Each server's composition file: the shipped example of its role and ``host_tier``; with a
+    ``pool`` (:data:`POOLS`), a tier behind its host memory, written to ``work``: ``peers``, a p2p
+    tier on its ``p2p_ports`` port and, on a prefill, a pool of every other server (its p2p port,
+    its ``events`` endpoint); ``shared``, an ``fs`` tier on ``shared``."""
+    prefill_yaml, decode_yaml = pd_pair(host_tier)
+    example = {**dict.fromkeys(prefills, prefill_yaml), **dict.fromkeys(decodes, decode_yaml)}
+    if pool == "off":
+        return example
+    if pool == "shared":
+        assert shared is not None
+        tier = {"type": "fs", "root_dir": str(shared)}
+        return {n: pooled_composition(path, tier, work / f"{n}.yaml") for n, path in example.items()}
+    assert p2p_ports is not None and events is not None
+    peers = {n: {"host": "127.0.0.1", "p2p_port": p2p_ports[n], "kv_events": events[n]["endpoint"]} for n in example}
+    out = {}
+    for name, path in example.items():
+        # The examples' NIXL children sleep 100 µs between polls; so does the tier's agent.
+        tier: dict[str, Any] = {"type": "p2p", "host": "127.0.0.1", "port": p2p_ports[name], "progress_delay_us": 100}
+        if name in prefills:  # a decode leg's KV comes from its prefill: only the prefills look
+            tier["pool"] = {"peers": [peers[n] for n in example if n != name]}
+        out[name] = pooled_composition(path, tier, work / f"{name}.yaml")
+    return out
+
+
+def pooled_composition(example: Path, tier: dict[str, Any], out: Path) -> Path:
+    """``example`` (a native P/D example) with ``tier`` behind its ``native-offload`` child's host
+    memory, written to ``out``."""
+    import yaml
+
+    data = yaml.safe_load(example.read_text())
+    (host,) = [c for c in data["connectors"] if c["type"] == "native-offload"]
+    host["options"] = {**host.get("options", {}), "tiers": [tier]}
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
 
 class Fleet:
     """``prefills`` x ``decodes`` servers behind vllm-router under ``policy``; ``log_dir`` holds
@@ -51,28 +109,33 @@ class Fleet:
         decodes: int = 2,
         host_tier: str = "simple",
         router_args: Sequence[str] = (),
+        pool: str = "off",
         **spec: Any,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"fleet policy {policy!r}: one of {', '.join(POLICIES)}")
-        self.model, self.log_dir, self.policy = str(model), log_dir, policy
+        if pool not in POOLS or (pool != "off" and host_tier != "native"):
+            raise ValueError(f"fleet pool {pool!r}: one of {', '.join(POOLS)}; a pool needs host_tier 'native'")
+        self.model, self.log_dir, self.policy, self.pool = str(model), log_dir, policy, pool
         self.router_args = [*HEALTH_ARGS, *router_args]
-        prefill_yaml, decode_yaml = pd_pair(host_tier)
-        events = policy.startswith("kv_aware")
-        ports = free_ports(prefills + decodes + (prefills if events else 0))
-        self.prefills = [
-            ServerNode(
-                EngineSpec(f"prefill-{i + 1}", self.model, str(prefill_yaml), ports[i], **spec,
-                           kv_events=kv_events_config(log_dir / f"prefill-{i + 1}.events") if events else None),
-                log_dir,
-            )
-            for i in range(prefills)
+        names = [f"prefill-{i + 1}" for i in range(prefills)] + [f"decode-{i + 1}" for i in range(decodes)]
+        free = free_ports(2 * len(names) + prefills)  # one draw: the servers', their p2p tiers', the relays'
+        ports = dict(zip(names, free, strict=False))
+        # kv_aware: the router reads the prefills' events; the peer pool: the prefills read everyone's.
+        publishers = names if pool == "peers" else names[:prefills] if policy.startswith("kv_aware") else []
+        events = {name: kv_events_config(log_dir / f"{name}.events") for name in publishers}
+        p2p_ports = dict(zip(names, free[len(names) : 2 * len(names)], strict=True))
+        #: the shared directory (``shared``): fresh per fleet, removed by :meth:`close`
+        self.shared = Path(tempfile.mkdtemp(prefix="kv-shared-", dir=log_dir)) if pool == "shared" else None
+        compositions = fleet_compositions(names[:prefills], names[prefills:], host_tier, pool, log_dir,
+                                          p2p_ports=p2p_ports, events=events, shared=self.shared)  # fmt: skip
+        nodes = [
+            ServerNode(EngineSpec(name, self.model, str(compositions[name]), ports[name], **spec,
+                                  kv_events=events.get(name)), log_dir)
+            for name in names
         ]  # fmt: skip
-        self.decodes = [
-            ServerNode(EngineSpec(f"decode-{i + 1}", self.model, str(decode_yaml), port, **spec), log_dir)
-            for i, port in enumerate(ports[prefills : prefills + decodes])
-        ]
-        self._relay_ports = ports[prefills + decodes :]
+        self.prefills, self.decodes = nodes[:prefills], nodes[prefills:]
+        self._relay_ports = free[2 * len(names) :] if policy.startswith("kv_aware") else []
         self.relays: list[Relay] = []
         self.router: RouterNode | None = None
         #: The prefills not killed (:meth:`kill_prefill`).
@@ -117,6 +180,8 @@ class Fleet:
             relay.close()
         for node in reversed(self.servers()):
             node.close()
+        if self.shared is not None:
+            shutil.rmtree(self.shared, ignore_errors=True)
 
 
 #: Tokens each turn adds after the answer (a user's next message).
