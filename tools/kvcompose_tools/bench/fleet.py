@@ -170,12 +170,14 @@ class SideRun:
         decodes = sorted(n for n in self.moved if n.startswith("decode"))
         served = [t for t in self.load.turns if t.error is None]
         computed = int(sum(self.moved[n].get(COMPUTED, 0) for n in prefills))
-        sources: dict[str, int] = {}
-        for counters in self.moved.values():
+        # vLLM's sources per role: on a decode NIXL's P/D loads count as its own source.
+        sources: dict[str, dict[str, int]] = {"prefills": {}, "decodes": {}}
+        for name, counters in self.moved.items():
+            into = sources["prefills" if name in prefills else "decodes"]
             for key, n in counters.items():
                 if key.startswith(CACHED_BY_SOURCE):
                     source = key[len(CACHED_BY_SOURCE) : -1]
-                    sources[source] = sources.get(source, 0) + int(n)
+                    into[source] = into.get(source, 0) + int(n)
         return {
             "turns_2plus": len(later),
             "home_share": round(len(home) / len(later), 3) if later else None,
@@ -246,13 +248,19 @@ def run(
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-fleet-"))
     tokenizer = load_tokenizer(path)
     done: dict[str, list[SideRun]] = {p: [] for p in policies}
+    failures: list[str] = []
     t0 = time.monotonic()
     with engine_lock(echo=echo):
         baseline = baseline_answers(path, tokenizer, logs, 0, workload)
         echo(f"   baseline (one engine, no P/D): {len(baseline.served)} answers, {len(baseline.failed)} failed")
         for r in range(runs):
             for policy in policies if r % 2 == 0 else policies[::-1]:
-                one = side_run(policy, path, tokenizer, logs, 0, workload)
+                try:
+                    one = side_run(policy, path, tokenizer, logs, 0, workload)
+                except Exception as exc:  # one side's failure (a server that did not start) ends only that run
+                    failures.append(f"run {r + 1} {policy}: {type(exc).__name__}: {exc}"[:2000])
+                    echo(f"   run {r + 1} {policy}: FAILED, the other sides go on: {failures[-1]}")
+                    continue
                 one.answers = mismatches(one.load, baseline)
                 done[policy].append(one)
                 f = one.figures()
@@ -266,7 +274,9 @@ def run(
                     f"{f['requests_per_s']} req/s, failed {f['failed']}, router's kv preparation "
                     f"{f['prepare_mean_s']} s a request, answers: {f['answers']}"
                 )
-    return summarize(done, runs, quick, logs, time.monotonic() - t0, model)
+    result = summarize(done, runs, quick, logs, time.monotonic() - t0, model)
+    result.notes += [f"failed: {f}" for f in failures]
+    return result
 
 
 def answers_total(runs: list[SideRun]) -> str:

@@ -71,6 +71,7 @@ def test_figures_count_the_turns_served_where_the_previous_one_was() -> None:
     assert f["same_prefill_share"] == 0.75  # and conversation 1's turn 3 on prefill-1 again
     assert f["computed_by_prefill"] == {"prefill-1": 750, "prefill-2": 250} and f["computed_tokens"] == 1000
     assert (f["host_tokens"], f["nixl_bytes"], f["failed"], f["unplaced"]) == (96, 1500, 1, 0)
+    assert f["cached_by_source"] == {"prefills": {"host": 64}, "decodes": {"host": 32}}
     assert f["requests_per_s"] == 1.5  # 6 served in 4 s
     assert f["prepare_mean_s"] is None  # no kv_aware placement prepared
 
