@@ -31,6 +31,12 @@ that is not a mapping raises in the scheduler. Here every role is screened in
 * ``peer``: the peer a role names must be reachable under the NIXL child's rule: a signed
   role's, else loopback; a ``remote_kv_source`` may also name a peer of the tier's pool.
 
+With a key the tier's connect handshake is sealed too (:func:`seal_handshake`): the NIXL agent
+metadata each side sends is encrypted and authenticated with the deployment key together with
+the memory it offers, so a peer that does not hold the key (one a role names, or one that dials
+this engine's control socket) completes no handshake, and vLLM's tier moves no byte to or from
+it.
+
 **The fleet's pool.** With a ``pool`` on the p2p tier, the scheduler half keeps a
 :class:`~kvcompose_cpu_offload.pool.PeerIndex` of what each configured peer holds, from the
 peers' KV events. A request that arrives with no p2p role and is not a decode leg
@@ -57,6 +63,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -197,6 +204,46 @@ def screen(
             )
 
 
+#: What a sealed p2p handshake's plaintext starts with: it never opens as the nixl child's metadata.
+HANDSHAKE = b"kvcompose-p2p-handshake-v1:"
+
+
+def seal_handshake(transport: Any, keys: Keyring) -> None:
+    """On vLLM's p2p tier's NIXL transport (``tiering/p2p/data/nixl.py``): the agent metadata it
+    sends in its ``ConnectMsg`` is sealed with the deployment key together with the memory it
+    offers (base address, blocks, block length), and a peer's is loaded only if it opens with the
+    key and names the memory its message names; else ``ValueError`` saying why, which vLLM's
+    session takes as a rejected connect (``session.py`` ``_on_connect``: logged, the connection
+    marked dead, no ``add_remote_agent``). So a peer without the key completes no handshake in
+    either direction, and a sealed metadata cannot be moved to another layout."""
+    publish, load = transport.get_agent_metadata, transport.add_remote_peer
+
+    def get_agent_metadata() -> bytes:
+        offered = [publish(), transport.base_addr, transport.num_blocks, transport.block_len]
+        return keys.seal(HANDSHAKE + msgspec.msgpack.encode(offered))
+
+    def add_remote_peer(peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int) -> None:
+        try:
+            opened = keys.open(agent_metadata)
+        except Refused as refused:
+            raise ValueError(f"p2p handshake refused ({refused.reason}): {refused.detail}") from None
+        try:
+            if not opened.startswith(HANDSHAKE):
+                raise ValueError("sealed metadata that is not a p2p handshake")
+            metadata, *offered = msgspec.msgpack.decode(opened[len(HANDSHAKE) :], type=tuple[bytes, int, int, int])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ValueError(f"p2p handshake refused (malformed): {exc}") from None
+        if offered != [base_addr, num_blocks, block_len]:
+            raise ValueError(
+                f"p2p handshake refused (layout): the message offers {[base_addr, num_blocks, block_len]}, "
+                f"the sealed metadata {offered}"
+            )
+        load(peer_id, agent_metadata=metadata, base_addr=base_addr, num_blocks=num_blocks, block_len=block_len)
+
+    transport.get_agent_metadata = get_agent_metadata
+    transport.add_remote_peer = add_remote_peer
+
+
 def p2p_address(extra_config: dict[str, Any], dp_index: int) -> tuple[str, int] | None:
     """The control socket of the config's p2p tier as its peers dial it (``host``, base port +
     ``dp_index``; vLLM's defaults from the environment, as the tier resolves them); None
@@ -224,6 +271,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         #: request id -> the kv_request_id this engine gave it as a prefill for a remote decode
         self._to_decoder: dict[str, str] = {}
         self._unlinger()
+        self._seal()
         #: roles refused, by reason (the log says each; tests and operators read the counts)
         self.refused: dict[str, int] = {}
         #: the composition's P/D transport where it is another child: the tier then takes no P/D leg
@@ -359,6 +407,15 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
             context = getattr(getattr(tier, "_control", None), "_zmq_ctx", None)
             if isinstance(context, zmq.Context):
                 context.setsockopt(zmq.LINGER, 0)
+
+    def _seal(self) -> None:
+        """With the deployment key, seal the tier's handshake (:func:`seal_handshake`)."""
+        from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
+
+        manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
+        for tier in getattr(manager, "secondary_tiers", ()):
+            if self._keys is not None and isinstance(tier, P2PSecondaryTierManager):
+                seal_handshake(tier._data, self._keys)
 
     def _screen(self, request: Request, params: dict[str, Any]) -> None:
         digest = prompt_digest(list(request.prompt_token_ids or ()), request_context(request))

@@ -4,12 +4,14 @@ that passes the checks before it."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import pytest
 from vllm.v1.kv_offload.tiering.p2p import manager as vllm_p2p
 
-from kvcompose_cpu_offload.p2p import DECODER, PREFILLER, SOURCE, decoder_params, screen
+from kvcompose_cpu_offload.p2p import DECODER, PREFILLER, SOURCE, decoder_params, screen, seal_handshake
 from kvcompose_nixl.trust import Keyring, Refused, Replays, prompt_digest
 
 KEY = "k" * 64
@@ -167,3 +169,112 @@ def test_a_named_key_that_is_missing_stops_the_p2p_class_naming_its_option(monke
     monkeypatch.delenv("KVC_P2P_KEY_UNSET", raising=False)
     with pytest.raises(TrustConfigError, match=r"the native-offload option key_env names \$KVC_P2P_KEY_UNSET"):
         Keyring.load("KVC_P2P_KEY_UNSET", None, owner="native-offload")
+
+
+# -- the tier's connect handshake: sealed with the deployment key
+
+
+class Transport:
+    """vLLM's ``NixlTransport`` over 4 blocks of 1 KiB of this process's memory (a real NIXL agent)."""
+
+    def __init__(self, name: str, sealed_with: Keyring | None) -> None:
+        from vllm.v1.kv_offload.tiering.p2p.data import NixlTransport
+
+        self.memory = bytearray(4 * 1024)
+        self.nixl = NixlTransport(f"{name}-{id(self)}", memoryview(self.memory).cast("B", (4, 1024)))
+        if sealed_with is not None:
+            seal_handshake(self.nixl, sealed_with)
+
+    def connect(self, **changed: Any) -> dict[str, Any]:
+        """The ``ConnectMsg`` vLLM's session sends from this transport (``session.py`` ``_send_connect``)."""
+        from vllm.v1.kv_offload.tiering.p2p.session.protocol import TYPE_KEY, ConnectMsg
+
+        t = self.nixl
+        msg = {
+            TYPE_KEY: ConnectMsg.TYPE,
+            ConnectMsg.PEER_ID: "peer",
+            ConnectMsg.AGENT_METADATA: t.get_agent_metadata(),
+            ConnectMsg.BASE_ADDR: t.base_addr,
+            ConnectMsg.NUM_BLOCKS: t.num_blocks,
+            ConnectMsg.BLOCK_LEN: t.block_len,
+            ConnectMsg.CONFIG_FINGERPRINT: t.config_fingerprint,
+            ConnectMsg.HASH_SEED: "seed",
+        }
+        return {**msg, **{getattr(ConnectMsg, k.upper()): v for k, v in changed.items()}}
+
+
+def rejected(receiver: Transport, msg: dict[str, Any], caplog: pytest.LogCaptureFixture) -> str | None:
+    """What vLLM's own session says when ``receiver`` takes ``msg`` (None: it took it)."""
+    from vllm.v1.kv_offload.tiering.p2p.session.session import P2PSession
+
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        P2PSession("peer", "me", receiver.nixl, receiver.nixl.block_len, "seed")._on_connect(msg)
+    said = [r.getMessage() for r in caplog.records if "rejecting peer connect" in r.getMessage()]
+    return said[0] if said else None
+
+
+def test_a_sealed_handshake_opens_with_the_key_and_nothing_else_does(caplog: pytest.LogCaptureFixture) -> None:
+    """The receiver's class seals; vLLM's session calls its ``add_remote_peer``: a peer with the key
+    is loaded (the control); a peer without the key, with another key, or a sealed metadata moved to
+    another memory layout is rejected by vLLM's session for the reason the class names."""
+    receiver = Transport("receiver", keys())
+    assert rejected(receiver, Transport("keyed", keys()).connect(), caplog) is None
+    assert rejected(Transport("plain", None), Transport("plain", None).connect(), caplog) is None  # vLLM's, unkeyed
+    cases = [
+        (Transport("vllm", None).connect(), "refused (unsigned)"),
+        (Transport("other", keys(OTHER_KEY)).connect(), "refused (signature)"),
+        (Transport("keyed", keys()).connect(base_addr=4096), "refused (layout)"),
+        (Transport("keyed", keys()).connect(agent_metadata=keys().seal(b"x")), "not a p2p handshake"),
+    ]
+    for msg, says in cases:
+        said = rejected(receiver, msg, caplog)
+        assert said is not None and says in said, said
+
+
+@pytest.mark.parametrize("peer_key", [KEY, OTHER_KEY])
+def test_two_keyed_schedulers_handshake_only_with_one_key(
+    peer_key: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's scheduler twice, each with a keyed p2p tier: a request on A naming B as its source
+    makes A's tier connect to B. With one key both sides load the other's sealed metadata and B
+    answers A's lookup; with two keys (the control's attacker) vLLM's sessions reject the connect
+    for the reason the class names, and A's request is computed there."""
+    from kvcompose.testing.harness import make_request, scheduler_from_yaml, step
+    from kvcompose_tools.e2e.ports import free_ports
+
+    a_port, b_port = free_ports(2)
+    monkeypatch.setenv("KVC_A_KEY", KEY)
+    monkeypatch.setenv("KVC_B_KEY", peer_key)
+
+    def yaml(port: int, env: str) -> str:
+        return (
+            "version: 1\nconnectors:\n  - name: host\n    type: native-offload\n    options:\n"
+            f"      cpu_bytes: 4MiB\n      key_env: {env}\n"
+            f"      tiers: [{{type: p2p, host: 127.0.0.1, port: {port}}}]\n"
+        )
+
+    a = scheduler_from_yaml(yaml(a_port, "KVC_A_KEY"), num_blocks=64, block_size=16)
+    b = scheduler_from_yaml(yaml(b_port, "KVC_B_KEY"), num_blocks=64, block_size=16)
+    try:
+        source = {"kv_request_id": "kvcompose-p2p-1", "remote_host": "127.0.0.1", "remote_port": b_port}
+        request = make_request(num_tokens=80, kv_transfer_params={SOURCE: source})
+        with caplog.at_level(logging.INFO):
+            a.add_request(request)
+            deadline = time.monotonic() + 60
+            while request.num_computed_tokens == 0 and time.monotonic() < deadline:
+                out, _ = step(a)
+                step(b)
+                if request.request_id in out.num_scheduled_tokens:
+                    break
+                time.sleep(0.02)
+        assert request.request_id in out.num_scheduled_tokens, "A's request never ran"
+        said = [r.getMessage() for r in caplog.records if "rejecting peer connect" in r.getMessage()]
+        down = [r.getMessage() for r in caplog.records if r.getMessage().endswith(" down")]
+        if peer_key == KEY:
+            assert said == [] and down == [], (said, down)
+        else:
+            assert said and all("refused (signature)" in s for s in said) and down, (said, down)
+    finally:
+        for scheduler in (a, b):
+            scheduler.connector.shutdown()
