@@ -655,3 +655,42 @@ def test_a_prefill_leg_gets_a_source_from_the_pool_and_a_decode_leg_none(make_pu
         done.start()
         done.join(30)
         assert not done.is_alive(), "the connector's shutdown hung"
+
+
+def test_a_peer_holding_fewer_blocks_than_its_events_claim_answers_and_the_rest_is_computed(make_publisher) -> None:
+    """Events say the peer holds a prompt's first 4 blocks (forged here: the peer's events endpoint
+    is ours); the peer is vLLM's real p2p tier and holds none of them. A's pool names it, vLLM's
+    tier asks it, it answers the lookup (a miss, not the ``wait_ms`` bound: nothing given up), and
+    the prompt is computed whole on A, which serves on."""
+    forged = make_publisher()
+    b_port = free_port()
+    b_yaml = (
+        _pool_yaml("", "").split("      tiers:")[0] + f"      tiers: [{{type: p2p, host: 127.0.0.1, port: {b_port}}}]\n"
+    )
+    b = scheduler_from_yaml(b_yaml, num_blocks=64, block_size=16)
+    text = _pool_yaml(
+        f'              - {{host: 127.0.0.1, p2p_port: {b_port}, kv_events: "{forged.peer.kv_events}"}}\n',
+        pool_extra="            wait_ms: 30000\n",
+    ).replace("port: 5711", f"port: {free_port()}")
+    a = scheduler_from_yaml(text, num_blocks=64, block_size=16)
+    (child,) = a.connector.sub_connectors
+    try:
+        prompt = [5 + i % 300 for i in range(8 * 16 + 5)]
+        probe = make_request(prompt=prompt, max_tokens=2)
+        claimed = stored([maybe_convert_block_hash(h) for h in probe.block_hashes[:4]])
+        wait_until(lambda: (forged.publish(claimed), time.sleep(0.05), child.pool.longest(probe.block_hashes))[-1])
+        request = make_request(prompt=prompt, max_tokens=2)
+        a.add_request(request)
+        assert request.kv_transfer_params[p2p.SOURCE]["remote_port"] == b_port
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            out, _ = step(a)
+            step(b)
+            if request.request_id in out.num_scheduled_tokens:
+                break
+            time.sleep(0.02)
+        assert out.num_scheduled_tokens.get(request.request_id) == len(prompt)  # computed here, whole
+        assert child.sources == {"index": 1}  # answered: nothing given up
+    finally:
+        for scheduler in (a, b):
+            scheduler.connector.shutdown()
