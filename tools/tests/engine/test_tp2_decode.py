@@ -32,7 +32,8 @@ from kvcompose_tools.e2e.router import RouterNode
 from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
-pytestmark = pytest.mark.engine
+# 130 s of engine starts (a TP 2 decode): `make test-long`, to keep `make test`'s CI run under the hour.
+pytestmark = [pytest.mark.engine, pytest.mark.long]
 
 MAX_TOKENS = 16
 PROMPT = token_prompt(20, 500)

@@ -31,7 +31,9 @@ from kvcompose_tools.e2e.server import ServerNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 
 NO_HOSTS = skip_reason()
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(NO_HOSTS is not None, reason=NO_HOSTS or "")]
+# 90 s of its own stack: `make test-long`, to keep `make test`'s CI run under the hour (test_link_cut.py
+# keeps P/D across two hosts in `make test`).
+pytestmark = [pytest.mark.engine, pytest.mark.long, pytest.mark.skipif(NO_HOSTS is not None, reason=NO_HOSTS or "")]
 
 MAX_TOKENS = 16
 LINK = "1gbit"
