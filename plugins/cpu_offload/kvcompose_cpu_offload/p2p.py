@@ -216,21 +216,22 @@ def seal_handshake(transport: Any, keys: Keyring) -> None:
     session takes as a rejected connect (``session.py`` ``_on_connect``: logged, the connection
     marked dead, no ``add_remote_agent``). So a peer without the key completes no handshake in
     either direction, and a sealed metadata cannot be moved to another layout."""
-    publish, load = transport.get_agent_metadata, transport.add_remote_peer
+    publish = transport.get_agent_metadata
 
     def get_agent_metadata() -> bytes:
         offered = [publish(), transport.base_addr, transport.num_blocks, transport.block_len]
         return keys.seal(HANDSHAKE + msgspec.msgpack.encode(offered))
 
-    def add_remote_peer(peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int) -> None:
+    def opened(agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int) -> bytes:
+        """The peer's NIXL metadata out of its sealed handshake; ValueError saying why not."""
         try:
-            opened = keys.open(agent_metadata)
+            plain = keys.open(agent_metadata)
         except Refused as refused:
             raise ValueError(f"p2p handshake refused ({refused.reason}): {refused.detail}") from None
         try:
-            if not opened.startswith(HANDSHAKE):
+            if not plain.startswith(HANDSHAKE):
                 raise ValueError("sealed metadata that is not a p2p handshake")
-            metadata, *offered = msgspec.msgpack.decode(opened[len(HANDSHAKE) :], type=tuple[bytes, int, int, int])
+            metadata, *offered = msgspec.msgpack.decode(plain[len(HANDSHAKE) :], type=tuple[bytes, int, int, int])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ValueError(f"p2p handshake refused (malformed): {exc}") from None
         if offered != [base_addr, num_blocks, block_len]:
@@ -238,10 +239,19 @@ def seal_handshake(transport: Any, keys: Keyring) -> None:
                 f"p2p handshake refused (layout): the message offers {[base_addr, num_blocks, block_len]}, "
                 f"the sealed metadata {offered}"
             )
-        load(peer_id, agent_metadata=metadata, base_addr=base_addr, num_blocks=num_blocks, block_len=block_len)
+        return metadata
 
     transport.get_agent_metadata = get_agent_metadata
-    transport.add_remote_peer = add_remote_peer
+    # vLLM 0.33 registers a peer with add_remote_peer_async (its add_remote_peer calls it); 0.32
+    # has add_remote_peer only. One of the two is wrapped, so a metadata is opened once.
+    name = "add_remote_peer_async" if hasattr(transport, "add_remote_peer_async") else "add_remote_peer"
+    load = getattr(transport, name)
+
+    def add_remote_peer(peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int) -> Any:
+        metadata = opened(agent_metadata, base_addr, num_blocks, block_len)
+        return load(peer_id, agent_metadata=metadata, base_addr=base_addr, num_blocks=num_blocks, block_len=block_len)
+
+    setattr(transport, name, add_remote_peer)
 
 
 def p2p_address(extra_config: dict[str, Any], dp_index: int) -> tuple[str, int] | None:
