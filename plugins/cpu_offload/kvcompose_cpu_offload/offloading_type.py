@@ -158,17 +158,18 @@ class NativeOffloadType(ConnectorType):
         extra["spec_module_path"] = SPEC_MODULE
         if tiers:
             extra["secondary_tiers"] = [tiers_.render(t) for t in tiers]
-        if any(isinstance(t, tiers_.P2pTier) for t in tiers):
+        p2p_tiers = [t for t in tiers if isinstance(t, tiers_.P2pTier)]
+        if p2p_tiers:
             # vLLM's class, answering vLLM's proxy and router through the p2p tier (p2p.py)
             cfg["kv_connector_module_path"] = P2P_MODULE
             if opts.key_env is not None:
                 extra[tiers_.P2P_KEY_ENV_KEY] = opts.key_env
             if opts.key_file is not None:
                 extra[tiers_.P2P_KEY_FILE_KEY] = opts.key_file
-            pools = [tiers_.pool_config(t) for t in tiers if isinstance(t, tiers_.P2pTier) and t.pool is not None]
+            pools = [tiers_.pool_config(t) for t in p2p_tiers if t.pool is not None]
             if pools:
                 extra[tiers_.P2P_POOL_KEY] = pools[0]
-            delays = [t.progress_delay_us for t in tiers if isinstance(t, tiers_.P2pTier) and t.progress_delay_us]
+            delays = [t.progress_delay_us for t in p2p_tiers if t.progress_delay_us]
             if delays:
                 extra[tiers_.P2P_PROGRESS_DELAY_KEY] = delays[0]
             if child.transport is not None:

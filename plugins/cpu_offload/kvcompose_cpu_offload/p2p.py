@@ -386,11 +386,8 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
     def _give_up(self, request: Request, kv_request_id: str) -> None:
         """Mark the source's id failed in vLLM's p2p tier, as vLLM does for a dead peer's requests
         (``P2PSecondaryTierManager._failed_req_ids``: its ``lookup`` then answers miss)."""
-        from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
-
-        for tier in getattr(self.connector_scheduler.manager, "secondary_tiers", ()):
-            if isinstance(tier, P2PSecondaryTierManager):
-                tier._failed_req_ids.add(kv_request_id)
+        for tier in self._p2p_tiers():
+            tier._failed_req_ids.add(kv_request_id)
         self.sources["gave_up"] += 1
         logger.warning(
             "p2p pool: request %s: its source did not answer the lookup within %.0f ms; its prompt is computed here",
@@ -418,13 +415,17 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
             if isinstance(context, zmq.Context):
                 context.setsockopt(zmq.LINGER, 0)
 
-    def _seal(self) -> None:
-        """With the deployment key, seal the tier's handshake (:func:`seal_handshake`)."""
+    def _p2p_tiers(self) -> list[Any]:
+        """vLLM's p2p tier managers of this connector (the scheduler half's; none in a worker)."""
         from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
 
         manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
-        for tier in getattr(manager, "secondary_tiers", ()):
-            if self._keys is not None and isinstance(tier, P2PSecondaryTierManager):
+        return [t for t in getattr(manager, "secondary_tiers", ()) if isinstance(t, P2PSecondaryTierManager)]
+
+    def _seal(self) -> None:
+        """With the deployment key, seal the tier's handshake (:func:`seal_handshake`)."""
+        if self._keys is not None:
+            for tier in self._p2p_tiers():
                 seal_handshake(tier._data, self._keys)
 
     def _screen(self, request: Request, params: dict[str, Any]) -> None:

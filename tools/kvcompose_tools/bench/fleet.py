@@ -29,10 +29,10 @@ prefill's pool naming the other servers; ``shared``: one ``fs`` directory); ``PO
 issue 53's side, the shipped cpu-offload examples. The issue's sides are :data:`POOL_SIDES`;
 ``KVCOMPOSE_BENCH_SIDES`` (comma-separated) picks others, the routing sides of issue 53
 (:data:`ROUTING_SIDES`) among them. Per side also the
-fewest prompt tokens the fleet could compute (:func:`minimum_tokens`): each conversation's first
-prompt and each later turn's tokens past what the fleet already computed for it (its previous
-prompt and answer), exactly and in whole blocks (vLLM reuses whole blocks only, and never a
-prompt's last token).
+fewest prompt tokens the fleet could compute (:func:`minimum_tokens`): each prompt's tokens past
+what the fleet computed before it (any earlier prompt and its answer, a shared system prompt
+included), exactly and in whole blocks (vLLM reuses whole blocks only, and never a prompt's last
+token).
 """
 
 from __future__ import annotations
