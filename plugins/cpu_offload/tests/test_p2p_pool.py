@@ -581,6 +581,13 @@ def test_the_tiers_progress_delay_renders_beside_it_and_check_says_it() -> None:
     assert "polls without sleeping (a core per engine)" in spinning.child("host").type.brief(spinning.child("host"))
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "fast", "2000000"])
+def test_a_bad_progress_delay_is_refused_at_its_line(value: str) -> None:
+    text = _pool_yaml(LOCAL_PEER).replace("port: 5711\n", f"port: 5711\n          progress_delay_us: {value}\n")
+    message = str(_refused(text))
+    assert "c.yaml:" in message and "progress_delay_us" in message and "Traceback" not in message, message
+
+
 def test_the_progress_delay_is_set_before_vllms_tier_makes_its_nixl_agent() -> None:
     """The class patches NIXL's agent config (the nixl child's patch) before vLLM's tier builds its
     agent: the tier's agent is made while the patched config is NIXL's."""
