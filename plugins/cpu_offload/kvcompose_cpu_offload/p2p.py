@@ -282,8 +282,9 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         self._to_decoder: dict[str, str] = {}
         self._unlinger()
         self._seal()
-        #: roles refused, by reason (the log says each; tests and operators read the counts)
-        self.refused: dict[str, int] = {}
+        #: roles refused, by reason (the log says each): the composite reports them as
+        #: ``vllm:kvcompose_refused_params`` (its loadstats.py), as it does the nixl child's
+        self.refused_params: Counter[str] = Counter()
         #: the composition's P/D transport where it is another child: the tier then takes no P/D leg
         self._transport: str | None = extra.get(P2P_PD_TRANSPORT_KEY)
         pool = extra.get(P2P_POOL_KEY) if self._address is not None else None
@@ -435,7 +436,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         except Refused as refused:
             for key in ROLE_KEYS:
                 params.pop(key, None)
-            self.refused[refused.reason] = self.refused.get(refused.reason, 0) + 1
+            self.refused_params[refused.reason] += 1
             logger.warning(
                 "p2p roles refused (%s) for request %s: %s; its prompt is computed here",
                 refused.reason,

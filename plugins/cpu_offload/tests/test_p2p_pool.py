@@ -531,7 +531,10 @@ def test_the_scheduler_uses_a_routers_source_naming_a_pool_peer(make_publisher) 
         beyond = {**given, "remote_host": "10.9.9.9"}
         refused = make_request(num_tokens=80, kv_transfer_params={p2p.SOURCE: beyond})
         scheduler.add_request(refused)
-        assert p2p.SOURCE not in refused.kv_transfer_params and child.refused == {"peer": 1}
+        assert p2p.SOURCE not in refused.kv_transfer_params and child.refused_params == {"peer": 1}
+        stats = scheduler.connector.get_kv_connector_stats()  # vllm:kvcompose_refused_params{child="host"}
+        assert stats is not None
+        assert {k.rsplit(".", 1)[1]: n for k, n in stats.reduce().items() if ".host.refused_params." in k} == {"peer": 1}
         step(scheduler)  # vLLM's tier queues its handshake and lookup for a peer that never connects
         (tier,) = child.connector_scheduler.manager.secondary_tiers
         assert tier._control._zmq_ctx.getsockopt(zmq.LINGER) == 0
@@ -700,4 +703,24 @@ def test_a_peer_holding_fewer_blocks_than_its_events_claim_answers_and_the_rest_
         assert child.sources == {"index": 1}  # answered: nothing given up
     finally:
         for scheduler in (a, b):
+            scheduler.connector.shutdown()
+
+
+def test_vllms_p2p_tier_keeps_an_idle_engine_stepping() -> None:
+    """What docs/performance.md measures as the tier's own cost: vLLM's p2p tier answers
+    ``has_pending_work`` true for its whole life, so a scheduler holding no request still has
+    work and the engine steps (each step a message to the worker, which then spins a second).
+    The control: the same composition without the tier has none."""
+    base = _pool_yaml("", "").split("      tiers:")[0]
+    stepping = scheduler_from_yaml(base + f"      tiers: [{{type: p2p, host: 127.0.0.1, port: {free_port()}}}]\n")
+    resting = scheduler_from_yaml(base)
+    try:
+        for _ in range(3):
+            step(stepping)
+            step(resting)
+        assert not stepping.requests and not resting.requests
+        assert stepping.has_requests()
+        assert not resting.has_requests()
+    finally:
+        for scheduler in (stepping, resting):
             scheduler.connector.shutdown()

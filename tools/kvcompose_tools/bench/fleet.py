@@ -255,8 +255,10 @@ def run(
         echo(f"   baseline (one engine, no P/D): {len(baseline.served)} answers, {len(baseline.failed)} failed")
         for r in range(runs):
             for policy in policies if r % 2 == 0 else policies[::-1]:
+                side_logs = logs / f"run{r + 1}-{policy}"  # each side's logs kept for reading after
+                side_logs.mkdir(parents=True, exist_ok=True)
                 try:
-                    one = side_run(policy, path, tokenizer, logs, 0, workload)
+                    one = side_run(policy, path, tokenizer, side_logs, 0, workload)
                 except Exception as exc:  # one side's failure (a server that did not start) ends only that run
                     failures.append(f"run {r + 1} {policy}: {type(exc).__name__}: {exc}"[:2000])
                     echo(f"   run {r + 1} {policy}: FAILED, the other sides go on: {failures[-1]}")
