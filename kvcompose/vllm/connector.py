@@ -18,7 +18,8 @@ plan's rules (:mod:`kvcompose.contract`), and a request's load is kept in
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.config import VllmConfig
@@ -46,7 +47,7 @@ from kvcompose.vllm.events import PER_DEVICE_BLOCK, EventAnchors
 from kvcompose.vllm.health import STATS_KEY as HEALTH_KEY
 from kvcompose.vllm.health import ChildStateStats, instance_name
 from kvcompose.vllm.loads import RequestLoads, Transfers, block_bytes
-from kvcompose.vllm.loadstats import STATS_KEY
+from kvcompose.vllm.loadstats import CHILD_COUNTERS, STATS_KEY
 from kvcompose.vllm.metadata import (
     ComposedHandshakeMetadata,
     ComposedKVEvents,
@@ -102,11 +103,13 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
             cls(cfg, role, kv_cache_config) for cls, cfg in composite.child_classes(vllm_config)
         ]
         self.names: tuple[str, ...] = plan.names
-        #: The counts of children that check the kv_transfer_params they are handed (loadstats.py).
-        self._refusals: list[tuple[str, dict[str, int]]] = [
-            (n, c.refused_params)
+        #: The children's own counters (loadstats.py ``CHILD_COUNTERS``): (child, attribute, its
+        #: counts, what was reported of them); a child only adds to its counts.
+        self._child_counts: list[tuple[str, str, Mapping[str, int], Counter[str]]] = [
+            (n, counter.attribute, getattr(c, counter.attribute), Counter())
             for n, c in zip(self.names, self._connectors, strict=True)
-            if hasattr(c, "refused_params")
+            for counter in CHILD_COUNTERS
+            if isinstance(getattr(c, counter.attribute, None), Mapping)
         ]
         self._not_hma = [n for n, c in zip(self.names, self._connectors, strict=True) if not supports_hma(c)]
         self._instance = instance_name(role == KVConnectorRole.SCHEDULER)
@@ -381,10 +384,11 @@ class KVComposeConnector(ClassLevelAnswers, KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data: dict[str, Any] = self._named(self._calls.get_kv_connector_stats, "get_kv_connector_stats")
-        for name, refused in self._refusals:
-            if refused:
-                self.loads.counts().refused(name, dict(refused))
-                refused.clear()
+        for name, attribute, counts, reported in self._child_counts:
+            gained = {value: n - reported[value] for value, n in counts.items() if n > reported[value]}
+            if gained:
+                self.loads.counts().child_counts(attribute, name, gained)
+                reported.update(gained)
         loads = self.loads.take_stats()
         if loads is not None:
             data[STATS_KEY] = loads

@@ -14,6 +14,10 @@ end and become Prometheus counters::
     vllm:kvcompose_aborted_loads              requests that finished while their load was in flight
     vllm:kvcompose_refused_params{child="pd",reason="signature"}
                                               requests whose kv_transfer_params that child refused
+    vllm:kvcompose_pool_sources{child="host",by="index"}
+                                              requests that child's pool gave a peer as their KV
+                                              source, by who chose it (index, router), and the
+                                              sources it gave up (gave_up)
 
 A withheld report is one for a request vLLM's scheduler no longer waits for: a second worker's
 duplicate, or a child's late report after the request's load was settled (an abort mid-pull
@@ -22,9 +26,11 @@ followed by the transfer's own completion). vLLM asserts on such a report
 aborted load is a request that finished (vLLM aborts it: its client went away) while vLLM still
 waited for its external KV; vLLM frees its blocks when the load reports.
 
-A child that checks the ``kv_transfer_params`` it is handed (the nixl type: docs/security.md)
-counts the sets it refused by reason in a ``refused_params`` attribute (a ``Counter``); the
-composite's scheduler half takes those counts each step.
+A child may keep counters of its own, by attribute name (:data:`CHILD_COUNTERS`): one that checks
+the ``kv_transfer_params`` it is handed (the nixl type, the p2p class: docs/security.md) counts the
+sets it refused by reason in ``refused_params``; one with a fleet pool (the p2p class) counts the
+sources it chose in ``pool_sources``. Each is a ``Counter`` the child only adds to; the
+composite's scheduler half reports what it gained since the last report, each step.
 
 Under ``load: ranges`` one request counts as a load of each child that served a range of it.
 Bytes are the whole blocks of the child's range times the bytes of one block over every layer
@@ -54,6 +60,37 @@ _PER_CHILD = ("loads", "tokens", "bytes")
 _TOTALS = ("lookups", "withheld", "aborted")
 
 
+@dataclass(frozen=True)
+class ChildCounter:
+    """A counter a child keeps by label value (a ``Counter`` attribute), reported per child."""
+
+    #: the child's attribute, and the key of its counts in the stats
+    attribute: str
+    #: the Prometheus counter, and the label its values go under (beside ``child``)
+    metric: str
+    label: str
+    documentation: str
+
+
+#: The children's own counters the composite reports.
+CHILD_COUNTERS = (
+    ChildCounter(
+        "refused_params",
+        "vllm:kvcompose_refused_params",
+        "reason",
+        "Requests whose kv_transfer_params the named child refused, by reason (docs/security.md); "
+        "each was computed locally.",
+    ),
+    ChildCounter(
+        "pool_sources",
+        "vllm:kvcompose_pool_sources",
+        "by",
+        "Requests the named child's fleet pool gave a peer as their KV source, by who chose it (index, router); "
+        "gave_up: sources whose lookup did not answer within wait_ms (the prompt computed here).",
+    ),
+)
+
+
 @dataclass
 class ChildLoadStats(KVConnectorStats):
     """``data = {"lookups": n, "withheld": n, "aborted": n, "loads": {child: n}, "tokens": {child: n},
@@ -65,10 +102,11 @@ class ChildLoadStats(KVConnectorStats):
         for key in _PER_CHILD:
             self.data.setdefault(key, {})
 
-    def refused(self, child: str, reasons: dict[str, int]) -> None:
-        mine = self.data.setdefault("refused", {}).setdefault(child, {})
-        for reason, n in reasons.items():
-            mine[reason] = mine.get(reason, 0) + n
+    def child_counts(self, attribute: str, child: str, counts: dict[str, int]) -> None:
+        """Add ``counts`` (label value -> n) to the child's counter ``attribute`` (:data:`CHILD_COUNTERS`)."""
+        mine = self.data.setdefault(attribute, {}).setdefault(child, {})
+        for value, n in counts.items():
+            mine[value] = mine.get(value, 0) + n
 
     def lookup(self) -> None:
         self.data["lookups"] += 1
@@ -96,8 +134,9 @@ class ChildLoadStats(KVConnectorStats):
         for key in _PER_CHILD:
             for child, n in other.data.get(key, {}).items():
                 self.data[key][child] = self.data[key].get(child, 0) + n
-        for child, reasons in other.data.get("refused", {}).items():
-            self.refused(child, reasons)
+        for counter in CHILD_COUNTERS:
+            for child, counts in other.data.get(counter.attribute, {}).items():
+                self.child_counts(counter.attribute, child, counts)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -106,13 +145,18 @@ class ChildLoadStats(KVConnectorStats):
             out[f"{child}.loads"] = n
             out[f"{child}.loaded_tokens"] = self.data["tokens"].get(child, 0)
             out[f"{child}.loaded_bytes"] = self.data["bytes"].get(child, 0)
-        for child, reasons in self.data.get("refused", {}).items():
-            for reason, n in reasons.items():
-                out[f"{child}.refused_params.{reason}"] = n
+        for counter in CHILD_COUNTERS:
+            for child, counts in self.data.get(counter.attribute, {}).items():
+                for value, n in counts.items():
+                    out[f"{child}.{counter.attribute}.{value}"] = n
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in _TOTALS) and not self.data["loads"] and not self.data.get("refused")
+        return (
+            not any(self.data[key] for key in _TOTALS)
+            and not self.data["loads"]
+            and not any(self.data.get(counter.attribute) for counter in CHILD_COUNTERS)
+        )
 
 
 class ChildLoadPromMetrics(KVConnectorPromMetrics):
@@ -153,12 +197,12 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
             labelnames=child_labels,
             documentation="Tokens of external KV the named child loaded.",
         )
-        self._refused = self._counter_cls(
-            name="vllm:kvcompose_refused_params",
-            labelnames=[*child_labels, "reason"],
-            documentation="Requests whose kv_transfer_params the named child refused, by reason (docs/security.md); "
-            "each was computed locally.",
-        )
+        self._child_counters = {
+            counter.attribute: self._counter_cls(
+                name=counter.metric, labelnames=[*child_labels, counter.label], documentation=counter.documentation
+            )
+            for counter in CHILD_COUNTERS
+        }
         self._bytes = self._counter_cls(
             name="vllm:kvcompose_loaded_bytes",
             labelnames=child_labels,
@@ -176,6 +220,7 @@ class ChildLoadPromMetrics(KVConnectorPromMetrics):
         for key, counter in (("loads", self._loads), ("tokens", self._tokens), ("bytes", self._bytes)):
             for child, n in transfer_stats_data.get(key, {}).items():
                 counter.labels(*labels, child).inc(n)
-        for child, reasons in transfer_stats_data.get("refused", {}).items():
-            for reason, n in reasons.items():
-                self._refused.labels(*labels, child, reason).inc(n)
+        for attribute, metric in self._child_counters.items():
+            for child, counts in transfer_stats_data.get(attribute, {}).items():
+                for value, n in counts.items():
+                    metric.labels(*labels, child, value).inc(n)

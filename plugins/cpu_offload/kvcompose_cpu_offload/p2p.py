@@ -297,8 +297,9 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
             self.pool = PeerIndex(peers, max_blocks=pool["max_blocks"], silent_s=pool["silent_s"])
         #: request id -> (kv_request_id, the time its source's lookup is given up)
         self._waiting: dict[str, tuple[str, float]] = {}
-        #: sources used, by who chose them ("index", "router") and lookups given up ("gave_up")
-        self.sources: Counter[str] = Counter()
+        #: sources used, by who chose them ("index", "router") and lookups given up ("gave_up"): the
+        #: composite reports them as ``vllm:kvcompose_pool_sources`` (its loadstats.py)
+        self.pool_sources: Counter[str] = Counter()
 
     def on_new_request(self, request: Request) -> None:
         """Screen the request's p2p roles; else give a prefill asked for a remote decode the NIXL way
@@ -366,7 +367,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         return max(device_blocks // per_chunk, host)
 
     def _wait(self, request: Request, kv_request_id: str, chosen_by: str) -> None:
-        self.sources[chosen_by] += 1
+        self.pool_sources[chosen_by] += 1
         self._waiting[request.request_id] = (kv_request_id, time.monotonic() + self._wait_s)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -389,7 +390,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         (``P2PSecondaryTierManager._failed_req_ids``: its ``lookup`` then answers miss)."""
         for tier in self._p2p_tiers():
             tier._failed_req_ids.add(kv_request_id)
-        self.sources["gave_up"] += 1
+        self.pool_sources["gave_up"] += 1
         logger.warning(
             "p2p pool: request %s: its source did not answer the lookup within %.0f ms; its prompt is computed here",
             request.request_id,

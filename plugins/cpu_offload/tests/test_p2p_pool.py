@@ -495,7 +495,7 @@ def test_the_scheduler_sets_a_source_when_a_peer_holds_more_and_gives_it_up_afte
         role = remote.kv_transfer_params[p2p.SOURCE]
         assert role["remote_host"] == "127.0.0.1" and role["remote_port"] == peer.p2p_port
         assert role["kv_request_id"].startswith(p2p.REQUEST_ID_PREFIX)
-        assert child.sources["index"] == 1
+        assert child.pool_sources["index"] == 1
 
         started = time.monotonic()
         while remote.num_computed_tokens == 0 and time.monotonic() - started < 60:
@@ -506,7 +506,7 @@ def test_the_scheduler_sets_a_source_when_a_peer_holds_more_and_gives_it_up_afte
         waited = time.monotonic() - started
         assert remote.request_id in out.num_scheduled_tokens, "the request never ran"
         assert waited >= 0.3, waited  # not before wait_ms (no upper bound: a loaded machine is slow)
-        assert child.sources["gave_up"] == 1
+        assert child.pool_sources["gave_up"] == 1
         assert out.num_scheduled_tokens[remote.request_id] == len(remote.prompt_token_ids)  # computed here
         assert mute.poll(0), "vLLM's tier did not contact the source"
     finally:
@@ -527,14 +527,20 @@ def test_the_scheduler_uses_a_routers_source_naming_a_pool_peer(make_publisher) 
         given = {"kv_request_id": "from-router-1", "remote_host": "127.0.0.1", "remote_port": peer.p2p_port}
         request = make_request(num_tokens=80, kv_transfer_params={p2p.SOURCE: dict(given)})
         scheduler.add_request(request)
-        assert request.kv_transfer_params[p2p.SOURCE] == given and child.sources["router"] == 1
+        assert request.kv_transfer_params[p2p.SOURCE] == given and child.pool_sources["router"] == 1
         beyond = {**given, "remote_host": "10.9.9.9"}
         refused = make_request(num_tokens=80, kv_transfer_params={p2p.SOURCE: beyond})
         scheduler.add_request(refused)
         assert p2p.SOURCE not in refused.kv_transfer_params and child.refused_params == {"peer": 1}
-        stats = scheduler.connector.get_kv_connector_stats()  # vllm:kvcompose_refused_params{child="host"}
-        assert stats is not None
-        assert {k.rsplit(".", 1)[1]: n for k, n in stats.reduce().items() if ".host.refused_params." in k} == {"peer": 1}
+        # vllm:kvcompose_refused_params and vllm:kvcompose_pool_sources, child="host"; taken once
+        reduced = scheduler.connector.get_kv_connector_stats().reduce()
+        assert {k.split(".host.", 1)[1]: n for k, n in reduced.items() if ".host." in k} == {
+            "refused_params.peer": 1,
+            "pool_sources.router": 1,
+        }, reduced
+        again = scheduler.connector.get_kv_connector_stats()  # vLLM's own gauges, none of the counts again
+        assert not [k for k in (again.reduce() if again else {}) if "pool_sources" in k or "refused_params" in k]
+        assert child.pool_sources == {"router": 1} and child.refused_params == {"peer": 1}  # the child's stay whole
         step(scheduler)  # vLLM's tier queues its handshake and lookup for a peer that never connects
         (tier,) = child.connector_scheduler.manager.secondary_tiers
         assert tier._control._zmq_ctx.getsockopt(zmq.LINGER) == 0
@@ -654,12 +660,12 @@ def test_a_prefill_leg_gets_a_source_from_the_pool_and_a_decode_leg_none(make_pu
         prefill = make_request(prompt=prompt, max_tokens=2, kv_transfer_params=dict(PREFILL_LEG))
         scheduler.add_request(prefill)
         params = prefill.kv_transfer_params
-        assert params[p2p.SOURCE]["remote_port"] == peer.p2p_port and host.sources["index"] == 1
+        assert params[p2p.SOURCE]["remote_port"] == peer.p2p_port and host.pool_sources["index"] == 1
         assert (p2p.DECODER in params) is not beside_nixl
 
         decode = make_request(prompt=prompt, max_tokens=2, kv_transfer_params={"do_remote_prefill": True})
         host.on_new_request(decode)  # the host child alone: the decode leg's NIXL fields are not the point
-        assert p2p.SOURCE not in decode.kv_transfer_params and host.sources["index"] == 1
+        assert p2p.SOURCE not in decode.kv_transfer_params and host.pool_sources["index"] == 1
     finally:
         done = threading.Thread(target=scheduler.connector.shutdown, daemon=True)
         done.start()
@@ -700,7 +706,7 @@ def test_a_peer_holding_fewer_blocks_than_its_events_claim_answers_and_the_rest_
                 break
             time.sleep(0.02)
         assert out.num_scheduled_tokens.get(request.request_id) == len(prompt)  # computed here, whole
-        assert child.sources == {"index": 1}  # answered: nothing given up
+        assert child.pool_sources == {"index": 1}  # answered: nothing given up
     finally:
         for scheduler in (a, b):
             scheduler.connector.shutdown()

@@ -585,7 +585,7 @@ def _served(
             stats = e.scheduler_stats.kv_connector_stats if e.scheduler_stats is not None else None
             loads = (stats or {}).get(LOADS_KEY)
             if loads:
-                refused.update(loads["data"].get("refused", {}).get("pd", {}))
+                refused.update(loads["data"].get("refused_params", {}).get("pd", {}))
         if req.is_finished():
             return req, outputs, failed
     raise AssertionError(f"{req.request_id} did not finish: {req.status}")

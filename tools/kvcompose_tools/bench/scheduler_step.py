@@ -362,7 +362,7 @@ class Driver:
         """The P/D params the decode's nixl child refused, by reason, from the composite's
         stats (what vLLM's ``vllm:kvcompose_refused_params`` counts)."""
         data = ((getattr(stats, "kv_connector_stats", None) or {}).get("kvcompose:loads") or {}).get("data") or {}
-        for reasons in data.get("refused", {}).values():
+        for reasons in data.get("refused_params", {}).values():
             for reason, count in reasons.items():
                 self.counts["refused:" + reason] += count
 
