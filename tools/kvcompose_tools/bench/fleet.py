@@ -42,10 +42,10 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcompose.router import POLICIES
 from kvcompose_tools.bench.measure import Samples, paired, ratio
@@ -56,6 +56,8 @@ from kvcompose_tools.e2e.fleet import POOLS
 from kvcompose_tools.e2e.flow import CACHED_BY_SOURCE, COMPUTED, NIXL_BYTES, delta
 from kvcompose_tools.e2e.load import Load, chat_load
 from kvcompose_tools.e2e.stats import quantile
+
+T = TypeVar("T")
 
 #: Issue 53's sides: each policy, the shipped examples (``simple`` host tier), no pool.
 ROUTING_SIDES = POLICIES
@@ -159,6 +161,19 @@ class SideRun:
                 out[(t.conversation, t.turn)] = None if where is None else (self.names[where[0]], self.names[where[1]])
         return out
 
+    def said(self) -> str:
+        """The run's figures in one line, as the benchmark says each run."""
+        f = self.figures()
+        return (
+            f"turns 2+ at home {f['home_share']} (prefill {f['same_prefill_share']}), "
+            f"computed {f['computed_tokens']} {f['computed_by_prefill']} (decodes {f['computed_by_decodes']}; "
+            f"minimum {f['minimum_tokens']}, in whole blocks {f['minimum_whole_blocks']}: "
+            f"{f['over_minimum']}x), cached by source {f['cached_by_source']}, host {f['host_tokens']} tokens, "
+            f"NIXL {f['nixl_bytes']} B, turns 2+ TTFT p50 {f['later_ttft_p50_s']} p90 {f['later_ttft_p90_s']} s, "
+            f"{f['requests_per_s']} req/s, failed {f['failed']}, router's kv preparation "
+            f"{f['prepare_mean_s']} s a request, answers: {f['answers']}"
+        )
+
     def figures(self) -> dict[str, Any]:
         where = self.placements()
         later = [(c, t) for (c, t) in where if t > 0 and (c, t - 1) in where]
@@ -201,6 +216,34 @@ class SideRun:
             else None,
             "answers": self.answers.summary(),
         }
+
+
+def interleaved(
+    sides: Sequence[str],
+    runs: int,
+    logs: Path,
+    one: Callable[[str, Path], T],
+    said: Callable[[T], str],
+    echo: Callable[[str], None],
+) -> tuple[dict[str, list[T]], list[str]]:
+    """Each side's ``runs`` runs, the sides' order flipping every run: ``one(side, its log folder)``
+    runs a side once (each side's logs kept apart, for reading after); a side that raises (a
+    server that did not start) ends only that run, said and listed in the failures returned."""
+    done: dict[str, list[T]] = {side: [] for side in sides}
+    failures: list[str] = []
+    for r in range(runs):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            side_logs = logs / f"run{r + 1}-{side}"
+            side_logs.mkdir(parents=True, exist_ok=True)
+            try:
+                result = one(side, side_logs)
+            except Exception as exc:  # the other sides go on
+                failures.append(f"run {r + 1} {side}: {type(exc).__name__}: {exc}"[:2000])
+                echo(f"   run {r + 1} {side}: FAILED, the other sides go on: {failures[-1]}")
+                continue
+            done[side].append(result)
+            echo(f"   run {r + 1} {side}: {said(result)}")
+    return done, failures
 
 
 def side_run(side: str, model: str, tokenizer: Any, logs: Path, seed: int, workload: Workload) -> SideRun:
@@ -247,35 +290,17 @@ def run(
     runs = repeats or (1 if quick else RUNS[model])
     logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-fleet-"))
     tokenizer = load_tokenizer(path)
-    done: dict[str, list[SideRun]] = {p: [] for p in policies}
-    failures: list[str] = []
     t0 = time.monotonic()
     with engine_lock(echo=echo):
         baseline = baseline_answers(path, tokenizer, logs, 0, workload)
         echo(f"   baseline (one engine, no P/D): {len(baseline.served)} answers, {len(baseline.failed)} failed")
-        for r in range(runs):
-            for policy in policies if r % 2 == 0 else policies[::-1]:
-                side_logs = logs / f"run{r + 1}-{policy}"  # each side's logs kept for reading after
-                side_logs.mkdir(parents=True, exist_ok=True)
-                try:
-                    one = side_run(policy, path, tokenizer, side_logs, 0, workload)
-                except Exception as exc:  # one side's failure (a server that did not start) ends only that run
-                    failures.append(f"run {r + 1} {policy}: {type(exc).__name__}: {exc}"[:2000])
-                    echo(f"   run {r + 1} {policy}: FAILED, the other sides go on: {failures[-1]}")
-                    continue
-                one.answers = mismatches(one.load, baseline)
-                done[policy].append(one)
-                f = one.figures()
-                echo(
-                    f"   run {r + 1} {policy}: turns 2+ at home {f['home_share']} (prefill {f['same_prefill_share']}), "
-                    f"computed {f['computed_tokens']} {f['computed_by_prefill']} (decodes {f['computed_by_decodes']}; "
-                    f"minimum {f['minimum_tokens']}, in whole blocks {f['minimum_whole_blocks']}: "
-                    f"{f['over_minimum']}x), cached by source {f['cached_by_source']}, host {f['host_tokens']} tokens, "
-                    f"NIXL {f['nixl_bytes']} B, turns 2+ TTFT p50 {f['later_ttft_p50_s']} "
-                    f"p90 {f['later_ttft_p90_s']} s, "
-                    f"{f['requests_per_s']} req/s, failed {f['failed']}, router's kv preparation "
-                    f"{f['prepare_mean_s']} s a request, answers: {f['answers']}"
-                )
+
+        def one(side: str, side_logs: Path) -> SideRun:
+            done = side_run(side, path, tokenizer, side_logs, 0, workload)
+            done.answers = mismatches(done.load, baseline)
+            return done
+
+        done, failures = interleaved(policies, runs, logs, one, SideRun.said, echo)
     result = summarize(done, runs, quick, logs, time.monotonic() - t0, model)
     result.notes += [f"failed: {f}" for f in failures]
     return result

@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "lease": "lease_cost",
     "multi-turn": "multi_turn",
     "fleet": "fleet",
+    "fleet-kill": "fleet_kill",
     "overload": "overload",
     "load-failure": "load_failure",
 }
@@ -38,6 +39,7 @@ FULL_ONLY = (
     "lease",
     "multi-turn",
     "fleet",
+    "fleet-kill",
     "overload",
     "load-failure",
 )
@@ -45,7 +47,7 @@ FULL_ONLY = (
 #: host of their own, :mod:`kvcompose_tools.e2e.hosts`).
 ACROSS_HOSTS = ("cold-start", "overload")
 #: Those that run another model than the tiny one with ``--model`` (``run(model=...)``).
-TAKE_MODEL = ("pd-load", "multi-turn", "fleet")
+TAKE_MODEL = ("pd-load", "multi-turn", "fleet", "fleet-kill")
 
 
 def _runner(name: str) -> Callable[..., Result]:
