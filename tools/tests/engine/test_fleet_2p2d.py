@@ -22,41 +22,27 @@ equals the single-engine baseline's.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from engine.stack import Nodes, module_stack
+from engine.stack import FleetStack, assert_answers_as_one_engine, assert_served_after_detection, module_stack
 from kvcompose.serving import FLEET_POLICY
-from kvcompose_tools.e2e.fleet import TURN_TOKENS, Fleet, first_prompt, kill_scenario
-from kvcompose_tools.e2e.flow import same_output
-from kvcompose_tools.e2e.model import make_model
+from kvcompose_tools.e2e.fleet import TURN_TOKENS, first_prompt, kill_scenario
 from kvcompose_tools.e2e.node import EngineNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE
 
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 8
-#: How long after the kill a request may still fail: the router's health window (HEALTH_ARGS:
-#: two failed checks a second apart) and a check's own timeout.
-DETECT_S = 6.0
-
-
-class Stack(Nodes):
-    def __init__(self, logs: Path) -> None:
-        super().__init__()
-        self.fleet = Fleet(make_model(0), logs, policy=FLEET_POLICY)
-        self.nodes.append(self.fleet)
-        self.fleet.start()
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    yield from module_stack(Stack, "kvcompose-e2e-fleet-")
+def stack() -> Iterator[FleetStack]:
+    yield from module_stack(FleetStack, "kvcompose-e2e-fleet-", {"policy": FLEET_POLICY})
 
 
 def test_each_turn_goes_to_the_prefill_that_holds_its_history_not_to_its_sessions(
-    stack: Stack, baseline: EngineNode
+    stack: FleetStack, baseline: EngineNode
 ) -> None:
     placed = dict(zip(("conv-c", "conv-d"), stack.fleet.prefills, strict=True))
     prompts: dict[str, list[int]] = {}
@@ -77,11 +63,12 @@ def test_each_turn_goes_to_the_prefill_that_holds_its_history_not_to_its_session
         prompts[name] = prompt + served.token_ids + [8] * TURN_TOKENS
 
 
-def test_turns_follow_their_history_and_move_once_when_its_prefill_dies(stack: Stack, baseline: EngineNode) -> None:
+def test_turns_follow_their_history_and_move_once_when_its_prefill_dies(
+    stack: FleetStack, baseline: EngineNode
+) -> None:
     first = {"conv-a": first_prompt(1), "conv-b": first_prompt(2)}
     scenario = kill_scenario(stack.fleet, first, MAX_TOKENS, before=3, after=2)
-    late = [t for t in scenario.turns if t.served is None and (t.after_kill_s or 0) > DETECT_S]
-    assert not late, [(t.session, t.after_kill_s, t.error) for t in late]
+    assert_served_after_detection(scenario)
     (survivor,) = [p.name for p in stack.fleet.alive]
     for session in first:
         turns = [t for t in scenario.of(session) if t.served is not None]
@@ -98,8 +85,4 @@ def test_turns_follow_their_history_and_move_once_when_its_prefill_dies(stack: S
         assert then.prefill_computed_tokens is not None and then.prefill_computed_tokens < then.prompt_tokens
         assert {t.served.decode for t in turns} == {one.decode}, session
 
-    # Every answer equals the single engine's, asked the conversations in the same order.
-    for t in scenario.turns:
-        if t.served is not None:
-            (want,) = baseline.generate([t.prompt], MAX_TOKENS)
-            assert same_output(t.served.token_ids, t.served.logprobs, want), (t.session, t.served.token_ids, want)
+    assert_answers_as_one_engine(scenario, baseline, MAX_TOKENS)

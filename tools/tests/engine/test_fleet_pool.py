@@ -16,46 +16,32 @@ engine's, asked the same prompts.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from engine.stack import Nodes, module_stack
+from engine.stack import FleetStack, assert_answers_as_one_engine, assert_served_after_detection, module_stack
 from kvcompose_tools.bench.fleet_kill import moved_turns
-from kvcompose_tools.e2e.fleet import Fleet, first_prompt, kill_scenario
-from kvcompose_tools.e2e.flow import same_output
-from kvcompose_tools.e2e.model import make_model
+from kvcompose_tools.e2e.fleet import first_prompt, kill_scenario
 from kvcompose_tools.e2e.node import EngineNode
 from kvcompose_tools.e2e.spec import BLOCK_SIZE
 
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 8
-#: How long after the kill a request may still fail: the router's health window (two failed
-#: checks a second apart) and a check's own timeout.
-DETECT_S = 6.0
-
-
-class Stack(Nodes):
-    def __init__(self, logs: Path) -> None:
-        super().__init__()
-        self.fleet = Fleet(make_model(0), logs, policy="consistent_hash", host_tier="native", pool="peers")
-        self.nodes.append(self.fleet)
-        self.fleet.start()
+POOLED = {"policy": "consistent_hash", "host_tier": "native", "pool": "peers"}
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    yield from module_stack(Stack, "kvcompose-e2e-fleet-pool-")
+def stack() -> Iterator[FleetStack]:
+    yield from module_stack(FleetStack, "kvcompose-e2e-fleet-pool-", POOLED)
 
 
 def test_a_killed_prefills_conversations_load_their_history_from_a_live_peer(
-    stack: Stack, baseline: EngineNode
+    stack: FleetStack, baseline: EngineNode
 ) -> None:
     first = {f"conv-{i}": first_prompt(20 + i) for i in range(2)}
     scenario = kill_scenario(stack.fleet, first, MAX_TOKENS, before=2, after=1)
-    late = [t for t in scenario.turns if t.served is None and (t.after_kill_s or 0) > DETECT_S]
-    assert not late, [(t.session, t.after_kill_s, t.error) for t in late]
+    assert_served_after_detection(scenario)
 
     moved = moved_turns(scenario, BLOCK_SIZE)
     assert moved, "no conversation was on the killed prefill"  # the first one is, by construction
@@ -64,7 +50,4 @@ def test_a_killed_prefills_conversations_load_their_history_from_a_live_peer(
         assert m.computed < m.prompt_tokens, m  # not the whole prompt: the pool loaded
         assert m.recomputed == 0, m  # none of what a live peer held computed again
 
-    for t in scenario.turns:
-        if t.served is not None:
-            (want,) = baseline.generate([t.prompt], MAX_TOKENS)
-            assert same_output(t.served.token_ids, t.served.logprobs, want), (t.session, t.served.token_ids, want)
+    assert_answers_as_one_engine(scenario, baseline, MAX_TOKENS)
