@@ -46,6 +46,9 @@ from kvcompose_tools.e2e.spec import BLOCK_SIZE, EngineSpec
 #: Where a turn's history is found when another server holds it: nowhere, a peer's host tier
 #: through the p2p tier's pool, or one ``fs`` directory for the fleet.
 POOLS = ("off", "peers", "shared")
+#: The peer pool's ``wait_ms`` here: a peer answers a lookup once per engine step, and four medium
+#: engines on two cores stretch a step past the 1,000 ms default (docs/performance.md, 5k).
+POOL_WAIT_MS = 3000
 
 
 def fleet_compositions(
@@ -77,7 +80,7 @@ def fleet_compositions(
         # The examples' NIXL children sleep 100 µs between polls; so does the tier's agent.
         tier: dict[str, Any] = {"type": "p2p", "host": "127.0.0.1", "port": p2p_ports[name], "progress_delay_us": 100}
         if name in prefills:  # a decode leg's KV comes from its prefill: only the prefills look
-            tier["pool"] = {"peers": [peers[n] for n in example if n != name]}
+            tier["pool"] = {"peers": [peers[n] for n in example if n != name], "wait_ms": POOL_WAIT_MS}
         out[name] = pooled_composition(path, tier, work / f"{name}.yaml")
     return out
 

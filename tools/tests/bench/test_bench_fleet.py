@@ -24,7 +24,7 @@ from kvcompose_tools.bench.fleet import (
 )
 from kvcompose_tools.bench.runner import BENCHMARKS, FULL_ONLY, TAKE_MODEL
 from kvcompose_tools.e2e.chat import load_tokenizer, render
-from kvcompose_tools.e2e.fleet import fleet_compositions
+from kvcompose_tools.e2e.fleet import POOL_WAIT_MS, fleet_compositions
 from kvcompose_tools.e2e.flow import COMPUTED, NIXL_BYTES
 from kvcompose_tools.e2e.load import Load, Turn
 from kvcompose_tools.e2e.model import make_model
@@ -162,6 +162,7 @@ def test_the_pools_compositions_load_and_name_every_other_server(tmp_path: Path)
             continue
         named = {(p["p2p_port"], p["kv_events"]) for p in pool["peers"]}
         assert named == {(ports[n], events[n]["endpoint"]) for n in names if n != name}
+        assert pool["wait_ms"] == POOL_WAIT_MS
     shared = tmp_path / "kv"
     shared.mkdir(mode=0o700)
     files = fleet_compositions(prefills, decodes, "native", "shared", tmp_path, shared=shared)
