@@ -13,8 +13,12 @@ instance held where another can load it. The decode that answered the previous t
 turn's prompt in its host tier, in whole blocks (the examples' tier stores prompts only: vLLM's
 ``offload_prompt_only``, the type's ``prompt_only``, default true; the answer's blocks stay in its
 device cache, which no tier serves), and so does the shared directory with ``shared``. So the
-tokens the move cost are ``computed - (prompt - held)``; the target is none. Every turn's answer
+tokens the move cost are ``computed - (prompt - held)`` (``computed``: the prompt tokens the
+prefill and the decode that served the turn computed); the target is none. Every turn's answer
 is checked against one engine's, asked the same prompts (token ids).
+
+The same figures serve benchmark 5m (:mod:`kvcompose_tools.bench.fleet_join`), where the change
+is a third decode joining the router mid-run and a conversation moved when it lands there.
 """
 
 from __future__ import annotations
@@ -43,26 +47,29 @@ RUNS = {"tiny": 1, "medium": 3}
 
 @dataclass
 class Moved:
-    """One conversation's first turn on the survivor after its prefill was killed."""
+    """One conversation's first turn after the change moved it (to the surviving prefill, or to
+    the decode that joined)."""
 
     session: str
     prompt_tokens: int
     #: whole-block tokens of the previous turn's prompt: what a live instance's host tier held
     held: int
+    #: prompt tokens the turn's prefill and decode computed
     computed: int
 
     @property
     def recomputed(self) -> int:
-        """Tokens of the history the survivor computed again (0: it loaded all a live peer held)."""
+        """Tokens of the history computed again (0: all a live instance held was loaded)."""
         return max(0, self.computed - (self.prompt_tokens - self.held))
 
 
 @dataclass
-class KillRun:
-    """One pool's run: the conversations that moved, the turns the router failed, the answers."""
+class ChangeRun:
+    """One pool's run: the server killed or joined, the conversations that moved, the turns the
+    router failed, the answers."""
 
     pool: str
-    killed: str
+    changed: str
     moved: list[Moved]
     failed_turns: int
     turns: int
@@ -71,7 +78,7 @@ class KillRun:
 
     def figures(self) -> dict[str, Any]:
         return {
-            "killed": self.killed,
+            "changed": self.changed,
             "moved": len(self.moved),
             "recomputed_tokens": sum(m.recomputed for m in self.moved),
             "held_tokens": sum(m.held for m in self.moved),
@@ -86,35 +93,41 @@ class KillRun:
 
 
 def moved_turns(scenario: Scenario, block_size: int) -> list[Moved]:
-    """Each conversation whose turns before the kill were on the killed prefill: its first served
-    turn after the kill, with the previous served turn's prompt in whole blocks (what its decode's
-    host tier stored of it)."""
+    """Each conversation the change moved (its last turn before a kill on the killed prefill; its
+    first turn after a join on the joined decode): its first served turn after the change, with
+    the previous served turn's prompt in whole blocks (what its decode's host tier stored of it)."""
     out = []
     for session in dict.fromkeys(t.session for t in scenario.turns):
         served = [t for t in scenario.of(session) if t.served is not None]
-        before = [t for t in served if t.after_kill_s is None]
-        after = [t for t in served if t.after_kill_s is not None]
-        if not before or not after or before[-1].served.prefill != scenario.killed:  # type: ignore[union-attr]
+        before = [t for t in served if t.after_s is None]
+        after = [t for t in served if t.after_s is not None]
+        if not before or not after:
             continue
-        last, first = before[-1], after[0]
-        assert last.served is not None and first.served is not None
-        held = len(last.prompt) // block_size * block_size
-        computed = first.served.prefill_computed_tokens
-        out.append(Moved(session, len(first.prompt), held, int(computed or 0)))
+        last, first = before[-1].served, after[0].served
+        assert last is not None and first is not None
+        if last.prefill != scenario.killed and first.decode != scenario.joined:
+            continue
+        held = len(before[-1].prompt) // block_size * block_size
+        computed = (first.prefill_computed_tokens or 0) + first.computed_tokens
+        out.append(Moved(session, len(after[0].prompt), held, int(computed)))
     return out
 
 
-def kill_run(pool: str, model: str, logs: Path, workload: Workload, baseline: Any) -> KillRun:
-    """One fleet with ``pool``: the kill scenario, its moved conversations, its answers against ``baseline``."""
-    from kvcompose_tools.e2e.fleet import Fleet, first_prompt, kill_scenario
+def change_run(change: str, pool: str, model: str, logs: Path, workload: Workload, baseline: Any) -> ChangeRun:
+    """One fleet with ``pool``: the ``change`` (``kill`` or ``join``) scenario, its moved
+    conversations, its answers against ``baseline``."""
+    from kvcompose_tools.e2e.fleet import Fleet, first_prompt, join_scenario, kill_scenario
     from kvcompose_tools.e2e.spec import BLOCK_SIZE
 
     spec = {"num_gpu_blocks": workload.device_blocks, "max_model_len": workload.max_model_len}
-    fleet = Fleet(model, logs, policy=POLICY, host_tier="native", pool=pool, **spec)
+    standby = int(change == "join")
+    fleet = Fleet(model, logs, policy=POLICY, host_tier="native", pool=pool, standby=standby, **spec)
     try:
         fleet.start()
         first = {f"conv-{i}": first_prompt(11 + i) for i in range(CONVERSATIONS)}
-        scenario = kill_scenario(fleet, first, MAX_TOKENS, before=BEFORE, after=AFTER)
+        scenario = (kill_scenario if change == "kill" else join_scenario)(
+            fleet, first, MAX_TOKENS, before=BEFORE, after=AFTER
+        )
     finally:
         fleet.close()
     served = [t for t in scenario.turns if t.served is not None]
@@ -124,9 +137,9 @@ def kill_run(pool: str, model: str, logs: Path, workload: Workload, baseline: An
         assert t.served is not None
         if t.served.token_ids != want["token_ids"]:
             differing.append(f"{t.session} turn {scenario.of(t.session).index(t) + 1}")
-    return KillRun(
+    return ChangeRun(
         pool,
-        scenario.killed,
+        scenario.killed or scenario.joined,
         moved_turns(scenario, BLOCK_SIZE),
         failed_turns=len(scenario.turns) - len(served),
         turns=len(served),
@@ -143,6 +156,13 @@ def run(
     model: str = "tiny",
 ) -> Result:
     """Each pool's ``repeats`` (else :data:`RUNS`) runs, interleaved."""
+    return change_runs("kill", quick, repeats, echo, work, model)
+
+
+def change_runs(
+    change: str, quick: bool, repeats: int | None, echo: Callable[[str], None], work: Path | None, model: str
+) -> Result:
+    """Each pool's runs of the ``change`` scenario (``kill`` or ``join``), interleaved."""
     from kvcompose_tools.e2e.model import make_model, model_config
     from kvcompose_tools.e2e.node import wait_all_ready
     from kvcompose_tools.e2e.server import ServerNode
@@ -151,7 +171,7 @@ def run(
     path = str(make_model(0, config=model_config(model)))
     workload = WORKLOADS[model]
     runs = repeats or (1 if quick else RUNS[model])
-    logs = Path(work or tempfile.mkdtemp(prefix="kvcompose-bench-fleet-kill-"))
+    logs = Path(work or tempfile.mkdtemp(prefix=f"kvcompose-bench-fleet-{change}-"))
     t0 = time.monotonic()
     with engine_lock(echo=echo):
         blocks, length = 4 * workload.device_blocks, workload.max_model_len
@@ -160,25 +180,40 @@ def run(
             wait_all_ready([baseline])
             sides = [f"{POLICY}@{pool}" for pool in POOLS]
 
-            def one(side: str, side_logs: Path) -> KillRun:
-                return kill_run(side.split("@")[1], path, side_logs, workload, baseline)
+            def one(side: str, side_logs: Path) -> ChangeRun:
+                return change_run(change, side.split("@")[1], path, side_logs, workload, baseline)
 
             done, failures = interleaved(sides, runs, logs, one, lambda r: str(r.figures()), echo)
         finally:
             baseline.close()
-    return summarize(done, runs, quick, logs, time.monotonic() - t0, model, failures)
+    return summarize(done, runs, quick, logs, time.monotonic() - t0, model, failures, change)
+
+
+#: Per change: the benchmark's name, what happened, the title's words.
+CHANGES = {
+    "kill": ("fleet-kill", "the kill", "a prefill killed mid-run"),
+    "join": ("fleet-join", "the join", "a third decode joining mid-run"),
+}
 
 
 def summarize(
-    done: dict[str, list[KillRun]], runs: int, quick: bool, logs: Path, wall_s: float, model: str, failures: list[str]
+    done: dict[str, list[ChangeRun]],
+    runs: int,
+    quick: bool,
+    logs: Path,
+    wall_s: float,
+    model: str,
+    failures: list[str],
+    change: str = "kill",
 ) -> Result:
     """Cases (``done`` by side, ``POLICY@POOL``): history tokens recomputed by the moved
     conversations, what a live host tier held of it, turns the router failed (samples: each run's)."""
+    name, after, words = CHANGES[change]
     figs = {side: [r.figures() for r in rs] for side, rs in done.items() if rs}
     cases = [
         Case(kind, {side: Samples([float(f[key]) for f in fs]) for side, fs in figs.items()})
         for kind, key in (
-            ("history tokens recomputed after the kill", "recomputed_tokens"),
+            (f"history tokens recomputed after {after}", "recomputed_tokens"),
             ("history tokens a live instance held", "held_tokens"),
             ("turns the router failed", "failed_turns"),
         )
@@ -189,7 +224,8 @@ def summarize(
         for side, fs in figs.items()
     ]
     notes += [f"failed: {f}" for f in failures]
-    notes.append(f"2P2D on one host, {model} model, {POLICY}; {runs} interleaved run(s); logs: {logs}")
-    title = f"2P2D behind vllm-router: a prefill killed mid-run, with and without the fleet's pool ({model})"
+    fleet = "2P2D, a third decode joining," if change == "join" else "2P2D"
+    notes.append(f"{fleet} on one host, {model} model, {POLICY}; {runs} interleaved run(s); logs: {logs}")
+    title = f"2P2D behind vllm-router: {words}, with and without the fleet's pool ({model})"
     config = {"wall_s": round(wall_s, 1), "model": model, "policy": POLICY, "pools": list(POOLS)}
-    return Result("fleet-kill", title, "tokens | turns", 1.0, cases, [], None, runs, quick, notes, config)
+    return Result(name, title, "tokens | turns", 1.0, cases, [], None, runs, quick, notes, config)

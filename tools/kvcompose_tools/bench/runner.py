@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "multi-turn": "multi_turn",
     "fleet": "fleet",
     "fleet-kill": "fleet_kill",
+    "fleet-join": "fleet_join",
     "overload": "overload",
     "load-failure": "load_failure",
 }
@@ -40,6 +41,7 @@ FULL_ONLY = (
     "multi-turn",
     "fleet",
     "fleet-kill",
+    "fleet-join",
     "overload",
     "load-failure",
 )
@@ -47,7 +49,7 @@ FULL_ONLY = (
 #: host of their own, :mod:`kvcompose_tools.e2e.hosts`).
 ACROSS_HOSTS = ("cold-start", "overload")
 #: Those that run another model than the tiny one with ``--model`` (``run(model=...)``).
-TAKE_MODEL = ("pd-load", "multi-turn", "fleet", "fleet-kill")
+TAKE_MODEL = ("pd-load", "multi-turn", "fleet", "fleet-kill", "fleet-join")
 
 
 def _runner(name: str) -> Callable[..., Result]:

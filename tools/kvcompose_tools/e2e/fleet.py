@@ -25,7 +25,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +101,9 @@ class Fleet:
     """``prefills`` x ``decodes`` servers behind vllm-router under ``policy``; ``log_dir`` holds
     every log. Construct, then :meth:`start`; :meth:`close` stops every process it started (also
     after a failed start). ``router_args``: more router flags. ``spec``: more :class:`EngineSpec`
-    fields for every server (a model's context length, its device blocks)."""
+    fields for every server (a model's context length, its device blocks). ``standby``: more decode
+    servers, started with the others and left out of the router until :meth:`join_decode` (the
+    router then takes its servers by registration: :mod:`kvcompose_tools.e2e.discovery`)."""
 
     def __init__(
         self,
@@ -113,6 +115,7 @@ class Fleet:
         host_tier: str = "simple",
         router_args: Sequence[str] = (),
         pool: str = "off",
+        standby: int = 0,
         **spec: Any,
     ) -> None:
         if policy not in POLICIES:
@@ -121,7 +124,7 @@ class Fleet:
             raise ValueError(f"fleet pool {pool!r}: one of {', '.join(POOLS)}; a pool needs host_tier 'native'")
         self.model, self.log_dir, self.policy, self.pool = str(model), log_dir, policy, pool
         self.router_args = [*HEALTH_ARGS, *router_args]
-        names = [f"prefill-{i + 1}" for i in range(prefills)] + [f"decode-{i + 1}" for i in range(decodes)]
+        names = [f"prefill-{i + 1}" for i in range(prefills)] + [f"decode-{i + 1}" for i in range(decodes + standby)]
         free = free_ports(2 * len(names) + prefills)  # one draw: the servers', their p2p tiers', the relays'
         ports = dict(zip(names, free, strict=False))
         # kv_aware: the router reads the prefills' events; the peer pool: the prefills read everyone's.
@@ -137,7 +140,10 @@ class Fleet:
                                   kv_events=events.get(name)), log_dir)
             for name in names
         ]  # fmt: skip
+        #: every decode, those on standby too (a turn's answer is looked for on each)
         self.prefills, self.decodes = nodes[:prefills], nodes[prefills:]
+        #: the decodes the router does not know yet (:meth:`join_decode`)
+        self.standby = nodes[prefills + decodes :]
         self._relay_ports = free[2 * len(names) :] if policy.startswith("kv_aware") else []
         self.relays: list[Relay] = []
         self.router: RouterNode | None = None
@@ -153,9 +159,10 @@ class Fleet:
             relay = Relay(p.spec.kv_events["endpoint"], f"tcp://127.0.0.1:{port}", p.spec.block_size, ROUTER_BLOCK_SIZE)
             self.relays.append(relay)
             events[p.url] = relay.target
+        routed = [d for d in self.decodes if d not in self.standby]
         self.router = RouterNode(
-            self.prefills, self.decodes, self.model, self.log_dir, policy=self.policy, args=self.router_args,
-            prefill_events=events or None,
+            self.prefills, routed, self.model, self.log_dir, policy=self.policy, args=self.router_args,
+            prefill_events=events or None, discovery=bool(self.standby),
         )  # fmt: skip
         self.router.wait_ready()
 
@@ -166,6 +173,13 @@ class Fleet:
         return routed_request(
             self.router, self.decodes, prompt, max_tokens, label or session, session=session, prefills=self.alive
         )
+
+    def join_decode(self) -> str:
+        """Add the next standby decode to the running router; its name."""
+        assert self.router is not None, "start() first"
+        node = self.standby.pop(0)
+        self.router.join("decode", node)
+        return node.name
 
     def kill_prefill(self, name: str) -> None:
         """Kill one prefill server's process group (SIGKILL: no goodbye to the router)."""
@@ -199,21 +213,23 @@ def first_prompt(seed: int) -> list[int]:
 @dataclass
 class Turn:
     """One turn of a conversation through the fleet: its prompt, what served it (None when the
-    router failed it), and when it was sent relative to the kill (None before it)."""
+    router failed it), and when it was sent relative to the scenario's change (None before it)."""
 
     session: str
     prompt: list[int]
     served: Served | None
-    after_kill_s: float | None = None
+    after_s: float | None = None
     error: str = ""
 
 
 @dataclass
 class Scenario:
-    """What :func:`kill_scenario` saw: every turn in order, and the prefill it killed."""
+    """What :func:`kill_scenario` or :func:`join_scenario` saw: every turn in order, and the
+    prefill it killed or the decode it added."""
 
     turns: list[Turn] = field(default_factory=list)
     killed: str = ""
+    joined: str = ""
 
     def of(self, session: str) -> list[Turn]:
         return [t for t in self.turns if t.session == session]
@@ -226,13 +242,47 @@ def kill_scenario(
     prefill that served the first conversation's last turn is killed and each conversation goes on
     until ``after`` more turns were served (a turn the router fails is tried again, as a client
     would, half a second later; ``deadline_s`` bounds it)."""
+
+    def kill(scenario: Scenario) -> None:
+        victim = scenario.of(next(iter(first)))[-1].served
+        assert victim is not None and victim.prefill is not None
+        scenario.killed = victim.prefill
+        fleet.kill_prefill(scenario.killed)
+
+    return changed_scenario(fleet, first, max_tokens, kill, before, after, deadline_s)
+
+
+def join_scenario(
+    fleet: Fleet, first: dict[str, list[int]], max_tokens: int, before: int = 3, after: int = 2, deadline_s: float = 60
+) -> Scenario:
+    """As :func:`kill_scenario`, but the change is a standby decode joining the router
+    (:meth:`Fleet.join_decode`)."""
+
+    def join(scenario: Scenario) -> None:
+        scenario.joined = fleet.join_decode()
+
+    return changed_scenario(fleet, first, max_tokens, join, before, after, deadline_s)
+
+
+def changed_scenario(
+    fleet: Fleet,
+    first: dict[str, list[int]],
+    max_tokens: int,
+    change: Callable[[Scenario], None],
+    before: int,
+    after: int,
+    deadline_s: float,
+) -> Scenario:
+    """Each conversation ``before`` turns, interleaved; ``change`` (which records itself on the
+    scenario); each conversation until ``after`` more turns were served (a failed turn tried again
+    half a second later, within ``deadline_s``)."""
     prompts = dict(first)
     scenario = Scenario()
-    killed_at: float | None = None
+    changed_at: float | None = None
 
     def turn(session: str) -> bool:
         prompt = prompts[session]
-        since = None if killed_at is None else time.monotonic() - killed_at
+        since = None if changed_at is None else time.monotonic() - changed_at
         try:
             s = fleet.turn(prompt, max_tokens, session)
         except NodeError as exc:
@@ -245,16 +295,14 @@ def kill_scenario(
     for _ in range(before):
         for session in first:
             if not turn(session):
-                raise NodeError(f"{session}: failed before any prefill was killed: {scenario.turns[-1].error}")
-    victim = scenario.of(next(iter(first)))[-1].served
-    assert victim is not None and victim.prefill is not None
-    scenario.killed = victim.prefill
-    fleet.kill_prefill(scenario.killed)
-    killed_at = time.monotonic()
+                raise NodeError(f"{session}: failed before the fleet changed: {scenario.turns[-1].error}")
+    change(scenario)
+    changed_at = time.monotonic()
     done = dict.fromkeys(first, 0)
     while min(done.values()) < after:
-        if time.monotonic() - killed_at > deadline_s:
-            raise NodeError(f"the router did not move the conversations off {scenario.killed} in {deadline_s:.0f} s")
+        if time.monotonic() - changed_at > deadline_s:
+            what = f"{scenario.killed} was killed" if scenario.killed else f"{scenario.joined} joined"
+            raise NodeError(f"the conversations were not all served within {deadline_s:.0f} s after {what}")
         for session in first:
             if done[session] < after:
                 if turn(session):

@@ -66,13 +66,13 @@ def _report(scenario: Scenario, baseline: EngineNode, out: TextIO, tolerance: fl
     for t in scenario.turns:
         label = f"{t.session} {count[t.session] + 1}"
         count[t.session] += t.served is not None
-        if t.after_kill_s is not None and not shown_kill:
+        if t.after_s is not None and not shown_kill:
             print(f"-- {scenario.killed} killed (SIGKILL) --", file=out)
             shown_kill = True
         if t.served is None:
-            late = (t.after_kill_s or 0) > DETECT_S
+            late = (t.after_s or 0) > DETECT_S
             ok = ok and not late
-            when = f"{t.after_kill_s:.1f} s after the kill" if t.after_kill_s is not None else ""
+            when = f"{t.after_s:.1f} s after the kill" if t.after_s is not None else ""
             print(f"{label:<10} {len(t.prompt):>6}  failed by the router {when}{' (late)' if late else ''}", file=out)
             continue
         s = t.served

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcompose.router import SESSION_HEADER
 from kvcompose.serving import router_args
+from kvcompose_tools.e2e.discovery import Registrar, router_flags, wait_added
 from kvcompose_tools.e2e.metrics import parse_metrics
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.processes import CALL_TIMEOUT_S, NodeError, ProcessNode
@@ -98,8 +99,9 @@ class RouterNode(ProcessNode):
     :class:`~kvcompose_tools.e2e.server.ServerNode`), choosing among them by ``policy``
     (:func:`router_argv`; ``prefill_events`` for ``kv_aware``; ``args``: more router flags); its log is
     ``<name>.log`` in ``log_dir``, beside the engines'; ``host``: it runs in that host
-    (:mod:`kvcompose_tools.e2e.hosts`), bound to its address. Call :meth:`wait_ready`, then send
-    requests; :meth:`close` stops it."""
+    (:mod:`kvcompose_tools.e2e.hosts`), bound to its address; ``discovery``: the servers reach it
+    by registering (:mod:`kvcompose_tools.e2e.discovery`), and :meth:`join` adds one while it runs.
+    Call :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
 
     def __init__(
         self,
@@ -113,6 +115,7 @@ class RouterNode(ProcessNode):
         args: Sequence[str] = (),
         host: Host | None = None,
         prefill_events: dict[str, str] | None = None,
+        discovery: bool = False,
     ) -> None:
         if importlib.util.find_spec("vllm_router") is None:
             raise NodeError(
@@ -126,6 +129,9 @@ class RouterNode(ProcessNode):
         urls = [p.url for p in prefills], [d.url for d in decodes]
         self.argv = router_argv(*urls, self.port, metrics_port, policy, bind, prefill_events)
         self.argv += args
+        discovery_address = f"{bind}:{free_ports(1)[0]}" if discovery else None
+        if discovery_address:
+            self.argv += router_flags(discovery_address)
         super().__init__(
             name,
             name,
@@ -139,6 +145,13 @@ class RouterNode(ProcessNode):
         # The router's own Prometheus exporter (``vllm_router_*``).
         self._metrics = HttpClient(f"{self.name} metrics", f"http://{bind}:{metrics_port}", self._state)
         self._workers = [*prefills, *decodes]
+        self._prefills = list(prefills)
+        #: the servers' registrations (``discovery``): the router routes to these only
+        self.registrar = Registrar(discovery_address) if discovery_address else None
+        if self.registrar:
+            for kind, nodes in (("prefill", prefills), ("decode", decodes)):
+                for node in nodes:
+                    self.registrar.add(kind, node.url)
 
     def _state(self) -> str:
         """The router's state and log tail, then what each server behind it started here did last:
@@ -159,10 +172,21 @@ class RouterNode(ProcessNode):
             if self.proc.poll() is not None:
                 raise NodeError(f"router exited (rc={self.proc.returncode}) while starting; {self._state()}")
             if self._http.healthy(1.0):
-                return
+                break
             if time.monotonic() >= deadline:
                 raise NodeError(f"router not ready after {timeout:.0f} s; {self._state()}")
             time.sleep(0.2)
+        for w in self._workers if self.registrar else ():
+            wait_added(self.log_path, "prefill" if w in self._prefills else "decode", w.url)
+
+    def join(self, kind: str, node: Any) -> None:
+        """Register one more ``kind`` server (``prefill`` or ``decode``) with a running router
+        started with ``discovery``, and wait until the router says it added it."""
+        if self.registrar is None:
+            raise NodeError(f"{self.name}: a server joins a router started with discovery only")
+        self.registrar.add(kind, node.url)
+        self._workers.append(node)
+        wait_added(self.log_path, kind, node.url)
 
     def generate(
         self,
@@ -205,6 +229,11 @@ class RouterNode(ProcessNode):
 
     #: What close() waits for the router to exit before it kills the group.
     close_grace_s = 5.0
+
+    def close(self, grace_s: float | None = None) -> None:
+        if self.registrar is not None:
+            self.registrar.close()
+        super().close(grace_s)
 
     def log_tail(self, lines: int = 40) -> str:
         """The log's last lines, without the terminal colours the router writes even to a file."""

@@ -151,7 +151,7 @@ def test_cli_runs_another_model_only_in_pd_load_and_multi_turn(
 def test_the_runner_names_the_models_for_another_name() -> None:
     from kvcompose_tools.bench.runner import TAKE_MODEL, run
 
-    assert TAKE_MODEL == ("pd-load", "multi-turn", "fleet", "fleet-kill")
+    assert TAKE_MODEL == ("pd-load", "multi-turn", "fleet", "fleet-kill", "fleet-join")
     with pytest.raises(ValueError, match="unknown model 'huge'; choose from tiny, medium"):
         run(only=["multi-turn"], model="huge")
 

@@ -55,8 +55,8 @@ class FleetStack(Nodes):
 
 def assert_served_after_detection(scenario: Scenario) -> None:
     """No turn failed later than :data:`DETECT_S` after the kill."""
-    late = [t for t in scenario.turns if t.served is None and (t.after_kill_s or 0) > DETECT_S]
-    assert not late, [(t.session, t.after_kill_s, t.error) for t in late]
+    late = [t for t in scenario.turns if t.served is None and (t.after_s or 0) > DETECT_S]
+    assert not late, [(t.session, t.after_s, t.error) for t in late]
 
 
 def assert_answers_as_one_engine(scenario: Scenario, baseline: Any, max_tokens: int) -> None:

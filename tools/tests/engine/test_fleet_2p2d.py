@@ -72,13 +72,13 @@ def test_turns_follow_their_history_and_move_once_when_its_prefill_dies(
     (survivor,) = [p.name for p in stack.fleet.alive]
     for session in first:
         turns = [t for t in scenario.of(session) if t.served is not None]
-        (one, *later) = [t.served for t in turns if t.after_kill_s is None]
+        (one, *later) = [t.served for t in turns if t.after_s is None]
         assert one.prefill_computed_tokens == one.prompt_tokens, (session, one)
         for previous, t in zip(turns, turns[1:3]):  # turns 2 and 3: on the prefill and decode that hold them
             held = len(previous.prompt) // BLOCK_SIZE * BLOCK_SIZE
             assert (t.served.prefill, t.served.decode) == (one.prefill, one.decode), (session, t.served)
             assert t.served.prefill_computed_tokens == len(t.prompt) - held, (session, t.served)
-        moved, then = [t.served for t in turns if t.after_kill_s is not None]
+        moved, then = [t.served for t in turns if t.after_s is not None]
         assert moved.prefill == survivor and then.prefill == survivor, session
         if one.prefill == scenario.killed:  # its history computed once on the survivor, then held
             assert moved.prefill_computed_tokens == moved.prompt_tokens, (session, moved)
