@@ -16,19 +16,6 @@ The target is none recomputed. Every turn's answer is checked against one engine
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
+from kvcompose_tools.bench.fleet_kill import runner
 
-from kvcompose_tools.bench.fleet_kill import change_runs
-from kvcompose_tools.bench.report import Result
-
-
-def run(
-    quick: bool = False,
-    repeats: int | None = None,
-    echo: Callable[[str], None] = print,
-    work: Path | None = None,
-    model: str = "tiny",
-) -> Result:
-    """Each pool's ``repeats`` (else :data:`kvcompose_tools.bench.fleet_kill.RUNS`) runs, interleaved."""
-    return change_runs("join", quick, repeats, echo, work, model)
+run = runner("join")

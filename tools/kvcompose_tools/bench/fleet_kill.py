@@ -148,15 +148,23 @@ def change_run(change: str, pool: str, model: str, logs: Path, workload: Workloa
     )
 
 
-def run(
-    quick: bool = False,
-    repeats: int | None = None,
-    echo: Callable[[str], None] = print,
-    work: Path | None = None,
-    model: str = "tiny",
-) -> Result:
-    """Each pool's ``repeats`` (else :data:`RUNS`) runs, interleaved."""
-    return change_runs("kill", quick, repeats, echo, work, model)
+def runner(change: str) -> Callable[..., Result]:
+    """The benchmark runner's ``run`` for the ``change`` scenario (``kill`` or ``join``)."""
+
+    def run(
+        quick: bool = False,
+        repeats: int | None = None,
+        echo: Callable[[str], None] = print,
+        work: Path | None = None,
+        model: str = "tiny",
+    ) -> Result:
+        """Each pool's ``repeats`` (else :data:`RUNS`) runs, interleaved."""
+        return change_runs(change, quick, repeats, echo, work, model)
+
+    return run
+
+
+run = runner("kill")
 
 
 def change_runs(
