@@ -123,6 +123,7 @@ class Fleet:
         if pool not in POOLS or (pool != "off" and host_tier != "native"):
             raise ValueError(f"fleet pool {pool!r}: one of {', '.join(POOLS)}; a pool needs host_tier 'native'")
         self.model, self.log_dir, self.policy, self.pool = str(model), log_dir, policy, pool
+        log_dir.mkdir(parents=True, exist_ok=True)  # the pools' compositions are written there first
         self.router_args = [*HEALTH_ARGS, *router_args]
         names = [f"prefill-{i + 1}" for i in range(prefills)] + [f"decode-{i + 1}" for i in range(decodes + standby)]
         free = free_ports(2 * len(names) + prefills)  # one draw: the servers', their p2p tiers', the relays'
