@@ -40,6 +40,7 @@ from kvcompose.errors import CompositionError, Problem, did_you_mean
 from kvcompose.rules.checks import ChecksPlan
 from kvcompose.rules.children import ChildrenParams, index, indices
 from kvcompose.rules.load import FirstWins, StandardLoad
+from kvcompose.transfer_params import MAX_HOST_CHARS, P2P_DECODER, P2P_PREFILLER, P2P_ROLE_KEYS, P2P_SOURCE
 from kvcompose.units import ByteSize, beyond_host_memory, format_size
 
 __all__ = [
@@ -90,4 +91,10 @@ __all__ = [
     "ChildrenParams",
     "index",
     "indices",
+    # kv_transfer_params: the p2p tier's roles, the longest host a role names
+    "P2P_DECODER",
+    "P2P_PREFILLER",
+    "P2P_SOURCE",
+    "P2P_ROLE_KEYS",
+    "MAX_HOST_CHARS",
 ]

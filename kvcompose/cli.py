@@ -1,6 +1,6 @@
-"""``kvcompose``: check, explain, plugins, schema, vllm-args, import, examples; and the commands
-other distributions add through the ``kvcompose.commands`` entry-point group (``kvcompose-tools``:
-demo, bench, soak, warmup).
+"""``kvcompose``: check, explain, plugins, schema, vllm-args, import, examples, relay-events,
+register; and the commands other distributions add through the ``kvcompose.commands``
+entry-point group (``kvcompose-tools``: demo, bench, soak, warmup).
 
 Exit status: 0 on success, 2 for a bad composition or bad usage (the error is printed as
 ``FILE:LINE:COL: key: message (hint)``, never as a traceback) or for a command whose distribution
@@ -110,6 +110,40 @@ def cmd_relay_events(args: argparse.Namespace) -> int:
     stop.wait()
     relay.close()
     print(f"kvcompose relay-events: {relay.relayed} batches relayed, {relay.dropped} dropped", file=sys.stderr)
+    return 0
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvcompose.discovery import HEALTH_TIMEOUT_S, Registrar, healthy, host_port
+
+    servers = [("prefill", url) for url in args.prefill] + [("decode", url) for url in args.decode]
+    why = f"GET /health did not answer 200 within {HEALTH_TIMEOUT_S} s; the router drops it within about 5 s"
+
+    def said(kind: str, address: str, registered: bool) -> None:
+        state = "registered" if registered else f"not registered ({why})"
+        print(f"kvcompose register: {kind} {address}: {state}", file=sys.stderr, flush=True)
+
+    try:
+        if not servers:
+            raise ValueError("name the servers to register: --prefill URL or --decode URL, one or more")
+        router = host_port(args.router, "--router")
+        for kind, url in servers:
+            host_port(url, f"--{kind}")
+        registrar = Registrar(router, health=None if args.no_health else healthy, on_change=said)
+    except (ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
+        print(f"kvcompose register: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    for kind, url in servers:
+        registrar.add(kind, url)
+    print(f"kvcompose register: {len(servers)} servers with the router's discovery socket at {router}", file=sys.stderr)
+    stop.wait()
+    registrar.close()
     return 0
 
 
@@ -401,6 +435,26 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-block-size", type=int, required=True, metavar="N", help="the engine's --block-size")
     s.add_argument("--block-size", type=int, default=16, metavar="N", help="the router's (default: 16)")
     s.set_defaults(func=cmd_relay_events)
+    s = command(
+        sub,
+        "register",
+        "keep servers registered with vllm-router's discovery socket while their /health answers",
+        "kvcompose register --router 10.0.0.2:30001 --decode http://10.0.0.7:8000",
+    )
+    s.add_argument(
+        "--router",
+        required=True,
+        metavar="HOST:PORT",
+        help="the router's --vllm-discovery-address (with it, the router routes to registered servers only)",
+    )
+    s.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill server (repeatable)")
+    s.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode server (repeatable)")
+    s.add_argument(
+        "--no-health",
+        action="store_true",
+        help="register without asking each server's /health first (default: asked every heartbeat)",
+    )
+    s.set_defaults(func=cmd_register)
     _added_commands(sub)
     return p
 

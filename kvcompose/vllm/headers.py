@@ -27,6 +27,8 @@ import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from kvcompose.transfer_params import MAX_HOST_CHARS, P2P_ROLE_KEYS, P2P_SOURCE
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -37,14 +39,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 HEADER = b"x-kv-cache-source-host-port"
 #: The routes whose body carries ``kv_transfer_params`` (vLLM's completion routes).
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-#: The p2p tier's role keys (``tiering/p2p/manager.py``); a body holding one is left as it is.
-ROLE_KEYS = ("remote_decoder", "remote_prefiller", "remote_kv_source")
 #: The largest body this middleware reads to rewrite (a prompt of a million tokens as JSON ids
 #: is about 7 MiB).
 MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Prefix of the ids it gives (the tier needs nothing of them but uniqueness).
 REQUEST_ID_PREFIX = "kvcompose-header-"
-MAX_HOST_CHARS = 253
 
 
 class BadHeader(ValueError):
@@ -74,10 +73,12 @@ def with_source(body: Any, host: str, port: int) -> Any | None:
     params = body.get("kv_transfer_params")
     if params is None:
         params = {}
-    if not isinstance(params, dict) or any(k in params for k in ROLE_KEYS) or params.get("do_remote_prefill") is True:
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is True:
+        return None
+    if any(k in params for k in P2P_ROLE_KEYS):
         return None
     role = {"kv_request_id": REQUEST_ID_PREFIX + secrets.token_hex(16), "remote_host": host, "remote_port": port}
-    return {**body, "kv_transfer_params": {**params, "remote_kv_source": role}}
+    return {**body, "kv_transfer_params": {**params, P2P_SOURCE: role}}
 
 
 class SourceHeader:

@@ -502,6 +502,7 @@ def test_every_subcommand_refuses_or_accepts_generated_arguments_cleanly(
         ["demo", "--decodes", "3"],
         ["demo", "--prefills", "2"],
         ["relay-events", "--from", "ipc:///nonexistent.events", "--to", "tcp://x:0", "--engine-block-size", "32"],
+        ["register", "--router", "127.0.0.1", "--decode", "http://127.0.0.1:1"],
     ],
     ids=lambda argv: " ".join(argv[:2]),
 )

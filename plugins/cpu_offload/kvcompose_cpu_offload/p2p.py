@@ -70,6 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
+from kvcompose.api import MAX_HOST_CHARS, P2P_DECODER, P2P_PREFILLER, P2P_ROLE_KEYS, P2P_SOURCE
 from kvcompose_cpu_offload.pool import Peer, PeerIndex
 from kvcompose_cpu_offload.tiers import (
     P2P_KEY_ENV_KEY,
@@ -81,7 +82,6 @@ from kvcompose_cpu_offload.tiers import (
 from kvcompose_nixl.patches import calm_progress_thread
 from kvcompose_nixl.trust import (
     LOOPBACK_PEERS,
-    MAX_HOST_CHARS,
     MAX_ID_CHARS,
     PROMPT_KEY,
     SIG_KEY,
@@ -102,9 +102,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 
-#: The p2p tier's role keys (``tiering/p2p/manager.py``).
-DECODER, PREFILLER, SOURCE = "remote_decoder", "remote_prefiller", "remote_kv_source"
-ROLE_KEYS = (DECODER, PREFILLER, SOURCE)
 #: The keys vLLM's proxy and router send the prefill (NixlConnector's protocol).
 DO_REMOTE_DECODE = "do_remote_decode"
 #: The key vLLM's proxy and router send a decode (NixlConnector's protocol): the pool leaves a
@@ -113,14 +110,14 @@ DO_REMOTE_PREFILL = "do_remote_prefill"
 #: Prefix of the ids this class gives (the p2p tier needs nothing of them but uniqueness).
 REQUEST_ID_PREFIX = "kvcompose-p2p-"
 #: The role combinations vLLM's tier takes (``tiering/p2p/manager.py``: only these two together).
-LEGAL = ({DECODER}, {PREFILLER}, {SOURCE}, {DECODER, SOURCE})
+LEGAL = ({P2P_DECODER}, {P2P_PREFILLER}, {P2P_SOURCE}, {P2P_DECODER, P2P_SOURCE})
 #: vLLM's default time a prefill's p2p tier holds blocks for the decode (``unbound_store_timeout_s``).
 HOLD_S = 60.0
 
 
 def check_roles(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The p2p roles of ``params``, each checked field by field (``malformed`` otherwise)."""
-    present = {key for key in ROLE_KEYS if key in params}
+    present = {key for key in P2P_ROLE_KEYS if key in params}
     if present and present not in LEGAL:
         raise Refused("malformed", f"roles {sorted(present)} together: vLLM's p2p tier takes one, or decoder + source")
     roles: dict[str, dict[str, Any]] = {}
@@ -128,11 +125,11 @@ def check_roles(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         role = params[name]
         if not isinstance(role, dict):
             raise Refused("malformed", f"{name} must be a mapping, not {type(role).__name__}")
-        fields = {"kv_request_id"} if name == DECODER else {"kv_request_id", "remote_host", "remote_port"}
+        fields = {"kv_request_id"} if name == P2P_DECODER else {"kv_request_id", "remote_host", "remote_port"}
         if set(role) != fields:
             raise Refused("malformed", f"{name} must hold exactly {sorted(fields)}")
         text_field(role, "kv_request_id", MAX_ID_CHARS, f"{name}.")
-        if name != DECODER:
+        if name != P2P_DECODER:
             text_field(role, "remote_host", MAX_HOST_CHARS, f"{name}.")
             port = role["remote_port"]
             if type(port) is not int or not 0 < port < 65536:
@@ -161,7 +158,7 @@ def decoder_params(
     """What a prefill answers for its decode: ``params`` with the ``remote_prefiller`` role, the
     digest of the prompt it computed and, with ``keys``, their signature until the tier lets the
     blocks go (:func:`screen` is the other side)."""
-    answer = {**(params or {}), PREFILLER: role, PROMPT_KEY: digest}
+    answer = {**(params or {}), P2P_PREFILLER: role, PROMPT_KEY: digest}
     if keys is not None:
         answer[SIGNED_UNTIL_KEY] = int(now + HOLD_S)
         answer[SIG_KEY] = keys.sign(signed_view(role, answer))
@@ -184,19 +181,19 @@ def screen(
     another child (no P/D role is then taken). The checks run in this order, each reason pinned
     by a test beside a control that passes the checks before it."""
     roles = check_roles(params)
-    if transport is not None and roles.keys() & {DECODER, PREFILLER}:
+    if transport is not None and roles.keys() & {P2P_DECODER, P2P_PREFILLER}:
         raise Refused("role", f"a P/D role for the p2p tier: P/D is {transport}'s in this composition")
-    if keys is not None and DECODER in roles:
+    if keys is not None and P2P_DECODER in roles:
         raise Refused("role", "a remote_decoder role from a client: this engine gives a prefill its own")
-    prefiller = roles.get(PREFILLER)
+    prefiller = roles.get(P2P_PREFILLER)
     signed = False
     if prefiller is not None and keys is not None:
         read = (f"{prefiller['remote_host']}:{prefiller['remote_port']}", prefiller["kv_request_id"])
         verify_signed(signed_view(prefiller, params), keys, replays, read, now, clock_skew_s, digest)
         signed = True
-    for name in (PREFILLER, SOURCE):
+    for name in (P2P_PREFILLER, P2P_SOURCE):
         role = roles.get(name)
-        if role is None or signed or (name == SOURCE and (role["remote_host"], role["remote_port"]) in peers):
+        if role is None or signed or (name == P2P_SOURCE and (role["remote_host"], role["remote_port"]) in peers):
             continue
         if not LOOPBACK_PEERS.allows(role["remote_host"], role["remote_port"]):
             raise Refused(
@@ -306,20 +303,20 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         the tier's producer role (where the tier carries P/D) and, with a pool, a source for its
         prefix (on any request but a decode leg); then vLLM's."""
         params = request.kv_transfer_params
-        if self._address is not None and params and any(key in params for key in ROLE_KEYS):
+        if self._address is not None and params and any(key in params for key in P2P_ROLE_KEYS):
             self._screen(request, params)
-            source = params.get(SOURCE)
+            source = params.get(P2P_SOURCE)
             if source is not None and (source["remote_host"], source["remote_port"]) in self._peers:
                 self._wait(request, source["kv_request_id"], "router")
         # What the roles left: a prefill leg of vLLM's proxy and router, a decode leg, neither.
         params = request.kv_transfer_params or {}
         carries_pd = self._address is not None and self._transport is None
-        if carries_pd and params.get(DO_REMOTE_DECODE) is True and not params.keys() & {DECODER, PREFILLER}:
+        if carries_pd and params.get(DO_REMOTE_DECODE) is True and not params.keys() & {P2P_DECODER, P2P_PREFILLER}:
             kv_request_id = REQUEST_ID_PREFIX + secrets.token_hex(16)
-            params[DECODER] = {"kv_request_id": kv_request_id}  # vLLM's tier takes a source beside it
+            params[P2P_DECODER] = {"kv_request_id": kv_request_id}  # vLLM's tier takes a source beside it
             self._to_decoder[request.request_id] = kv_request_id
-        decode_leg = params.get(DO_REMOTE_PREFILL) is True or PREFILLER in params
-        if self.pool is not None and not decode_leg and SOURCE not in params:
+        decode_leg = params.get(DO_REMOTE_PREFILL) is True or P2P_PREFILLER in params
+        if self.pool is not None and not decode_leg and P2P_SOURCE not in params:
             self._choose_source(request)
         super().on_new_request(request)
 
@@ -343,7 +340,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         role = {"kv_request_id": kv_request_id, "remote_host": peer.host, "remote_port": peer.p2p_port}
         if request.kv_transfer_params is None:
             request.kv_transfer_params = {}
-        request.kv_transfer_params[SOURCE] = role
+        request.kv_transfer_params[P2P_SOURCE] = role
         self._wait(request, kv_request_id, "index")
 
     def _local_chunks(self, request: Request, keys: Sequence[bytes], per_chunk: int, group_idx: int) -> int:
@@ -435,7 +432,7 @@ class OffloadingConnector(offloading_connector.OffloadingConnector):
         try:
             screen(params, digest, self._keys, self._replays, time.time(), peers=self._peers, transport=self._transport)
         except Refused as refused:
-            for key in ROLE_KEYS:
+            for key in P2P_ROLE_KEYS:
                 params.pop(key, None)
             self.refused_params[refused.reason] += 1
             logger.warning(

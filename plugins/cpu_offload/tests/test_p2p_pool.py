@@ -23,6 +23,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from kvcompose.api import P2P_DECODER, P2P_PREFILLER, P2P_SOURCE
 from kvcompose.compose import loads
 from kvcompose.errors import CompositionError
 from kvcompose.testing.harness import make_request, scheduler_from_yaml, step
@@ -441,7 +442,7 @@ def _refused(text: str) -> CompositionError:
 
 def test_screen_takes_a_source_naming_a_pool_peer_and_refuses_one_naming_another() -> None:
     def source(host: str, port: int) -> dict[str, Any]:
-        return {p2p.SOURCE: {"kv_request_id": "kvcompose-p2p-1", "remote_host": host, "remote_port": port}}
+        return {P2P_SOURCE: {"kv_request_id": "kvcompose-p2p-1", "remote_host": host, "remote_port": port}}
 
     peers = {("10.0.0.8", 5712)}
     keys = Keyring.parse("k" * 64, "test")
@@ -478,7 +479,7 @@ def test_the_scheduler_sets_a_source_when_a_peer_holds_more_and_gives_it_up_afte
     try:
         local = make_request(prompt=[3 + i % 400 for i in range(8 * 16 + 5)], max_tokens=2)
         scheduler.add_request(local)
-        assert p2p.SOURCE not in (local.kv_transfer_params or {})  # the peer holds nothing yet
+        assert P2P_SOURCE not in (local.kv_transfer_params or {})  # the peer holds nothing yet
         while not local.is_finished():
             step(scheduler)
 
@@ -489,10 +490,10 @@ def test_the_scheduler_sets_a_source_when_a_peer_holds_more_and_gives_it_up_afte
         wait_until(lambda: child.pool.longest(remote.block_hashes) == (peer, 4))
 
         scheduler.add_request(same)  # the device cache holds 8 blocks of it: nothing to fetch
-        assert p2p.SOURCE not in (same.kv_transfer_params or {})
+        assert P2P_SOURCE not in (same.kv_transfer_params or {})
 
         scheduler.add_request(remote)
-        role = remote.kv_transfer_params[p2p.SOURCE]
+        role = remote.kv_transfer_params[P2P_SOURCE]
         assert role["remote_host"] == "127.0.0.1" and role["remote_port"] == peer.p2p_port
         assert role["kv_request_id"].startswith(p2p.REQUEST_ID_PREFIX)
         assert child.pool_sources["index"] == 1
@@ -525,13 +526,13 @@ def test_the_scheduler_uses_a_routers_source_naming_a_pool_peer(make_publisher) 
     (child,) = scheduler.connector.sub_connectors
     try:
         given = {"kv_request_id": "from-router-1", "remote_host": "127.0.0.1", "remote_port": peer.p2p_port}
-        request = make_request(num_tokens=80, kv_transfer_params={p2p.SOURCE: dict(given)})
+        request = make_request(num_tokens=80, kv_transfer_params={P2P_SOURCE: dict(given)})
         scheduler.add_request(request)
-        assert request.kv_transfer_params[p2p.SOURCE] == given and child.pool_sources["router"] == 1
+        assert request.kv_transfer_params[P2P_SOURCE] == given and child.pool_sources["router"] == 1
         beyond = {**given, "remote_host": "10.9.9.9"}
-        refused = make_request(num_tokens=80, kv_transfer_params={p2p.SOURCE: beyond})
+        refused = make_request(num_tokens=80, kv_transfer_params={P2P_SOURCE: beyond})
         scheduler.add_request(refused)
-        assert p2p.SOURCE not in refused.kv_transfer_params and child.refused_params == {"peer": 1}
+        assert P2P_SOURCE not in refused.kv_transfer_params and child.refused_params == {"peer": 1}
         # vllm:kvcompose_refused_params and vllm:kvcompose_pool_sources, child="host"; taken once
         reduced = scheduler.connector.get_kv_connector_stats().reduce()
         assert {k.split(".host.", 1)[1]: n for k, n in reduced.items() if ".host." in k} == {
@@ -624,11 +625,11 @@ def test_the_progress_delay_is_set_before_vllms_tier_makes_its_nixl_agent() -> N
 
 def test_screen_beside_nixl_refuses_a_pd_role_and_takes_a_source() -> None:
     peers = {("127.0.0.1", 5712)}
-    source = {p2p.SOURCE: {"kv_request_id": "kvcompose-p2p-1", "remote_host": "127.0.0.1", "remote_port": 5712}}
+    source = {P2P_SOURCE: {"kv_request_id": "kvcompose-p2p-1", "remote_host": "127.0.0.1", "remote_port": 5712}}
     p2p.screen(source, "d", None, Replays(), 0.0, peers=peers, transport="pd")  # control: the pool's role
-    prefiller = {p2p.PREFILLER: {**source[p2p.SOURCE]}}
+    prefiller = {P2P_PREFILLER: {**source[P2P_SOURCE]}}
     p2p.screen(prefiller, "d", None, Replays(), 0.0, peers=peers)  # control: a p2p P/D composition takes it
-    for roles in (prefiller, {p2p.DECODER: {"kv_request_id": "x"}}):
+    for roles in (prefiller, {P2P_DECODER: {"kv_request_id": "x"}}):
         with pytest.raises(Refused) as info:
             p2p.screen(roles, "d", None, Replays(), 0.0, peers=peers, transport="pd")
         assert info.value.reason == "role" and "P/D is pd's" in info.value.detail
@@ -660,12 +661,12 @@ def test_a_prefill_leg_gets_a_source_from_the_pool_and_a_decode_leg_none(make_pu
         prefill = make_request(prompt=prompt, max_tokens=2, kv_transfer_params=dict(PREFILL_LEG))
         scheduler.add_request(prefill)
         params = prefill.kv_transfer_params
-        assert params[p2p.SOURCE]["remote_port"] == peer.p2p_port and host.pool_sources["index"] == 1
-        assert (p2p.DECODER in params) is not beside_nixl
+        assert params[P2P_SOURCE]["remote_port"] == peer.p2p_port and host.pool_sources["index"] == 1
+        assert (P2P_DECODER in params) is not beside_nixl
 
         decode = make_request(prompt=prompt, max_tokens=2, kv_transfer_params={"do_remote_prefill": True})
         host.on_new_request(decode)  # the host child alone: the decode leg's NIXL fields are not the point
-        assert p2p.SOURCE not in decode.kv_transfer_params and host.pool_sources["index"] == 1
+        assert P2P_SOURCE not in decode.kv_transfer_params and host.pool_sources["index"] == 1
     finally:
         done = threading.Thread(target=scheduler.connector.shutdown, daemon=True)
         done.start()
@@ -697,7 +698,7 @@ def test_a_peer_holding_fewer_blocks_than_its_events_claim_answers_and_the_rest_
         wait_until(lambda: (forged.publish(claimed), time.sleep(0.05), child.pool.longest(probe.block_hashes))[-1])
         request = make_request(prompt=prompt, max_tokens=2)
         a.add_request(request)
-        assert request.kv_transfer_params[p2p.SOURCE]["remote_port"] == b_port
+        assert request.kv_transfer_params[P2P_SOURCE]["remote_port"] == b_port
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             out, _ = step(a)

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from vllm.v1.kv_offload.tiering.p2p import manager as vllm_p2p
 
-from kvcompose_cpu_offload.p2p import DECODER, PREFILLER, SOURCE, decoder_params, screen, seal_handshake
+from kvcompose.api import P2P_DECODER, P2P_PREFILLER, P2P_SOURCE
+from kvcompose_cpu_offload.p2p import decoder_params, screen, seal_handshake
 from kvcompose_nixl.trust import Keyring, Refused, Replays, prompt_digest
 
 KEY = "k" * 64
@@ -46,7 +47,7 @@ def reason(params: dict[str, Any], keyring: Keyring | None = None, digest: str =
 
 
 def test_vllms_tier_believes_a_client_chosen_peer() -> None:
-    source = vllm_p2p._parse_source({PREFILLER: role(host="10.9.9.9", port=22)})
+    source = vllm_p2p._parse_source({P2P_PREFILLER: role(host="10.9.9.9", port=22)})
     assert source is not None and "10.9.9.9" in str(source)
 
 
@@ -54,7 +55,7 @@ def test_vllms_tier_believes_a_client_chosen_peer() -> None:
 def test_vllms_tier_raises_on_a_role_that_is_not_a_mapping(bad: Any) -> None:
     """In the engine this runs in the scheduler (``_annotate_req_context`` from ``on_new_request``)."""
     with pytest.raises(AttributeError):
-        vllm_p2p._parse_source({PREFILLER: bad})
+        vllm_p2p._parse_source({P2P_PREFILLER: bad})
 
 
 # -- malformed roles, with or without a key
@@ -63,19 +64,19 @@ def test_vllms_tier_raises_on_a_role_that_is_not_a_mapping(bad: Any) -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        {PREFILLER: 5},
-        {PREFILLER: "x"},
-        {PREFILLER: {**role(), "remote_port": "5711"}},
-        {PREFILLER: {**role(), "remote_port": 70000}},
-        {PREFILLER: {**role(), "remote_port": True}},
-        {PREFILLER: {**role(), "kv_request_id": ""}},
-        {PREFILLER: {**role(), "kv_request_id": "x" * 257}},
-        {PREFILLER: {**role(), "remote_host": "a\nb"}},
-        {PREFILLER: {**role(), "extra": 1}},
-        {PREFILLER: {"kv_request_id": "a"}},
-        {DECODER: {"kv_request_id": 7}},
-        {PREFILLER: role(), SOURCE: role()},
-        {PREFILLER: role(), DECODER: {"kv_request_id": "a"}},
+        {P2P_PREFILLER: 5},
+        {P2P_PREFILLER: "x"},
+        {P2P_PREFILLER: {**role(), "remote_port": "5711"}},
+        {P2P_PREFILLER: {**role(), "remote_port": 70000}},
+        {P2P_PREFILLER: {**role(), "remote_port": True}},
+        {P2P_PREFILLER: {**role(), "kv_request_id": ""}},
+        {P2P_PREFILLER: {**role(), "kv_request_id": "x" * 257}},
+        {P2P_PREFILLER: {**role(), "remote_host": "a\nb"}},
+        {P2P_PREFILLER: {**role(), "extra": 1}},
+        {P2P_PREFILLER: {"kv_request_id": "a"}},
+        {P2P_DECODER: {"kv_request_id": 7}},
+        {P2P_PREFILLER: role(), P2P_SOURCE: role()},
+        {P2P_PREFILLER: role(), P2P_DECODER: {"kv_request_id": "a"}},
     ],
 )
 def test_a_malformed_role_is_refused(params: dict[str, Any]) -> None:
@@ -84,31 +85,31 @@ def test_a_malformed_role_is_refused(params: dict[str, Any]) -> None:
 
 
 def test_controls_well_formed_roles_pass_without_a_key() -> None:
-    assert reason({PREFILLER: role()}) is None
-    assert reason({SOURCE: role()}) is None
-    assert reason({DECODER: {"kv_request_id": "a"}, SOURCE: role()}) is None
+    assert reason({P2P_PREFILLER: role()}) is None
+    assert reason({P2P_SOURCE: role()}) is None
+    assert reason({P2P_DECODER: {"kv_request_id": "a"}, P2P_SOURCE: role()}) is None
 
 
 # -- peers
 
 
-@pytest.mark.parametrize("name", [PREFILLER, SOURCE])
+@pytest.mark.parametrize("name", [P2P_PREFILLER, P2P_SOURCE])
 def test_without_a_key_a_role_naming_a_peer_beyond_loopback_is_refused(name: str) -> None:
     assert reason({name: role()}) is None  # control: loopback
     assert reason({name: role(host="10.9.9.9")}) == "peer"
 
 
 def test_with_a_key_an_unsigned_source_beyond_loopback_is_refused() -> None:
-    assert reason({SOURCE: role()}, keys()) is None
-    assert reason({SOURCE: role(host="10.9.9.9")}, keys()) == "peer"
+    assert reason({P2P_SOURCE: role()}, keys()) is None
+    assert reason({P2P_SOURCE: role(host="10.9.9.9")}, keys()) == "peer"
 
 
 # -- with a key: the prefill's signature binds the role, its end and the prompt
 
 
 def test_with_a_key_a_client_written_remote_decoder_is_refused() -> None:
-    assert reason({DECODER: {"kv_request_id": "a"}}) is None  # control: no key, as vLLM
-    assert reason({DECODER: {"kv_request_id": "a"}}, keys()) == "role"
+    assert reason({P2P_DECODER: {"kv_request_id": "a"}}) is None  # control: no key, as vLLM
+    assert reason({P2P_DECODER: {"kv_request_id": "a"}}, keys()) == "role"
 
 
 def test_control_the_prefills_signed_answer_passes_even_for_a_peer_beyond_loopback() -> None:
@@ -117,7 +118,7 @@ def test_control_the_prefills_signed_answer_passes_even_for_a_peer_beyond_loopba
 
 
 def test_an_unsigned_prefiller_is_refused_with_a_key() -> None:
-    assert reason({PREFILLER: role()}, keys()) == "unsigned"
+    assert reason({P2P_PREFILLER: role()}, keys()) == "unsigned"
 
 
 def test_params_signed_for_another_prompt_are_refused() -> None:
@@ -130,7 +131,7 @@ def test_params_signed_for_another_prompt_are_refused() -> None:
 )
 def test_a_field_changed_after_signing_is_refused(field: str, value: Any) -> None:
     params = signed()
-    params[PREFILLER] = {**params[PREFILLER], field: value}
+    params[P2P_PREFILLER] = {**params[P2P_PREFILLER], field: value}
     assert reason(params, keys()) == "signature"
 
 
@@ -159,7 +160,7 @@ def test_a_nixl_signature_does_not_pass_for_a_p2p_role() -> None:
     nixl = {"remote_request_id": "kvcompose-p2p-1", "remote_host": "127.0.0.1", "remote_port": 5711}
     nixl |= {PROMPT_KEY: DIGEST, SIGNED_UNTIL_KEY: int(NOW + 60), "transfer_mode": "pull"}
     sig = keys().sign(nixl)
-    forged = {PREFILLER: role(), PROMPT_KEY: DIGEST, SIGNED_UNTIL_KEY: int(NOW + 60), SIG_KEY: sig}
+    forged = {P2P_PREFILLER: role(), PROMPT_KEY: DIGEST, SIGNED_UNTIL_KEY: int(NOW + 60), SIG_KEY: sig}
     assert reason(forged, keys()) == "signature"
 
 
@@ -258,7 +259,7 @@ def test_two_keyed_schedulers_handshake_only_with_one_key(
     b = scheduler_from_yaml(yaml(b_port, "KVC_B_KEY"), num_blocks=64, block_size=16)
     try:
         source = {"kv_request_id": "kvcompose-p2p-1", "remote_host": "127.0.0.1", "remote_port": b_port}
-        request = make_request(num_tokens=80, kv_transfer_params={SOURCE: source})
+        request = make_request(num_tokens=80, kv_transfer_params={P2P_SOURCE: source})
         with caplog.at_level(logging.INFO):
             a.add_request(request)
             deadline = time.monotonic() + 60

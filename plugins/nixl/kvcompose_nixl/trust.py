@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from kvcompose.api import MAX_HOST_CHARS
 from kvcompose_nixl import LEASE_ANSWERS_KEY
 
 #: The ``kv_transfer_params`` keys a kvcompose prefill adds: the digest of the prompt tokens its
@@ -76,7 +77,6 @@ MIN_KEY_CHARS = 32
 MAX_BLOCK_ID = 2**31 - 1
 MAX_PARALLEL = 1024
 MAX_ID_CHARS = 256
-MAX_HOST_CHARS = 253
 #: The most blocks one group of ``remote_block_ids`` may name (2^20 blocks of 16: 16M tokens).
 MAX_BLOCKS = 1 << 20
 

@@ -1,7 +1,7 @@
 """Benchmark 5m: a third decode joins the router mid-run, and what the conversations it takes cost (issue 62).
 
 vllm-router 0.1.17 in P/D mode adds no worker over HTTP; it adds one that registers on its
-discovery socket (:mod:`kvcompose_tools.e2e.discovery`). A 2P2D fleet of the native examples
+discovery socket (:mod:`kvcompose.discovery`). A 2P2D fleet of the native examples
 under ``consistent_hash`` starts with a third decode on standby (its engine up, unknown to the
 router), one side per pool of :data:`kvcompose_tools.e2e.fleet.POOLS`.
 :func:`~kvcompose_tools.e2e.fleet.join_scenario` sends each conversation a few turns, one at a

@@ -103,7 +103,7 @@ class Fleet:
     after a failed start). ``router_args``: more router flags. ``spec``: more :class:`EngineSpec`
     fields for every server (a model's context length, its device blocks). ``standby``: more decode
     servers, started with the others and left out of the router until :meth:`join_decode` (the
-    router then takes its servers by registration: :mod:`kvcompose_tools.e2e.discovery`)."""
+    router then takes its servers by registration: :mod:`kvcompose.discovery`)."""
 
     def __init__(
         self,

@@ -121,7 +121,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.server.paths.append(("GET", self.path))
         if self.path.startswith("/health"):
-            self._send(200, {})
+            self._send(200 if self.server.healthy else 503, {})
         elif self.path.startswith("/v1/models"):
             self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
         else:  # /get_server_info, /kv_event_sources: the router falls back to its static sources
@@ -144,16 +144,19 @@ class _Handler(BaseHTTPRequestHandler):
 class _StandInServer(ThreadingHTTPServer):
     paths: list[tuple[str, str]]
     served: int
+    healthy: bool
 
 
 class StandInWorker:
     """An HTTP server on 127.0.0.1 that answers what vllm-router asks of a worker (``/health``,
-    ``/v1/models``, a ``/v1/completions`` with token ids) and runs nothing."""
+    ``/v1/models``, a ``/v1/completions`` with token ids) and runs nothing; :attr:`healthy` False
+    makes its ``/health`` answer 503."""
 
     def __init__(self) -> None:
         self._server = _StandInServer((HOST, 0), _Handler)
         self._server.paths = []
         self._server.served = 0
+        self._server.healthy = True
         self.url = f"http://{HOST}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"stand-in {self.url}", daemon=True)
         self._thread.start()
@@ -162,6 +165,15 @@ class StandInWorker:
     def served(self) -> int:
         """Completions this worker answered."""
         return self._server.served
+
+    @property
+    def healthy(self) -> bool:
+        """Whether its ``/health`` answers 200 (else 503)."""
+        return self._server.healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self._server.healthy = value
 
     def close(self) -> None:
         self._server.shutdown()

@@ -38,12 +38,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from kvcompose.api import P2P_DECODER, P2P_PREFILLER
 from kvcompose_tools.e2e.processes import NodeError, ProcessNode
 from kvcompose_tools.e2e.server import HOST, HttpClient
 from kvcompose_tools.e2e.stream import address
 
-#: The p2p tier's role keys (``tiering/p2p/manager.py``).
-DECODER, PREFILLER = "remote_decoder", "remote_prefiller"
 #: Prefix of the ids this proxy gives (the tier needs nothing of them but uniqueness).
 REQUEST_ID_PREFIX = "p2p-proxy-"
 #: How long a leg may take before it is answered as a gateway timeout.
@@ -67,14 +66,14 @@ def prefill_body(body: dict[str, Any], kv_request_id: str) -> dict[str, Any]:
     if "min_tokens" in out:
         out["min_tokens"] = min(int(out["min_tokens"] or 0), 1)
     out["stream"] = False
-    out["kv_transfer_params"] = {DECODER: {"kv_request_id": kv_request_id}}
+    out["kv_transfer_params"] = {P2P_DECODER: {"kv_request_id": kv_request_id}}
     return out
 
 
 def decode_body(body: dict[str, Any], kv_request_id: str, p2p_host: str, p2p_port: int) -> dict[str, Any]:
     """The decode leg: the client's request, the consumer role naming the prefill's p2p socket."""
     role = {"kv_request_id": kv_request_id, "remote_host": p2p_host, "remote_port": p2p_port}
-    return {**body, "kv_transfer_params": {PREFILLER: role}}
+    return {**body, "kv_transfer_params": {P2P_PREFILLER: role}}
 
 
 class LegError(Exception):

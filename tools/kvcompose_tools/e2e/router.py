@@ -31,9 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcompose.discovery import Registrar, healthy
 from kvcompose.router import SESSION_HEADER
 from kvcompose.serving import router_args
-from kvcompose_tools.e2e.discovery import Registrar, router_flags, wait_added
+from kvcompose_tools.e2e.discovery import router_flags, wait_added
 from kvcompose_tools.e2e.metrics import parse_metrics
 from kvcompose_tools.e2e.ports import free_ports
 from kvcompose_tools.e2e.processes import CALL_TIMEOUT_S, NodeError, ProcessNode
@@ -100,7 +101,7 @@ class RouterNode(ProcessNode):
     (:func:`router_argv`; ``prefill_events`` for ``kv_aware``; ``args``: more router flags); its log is
     ``<name>.log`` in ``log_dir``, beside the engines'; ``host``: it runs in that host
     (:mod:`kvcompose_tools.e2e.hosts`), bound to its address; ``discovery``: the servers reach it
-    by registering (:mod:`kvcompose_tools.e2e.discovery`), and :meth:`join` adds one while it runs.
+    by registering (:mod:`kvcompose.discovery`, while each answers `/health`), and :meth:`join` adds one while it runs.
     Call :meth:`wait_ready`, then send requests; :meth:`close` stops it."""
 
     def __init__(
@@ -147,7 +148,7 @@ class RouterNode(ProcessNode):
         self._workers = [*prefills, *decodes]
         self._prefills = list(prefills)
         #: the servers' registrations (``discovery``): the router routes to these only
-        self.registrar = Registrar(discovery_address) if discovery_address else None
+        self.registrar = Registrar(discovery_address, health=healthy) if discovery_address else None
         if self.registrar:
             for kind, nodes in (("prefill", prefills), ("decode", decodes)):
                 for node in nodes:

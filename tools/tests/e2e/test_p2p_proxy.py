@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvcompose_tools.e2e.p2p_proxy import DECODER, PREFILLER, P2pProxy, _host_port, decode_body, prefill_body
+from kvcompose.api import P2P_DECODER, P2P_PREFILLER
+from kvcompose_tools.e2e.p2p_proxy import P2pProxy, _host_port, decode_body, prefill_body
 from kvcompose_tools.e2e.ports import free_ports
 
 P2P = ("10.0.0.2", 5711)
@@ -125,16 +126,16 @@ def test_the_legs_carry_the_roles_with_one_id_and_the_stream_passes_through_as_i
     # The prefill leg: one token, not streamed (vLLM refuses stream_options then), the producer role.
     assert p_body["max_tokens"] == p_body["max_completion_tokens"] == p_body["min_tokens"] == 1
     assert p_body["stream"] is False and "stream_options" not in p_body
-    assert set(p_body["kv_transfer_params"]) == {DECODER}
-    kv_request_id = p_body["kv_transfer_params"][DECODER]["kv_request_id"]
+    assert set(p_body["kv_transfer_params"]) == {P2P_DECODER}
+    kv_request_id = p_body["kv_transfer_params"][P2P_DECODER]["kv_request_id"]
     # The decode leg: the client's request as sent, the consumer role naming the prefill's p2p socket.
     assert {k: v for k, v in d_body.items() if k != "kv_transfer_params"} == CHAT
     role = {"kv_request_id": kv_request_id, "remote_host": P2P[0], "remote_port": P2P[1]}
-    assert d_body["kv_transfer_params"] == {PREFILLER: role}
+    assert d_body["kv_transfer_params"] == {P2P_PREFILLER: role}
     # A fresh id per request.
     post(proxy, "/v1/completions", {"model": "m", "prompt": [1, 2], "max_tokens": 2}).read()
-    assert prefill.seen[1][1]["kv_transfer_params"][DECODER]["kv_request_id"] != kv_request_id
-    assert decode.seen[1][1]["kv_transfer_params"][PREFILLER]["kv_request_id"] != kv_request_id
+    assert prefill.seen[1][1]["kv_transfer_params"][P2P_DECODER]["kv_request_id"] != kv_request_id
+    assert decode.seen[1][1]["kv_transfer_params"][P2P_PREFILLER]["kv_request_id"] != kv_request_id
 
 
 def test_the_role_keys_are_what_vllms_p2p_tier_parses() -> None:
