@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -70,6 +71,43 @@ def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
         pass
 
 
+#: How long a SIGKILLed process may take to leave the kernel: under a second on an idle host; once
+#: more than 30 s here, an engine of a 2P2D fleet on two cores (its threads' states are then said).
+KILLED_EXIT_S = 120.0
+
+
+def kernel_states(pid: int) -> str:
+    """How many of ``pid``'s threads are in which kernel state and wait channel (``/proc``), e.g.
+    ``{('D', 'io_schedule'): 3}``; what a process that outlives SIGKILL is stuck in."""
+    states: dict[tuple[str, str], int] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip() or "-"
+        except OSError:  # the thread has gone meanwhile
+            continue
+        states[(state, wchan)] = states.get((state, wchan), 0) + 1
+    return str(states or "no threads left")
+
+
+def reap_killed(proc: subprocess.Popen[Any]) -> None:
+    """Wait for ``proc``, SIGKILLed, to exit; past 30 s its threads' kernel states are said on
+    stderr, and past :data:`KILLED_EXIT_S` a :class:`NodeError` carries them."""
+    try:
+        proc.wait(30)
+        return
+    except subprocess.TimeoutExpired:
+        states = kernel_states(proc.pid)
+    print(f"kvcompose: pid {proc.pid} still there 30 s after SIGKILL; its threads: {states}", file=sys.stderr)
+    try:
+        proc.wait(KILLED_EXIT_S - 30)
+    except subprocess.TimeoutExpired:
+        raise NodeError(
+            f"pid {proc.pid} still there {KILLED_EXIT_S:.0f} s after SIGKILL; its threads at 30 s: {states}, "
+            f"now: {kernel_states(proc.pid)}"
+        ) from None
+
+
 def stop_group(proc: subprocess.Popen[Any], grace_s: float, ask: Callable[[], None] | None = None) -> None:
     """Stop ``proc`` and its process group: ``ask`` it to exit (default: SIGTERM to the group),
     wait ``grace_s``, then SIGKILL the group either way (vLLM's engine core is a child that can
@@ -84,7 +122,7 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float, ask: Callable[[], No
         except (OSError, subprocess.TimeoutExpired):
             pass
     signal_group(proc, signal.SIGKILL)
-    proc.wait(30)
+    reap_killed(proc)
     _RUNNING.pop(proc.pid, None)
 
 
@@ -179,7 +217,7 @@ class ProcessNode:
     def kill(self) -> None:
         """SIGKILL the node's whole process group now (the dead-peer tests use this)."""
         signal_group(self.proc, signal.SIGKILL)
-        self.proc.wait(30)
+        reap_killed(self.proc)
 
     def close(self, grace_s: float | None = None) -> None:
         """Ask the node to exit (:meth:`ask_exit`), then kill its process group if it has not

@@ -110,3 +110,19 @@ def test_a_started_group_is_a_process_group_of_its_own_in_this_session() -> None
         assert os.getsid(proc.pid) == os.getsid(0)
     finally:
         stop_group(proc, grace_s=5)
+
+
+def test_a_killed_group_is_reaped_and_a_live_ones_kernel_states_are_said() -> None:
+    from kvcompose_tools.e2e.processes import kernel_states, reap_killed, signal_group, start_group
+
+    proc = start_group("sleeper", ["sleep", "100"])
+    try:
+        deadline = time.monotonic() + 10
+        while "('S', " not in (states := kernel_states(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until it has started and sleeps
+        assert "('S', " in states  # asleep: what a process stuck past SIGKILL would show
+    finally:
+        signal_group(proc, signal.SIGKILL)
+        reap_killed(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert kernel_states(proc.pid) == "no threads left"
