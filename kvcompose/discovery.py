@@ -39,6 +39,8 @@ def host_port(text: str, what: str) -> str:
     parsed = urllib.parse.urlsplit(text if "//" in text else f"//{text}")
     if parsed.scheme not in ("", "http") or parsed.path not in ("", "/") or parsed.query or parsed.fragment:
         raise ValueError(f"{what} {text!r}: give HOST:PORT or http://HOST:PORT")
+    if "@" in parsed.netloc or any(c.isspace() for c in parsed.netloc):  # the router would be given another host
+        raise ValueError(f"{what} {text!r}: give HOST:PORT or http://HOST:PORT, with no user or spaces")
     try:
         port = parsed.port
     except ValueError:

@@ -30,6 +30,8 @@ from kvcompose.discovery import host_port, registration
         (["--router", "127.0.0.1:5000", "--decode", "https://127.0.0.1:8000"], "--decode 'https://127.0.0.1:8000'"),
         (["--router", "127.0.0.1:5000", "--prefill", "127.0.0.1:8000/v1"], "--prefill '127.0.0.1:8000/v1'"),
         (["--router", "127.0.0.1:5000", "--prefill", "127.0.0.1:99999"], "--prefill '127.0.0.1:99999'"),
+        (["--router", "127.0.0.1:5000", "--decode", "http://u@10.0.0.7:8000"], "with no user or spaces"),
+        (["--router", "10.0.0 .2:5000", "--decode", "http://10.0.0.7:8000"], "--router '10.0.0 .2:5000'"),
         (["--router", "127.0.0.1:5000"], "name the servers to register: --prefill URL or --decode URL"),
     ],
 )
